@@ -1,0 +1,207 @@
+//! Load, pin and attach the BPF programs; adopt what an earlier agent left;
+//! tear everything down.
+//!
+//! Pin layout under `--bpffs DIR` (nothing global, so that several agents can
+//! run on one machine):
+//!   DIR/<MAP>          every map, reused by the next agent
+//!   DIR/links/<PROG>   the cgroup links; they keep the programs attached
+//!                      while no agent runs
+use std::fs;
+use std::os::fd::AsFd as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result, bail};
+use aya::programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink};
+use aya::{Ebpf, EbpfLoader};
+use lb_common::{Backend4, RevNat4, SockRevNat4Key, SockRevNat4Value, Svc4Key, SvcValue, maps};
+
+use super::maps::Maps;
+
+/// The BPF object, built by build.rs.
+static OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
+
+/// The cgroup sock_addr programs, in attach order.
+pub const PROGRAMS: [&str; 3] = ["lb_connect4", "lb_sendmsg4", "lb_recvmsg4"];
+
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+const CGROUP2_SUPER_MAGIC: i64 = 0x63677270;
+
+/// Map capacities (max_entries), overridable by flags.
+#[derive(Clone, Copy, Debug)]
+pub struct Capacity {
+    pub services: u32,
+    pub backends: u32,
+    pub sock_revnat: u32,
+}
+
+impl Default for Capacity {
+    fn default() -> Self {
+        Self {
+            services: lb_common::capacity::SERVICES,
+            backends: lb_common::capacity::BACKENDS,
+            sock_revnat: lb_common::capacity::SOCK_REVNAT,
+        }
+    }
+}
+
+fn statfs_magic(p: &Path) -> std::io::Result<i64> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes())?;
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid C string and out pointer.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st.f_type as i64)
+}
+
+/// The cgroup v2 mount point, from /proc/mounts.
+pub fn cgroup2_root() -> Result<PathBuf> {
+    let mounts = fs::read_to_string("/proc/mounts").context("read /proc/mounts")?;
+    mounts
+        .lines()
+        .find_map(|l| {
+            let mut f = l.split_whitespace();
+            let (_, mnt, ty) = (f.next()?, f.next()?, f.next()?);
+            (ty == "cgroup2").then(|| PathBuf::from(mnt))
+        })
+        .context("no cgroup v2: no cgroup2 mount in /proc/mounts (mount one with `mount -t cgroup2 none /sys/fs/cgroup`)")
+}
+
+pub fn check_root() -> Result<()> {
+    // SAFETY: trivial syscall.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("not root: lb-agent needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN) to load and attach BPF programs");
+    }
+    Ok(())
+}
+
+/// `dir` must be on a bpffs, or be a directory we can create on one.
+pub fn check_bpffs(dir: &Path) -> Result<()> {
+    let probe = if dir.exists() { dir } else { dir.parent().unwrap_or(dir) };
+    match statfs_magic(probe) {
+        Ok(BPF_FS_MAGIC) => Ok(()),
+        Ok(_) => bail!(
+            "no bpffs: {} is not on a BPF filesystem (mount one with `mount -t bpf bpf /sys/fs/bpf`, or pass --bpffs)",
+            probe.display()
+        ),
+        Err(e) => bail!("no bpffs: {}: {e} (mount one with `mount -t bpf bpf /sys/fs/bpf`)", probe.display()),
+    }
+}
+
+pub fn check_cgroup(dir: &Path) -> Result<()> {
+    match statfs_magic(dir) {
+        Ok(CGROUP2_SUPER_MAGIC) => Ok(()),
+        Ok(_) => bail!("no cgroup v2: {} is not a cgroup v2 directory", dir.display()),
+        Err(e) => bail!("no cgroup v2: {}: {e}", dir.display()),
+    }
+}
+
+/// Refuse to adopt a pinned map whose layout this agent does not understand.
+fn check_pinned_layout(dir: &Path) -> Result<()> {
+    let expect: [(&str, usize, usize); 4] = [
+        (maps::SERVICES4, size_of::<Svc4Key>(), size_of::<SvcValue>()),
+        (maps::BACKENDS4, size_of::<u32>(), size_of::<Backend4>()),
+        (maps::REVNAT4, size_of::<u16>(), size_of::<RevNat4>()),
+        (maps::SOCK_REVNAT4, size_of::<SockRevNat4Key>(), size_of::<SockRevNat4Value>()),
+    ];
+    for (name, k, v) in expect {
+        let path = dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let info = aya::maps::MapInfo::from_pin(&path)
+            .with_context(|| format!("inspect pinned map {}", path.display()))?;
+        if info.key_size() as usize != k || info.value_size() as usize != v {
+            bail!(
+                "pinned map {} has key/value size {}/{}, this agent expects {k}/{v}; \
+                 run `lb-agent teardown --bpffs {}` to start over",
+                path.display(),
+                info.key_size(),
+                info.value_size(),
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The loaded dataplane. Dropping it leaves everything pinned and attached.
+pub struct Dataplane {
+    pub maps: Maps,
+    _ebpf: Ebpf,
+    pub adopted: bool,
+}
+
+/// Load the programs, reusing pinned maps, and attach them to `cgroup`,
+/// replacing links an earlier agent pinned without a gap.
+pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
+    check_bpffs(bpffs)?;
+    check_cgroup(cgroup)?;
+    fs::create_dir_all(bpffs.join("links")).with_context(|| format!("create {}", bpffs.display()))?;
+    check_pinned_layout(bpffs)?;
+    let adopted = bpffs.join(maps::SERVICES4).exists();
+
+    let pins: Vec<(&str, PathBuf)> = maps::ALL.iter().map(|m| (*m, bpffs.join(m))).collect();
+    let mut loader = EbpfLoader::new();
+    for (name, path) in &pins {
+        loader.map_pin_path(name, path.as_path());
+    }
+    loader
+        .map_max_entries(maps::SERVICES4, cap.services)
+        .map_max_entries(maps::BACKENDS4, cap.backends)
+        .map_max_entries(maps::REVNAT4, cap.services.min(u16::MAX as u32))
+        .map_max_entries(maps::SOCK_REVNAT4, cap.sock_revnat);
+    let mut ebpf = loader.load(OBJ).context("load the BPF object")?;
+
+    let cg = fs::File::open(cgroup).with_context(|| format!("open cgroup {}", cgroup.display()))?;
+    for name in PROGRAMS {
+        let prog: &mut CgroupSockAddr = ebpf
+            .program_mut(name)
+            .with_context(|| format!("program {name} missing from the object"))?
+            .try_into()?;
+        prog.load().with_context(|| format!("verify program {name}"))?;
+        // A cgroup bpf_link is always multi-attach; the kernel rejects any
+        // flag on link_create, and Single passes none.
+        let id = prog
+            .attach(cg.as_fd(), CgroupAttachMode::Single)
+            .with_context(|| format!("attach {name} to {}", cgroup.display()))?;
+        let link: FdLink = prog.take_link(id)?.try_into().context("link is not an fd link")?;
+        // Pin the new link beside the old one, then rename it over the old
+        // one: the old link is released (detached) only once the new one is
+        // attached. Both translate idempotently meanwhile.
+        let final_path = bpffs.join("links").join(name);
+        // bpffs forbids dots in names.
+        let tmp = bpffs.join("links").join(format!("{name}_new"));
+        let _ = fs::remove_file(&tmp);
+        link.pin(&tmp).with_context(|| format!("pin link {}", tmp.display()))?;
+        fs::rename(&tmp, &final_path).with_context(|| format!("pin link {}", final_path.display()))?;
+    }
+    let maps = Maps::open_pinned(bpffs)?;
+    Ok(Dataplane { maps, _ebpf: ebpf, adopted })
+}
+
+/// Detach and unpin everything under `bpffs`. Idempotent.
+pub fn teardown(bpffs: &Path) -> Result<()> {
+    check_bpffs(bpffs)?;
+    if !bpffs.exists() {
+        return Ok(());
+    }
+    // Links first, so that nothing reads the maps while they go away.
+    let links = bpffs.join("links");
+    if links.exists() {
+        for e in fs::read_dir(&links)? {
+            let p = e?.path();
+            fs::remove_file(&p).with_context(|| format!("unpin {}", p.display()))?;
+        }
+        fs::remove_dir(&links).with_context(|| format!("remove {}", links.display()))?;
+    }
+    for m in maps::ALL {
+        let p = bpffs.join(m);
+        if p.exists() {
+            fs::remove_file(&p).with_context(|| format!("unpin {}", p.display()))?;
+        }
+    }
+    fs::remove_dir(bpffs).with_context(|| format!("remove {} (not empty?)", bpffs.display()))?;
+    Ok(())
+}

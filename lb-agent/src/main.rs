@@ -1,0 +1,126 @@
+//! lb-agent: a kube-proxy replacement that balances Service traffic at the
+//! socket with cgroup BPF programs.
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod agent;
+mod dataplane;
+mod model;
+mod source;
+
+use dataplane::{inspect, loader, maps::Maps};
+
+#[derive(Parser)]
+#[command(name = "lb-agent", version, about = "Socket-level Service load balancer (kube-proxy replacement)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Load and attach the programs, then program the maps from a source.
+    Run {
+        /// Where objects come from: dir:PATH (a directory of YAML/JSON files).
+        #[arg(long, value_parser = clap::value_parser!(source::SourceSpec))]
+        source: source::SourceSpec,
+        /// This node's name (matches EndpointSlice nodeName). Default: $NODE_NAME, else the hostname.
+        #[arg(long, env = "NODE_NAME")]
+        node_name: Option<String>,
+        /// The cgroup v2 directory to attach to. Default: the cgroup v2 root.
+        #[arg(long)]
+        cgroup: Option<PathBuf>,
+        /// bpffs directory for this agent's pins.
+        #[arg(long, default_value = "/sys/fs/bpf/lb")]
+        bpffs: PathBuf,
+        /// Capacity of the services map (frontend and slot entries).
+        #[arg(long, default_value_t = lb_common::capacity::SERVICES)]
+        max_services: u32,
+        /// Capacity of the backends map.
+        #[arg(long, default_value_t = lb_common::capacity::BACKENDS)]
+        max_backends: u32,
+        /// Capacity of the socket reverse-translation LRU map.
+        #[arg(long, default_value_t = lb_common::capacity::SOCK_REVNAT)]
+        max_sock_revnat: u32,
+    },
+    /// Print the programmed services from the pinned maps (works without an agent).
+    List {
+        #[arg(long, default_value = "/sys/fs/bpf/lb")]
+        bpffs: PathBuf,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Detach the programs and unpin every map.
+    Teardown {
+        #[arg(long, default_value = "/sys/fs/bpf/lb")]
+        bpffs: PathBuf,
+    },
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match real_main(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("lb-agent: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main(cli: Cli) -> anyhow::Result<()> {
+    match cli.cmd {
+        Cmd::Run { source, node_name, cgroup, bpffs, max_services, max_backends, max_sock_revnat } => {
+            loader::check_root()?;
+            let cgroup = match cgroup {
+                Some(c) => c,
+                None => loader::cgroup2_root()?,
+            };
+            let cfg = agent::RunConfig {
+                source,
+                node: model::NodeInfo { name: node_name.unwrap_or_else(hostname) },
+                cgroup,
+                bpffs,
+                capacity: loader::Capacity {
+                    services: max_services,
+                    backends: max_backends,
+                    sock_revnat: max_sock_revnat,
+                },
+            };
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(agent::run(cfg))
+        }
+        Cmd::List { bpffs, json } => {
+            loader::check_root()?;
+            loader::check_bpffs(&bpffs)?;
+            if !bpffs.join(lb_common::maps::SERVICES4).exists() {
+                anyhow::bail!("nothing is pinned under {}: is an agent running with --bpffs {0}?", bpffs.display());
+            }
+            let maps = Maps::open_pinned(&bpffs)?;
+            let v = inspect::view(&maps.read_table()?, maps.read_stats()?);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                print!("{}", inspect::render_text(&v));
+            }
+            Ok(())
+        }
+        Cmd::Teardown { bpffs } => {
+            loader::check_root()?;
+            loader::teardown(&bpffs)
+        }
+    }
+}

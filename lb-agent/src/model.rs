@@ -1,0 +1,671 @@
+//! The pure model: (Services, EndpointSlices, Node) -> desired frontends.
+//!
+//! Every Kubernetes rule lives here and nowhere else. No I/O, no BPF: the
+//! output is plain data that the dataplane turns into map entries, so unit
+//! tests cover the rules without a kernel.
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::IpAddr;
+
+use k8s_openapi::api::core::v1::{Service, ServicePort};
+use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
+
+/// Label that ties an EndpointSlice to its Service.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+/// Services with this label belong to another proxy.
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// kube-proxy's default sessionAffinity timeout.
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
+
+/// What the model knows about the node it runs on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub name: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl fmt::Display for Proto {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Proto::Tcp => "TCP",
+            Proto::Udp => "UDP",
+        })
+    }
+}
+
+/// `namespace/name` of a Service.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct ServiceRef {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl fmt::Display for ServiceRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// One address a client can connect to: `vip:port/proto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FrontendKey {
+    pub addr: IpAddr,
+    pub port: u16,
+    pub proto: Proto,
+}
+
+impl fmt::Display for FrontendKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.addr {
+            IpAddr::V4(a) => write!(f, "{a}:{}/{}", self.port, self.proto),
+            IpAddr::V6(a) => write!(f, "[{a}]:{}/{}", self.port, self.proto),
+        }
+    }
+}
+
+/// One backend of a frontend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Backend {
+    pub addr: IpAddr,
+    pub port: u16,
+    /// The endpoint's nodeName is this node.
+    pub local: bool,
+    /// Serving but terminating: only used because nothing is ready.
+    pub terminating: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Frontend {
+    pub service: ServiceRef,
+    /// The Service port's name ("" when unnamed).
+    pub port_name: String,
+    /// Backends for cluster-wide traffic, sorted and without duplicates.
+    pub backends: Vec<Backend>,
+    /// internalTrafficPolicy Local: only `local_backends` may be used.
+    pub local_only: bool,
+    /// Backends on this node (the node-local set, with its own terminating
+    /// fallback), sorted and without duplicates.
+    pub local_backends: Vec<Backend>,
+    /// sessionAffinity ClientIP timeout, in seconds.
+    pub affinity_timeout: Option<u32>,
+}
+
+/// The desired dataplane state.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Desired {
+    pub frontends: BTreeMap<FrontendKey, Frontend>,
+    /// Every ClusterIP we serve: a connect to one on a port that is no
+    /// service port is refused.
+    pub vips: BTreeSet<IpAddr>,
+    /// Objects we could not use, each with the reason (for the logs).
+    pub warnings: Vec<String>,
+}
+
+fn service_ref(svc: &Service) -> ServiceRef {
+    ServiceRef {
+        namespace: svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+        name: svc.metadata.name.clone().unwrap_or_default(),
+    }
+}
+
+fn slice_owner(slice: &EndpointSlice) -> Option<ServiceRef> {
+    let name = slice.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
+    Some(ServiceRef {
+        namespace: slice.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+        name: name.clone(),
+    })
+}
+
+fn parse_proto(p: Option<&str>) -> Option<Proto> {
+    match p.unwrap_or("TCP") {
+        "TCP" => Some(Proto::Tcp),
+        "UDP" => Some(Proto::Udp),
+        _ => None,
+    }
+}
+
+fn valid_port(p: i32) -> Option<u16> {
+    u16::try_from(p).ok().filter(|p| *p != 0)
+}
+
+/// Why a Service produces no frontends, or None when it should be served.
+fn skip_reason(svc: &Service) -> Option<&'static str> {
+    let spec = svc.spec.as_ref()?;
+    if spec.type_.as_deref() == Some("ExternalName") {
+        return Some("type ExternalName");
+    }
+    if svc.metadata.labels.as_ref().is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME)) {
+        return Some("labelled service.kubernetes.io/service-proxy-name");
+    }
+    match spec.cluster_ip.as_deref() {
+        Some("None") => Some("headless"),
+        None | Some("") if spec.cluster_ips.as_ref().is_none_or(|v| v.is_empty()) => {
+            Some("no clusterIP")
+        }
+        _ => None,
+    }
+}
+
+/// The endpoint conditions, with the API's defaults: a nil `ready` means
+/// ready, a nil `serving` means the value of `ready`, a nil `terminating` false.
+struct Conditions {
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+}
+
+fn conditions(ep: &Endpoint) -> Conditions {
+    let c = ep.conditions.as_ref();
+    let ready = c.and_then(|c| c.ready).unwrap_or(true);
+    Conditions {
+        ready,
+        serving: c.and_then(|c| c.serving).unwrap_or(ready),
+        terminating: c.and_then(|c| c.terminating).unwrap_or(false),
+    }
+}
+
+/// KEP-1669: the ready endpoints, or when there are none, the serving and
+/// terminating ones.
+fn usable(candidates: &[(Backend, Conditions)]) -> Vec<Backend> {
+    let ready: BTreeSet<Backend> = candidates
+        .iter()
+        .filter(|(_, c)| c.ready)
+        .map(|(b, _)| Backend { terminating: false, ..*b })
+        .collect();
+    if !ready.is_empty() {
+        return ready.into_iter().collect();
+    }
+    candidates
+        .iter()
+        .filter(|(_, c)| c.serving && c.terminating)
+        .map(|(b, _)| Backend { terminating: true, ..*b })
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+/// Deduplicate by address and port: the same endpoint listed twice (in two
+/// slices, say) is one backend. Where copies disagree, the more usable wins.
+fn dedup(v: Vec<(Backend, Conditions)>) -> Vec<(Backend, Conditions)> {
+    let mut by_addr: BTreeMap<(IpAddr, u16), (Backend, Conditions)> = BTreeMap::new();
+    for (b, c) in v {
+        let rank = |c: &Conditions| (c.ready, c.serving, !c.terminating);
+        match by_addr.get(&(b.addr, b.port)) {
+            Some((_, old)) if rank(old) >= rank(&c) => {}
+            _ => {
+                by_addr.insert((b.addr, b.port), (b, c));
+            }
+        }
+    }
+    by_addr.into_values().collect()
+}
+
+fn same_family(a: &IpAddr, b: &IpAddr) -> bool {
+    a.is_ipv4() == b.is_ipv4()
+}
+
+/// The EndpointSlice port that a Service port maps to: matched by name
+/// (both unnamed counts as a match) and protocol.
+fn slice_port(slice: &EndpointSlice, sp: &ServicePort, proto: Proto) -> Option<u16> {
+    let want = sp.name.as_deref().unwrap_or("");
+    slice.ports.as_ref()?.iter().find_map(|p| {
+        let name = p.name.as_deref().unwrap_or("");
+        (name == want && parse_proto(p.protocol.as_deref()) == Some(proto))
+            .then_some(p.port)
+            .flatten()
+            .and_then(valid_port)
+    })
+}
+
+/// Compute the desired state. Pure: same input, same output, whatever the
+/// order of the inputs.
+pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) -> Desired {
+    let mut out = Desired::default();
+
+    let mut by_service: BTreeMap<ServiceRef, Vec<&EndpointSlice>> = BTreeMap::new();
+    for slice in slices {
+        let slice_name = slice.metadata.name.as_deref().unwrap_or("<unnamed>");
+        if slice.address_type == "FQDN" {
+            continue;
+        }
+        let Some(owner) = slice_owner(slice) else {
+            out.warnings.push(format!(
+                "EndpointSlice {}/{slice_name}: no {LABEL_SERVICE_NAME} label, ignored",
+                slice.metadata.namespace.as_deref().unwrap_or("default"),
+            ));
+            continue;
+        };
+        by_service.entry(owner).or_default().push(slice);
+    }
+    // Slices in a stable order, so that the output does not depend on the
+    // order in which they arrived.
+    for v in by_service.values_mut() {
+        v.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    }
+
+    let mut sorted: Vec<&Service> = services.iter().collect();
+    sorted.sort_by_key(|s| service_ref(s));
+    for svc in sorted {
+        let sref = service_ref(svc);
+        if let Some(reason) = skip_reason(svc) {
+            tracing::debug!(service = %sref, reason, "not served");
+            continue;
+        }
+        let Some(spec) = svc.spec.as_ref() else { continue };
+
+        let mut vips: Vec<IpAddr> = Vec::new();
+        let raw: Vec<&String> = match spec.cluster_ips.as_ref().filter(|v| !v.is_empty()) {
+            Some(ips) => ips.iter().collect(),
+            None => spec.cluster_ip.iter().collect(),
+        };
+        for ip in raw {
+            match ip.parse::<IpAddr>() {
+                Ok(a) if !vips.contains(&a) => vips.push(a),
+                Ok(_) => {}
+                Err(_) => out.warnings.push(format!("Service {sref}: invalid clusterIP {ip:?}, ignored")),
+            }
+        }
+        if vips.is_empty() {
+            continue;
+        }
+
+        let local_only = spec.internal_traffic_policy.as_deref() == Some("Local");
+        let affinity_timeout = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
+            spec.session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds)
+                .and_then(|t| u32::try_from(t).ok())
+                .filter(|t| *t > 0)
+                .unwrap_or(DEFAULT_AFFINITY_TIMEOUT)
+        });
+        let svc_slices = by_service.get(&sref).map(Vec::as_slice).unwrap_or(&[]);
+
+        for sp in spec.ports.iter().flatten() {
+            let Some(proto) = parse_proto(sp.protocol.as_deref()) else {
+                out.warnings.push(format!(
+                    "Service {sref}: port {} protocol {} is not supported, ignored",
+                    sp.port,
+                    sp.protocol.as_deref().unwrap_or("")
+                ));
+                continue;
+            };
+            let Some(port) = valid_port(sp.port) else {
+                out.warnings.push(format!("Service {sref}: invalid port {}, ignored", sp.port));
+                continue;
+            };
+            for vip in &vips {
+                let mut all = Vec::new();
+                for slice in svc_slices {
+                    let family_ok = match slice.address_type.as_str() {
+                        "IPv4" => vip.is_ipv4(),
+                        "IPv6" => vip.is_ipv6(),
+                        _ => false,
+                    };
+                    if !family_ok {
+                        continue;
+                    }
+                    let Some(target) = slice_port(slice, sp, proto) else { continue };
+                    for ep in &slice.endpoints {
+                        let local = ep.node_name.as_deref() == Some(node.name.as_str())
+                            && !node.name.is_empty();
+                        for a in &ep.addresses {
+                            let Ok(addr) = a.parse::<IpAddr>() else { continue };
+                            if !same_family(&addr, vip) {
+                                continue;
+                            }
+                            let b = Backend { addr, port: target, local, terminating: false };
+                            all.push((b, conditions(ep)));
+                        }
+                    }
+                }
+                let all = dedup(all);
+                let backends = usable(&all);
+                let local: Vec<_> = all.into_iter().filter(|(b, _)| b.local).collect();
+                let local_backends = usable(&local);
+                out.frontends.insert(
+                    FrontendKey { addr: *vip, port, proto },
+                    Frontend {
+                        service: sref.clone(),
+                        port_name: sp.name.clone().unwrap_or_default(),
+                        backends,
+                        local_only,
+                        local_backends,
+                        affinity_timeout,
+                    },
+                );
+            }
+        }
+        out.vips.extend(vips);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{ClientIPConfig, ServiceSpec, SessionAffinityConfig};
+    use k8s_openapi::api::discovery::v1::{EndpointConditions, EndpointPort};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    fn node() -> NodeInfo {
+        NodeInfo { name: "node-a".into() }
+    }
+
+    fn svc(name: &str, ip: &str, ports: &[(Option<&str>, i32, &str)]) -> Service {
+        Service {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("default".into()),
+                ..Default::default()
+            },
+            spec: Some(ServiceSpec {
+                cluster_ip: Some(ip.into()),
+                cluster_ips: Some(vec![ip.into()]),
+                ports: Some(
+                    ports
+                        .iter()
+                        .map(|(n, p, proto)| ServicePort {
+                            name: n.map(Into::into),
+                            port: *p,
+                            protocol: Some((*proto).into()),
+                            ..Default::default()
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    struct Ep<'a> {
+        ip: &'a str,
+        node: &'a str,
+        ready: Option<bool>,
+        serving: Option<bool>,
+        terminating: Option<bool>,
+    }
+
+    fn ep(ip: &str) -> Ep<'_> {
+        Ep { ip, node: "node-b", ready: Some(true), serving: Some(true), terminating: Some(false) }
+    }
+
+    fn slice(svc: &str, name: &str, family: &str, ports: &[(Option<&str>, i32, &str)], eps: &[Ep]) -> EndpointSlice {
+        EndpointSlice {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("default".into()),
+                labels: Some([(LABEL_SERVICE_NAME.to_string(), svc.to_string())].into()),
+                ..Default::default()
+            },
+            address_type: family.into(),
+            ports: Some(
+                ports
+                    .iter()
+                    .map(|(n, p, proto)| EndpointPort {
+                        name: n.map(Into::into),
+                        port: Some(*p),
+                        protocol: Some((*proto).into()),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            endpoints: eps
+                .iter()
+                .map(|e| Endpoint {
+                    addresses: vec![e.ip.into()],
+                    node_name: Some(e.node.into()),
+                    conditions: Some(EndpointConditions {
+                        ready: e.ready,
+                        serving: e.serving,
+                        terminating: e.terminating,
+                    }),
+                    ..Default::default()
+                })
+                .collect(),
+        }
+    }
+
+    fn fk(ip: &str, port: u16, proto: Proto) -> FrontendKey {
+        FrontendKey { addr: ip.parse().unwrap(), port, proto }
+    }
+
+    fn addrs(v: &[Backend]) -> Vec<String> {
+        v.iter().map(|b| format!("{}:{}", b.addr, b.port)).collect()
+    }
+
+    const WEB: &[(Option<&str>, i32, &str)] = &[(Some("http"), 80, "TCP")];
+    const WEB_EP: &[(Option<&str>, i32, &str)] = &[(Some("http"), 8080, "TCP")];
+
+    #[test]
+    fn port_maps_to_target_port_by_name() {
+        let d = compute(
+            &[svc("web", "10.96.0.10", WEB)],
+            &[slice("web", "web-1", "IPv4", WEB_EP, &[ep("10.244.1.2"), ep("10.244.1.3")])],
+            &node(),
+        );
+        let f = &d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)];
+        assert_eq!(addrs(&f.backends), ["10.244.1.2:8080", "10.244.1.3:8080"]);
+        assert_eq!(f.service.to_string(), "default/web");
+        assert!(d.vips.contains(&"10.96.0.10".parse().unwrap()));
+    }
+
+    #[test]
+    fn no_slices_means_a_frontend_without_backends() {
+        let d = compute(&[svc("web", "10.96.0.10", WEB)], &[], &node());
+        assert!(d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends.is_empty());
+    }
+
+    #[test]
+    fn only_ready_endpoints_when_some_are_ready() {
+        let eps = [
+            ep("10.0.0.1"),
+            Ep { ready: Some(false), serving: Some(false), ..ep("10.0.0.2") },
+            Ep { ready: Some(false), serving: Some(true), terminating: Some(true), ..ep("10.0.0.3") },
+        ];
+        let d = compute(&[svc("web", "10.96.0.10", WEB)], &[slice("web", "s", "IPv4", WEB_EP, &eps)], &node());
+        assert_eq!(addrs(&d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends), ["10.0.0.1:8080"]);
+    }
+
+    #[test]
+    fn serving_terminating_fallback_when_none_ready() {
+        let eps = [
+            Ep { ready: Some(false), serving: Some(false), terminating: Some(true), ..ep("10.0.0.2") },
+            Ep { ready: Some(false), serving: Some(true), terminating: Some(true), ..ep("10.0.0.3") },
+            Ep { ready: Some(false), serving: Some(true), terminating: Some(false), ..ep("10.0.0.4") },
+        ];
+        let d = compute(&[svc("web", "10.96.0.10", WEB)], &[slice("web", "s", "IPv4", WEB_EP, &eps)], &node());
+        let f = &d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)];
+        assert_eq!(addrs(&f.backends), ["10.0.0.3:8080"]);
+        assert!(f.backends[0].terminating);
+    }
+
+    #[test]
+    fn nil_conditions_mean_ready() {
+        let eps = [Ep { ready: None, serving: None, terminating: None, ..ep("10.0.0.5") }];
+        let d = compute(&[svc("web", "10.96.0.10", WEB)], &[slice("web", "s", "IPv4", WEB_EP, &eps)], &node());
+        assert_eq!(addrs(&d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends), ["10.0.0.5:8080"]);
+    }
+
+    #[test]
+    fn local_set_has_its_own_fallback() {
+        let eps = [
+            ep("10.0.0.1"), // ready, on node-b
+            Ep { node: "node-a", ready: Some(false), serving: Some(true), terminating: Some(true), ..ep("10.0.0.2") },
+        ];
+        let mut s = svc("web", "10.96.0.10", WEB);
+        s.spec.as_mut().unwrap().internal_traffic_policy = Some("Local".into());
+        let d = compute(&[s], &[slice("web", "s", "IPv4", WEB_EP, &eps)], &node());
+        let f = &d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)];
+        assert!(f.local_only);
+        assert_eq!(addrs(&f.backends), ["10.0.0.1:8080"]);
+        assert_eq!(addrs(&f.local_backends), ["10.0.0.2:8080"]);
+        assert!(f.local_backends[0].local && f.local_backends[0].terminating);
+    }
+
+    #[test]
+    fn multiple_slices_merge_and_duplicates_collapse() {
+        let d = compute(
+            &[svc("web", "10.96.0.10", WEB)],
+            &[
+                slice("web", "a", "IPv4", WEB_EP, &[ep("10.0.0.1"), ep("10.0.0.2")]),
+                slice("web", "b", "IPv4", WEB_EP, &[ep("10.0.0.2"), ep("10.0.0.3")]),
+            ],
+            &node(),
+        );
+        assert_eq!(
+            addrs(&d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends),
+            ["10.0.0.1:8080", "10.0.0.2:8080", "10.0.0.3:8080"]
+        );
+    }
+
+    #[test]
+    fn named_ports_may_differ_per_slice() {
+        let d = compute(
+            &[svc("web", "10.96.0.10", WEB)],
+            &[
+                slice("web", "a", "IPv4", &[(Some("http"), 8080, "TCP")], &[ep("10.0.0.1")]),
+                slice("web", "b", "IPv4", &[(Some("http"), 9090, "TCP")], &[ep("10.0.0.2")]),
+                slice("web", "c", "IPv4", &[(Some("metrics"), 9100, "TCP")], &[ep("10.0.0.3")]),
+            ],
+            &node(),
+        );
+        assert_eq!(
+            addrs(&d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends),
+            ["10.0.0.1:8080", "10.0.0.2:9090"]
+        );
+    }
+
+    #[test]
+    fn multi_port_and_same_port_on_tcp_and_udp() {
+        let ports = &[(Some("dns"), 53, "UDP"), (Some("dns-tcp"), 53, "TCP"), (Some("metrics"), 9153, "TCP")];
+        let d = compute(
+            &[svc("dns", "10.96.0.53", ports)],
+            &[slice("dns", "a", "IPv4", ports, &[ep("10.0.0.9")])],
+            &node(),
+        );
+        assert_eq!(d.frontends.len(), 3);
+        assert_eq!(addrs(&d.frontends[&fk("10.96.0.53", 53, Proto::Udp)].backends), ["10.0.0.9:53"]);
+        assert_eq!(addrs(&d.frontends[&fk("10.96.0.53", 53, Proto::Tcp)].backends), ["10.0.0.9:53"]);
+        assert_eq!(addrs(&d.frontends[&fk("10.96.0.53", 9153, Proto::Tcp)].backends), ["10.0.0.9:9153"]);
+    }
+
+    #[test]
+    fn protocol_must_match() {
+        let d = compute(
+            &[svc("web", "10.96.0.10", &[(None, 80, "UDP")])],
+            &[slice("web", "a", "IPv4", &[(None, 8080, "TCP")], &[ep("10.0.0.1")])],
+            &node(),
+        );
+        assert!(d.frontends[&fk("10.96.0.10", 80, Proto::Udp)].backends.is_empty());
+    }
+
+    #[test]
+    fn skipped_services() {
+        let mut ext = svc("ext", "10.96.0.1", WEB);
+        ext.spec.as_mut().unwrap().type_ = Some("ExternalName".into());
+        let mut headless = svc("headless", "None", WEB);
+        headless.spec.as_mut().unwrap().cluster_ips = Some(vec!["None".into()]);
+        let mut other = svc("other", "10.96.0.3", WEB);
+        other.metadata.labels = Some([(LABEL_SERVICE_PROXY_NAME.to_string(), "x".to_string())].into());
+        let mut noip = svc("noip", "", WEB);
+        noip.spec.as_mut().unwrap().cluster_ips = None;
+        let d = compute(&[ext, headless, other, noip], &[], &node());
+        assert!(d.frontends.is_empty(), "{:?}", d.frontends.keys());
+        assert!(d.vips.is_empty());
+    }
+
+    #[test]
+    fn fqdn_and_unlabelled_slices_are_ignored() {
+        let mut unlabelled = slice("web", "u", "IPv4", WEB_EP, &[ep("10.0.0.7")]);
+        unlabelled.metadata.labels = None;
+        let d = compute(
+            &[svc("web", "10.96.0.10", WEB)],
+            &[slice("web", "f", "FQDN", WEB_EP, &[ep("example.com")]), unlabelled],
+            &node(),
+        );
+        assert!(d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends.is_empty());
+        assert_eq!(d.warnings.len(), 1, "{:?}", d.warnings);
+    }
+
+    #[test]
+    fn slices_of_other_namespace_do_not_match() {
+        let mut s = slice("web", "a", "IPv4", WEB_EP, &[ep("10.0.0.1")]);
+        s.metadata.namespace = Some("other".into());
+        let d = compute(&[svc("web", "10.96.0.10", WEB)], &[s], &node());
+        assert!(d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends.is_empty());
+    }
+
+    #[test]
+    fn families_do_not_mix() {
+        let mut s = svc("web", "10.96.0.10", WEB);
+        s.spec.as_mut().unwrap().cluster_ips = Some(vec!["10.96.0.10".into(), "fd00::10".into()]);
+        let d = compute(
+            &[s],
+            &[
+                slice("web", "v4", "IPv4", WEB_EP, &[ep("10.0.0.1")]),
+                slice("web", "v6", "IPv6", WEB_EP, &[ep("fd00:1::1")]),
+                // A mislabelled slice: IPv4 type with an IPv6 address.
+                slice("web", "bad", "IPv4", WEB_EP, &[ep("fd00:1::2")]),
+            ],
+            &node(),
+        );
+        assert_eq!(addrs(&d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends), ["10.0.0.1:8080"]);
+        assert_eq!(addrs(&d.frontends[&fk("fd00::10", 80, Proto::Tcp)].backends), ["fd00:1::1:8080"]);
+    }
+
+    #[test]
+    fn invalid_input_is_reported_not_fatal() {
+        let good = svc("good", "10.96.0.11", WEB);
+        let bad_ip = svc("bad-ip", "10.96.0.999", WEB);
+        let bad_port = svc("bad-port", "10.96.0.12", &[(None, 70000, "TCP"), (None, 0, "TCP")]);
+        let sctp = svc("sctp", "10.96.0.13", &[(None, 80, "SCTP")]);
+        let d = compute(
+            &[bad_ip, good, bad_port, sctp],
+            &[slice("good", "a", "IPv4", WEB_EP, &[ep("10.0.0.1"), ep("not-an-ip")])],
+            &node(),
+        );
+        assert_eq!(d.frontends.len(), 1);
+        assert_eq!(addrs(&d.frontends[&fk("10.96.0.11", 80, Proto::Tcp)].backends), ["10.0.0.1:8080"]);
+        assert_eq!(d.warnings.len(), 4, "{:#?}", d.warnings);
+        assert!(d.warnings.iter().any(|w| w.contains("default/bad-ip") && w.contains("10.96.0.999")));
+    }
+
+    #[test]
+    fn affinity_timeout_defaults_and_overrides() {
+        let mut a = svc("a", "10.96.0.20", WEB);
+        a.spec.as_mut().unwrap().session_affinity = Some("ClientIP".into());
+        let mut b = svc("b", "10.96.0.21", WEB);
+        b.spec.as_mut().unwrap().session_affinity = Some("ClientIP".into());
+        b.spec.as_mut().unwrap().session_affinity_config = Some(SessionAffinityConfig {
+            client_ip: Some(ClientIPConfig { timeout_seconds: Some(60) }),
+        });
+        let c = svc("c", "10.96.0.22", WEB);
+        let d = compute(&[a, b, c], &[], &node());
+        assert_eq!(d.frontends[&fk("10.96.0.20", 80, Proto::Tcp)].affinity_timeout, Some(10800));
+        assert_eq!(d.frontends[&fk("10.96.0.21", 80, Proto::Tcp)].affinity_timeout, Some(60));
+        assert_eq!(d.frontends[&fk("10.96.0.22", 80, Proto::Tcp)].affinity_timeout, None);
+    }
+
+    #[test]
+    fn output_does_not_depend_on_input_order() {
+        let svcs = [svc("a", "10.96.0.1", WEB), svc("b", "10.96.0.2", WEB)];
+        let slices = [
+            slice("a", "a1", "IPv4", WEB_EP, &[ep("10.0.0.1")]),
+            slice("a", "a2", "IPv4", &[(Some("http"), 9090, "TCP")], &[ep("10.0.0.1")]),
+            slice("b", "b1", "IPv4", WEB_EP, &[ep("10.0.0.2")]),
+        ];
+        let d1 = compute(&svcs, &slices, &node());
+        let mut svcs2 = svcs.to_vec();
+        svcs2.reverse();
+        let mut slices2 = slices.to_vec();
+        slices2.reverse();
+        assert_eq!(d1, compute(&svcs2, &slices2, &node()));
+    }
+}

@@ -1,0 +1,339 @@
+//! The `dir:` source: a directory of `.yaml`, `.yml` and `.json` files as
+//! `kubectl get -o yaml` prints them. One or many documents per file, or a
+//! `List`. Kinds `Service` (v1) and `EndpointSlice` (discovery.k8s.io/v1);
+//! other kinds are ignored.
+//!
+//! A file that does not parse is reported by name and keeps its last good
+//! content, so one bad edit never takes other objects (or its own) away.
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use serde::Deserialize;
+
+use super::Snapshot;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ParseError {
+    #[error("{file}: {msg}")]
+    Syntax { file: String, msg: String },
+    #[error("{file}: document {doc}: {msg}")]
+    Object { file: String, doc: usize, msg: String },
+}
+
+/// The objects of one file.
+#[derive(Clone, Debug, Default)]
+pub struct FileObjects {
+    pub services: Vec<Service>,
+    pub slices: Vec<EndpointSlice>,
+}
+
+fn is_source_file(p: &Path) -> bool {
+    let hidden = p.file_name().and_then(|n| n.to_str()).is_none_or(|n| n.starts_with('.'));
+    !hidden && matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml" | "json"))
+}
+
+fn add_object(
+    out: &mut FileObjects,
+    v: serde_json::Value,
+    file: &str,
+    doc: usize,
+) -> Result<(), ParseError> {
+    let err = |msg: String| ParseError::Object { file: file.to_string(), doc, msg };
+    if v.is_null() {
+        return Ok(());
+    }
+    let kind = v.get("kind").and_then(|k| k.as_str()).unwrap_or("").to_string();
+    let api = v.get("apiVersion").and_then(|k| k.as_str()).unwrap_or("").to_string();
+    if kind.is_empty() {
+        return Err(err("no kind".into()));
+    }
+    match kind.as_str() {
+        "List" | "ServiceList" | "EndpointSliceList" => {
+            let items = match v.get("items") {
+                Some(serde_json::Value::Array(a)) => a.clone(),
+                Some(serde_json::Value::Null) | None => Vec::new(),
+                Some(_) => return Err(err(format!("{kind}: items is not a list"))),
+            };
+            for item in items {
+                add_object(out, item, file, doc)?;
+            }
+        }
+        "Service" => {
+            if api != "v1" {
+                return Err(err(format!("Service with apiVersion {api:?}, want v1")));
+            }
+            let s: Service = serde_json::from_value(v).map_err(|e| err(format!("Service: {e}")))?;
+            if s.metadata.name.as_deref().unwrap_or("").is_empty() {
+                return Err(err("Service without metadata.name".into()));
+            }
+            out.services.push(s);
+        }
+        "EndpointSlice" => {
+            if api != "discovery.k8s.io/v1" {
+                return Err(err(format!("EndpointSlice with apiVersion {api:?}, want discovery.k8s.io/v1")));
+            }
+            let s: EndpointSlice =
+                serde_json::from_value(v).map_err(|e| err(format!("EndpointSlice: {e}")))?;
+            if s.metadata.name.as_deref().unwrap_or("").is_empty() {
+                return Err(err("EndpointSlice without metadata.name".into()));
+            }
+            out.slices.push(s);
+        }
+        other => tracing::debug!(file, doc, kind = other, "ignoring object of another kind"),
+    }
+    Ok(())
+}
+
+/// Parse one file's text. `name` is used in errors. The whole file fails if
+/// any document in it is malformed.
+pub fn parse(name: &str, text: &str) -> Result<FileObjects, ParseError> {
+    let mut out = FileObjects::default();
+    if name.ends_with(".json") {
+        let v: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| ParseError::Syntax { file: name.into(), msg: e.to_string() })?;
+        add_object(&mut out, v, name, 1)?;
+        return Ok(out);
+    }
+    for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
+        let v = serde_json::Value::deserialize(de)
+            .map_err(|e| ParseError::Syntax { file: name.into(), msg: e.to_string() })?;
+        add_object(&mut out, v, name, i + 1)?;
+    }
+    Ok(out)
+}
+
+/// What identifies a version of a file without reading it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Signature {
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+}
+
+fn signature(md: &std::fs::Metadata) -> Signature {
+    Signature {
+        ino: md.ino(),
+        size: md.size(),
+        mtime_ns: md.mtime() as i128 * 1_000_000_000 + md.mtime_nsec() as i128,
+    }
+}
+
+struct Entry {
+    sig: Signature,
+    objects: FileObjects,
+}
+
+/// The state of the directory: the last good objects of every file.
+pub struct DirState {
+    dir: PathBuf,
+    files: BTreeMap<PathBuf, Entry>,
+    /// Files whose last read failed, with the signature that failed, so the
+    /// same error is logged once rather than on every rescan.
+    failed: BTreeMap<PathBuf, Signature>,
+}
+
+impl DirState {
+    pub fn new(dir: &Path) -> anyhow::Result<Self> {
+        let md = std::fs::metadata(dir)
+            .map_err(|e| anyhow::anyhow!("source directory {}: {e}", dir.display()))?;
+        if !md.is_dir() {
+            anyhow::bail!("source directory {}: not a directory", dir.display());
+        }
+        Ok(Self { dir: dir.to_path_buf(), files: BTreeMap::new(), failed: BTreeMap::new() })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Re-read what changed. `touched` are paths a watcher reported; they are
+    /// re-read even when their signature looks unchanged. Returns whether
+    /// the set of objects may have changed.
+    pub fn rescan(&mut self, touched: &BTreeSet<PathBuf>) -> anyhow::Result<bool> {
+        let mut seen = BTreeSet::new();
+        let mut changed = false;
+        let rd = std::fs::read_dir(&self.dir)
+            .map_err(|e| anyhow::anyhow!("source directory {}: {e}", self.dir.display()))?;
+        for ent in rd {
+            let Ok(ent) = ent else { continue };
+            let path = ent.path();
+            if !is_source_file(&path) {
+                continue;
+            }
+            let Ok(md) = std::fs::metadata(&path) else { continue };
+            if !md.is_file() {
+                continue;
+            }
+            seen.insert(path.clone());
+            let sig = signature(&md);
+            let known = self.files.get(&path).is_some_and(|e| e.sig == sig)
+                || self.failed.get(&path) == Some(&sig);
+            if known && !touched.contains(&path) {
+                continue;
+            }
+            let name = path.display().to_string();
+            let result = std::fs::read_to_string(&path)
+                .map_err(|e| ParseError::Syntax { file: name.clone(), msg: e.to_string() })
+                .and_then(|t| parse(&name, &t));
+            match result {
+                Ok(objects) => {
+                    self.failed.remove(&path);
+                    self.files.insert(path, Entry { sig, objects });
+                    changed = true;
+                }
+                Err(e) => {
+                    if self.failed.insert(path.clone(), sig) != Some(sig) {
+                        let kept = if self.files.contains_key(&path) {
+                            "keeping its last good content"
+                        } else {
+                            "no objects from it are used"
+                        };
+                        tracing::error!("bad source file {e}; {kept}");
+                    }
+                }
+            }
+        }
+        let gone: Vec<PathBuf> = self.files.keys().filter(|p| !seen.contains(*p)).cloned().collect();
+        for p in gone {
+            self.files.remove(&p);
+            changed = true;
+        }
+        self.failed.retain(|p, _| seen.contains(p));
+        Ok(changed)
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        let mut snap = Snapshot::default();
+        for e in self.files.values() {
+            snap.services.extend(e.objects.services.iter().cloned());
+            snap.slices.extend(e.objects.slices.iter().cloned());
+        }
+        snap
+    }
+}
+
+/// Watch `dir`; every batch of changed paths is sent on the returned channel.
+/// Keep the watcher alive for as long as events are wanted.
+pub fn watch(
+    dir: &Path,
+) -> anyhow::Result<(notify::RecommendedWatcher, tokio::sync::mpsc::UnboundedReceiver<Vec<PathBuf>>)> {
+    use notify::Watcher as _;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut w = notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
+        Ok(ev) => {
+            let _ = tx.send(ev.paths);
+        }
+        Err(e) => {
+            tracing::warn!("directory watch error: {e}");
+            let _ = tx.send(Vec::new());
+        }
+    })?;
+    w.watch(dir, notify::RecursiveMode::NonRecursive)
+        .map_err(|e| anyhow::anyhow!("cannot watch source directory {}: {e}", dir.display()))?;
+    Ok((w, rx))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SVC: &str = "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: default}
+spec:
+  clusterIP: 10.96.0.10
+  ports: [{name: http, port: 80, targetPort: 8080, protocol: TCP}]
+";
+    const SLICE: &str = "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-abc
+  namespace: default
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}]
+endpoints:
+- addresses: [10.244.1.2]
+  conditions: {ready: true}
+";
+
+    #[test]
+    fn multi_document_yaml() {
+        let text = format!("{SVC}---\n{SLICE}---\n");
+        let o = parse("a.yaml", &text).unwrap();
+        assert_eq!(o.services.len(), 1);
+        assert_eq!(o.slices.len(), 1);
+        assert_eq!(o.slices[0].endpoints[0].addresses, ["10.244.1.2"]);
+    }
+
+    #[test]
+    fn list_kind_and_json() {
+        let text = r#"{"apiVersion":"v1","kind":"List","items":[
+            {"apiVersion":"v1","kind":"Service","metadata":{"name":"a"},"spec":{"clusterIP":"10.96.0.1"}},
+            {"apiVersion":"v1","kind":"ConfigMap","metadata":{"name":"ignored"}}
+        ]}"#;
+        let o = parse("l.json", text).unwrap();
+        assert_eq!(o.services.len(), 1);
+        let o = parse("l.yaml", text).unwrap();
+        assert_eq!(o.services.len(), 1);
+    }
+
+    #[test]
+    fn malformed_input_names_the_file() {
+        let e = parse("bad.yaml", "kind: Service\n  : [").unwrap_err().to_string();
+        assert!(e.starts_with("bad.yaml:"), "{e}");
+        let e = parse("v.yaml", "apiVersion: v2\nkind: Service\nmetadata: {name: x}\n").unwrap_err().to_string();
+        assert!(e.contains("v.yaml: document 1") && e.contains("want v1"), "{e}");
+        let e = parse("t.yaml", &format!("{SVC}---\napiVersion: v1\nkind: Service\nmetadata: {{name: y}}\nspec: {{ports: 3}}\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("t.yaml: document 2") && e.contains("Service"), "{e}");
+        let e = parse("n.yaml", "apiVersion: v1\nkind: Service\nspec: {}\n").unwrap_err().to_string();
+        assert!(e.contains("without metadata.name"), "{e}");
+        let e = parse("k.yaml", "foo: bar\n").unwrap_err().to_string();
+        assert!(e.contains("no kind"), "{e}");
+    }
+
+    #[test]
+    fn empty_documents_are_fine() {
+        let o = parse("e.yaml", "---\n---\n").unwrap();
+        assert!(o.services.is_empty());
+        assert!(parse("e.yaml", "").unwrap().services.is_empty());
+    }
+
+    #[test]
+    fn dir_keeps_last_good_content_and_drops_deleted_files() {
+        let d = std::env::temp_dir().join(format!("lb-dir-test-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let none = BTreeSet::new();
+        std::fs::write(d.join("svc.yaml"), SVC).unwrap();
+        std::fs::write(d.join("slice.yml"), SLICE).unwrap();
+        std::fs::write(d.join("notes.txt"), "not an object").unwrap();
+        let mut st = DirState::new(&d).unwrap();
+        assert!(st.rescan(&none).unwrap());
+        assert_eq!(st.snapshot().services.len(), 1);
+        assert_eq!(st.snapshot().slices.len(), 1);
+        assert!(!st.rescan(&none).unwrap(), "nothing changed");
+
+        // A broken edit keeps the last good content.
+        std::fs::write(d.join("svc.yaml"), "kind: [").unwrap();
+        let touched: BTreeSet<_> = [d.join("svc.yaml")].into();
+        st.rescan(&touched).unwrap();
+        assert_eq!(st.snapshot().services.len(), 1);
+
+        // Deleting a file removes its objects.
+        std::fs::remove_file(d.join("slice.yml")).unwrap();
+        assert!(st.rescan(&none).unwrap());
+        assert!(st.snapshot().slices.is_empty());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn missing_dir_is_an_error_naming_it() {
+        let e = DirState::new(Path::new("/nonexistent/lb")).err().unwrap().to_string();
+        assert!(e.contains("/nonexistent/lb"), "{e}");
+    }
+}

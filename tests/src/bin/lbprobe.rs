@@ -1,0 +1,239 @@
+//! lbprobe: the pods of the netns mini-cluster. One binary plays a backend
+//! server or a client; it enters its pod's network namespace and its node's
+//! cgroup itself, before it opens any socket.
+//!
+//!   lbprobe --netns NS --cgroup DIR serve --name NAME --port P
+//!   lbprobe --netns NS --cgroup DIR tcp --addr IP:PORT --count N
+//!   lbprobe --netns NS --cgroup DIR udp --addr IP:PORT --count N [--connected]
+//!
+//! Clients print one JSON summary on stdout: what a user would see.
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+struct Cli {
+    /// Network namespace to enter (name under /run/netns).
+    #[arg(long)]
+    netns: Option<String>,
+    /// cgroup v2 directory to join.
+    #[arg(long)]
+    cgroup: Option<String>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Answer every TCP line and every UDP datagram with NAME.
+    Serve {
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        port: u16,
+    },
+    /// TCP: connect, send a line, read the reply, close; COUNT times.
+    Tcp {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value_t = 0)]
+        interval_ms: u64,
+        #[arg(long, default_value_t = 2000)]
+        timeout_ms: u64,
+        /// Stop after this long, whatever the count.
+        #[arg(long, default_value_t = 60_000)]
+        max_ms: u64,
+    },
+    /// UDP: send a datagram, read the reply and its source; COUNT times.
+    Udp {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        /// connect() the socket and use send/recv.
+        #[arg(long)]
+        connected: bool,
+        /// Use one socket for every attempt (default: a new socket each time).
+        #[arg(long)]
+        one_socket: bool,
+        #[arg(long, default_value_t = 1000)]
+        timeout_ms: u64,
+    },
+}
+
+#[derive(Default)]
+struct Summary {
+    attempts: u32,
+    ok: u32,
+    replies: BTreeMap<String, u32>,
+    errors: BTreeMap<String, u32>,
+    /// UDP: the source addresses replies came from. TCP: getpeername.
+    peers: BTreeMap<String, u32>,
+    max_fail_ms: u64,
+}
+
+impl Summary {
+    fn fail(&mut self, e: &std::io::Error, started: Instant) {
+        let name = match e.raw_os_error() {
+            Some(n) => format!("{:?}", nix::errno::Errno::from_raw(n)),
+            None if e.kind() == std::io::ErrorKind::TimedOut || e.kind() == std::io::ErrorKind::WouldBlock => {
+                "ETIMEDOUT".to_string()
+            }
+            None => format!("{:?}", e.kind()),
+        };
+        *self.errors.entry(name).or_default() += 1;
+        self.max_fail_ms = self.max_fail_ms.max(started.elapsed().as_millis() as u64);
+    }
+
+    fn print(&self) {
+        let v = serde_json::json!({
+            "attempts": self.attempts,
+            "ok": self.ok,
+            "replies": self.replies,
+            "errors": self.errors,
+            "peers": self.peers,
+            "max_fail_ms": self.max_fail_ms,
+        });
+        println!("{v}");
+    }
+}
+
+fn enter(netns: Option<&str>, cgroup: Option<&str>) -> anyhow::Result<()> {
+    if let Some(cg) = cgroup {
+        std::fs::write(format!("{cg}/cgroup.procs"), std::process::id().to_string())
+            .map_err(|e| anyhow::anyhow!("join cgroup {cg}: {e}"))?;
+    }
+    if let Some(ns) = netns {
+        let f = std::fs::File::open(format!("/run/netns/{ns}"))
+            .map_err(|e| anyhow::anyhow!("open netns {ns}: {e}"))?;
+        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(|e| anyhow::anyhow!("setns {ns}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn serve(name: String, port: u16) -> anyhow::Result<()> {
+    let tcp = TcpListener::bind(("0.0.0.0", port))?;
+    let udp = UdpSocket::bind(("0.0.0.0", port))?;
+    println!("ready");
+    std::io::stdout().flush()?;
+    let uname = name.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 1500];
+        while let Ok((_, from)) = udp.recv_from(&mut buf) {
+            let _ = udp.send_to(uname.as_bytes(), from);
+        }
+    });
+    for conn in tcp.incoming() {
+        let Ok(conn) = conn else { continue };
+        let name = name.clone();
+        std::thread::spawn(move || {
+            let mut w = match conn.try_clone() {
+                Ok(w) => w,
+                Err(_) => return,
+            };
+            for line in BufReader::new(conn).lines() {
+                if line.is_err() || w.write_all(format!("{name}\n").as_bytes()).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    Ok(())
+}
+
+fn tcp_once(addr: SocketAddr, timeout: Duration, s: &mut Summary) {
+    let started = Instant::now();
+    let r = (|| -> std::io::Result<(String, String)> {
+        let mut c = TcpStream::connect_timeout(&addr, timeout)?;
+        c.set_read_timeout(Some(timeout))?;
+        let peer = c.peer_addr()?.to_string();
+        c.write_all(b"hi\n")?;
+        let mut line = String::new();
+        BufReader::new(&mut c).read_line(&mut line)?;
+        if line.is_empty() {
+            return Err(std::io::Error::from_raw_os_error(libc::ECONNRESET));
+        }
+        Ok((line.trim().to_string(), peer))
+    })();
+    match r {
+        Ok((reply, peer)) => {
+            s.ok += 1;
+            *s.replies.entry(reply).or_default() += 1;
+            *s.peers.entry(peer).or_default() += 1;
+        }
+        Err(e) => s.fail(&e, started),
+    }
+}
+
+fn udp_once(sock: &UdpSocket, addr: SocketAddr, connected: bool, s: &mut Summary) {
+    let started = Instant::now();
+    let r = (|| -> std::io::Result<(String, String)> {
+        let mut buf = [0u8; 1500];
+        if connected {
+            sock.connect(addr)?;
+            sock.send(b"hi")?;
+            let n = sock.recv(&mut buf)?;
+            // What the socket believes it is connected to.
+            let peer = sock.peer_addr()?.to_string();
+            Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), peer))
+        } else {
+            sock.send_to(b"hi", addr)?;
+            let (n, from) = sock.recv_from(&mut buf)?;
+            Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), from.to_string()))
+        }
+    })();
+    match r {
+        Ok((reply, from)) => {
+            s.ok += 1;
+            *s.replies.entry(reply).or_default() += 1;
+            *s.peers.entry(from).or_default() += 1;
+        }
+        Err(e) => s.fail(&e, started),
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    enter(cli.netns.as_deref(), cli.cgroup.as_deref())?;
+    let mut s = Summary::default();
+    match cli.cmd {
+        Cmd::Serve { name, port } => return serve(name, port),
+        Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms } => {
+            let deadline = Instant::now() + Duration::from_millis(max_ms);
+            for _ in 0..count {
+                if Instant::now() > deadline {
+                    break;
+                }
+                s.attempts += 1;
+                tcp_once(addr, Duration::from_millis(timeout_ms), &mut s);
+                if interval_ms > 0 {
+                    std::thread::sleep(Duration::from_millis(interval_ms));
+                }
+            }
+        }
+        Cmd::Udp { addr, count, connected, one_socket, timeout_ms } => {
+            let new_sock = || -> anyhow::Result<UdpSocket> {
+                let u = UdpSocket::bind("0.0.0.0:0")?;
+                u.set_read_timeout(Some(Duration::from_millis(timeout_ms)))?;
+                Ok(u)
+            };
+            let mut sock = new_sock()?;
+            for i in 0..count {
+                if i > 0 && !one_socket {
+                    sock = new_sock()?;
+                }
+                s.attempts += 1;
+                udp_once(&sock, addr, connected, &mut s);
+            }
+        }
+    }
+    s.print();
+    let _ = std::io::stdout().flush();
+    Ok(())
+}

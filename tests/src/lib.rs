@@ -1,0 +1,515 @@
+//! The netns mini-cluster: nodes, pods and clients made of network
+//! namespaces on one machine, with one `lb-agent` per node.
+//!
+//! - a fabric netns: the physical network, a bridge with no uplink;
+//! - a node netns per node, with its own cgroup and bpffs directory;
+//! - pod netns behind veth pairs on the node's bridge, with routes between
+//!   the nodes' pod CIDRs.
+//!
+//! No netns has a route off the machine. Everything is torn down on drop,
+//! also when a test panics; leftovers of test processes that died are
+//! removed by the next cluster that starts.
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+
+pub mod objects;
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+const PREFIX: &str = "lbt";
+
+/// Run a command; fail with its stderr.
+pub fn run(cmd: &str, args: &[&str]) -> Result<String> {
+    let out = Command::new(cmd).args(args).output().with_context(|| format!("spawn {cmd}"))?;
+    if !out.status.success() {
+        bail!("{cmd} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn ip(args: &[&str]) -> Result<()> {
+    run("ip", args).map(|_| ())
+}
+
+fn cgroup2_root() -> Result<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/mounts")?;
+    mounts
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() > 2 && f[2] == "cgroup2").then(|| PathBuf::from(f[1]))
+        })
+        .context("no cgroup2 mount")
+}
+
+/// Make sure /sys/fs/bpf is a bpffs (idempotent).
+fn ensure_bpffs() -> Result<()> {
+    let ok = Command::new("mountpoint").args(["-q", "/sys/fs/bpf"]).status()?.success();
+    if !ok {
+        run("mount", &["-t", "bpf", "bpf", "/sys/fs/bpf"])?;
+    }
+    Ok(())
+}
+
+/// Find a binary built next to this one (target/<profile>/NAME).
+pub fn bin(name: &str) -> PathBuf {
+    let var = format!("LB_{}_BIN", name.to_uppercase().replace('-', "_"));
+    if let Ok(p) = std::env::var(&var) {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe.parent().map(Path::to_path_buf);
+    while let Some(d) = dir {
+        let cand = d.join(name);
+        if cand.is_file() {
+            return cand;
+        }
+        dir = d.parent().map(Path::to_path_buf);
+        if dir.as_ref().is_some_and(|d| d.ends_with("target")) {
+            break;
+        }
+    }
+    panic!("{name} not found next to {}; build it first (cargo xtask test does), or set {var}", exe.display());
+}
+
+fn pid_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Remove what clusters of dead test processes left behind.
+fn reap_leftovers() {
+    let owner = |name: &str| -> Option<u32> {
+        let rest = name.strip_prefix(PREFIX)?.strip_prefix('-')?;
+        rest.split('-').next()?.parse().ok()
+    };
+    let dead = |name: &str| owner(name).is_some_and(|p| !pid_alive(p));
+    if let Ok(rd) = std::fs::read_dir("/sys/fs/bpf") {
+        for e in rd.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if dead(&n) {
+                let _ = Command::new(bin("lb-agent")).args(["teardown", "--bpffs"]).arg(e.path()).output();
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    if let Ok(out) = run("ip", &["netns", "list"]) {
+        for l in out.lines() {
+            let n = l.split_whitespace().next().unwrap_or("");
+            if dead(n) {
+                let _ = ip(&["netns", "del", n]);
+            }
+        }
+    }
+    if let Ok(root) = cgroup2_root()
+        && let Ok(rd) = std::fs::read_dir(&root)
+    {
+        for e in rd.flatten() {
+            if dead(&e.file_name().to_string_lossy()) {
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+    }
+    if let Ok(rd) = std::fs::read_dir(std::env::temp_dir()) {
+        for e in rd.flatten() {
+            if dead(&e.file_name().to_string_lossy()) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}
+
+pub struct Node {
+    pub index: usize,
+    pub name: String,
+    pub netns: String,
+    pub ip: String,
+    pub cgroup: PathBuf,
+    pub bpffs: PathBuf,
+    pub pod_cidr_prefix: String,
+    agent: Option<Child>,
+    next_pod: u32,
+}
+
+#[derive(Clone, Debug)]
+pub struct Pod {
+    pub name: String,
+    pub netns: String,
+    pub ip: String,
+    pub node: usize,
+    pub cgroup: PathBuf,
+}
+
+/// What a probe client saw.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Summary {
+    pub attempts: u32,
+    pub ok: u32,
+    pub replies: BTreeMap<String, u32>,
+    pub errors: BTreeMap<String, u32>,
+    pub peers: BTreeMap<String, u32>,
+    pub max_fail_ms: u64,
+}
+
+impl Summary {
+    pub fn failed(&self) -> u32 {
+        self.attempts - self.ok
+    }
+}
+
+pub struct Cluster {
+    pub id: String,
+    pub nodes: Vec<Node>,
+    pub objects: PathBuf,
+    fabric: String,
+    logs: PathBuf,
+    children: Mutex<Vec<Child>>,
+    pods: Vec<Pod>,
+}
+
+impl Cluster {
+    /// A cluster of `n` nodes, with no pods and no agents yet.
+    pub fn new(n: usize) -> Result<Self> {
+        assert!((1..=9).contains(&n));
+        ensure_bpffs()?;
+        reap_leftovers();
+        let id = format!("{PREFIX}-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst));
+        let tmp = std::env::temp_dir().join(&id);
+        let objects = tmp.join("objects");
+        let logs = tmp.join("logs");
+        std::fs::create_dir_all(&objects)?;
+        std::fs::create_dir_all(&logs)?;
+        let mut c = Cluster {
+            fabric: format!("{id}-fab"),
+            id: id.clone(),
+            nodes: Vec::new(),
+            objects,
+            logs,
+            children: Mutex::new(Vec::new()),
+            pods: Vec::new(),
+        };
+        c.build(n)?;
+        Ok(c)
+    }
+
+    fn build(&mut self, n: usize) -> Result<()> {
+        let fab = self.fabric.clone();
+        ip(&["netns", "add", &fab])?;
+        ip(&["-n", &fab, "link", "set", "lo", "up"])?;
+        ip(&["-n", &fab, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &fab, "link", "set", "br0", "up"])?;
+        let root = cgroup2_root()?;
+        for i in 1..=n {
+            let netns = format!("{}-n{i}", self.id);
+            let node = Node {
+                index: i,
+                name: format!("node-{i}"),
+                netns: netns.clone(),
+                ip: format!("192.168.77.{}", 10 + i),
+                cgroup: root.join(&netns),
+                bpffs: PathBuf::from("/sys/fs/bpf").join(&netns),
+                pod_cidr_prefix: format!("10.244.{i}"),
+                agent: None,
+                next_pod: 10,
+            };
+            // Register first, so that drop cleans up a half-built node.
+            self.nodes.push(node);
+            let node = self.nodes.last().unwrap();
+            ip(&["netns", "add", &netns])?;
+            ip(&["-n", &netns, "link", "set", "lo", "up"])?;
+            std::fs::create_dir_all(&node.cgroup)?;
+            let fab_if = format!("n{i}");
+            ip(&["-n", &fab, "link", "add", &fab_if, "type", "veth", "peer", "name", "eth0", "netns", &netns])?;
+            ip(&["-n", &fab, "link", "set", &fab_if, "master", "br0", "up"])?;
+            ip(&["-n", &netns, "addr", "add", &format!("{}/24", node.ip), "dev", "eth0"])?;
+            ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
+            ip(&["-n", &netns, "link", "add", "cni0", "type", "bridge"])?;
+            ip(&["-n", &netns, "addr", "add", &format!("{}.1/24", node.pod_cidr_prefix), "dev", "cni0"])?;
+            ip(&["-n", &netns, "link", "set", "cni0", "up"])?;
+            run("nsenter", &[&format!("--net=/run/netns/{netns}"), "sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
+        }
+        // Routes between the nodes' pod CIDRs; no default route anywhere.
+        for a in &self.nodes {
+            for b in &self.nodes {
+                if a.index != b.index {
+                    ip(&["-n", &a.netns, "route", "add", &format!("{}.0/24", b.pod_cidr_prefix), "via", &b.ip])?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A pod on node `node` (1-based): a netns behind a veth on the node's
+    /// bridge. Its processes join the node's cgroup.
+    pub fn add_pod(&mut self, node: usize, name: &str) -> Result<Pod> {
+        let n = &mut self.nodes[node - 1];
+        let k = n.next_pod;
+        n.next_pod += 1;
+        let netns = format!("{}-p{node}x{k}", self.id);
+        let pod = Pod {
+            name: name.to_string(),
+            netns: netns.clone(),
+            ip: format!("{}.{k}", n.pod_cidr_prefix),
+            node,
+            cgroup: n.cgroup.clone(),
+        };
+        self.pods.push(pod.clone());
+        let node_ns = n.netns.clone();
+        let gw = format!("{}.1", n.pod_cidr_prefix);
+        ip(&["netns", "add", &netns])?;
+        ip(&["-n", &netns, "link", "set", "lo", "up"])?;
+        let host_if = format!("v{k}");
+        ip(&["-n", &node_ns, "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &netns])?;
+        ip(&["-n", &node_ns, "link", "set", &host_if, "master", "cni0", "up"])?;
+        ip(&["-n", &netns, "addr", "add", &format!("{}/24", pod.ip), "dev", "eth0"])?;
+        ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
+        ip(&["-n", &netns, "route", "add", "default", "via", &gw])?;
+        Ok(pod)
+    }
+
+    fn probe_cmd(&self, pod: &Pod) -> Command {
+        let mut c = Command::new(bin("lbprobe"));
+        c.arg("--netns").arg(&pod.netns).arg("--cgroup").arg(&pod.cgroup);
+        c
+    }
+
+    /// Run a backend server in `pod` that answers with the pod's name on TCP
+    /// and UDP `port`. Returns once it listens.
+    pub fn serve(&self, pod: &Pod, port: u16) -> Result<u32> {
+        let mut child = self
+            .probe_cmd(pod)
+            .args(["serve", "--name", &pod.name, "--port", &port.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?;
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line)?;
+        if line.trim() != "ready" {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("server in {} did not start", pod.name);
+        }
+        let pid = child.id();
+        self.children.lock().unwrap().push(child);
+        Ok(pid)
+    }
+
+    /// Stop a process this cluster started, by PID.
+    pub fn stop(&self, pid: u32) {
+        let mut ch = self.children.lock().unwrap();
+        if let Some(i) = ch.iter().position(|c| c.id() == pid) {
+            let mut c = ch.remove(i);
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Run a client in `pod`: `args` after the subcommand, e.g.
+    /// `["tcp", "--addr", "10.96.0.10:80", "--count", "10"]`.
+    pub fn probe(&self, pod: &Pod, args: &[&str]) -> Result<Summary> {
+        let out = self.probe_cmd(pod).args(args).stderr(Stdio::inherit()).output()?;
+        if !out.status.success() {
+            bail!("lbprobe {args:?} in {} failed: {}", pod.name, out.status);
+        }
+        let s = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(s.trim()).with_context(|| format!("lbprobe output {s:?}"))
+    }
+
+    /// Start a client in the background; collect it with `finish`.
+    pub fn probe_bg(&self, pod: &Pod, args: &[&str]) -> Result<Child> {
+        Ok(self.probe_cmd(pod).args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?)
+    }
+
+    pub fn finish(child: Child) -> Result<Summary> {
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!("background lbprobe failed: {}", out.status);
+        }
+        let s = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(s.trim()).with_context(|| format!("lbprobe output {s:?}"))
+    }
+
+    pub fn agent_log(&self, node: usize) -> PathBuf {
+        self.logs.join(format!("agent-n{node}.log"))
+    }
+
+    /// Start `lb-agent run` in node `node`'s netns, attached to its cgroup,
+    /// and wait for its first full sync.
+    pub fn start_agent(&mut self, node: usize) -> Result<()> {
+        let log = self.agent_log(node);
+        let before = std::fs::read_to_string(&log).map(|s| s.matches("initial sync complete").count()).unwrap_or(0);
+        let n = &self.nodes[node - 1];
+        let f = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
+        let child = Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", n.netns))
+            .arg("--")
+            .arg(bin("lb-agent"))
+            .arg("run")
+            .arg("--source")
+            .arg(format!("dir:{}", self.objects.display()))
+            .arg("--node-name")
+            .arg(&n.name)
+            .arg("--cgroup")
+            .arg(&n.cgroup)
+            .arg("--bpffs")
+            .arg(&n.bpffs)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdout(f.try_clone()?)
+            .stderr(f)
+            .spawn()?;
+        self.nodes[node - 1].agent = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.matches("initial sync complete").count() > before {
+                return Ok(());
+            }
+            if let Some(c) = self.nodes[node - 1].agent.as_mut()
+                && let Some(st) = c.try_wait()?
+            {
+                bail!("lb-agent on node {node} exited with {st}:\n{text}");
+            }
+            if Instant::now() > deadline {
+                bail!("lb-agent on node {node} did not sync within 20s:\n{text}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kill node `node`'s agent with SIGKILL (the pins stay).
+    pub fn kill_agent(&mut self, node: usize) {
+        if let Some(mut c) = self.nodes[node - 1].agent.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// `lb-agent list --json` for node `node`.
+    pub fn list(&self, node: usize) -> Result<serde_json::Value> {
+        let out = run(
+            bin("lb-agent").to_str().unwrap(),
+            &["list", "--json", "--bpffs", self.nodes[node - 1].bpffs.to_str().unwrap()],
+        )?;
+        Ok(serde_json::from_str(&out)?)
+    }
+
+    /// The backends programmed for `addr:port/proto` on node `node`, as
+    /// `ip:port` strings, or None when the frontend is not programmed.
+    pub fn programmed(&self, node: usize, addr: &str, port: u16, proto: &str) -> Result<Option<Vec<String>>> {
+        let v = self.list(node)?;
+        let f = v["frontends"].as_array().into_iter().flatten().find(|f| {
+            f["address"] == addr && f["port"] == port && f["protocol"] == proto
+        });
+        Ok(f.map(|f| {
+            f["backends"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|b| format!("{}:{}", b["address"].as_str().unwrap_or(""), b["port"]))
+                .collect()
+        }))
+    }
+
+    /// Wait until `cond` holds, polling; fail with `what` after `timeout`.
+    pub fn wait_for(&self, what: &str, timeout: Duration, mut cond: impl FnMut() -> Result<bool>) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if cond()? {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("timed out after {timeout:?} waiting for {what}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Wait until every running agent has programmed `addr:port/proto` with
+    /// exactly `backends` (as `ip:port`, any order); None: not programmed.
+    pub fn wait_programmed(&self, addr: &str, port: u16, proto: &str, backends: Option<&[&str]>) -> Result<()> {
+        let want = backends.map(|b| {
+            let mut v: Vec<String> = b.iter().map(|s| s.to_string()).collect();
+            v.sort();
+            v
+        });
+        for n in &self.nodes {
+            if n.agent.is_none() {
+                continue;
+            }
+            self.wait_for(&format!("{addr}:{port}/{proto} = {want:?} on {}", n.name), Duration::from_secs(5), || {
+                let got = self.programmed(n.index, addr, port, proto)?.map(|mut v| {
+                    v.sort();
+                    v
+                });
+                Ok(got == want)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Write an object file into the source directory (atomically).
+    pub fn write_object(&self, file: &str, yaml: &str) -> Result<()> {
+        let tmp = self.objects.join(format!(".{file}.tmp"));
+        std::fs::write(&tmp, yaml)?;
+        std::fs::rename(&tmp, self.objects.join(file))?;
+        Ok(())
+    }
+
+    pub fn remove_object(&self, file: &str) -> Result<()> {
+        std::fs::remove_file(self.objects.join(file))?;
+        Ok(())
+    }
+
+    fn cleanup(&mut self) {
+        if std::thread::panicking() {
+            for n in &self.nodes {
+                let log = std::fs::read_to_string(self.agent_log(n.index)).unwrap_or_default();
+                eprintln!("--- lb-agent log of {} ---\n{log}", n.name);
+            }
+        }
+        for c in self.children.lock().unwrap().iter_mut() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for i in 1..=self.nodes.len() {
+            self.kill_agent(i);
+        }
+        for n in &self.nodes {
+            if n.bpffs.exists() {
+                let r = Command::new(bin("lb-agent")).args(["teardown", "--bpffs"]).arg(&n.bpffs).output();
+                if r.map(|o| !o.status.success()).unwrap_or(true) {
+                    let _ = std::fs::remove_dir_all(&n.bpffs);
+                }
+            }
+        }
+        for p in &self.pods {
+            let _ = ip(&["netns", "del", &p.netns]);
+        }
+        for n in &self.nodes {
+            let _ = ip(&["netns", "del", &n.netns]);
+            // Killed processes leave the cgroup asynchronously.
+            for _ in 0..100 {
+                if !n.cgroup.exists() || std::fs::remove_dir(&n.cgroup).is_ok() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let _ = ip(&["netns", "del", &self.fabric]);
+        if let Some(tmp) = self.objects.parent() {
+            let _ = std::fs::remove_dir_all(tmp);
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.cleanup();
+    }
+}
