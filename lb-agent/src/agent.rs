@@ -121,7 +121,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
 
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    // A rescan (stat only) also runs on a timer, in case a watch event is lost.
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         let mut touched = BTreeSet::new();
         tokio::select! {

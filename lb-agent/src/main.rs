@@ -24,8 +24,8 @@ enum Cmd {
     /// Load and attach the programs, then program the maps from a source.
     Run {
         /// Where objects come from: dir:PATH (a directory of YAML/JSON files).
-        #[arg(long, value_parser = clap::value_parser!(source::SourceSpec))]
-        source: source::SourceSpec,
+        #[arg(long)]
+        source: String,
         /// This node's name (matches EndpointSlice nodeName). Default: $NODE_NAME, else the hostname.
         #[arg(long, env = "NODE_NAME")]
         node_name: Option<String>,
@@ -70,6 +70,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     match real_main(cli) {
@@ -85,6 +86,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Run { source, node_name, cgroup, bpffs, max_services, max_backends, max_sock_revnat } => {
             loader::check_root()?;
+            let source: source::SourceSpec = source.parse().map_err(|e| anyhow::anyhow!("--source: {e}"))?;
             let cgroup = match cgroup {
                 Some(c) => c,
                 None => loader::cgroup2_root()?,

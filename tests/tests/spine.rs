@@ -239,3 +239,38 @@ fn teardown_detaches_and_unpins_everything() -> Result<()> {
     assert_eq!(s.ok, 0, "no longer translated: {s:?}");
     Ok(())
 }
+
+#[test]
+fn bpftool_dumps_the_pinned_maps_with_field_names() -> Result<()> {
+    let w = web()?;
+    let dir = w.c.nodes[0].bpffs.clone();
+    let dump = lbtest::run("bpftool", &["map", "dump", "pinned", dir.join("LB4_SERVICES").to_str().unwrap()])?;
+    for field in ["\"addr\": [10,96,0,10", "\"port\": 80", "\"proto\": 6", "\"slot\": 0", "\"count\": 3", "\"rev_nat_id\""] {
+        assert!(dump.contains(field), "{field} missing from:\n{dump}");
+    }
+    let dump = lbtest::run("bpftool", &["map", "dump", "pinned", dir.join("LB4_BACKENDS").to_str().unwrap()])?;
+    assert!(dump.contains("\"port\": 8080") && dump.contains(&format!("\"addr\": [{}", w.backends[0].ip.replace('.', ","))), "{dump}");
+    Ok(())
+}
+
+#[test]
+fn a_second_agent_on_the_same_pins_is_refused() -> Result<()> {
+    let w = web()?;
+    let n = &w.c.nodes[0];
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", n.netns))
+        .arg(lbtest::bin("lb-agent"))
+        .args(["run", "--source", &format!("dir:{}", w.c.objects.display())])
+        .arg("--cgroup")
+        .arg(&n.cgroup)
+        .arg("--bpffs")
+        .arg(&n.bpffs)
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("another lb-agent is running"), "{err}");
+    // The first agent's programs are untouched.
+    let s = tcp(&w.c, &w.client, "10.96.0.10:80", 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}

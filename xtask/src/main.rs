@@ -1,1 +1,145 @@
-fn main() {}
+//! cargo xtask: setup, demo, test.
+//!
+//! Every command runs `setup` first; setup is idempotent and installs only
+//! what is missing.
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install the toolchain pieces and system packages (idempotent).
+    Setup,
+    /// Build, then run the netns mini-cluster demo.
+    Demo,
+    /// Build, then run every test (unit and netns-cluster), plus clippy.
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+}
+
+const APT_PACKAGES: &[&str] = &[
+    "llvm-22-dev",
+    "libpolly-22-dev",
+    "libzstd-dev",
+    "zlib1g-dev",
+    "bpftool",
+    "iptables",
+    "nftables",
+    "iproute2",
+    "util-linux",
+];
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn status(cmd: &mut Command) -> Result<()> {
+    eprintln!("xtask: {cmd:?}");
+    let st = cmd.status().with_context(|| format!("spawn {cmd:?}"))?;
+    if !st.success() {
+        bail!("{cmd:?} failed: {st}");
+    }
+    Ok(())
+}
+
+fn has(cmd: &str) -> bool {
+    Command::new("sh").args(["-c", &format!("command -v {cmd}")]).output().is_ok_and(|o| o.status.success())
+}
+
+fn cargo_bin(name: &str) -> Option<PathBuf> {
+    if has(name) {
+        return Some(PathBuf::from(name));
+    }
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")))?;
+    let p = home.join("bin").join(name);
+    p.is_file().then_some(p)
+}
+
+fn setup() -> Result<()> {
+    // SAFETY: trivial syscall.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("xtask setup needs root (apt-get, bpffs, netns)");
+    }
+    let missing_pkg = !Path::new("/usr/lib/llvm-22/bin/llvm-config").exists()
+        || !Path::new("/usr/include/zstd.h").exists()
+        || ["bpftool", "ip", "iptables", "nft", "nsenter"].iter().any(|c| !has(c));
+    if missing_pkg {
+        status(Command::new("apt-get").arg("update"))?;
+        status(Command::new("apt-get").args(["install", "-y", "--no-install-recommends"]).args(APT_PACKAGES).env("DEBIAN_FRONTEND", "noninteractive"))?;
+    }
+    let toolchains = Command::new("rustup").args(["toolchain", "list"]).output().context("rustup")?;
+    if !String::from_utf8_lossy(&toolchains.stdout).lines().any(|l| l.starts_with("nightly")) {
+        status(Command::new("rustup").args(["toolchain", "install", "nightly", "--profile", "minimal"]))?;
+    }
+    let comps = Command::new("rustup").args(["component", "list", "--installed", "--toolchain", "nightly"]).output()?;
+    if !String::from_utf8_lossy(&comps.stdout).lines().any(|l| l.starts_with("rust-src")) {
+        status(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+    }
+    if cargo_bin("bpf-linker").is_none() {
+        let path = format!("/usr/lib/llvm-22/bin:{}", std::env::var("PATH").unwrap_or_default());
+        status(
+            Command::new("cargo")
+                .args(["install", "bpf-linker", "--locked", "--no-default-features", "--features", "llvm-22"])
+                .env("PATH", path),
+        )?;
+    }
+    let mounted = Command::new("mountpoint").args(["-q", "/sys/fs/bpf"]).status()?.success();
+    if !mounted {
+        status(Command::new("mount").args(["-t", "bpf", "bpf", "/sys/fs/bpf"]))?;
+    }
+    Ok(())
+}
+
+/// cargo, with ~/.cargo/bin on PATH (bpf-linker lives there).
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    if let Some(bin) = cargo_bin("bpf-linker").and_then(|p| p.parent().map(Path::to_path_buf))
+        && !bin.as_os_str().is_empty()
+    {
+        let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+        c.env("PATH", path);
+    }
+    c.current_dir(root());
+    c
+}
+
+fn build_bins(release: bool) -> Result<()> {
+    let mut c = cargo();
+    c.args(["build", "-p", "lb-agent", "-p", "tests", "--bins"]);
+    if release {
+        c.arg("--release");
+    }
+    status(&mut c)
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Setup => setup(),
+        Cmd::Demo => {
+            setup()?;
+            build_bins(false)?;
+            status(&mut Command::new(root().join("target/debug/lb-demo")))
+        }
+        Cmd::Test { args } => {
+            setup()?;
+            build_bins(false)?;
+            status(cargo().args(["test", "--workspace"]).args(&args))?;
+            status(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
+        }
+    }
+}

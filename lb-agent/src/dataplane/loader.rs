@@ -130,7 +130,21 @@ fn check_pinned_layout(dir: &Path) -> Result<()> {
 pub struct Dataplane {
     pub maps: Maps,
     _ebpf: Ebpf,
+    /// Held for the agent's lifetime: one agent per --bpffs.
+    _lock: fs::File,
     pub adopted: bool,
+}
+
+/// Take an exclusive lock on the pin directory, so that two agents never
+/// program the same maps. The kernel drops it when the agent dies.
+fn lock(dir: &Path) -> Result<fs::File> {
+    use std::os::fd::AsRawFd as _;
+    let f = fs::File::open(dir).with_context(|| format!("open {}", dir.display()))?;
+    // SAFETY: valid fd.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        bail!("another lb-agent is running with --bpffs {}", dir.display());
+    }
+    Ok(f)
 }
 
 /// Load the programs, reusing pinned maps, and attach them to `cgroup`,
@@ -139,6 +153,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
     check_bpffs(bpffs)?;
     check_cgroup(cgroup)?;
     fs::create_dir_all(bpffs.join("links")).with_context(|| format!("create {}", bpffs.display()))?;
+    let lock = lock(bpffs)?;
     check_pinned_layout(bpffs)?;
     let adopted = bpffs.join(maps::SERVICES4).exists();
 
@@ -178,7 +193,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
         fs::rename(&tmp, &final_path).with_context(|| format!("pin link {}", final_path.display()))?;
     }
     let maps = Maps::open_pinned(bpffs)?;
-    Ok(Dataplane { maps, _ebpf: ebpf, adopted })
+    Ok(Dataplane { maps, _ebpf: ebpf, _lock: lock, adopted })
 }
 
 /// Detach and unpin everything under `bpffs`. Idempotent.
