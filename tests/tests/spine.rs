@@ -142,14 +142,17 @@ fn connected_udp_works() -> Result<()> {
 
 #[test]
 fn a_tight_loop_sees_no_failure_while_endpoints_go_3_1_3() -> Result<()> {
-    let w = web()?;
+    let mut w = web()?;
+    let checker = w.c.add_pod(1, "checker")?;
     let c = &w.c;
     let all: Vec<&Pod> = w.backends.iter().collect();
     let bg = c.probe_bg(&w.client, &["tcp", "--addr", "10.96.0.10:80", "--count", "1000000", "--max-ms", "6000"])?;
     for _ in 0..3 {
         c.write_object("web-slice.yaml", &web_slice(c, &all[1..2]))?;
         c.wait_programmed(VIP, 80, "TCP", Some(&[&format!("{}:8080", all[1].ip)]))?;
-        std::thread::sleep(Duration::from_millis(300));
+        // Once programmed, no connect reaches a removed backend.
+        let s = tcp(c, &checker, "10.96.0.10:80", 30)?;
+        assert_eq!(s.replies.get("pod-b"), Some(&30), "{s:?}");
         c.write_object("web-slice.yaml", &web_slice(c, &all))?;
         let want: Vec<String> = all.iter().map(|p| format!("{}:8080", p.ip)).collect();
         let want: Vec<&str> = want.iter().map(String::as_str).collect();
@@ -168,6 +171,9 @@ fn sigkill_keeps_traffic_flowing_and_a_restart_removes_what_vanished() -> Result
     w.c.write_object("gone.yaml", &service("gone", "10.96.0.12", &[("http", 80, 8080, "TCP")]))?;
     w.c.wait_programmed("10.96.0.12", 80, "TCP", Some(&[]))?;
 
+    // An established connection lives through the kill and the restart.
+    let held = w.c.probe_bg(&w.client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "3000", "--interval-ms", "20"])?;
+    std::thread::sleep(Duration::from_millis(300));
     w.c.kill_agent(1);
     let s = tcp(&w.c, &w.client, "10.96.0.10:80", 30)?;
     assert_eq!(s.ok, 30, "no agent, the pinned programs still balance: {s:?}");
@@ -180,6 +186,9 @@ fn sigkill_keeps_traffic_flowing_and_a_restart_removes_what_vanished() -> Result
     assert!(!list["vips"].as_array().unwrap().iter().any(|v| v == "10.96.0.12"), "{list}");
     let s = tcp(&w.c, &w.client, "10.96.0.10:80", 30)?;
     assert_eq!(s.ok, 30, "{s:?}");
+    let h = Cluster::finish(held)?;
+    assert!(h.attempts > 20 && h.failed() == 0, "the held connection kept working: {h:?}");
+    assert_eq!(h.replies.len(), 1, "one connection, one pod: {h:?}");
     // The deleted Service's ClusterIP is no longer translated (and no longer refused):
     // the connect goes to the network, which has no route for it.
     let s = tcp(&w.c, &w.client, "10.96.0.12:80", 1)?;

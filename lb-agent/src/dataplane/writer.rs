@@ -442,6 +442,8 @@ mod tests {
             (desired(&[("10.96.0.1", 80, &[A, B], false)]), desired(&[])),
             (desired(&[("10.96.0.1", 80, &[A, B], false)]), desired(&[("10.96.0.1", 80, &[A, B], true)])),
             (desired(&[("10.96.0.1", 80, &[A, B], true)]), desired(&[("10.96.0.1", 80, &[C], false)])),
+            (desired(&[("10.96.0.1", 80, &[A], true)]), desired(&[("10.96.0.1", 80, &[A, B, C], true)])),
+            (desired(&[("10.96.0.1", 80, &[A, B, C], true)]), desired(&[("10.96.0.1", 80, &[D], true)])),
             (
                 desired(&[("10.96.0.1", 80, &[A, B], false), ("10.96.0.2", 53, &[A], false)]),
                 desired(&[("10.96.0.2", 53, &[C, D], false), ("10.96.0.3", 80, &[B], false)]),

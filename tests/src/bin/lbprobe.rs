@@ -48,6 +48,10 @@ enum Cmd {
         /// Stop after this long, whatever the count.
         #[arg(long, default_value_t = 60_000)]
         max_ms: u64,
+        /// Keep ONE connection open and send a line every interval (at
+        /// least 1 ms) for this long; every line is one attempt.
+        #[arg(long)]
+        hold_ms: Option<u64>,
     },
     /// UDP: send a datagram, read the reply and its source; COUNT times.
     Udp {
@@ -171,6 +175,47 @@ fn tcp_once(addr: SocketAddr, timeout: Duration, s: &mut Summary) {
     }
 }
 
+/// One long-lived connection: a line out, a line back, every `interval`.
+/// Stops at the first error (the connection is gone).
+fn hold_tcp(addr: SocketAddr, hold: Duration, interval: Duration, timeout: Duration, s: &mut Summary) {
+    let started = Instant::now();
+    let conn = TcpStream::connect_timeout(&addr, timeout).and_then(|c| {
+        c.set_read_timeout(Some(timeout))?;
+        Ok(c)
+    });
+    let mut c = match conn {
+        Ok(c) => c,
+        Err(e) => {
+            s.attempts += 1;
+            s.fail(&e, started);
+            return;
+        }
+    };
+    if let Ok(p) = c.peer_addr() {
+        *s.peers.entry(p.to_string()).or_default() += 1;
+    }
+    let mut r = BufReader::new(c.try_clone().expect("clone"));
+    while started.elapsed() < hold {
+        s.attempts += 1;
+        let t = Instant::now();
+        let mut line = String::new();
+        let res = c.write_all(b"hi\n").and_then(|_| r.read_line(&mut line)).and_then(|n| {
+            if n == 0 { Err(std::io::Error::from_raw_os_error(libc::ECONNRESET)) } else { Ok(()) }
+        });
+        match res {
+            Ok(()) => {
+                s.ok += 1;
+                *s.replies.entry(line.trim().to_string()).or_default() += 1;
+            }
+            Err(e) => {
+                s.fail(&e, t);
+                return;
+            }
+        }
+        std::thread::sleep(interval);
+    }
+}
+
 fn udp_once(sock: &UdpSocket, addr: SocketAddr, connected: bool, s: &mut Summary) {
     let started = Instant::now();
     let r = (|| -> std::io::Result<(String, String)> {
@@ -204,7 +249,10 @@ fn main() -> anyhow::Result<()> {
     let mut s = Summary::default();
     match cli.cmd {
         Cmd::Serve { name, port } => return serve(name, port),
-        Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms } => {
+        Cmd::Tcp { addr, hold_ms: Some(hold), interval_ms, timeout_ms, .. } => {
+            hold_tcp(addr, Duration::from_millis(hold), Duration::from_millis(interval_ms.max(1)), Duration::from_millis(timeout_ms), &mut s);
+        }
+        Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms, hold_ms: None } => {
             let deadline = Instant::now() + Duration::from_millis(max_ms);
             for _ in 0..count {
                 if Instant::now() > deadline {
