@@ -29,6 +29,10 @@ enum Cmd {
         /// This node's name (matches EndpointSlice nodeName). Default: $NODE_NAME, else the hostname.
         #[arg(long, env = "NODE_NAME")]
         node_name: Option<String>,
+        /// This node's zone, for topology hints. Default: the Node object's
+        /// topology.kubernetes.io/zone label.
+        #[arg(long)]
+        zone: Option<String>,
         /// The cgroup v2 directory to attach to. Default: the cgroup v2 root.
         #[arg(long)]
         cgroup: Option<PathBuf>,
@@ -84,7 +88,7 @@ fn main() -> ExitCode {
 
 fn real_main(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
-        Cmd::Run { source, node_name, cgroup, bpffs, max_services, max_backends, max_sock_revnat } => {
+        Cmd::Run { source, node_name, zone, cgroup, bpffs, max_services, max_backends, max_sock_revnat } => {
             loader::check_root()?;
             let source: source::SourceSpec = source.parse().map_err(|e| anyhow::anyhow!("--source: {e}"))?;
             let cgroup = match cgroup {
@@ -93,7 +97,8 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             };
             let cfg = agent::RunConfig {
                 source,
-                node: model::NodeInfo { name: node_name.unwrap_or_else(hostname) },
+                node_name: node_name.unwrap_or_else(hostname),
+                zone,
                 cgroup,
                 bpffs,
                 capacity: loader::Capacity {
@@ -112,7 +117,11 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 anyhow::bail!("nothing is pinned under {}: is an agent running with --bpffs {0}?", bpffs.display());
             }
             let maps = Maps::open_pinned(&bpffs)?;
-            let v = inspect::view(&maps.read_table()?, maps.read_stats()?);
+            let v = inspect::view(
+                &maps.v4.read_table(&maps.affinity_match)?,
+                &maps.v6.read_table(&maps.affinity_match)?,
+                maps.read_stats()?,
+            );
             if json {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {

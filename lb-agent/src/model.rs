@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{Service, ServicePort};
+use k8s_openapi::api::core::v1::{Node, Service, ServicePort};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
 
 /// Label that ties an EndpointSlice to its Service.
@@ -17,10 +17,27 @@ pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-
 /// kube-proxy's default sessionAffinity timeout.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 
+/// Label that carries a Node's zone.
+pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+
 /// What the model knows about the node it runs on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeInfo {
     pub name: String,
+    /// The node's zone, for topology hints.
+    pub zone: Option<String>,
+}
+
+/// This node's facts: the zone comes from `--zone` when given, else from the
+/// `topology.kubernetes.io/zone` label of the Node object named `name`.
+pub fn node_info(name: &str, zone_flag: Option<&str>, nodes: &[Node]) -> NodeInfo {
+    let zone = zone_flag.map(str::to_string).or_else(|| {
+        nodes
+            .iter()
+            .find(|n| n.metadata.name.as_deref() == Some(name))
+            .and_then(|n| n.metadata.labels.as_ref()?.get(LABEL_ZONE).cloned())
+    });
+    NodeInfo { name: name.to_string(), zone: zone.filter(|z| !z.is_empty()) }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -93,6 +110,8 @@ pub struct Frontend {
     pub local_backends: Vec<Backend>,
     /// sessionAffinity ClientIP timeout, in seconds.
     pub affinity_timeout: Option<u32>,
+    /// Topology hints narrowed `backends` to this node's zone.
+    pub topology: bool,
 }
 
 /// The desired dataplane state.
@@ -153,10 +172,13 @@ fn skip_reason(svc: &Service) -> Option<&'static str> {
 
 /// The endpoint conditions, with the API's defaults: a nil `ready` means
 /// ready, a nil `serving` means the value of `ready`, a nil `terminating` false.
+#[derive(Clone)]
 struct Conditions {
     ready: bool,
     serving: bool,
     terminating: bool,
+    /// The zones of the endpoint's topology hints (empty: no hints).
+    zones: BTreeSet<String>,
 }
 
 fn conditions(ep: &Endpoint) -> Conditions {
@@ -166,15 +188,37 @@ fn conditions(ep: &Endpoint) -> Conditions {
         ready,
         serving: c.and_then(|c| c.serving).unwrap_or(ready),
         terminating: c.and_then(|c| c.terminating).unwrap_or(false),
+        zones: ep
+            .hints
+            .as_ref()
+            .and_then(|h| h.for_zones.as_ref())
+            .map(|z| z.iter().map(|z| z.name.clone()).collect())
+            .unwrap_or_default(),
     }
 }
 
-/// KEP-1669: the ready endpoints, or when there are none, the serving and
-/// terminating ones.
-fn usable(candidates: &[(Backend, Conditions)]) -> Vec<Backend> {
+/// kube-proxy's rule for topology hints: use them only when every ready
+/// endpoint has hints, the node has a zone, and some endpoint is hinted
+/// for that zone.
+fn topology_zone<'a>(candidates: &[(Backend, Conditions)], node: &'a NodeInfo) -> Option<&'a str> {
+    let zone = node.zone.as_deref()?;
+    let mut any_for_zone = false;
+    for (_, c) in candidates.iter().filter(|(_, c)| c.ready) {
+        if c.zones.is_empty() {
+            return None;
+        }
+        any_for_zone |= c.zones.contains(zone);
+    }
+    any_for_zone.then_some(zone)
+}
+
+/// KEP-1669: the ready endpoints (in `zone`, when topology applies), or
+/// when there are none, the serving and terminating ones (whatever their
+/// zone: a best effort not to drop connections).
+fn usable(candidates: &[(Backend, Conditions)], zone: Option<&str>) -> Vec<Backend> {
     let ready: BTreeSet<Backend> = candidates
         .iter()
-        .filter(|(_, c)| c.ready)
+        .filter(|(_, c)| c.ready && zone.is_none_or(|z| c.zones.contains(z)))
         .map(|(b, _)| Backend { terminating: false, ..*b })
         .collect();
     if !ready.is_empty() {
@@ -325,9 +369,11 @@ pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) 
                     }
                 }
                 let all = dedup(all);
-                let backends = usable(&all);
+                // Topology applies to cluster-wide traffic only.
+                let zone = if local_only { None } else { topology_zone(&all, node) };
+                let backends = usable(&all, zone);
                 let local: Vec<_> = all.into_iter().filter(|(b, _)| b.local).collect();
-                let local_backends = usable(&local);
+                let local_backends = usable(&local, None);
                 out.frontends.insert(
                     FrontendKey { addr: *vip, port, proto },
                     Frontend {
@@ -337,6 +383,7 @@ pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) 
                         local_only,
                         local_backends,
                         affinity_timeout,
+                        topology: zone.is_some(),
                     },
                 );
             }
@@ -350,11 +397,11 @@ pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) 
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{ClientIPConfig, ServiceSpec, SessionAffinityConfig};
-    use k8s_openapi::api::discovery::v1::{EndpointConditions, EndpointPort};
+    use k8s_openapi::api::discovery::v1::{EndpointConditions, EndpointHints, EndpointPort, ForZone};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     fn node() -> NodeInfo {
-        NodeInfo { name: "node-a".into() }
+        NodeInfo { name: "node-a".into(), zone: Some("zone-a".into()) }
     }
 
     fn svc(name: &str, ip: &str, ports: &[(Option<&str>, i32, &str)]) -> Service {
@@ -390,10 +437,11 @@ mod tests {
         ready: Option<bool>,
         serving: Option<bool>,
         terminating: Option<bool>,
+        zones: &'a [&'a str],
     }
 
     fn ep(ip: &str) -> Ep<'_> {
-        Ep { ip, node: "node-b", ready: Some(true), serving: Some(true), terminating: Some(false) }
+        Ep { ip, node: "node-b", ready: Some(true), serving: Some(true), terminating: Some(false), zones: &[] }
     }
 
     fn slice(svc: &str, name: &str, family: &str, ports: &[(Option<&str>, i32, &str)], eps: &[Ep]) -> EndpointSlice {
@@ -425,6 +473,10 @@ mod tests {
                         ready: e.ready,
                         serving: e.serving,
                         terminating: e.terminating,
+                    }),
+                    hints: (!e.zones.is_empty()).then(|| EndpointHints {
+                        for_zones: Some(e.zones.iter().map(|z| ForZone { name: z.to_string() }).collect()),
+                        ..Default::default()
                     }),
                     ..Default::default()
                 })
@@ -667,5 +719,93 @@ mod tests {
         let mut slices2 = slices.to_vec();
         slices2.reverse();
         assert_eq!(d1, compute(&svcs2, &slices2, &node()));
+    }
+
+    fn topo(eps: &[Ep], itp_local: bool, node: &NodeInfo) -> Frontend {
+        let mut s = svc("web", "10.96.0.10", WEB);
+        if itp_local {
+            s.spec.as_mut().unwrap().internal_traffic_policy = Some("Local".into());
+        }
+        let d = compute(&[s], &[slice("web", "s", "IPv4", WEB_EP, eps)], node);
+        d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].clone()
+    }
+
+    #[test]
+    fn topology_hints_prefer_this_zone() {
+        let eps = [
+            Ep { zones: &["zone-a"], ..ep("10.0.0.1") },
+            Ep { zones: &["zone-b"], ..ep("10.0.0.2") },
+            Ep { zones: &["zone-a", "zone-b"], ..ep("10.0.0.3") },
+        ];
+        let f = topo(&eps, false, &node());
+        assert!(f.topology);
+        assert_eq!(addrs(&f.backends), ["10.0.0.1:8080", "10.0.0.3:8080"]);
+    }
+
+    #[test]
+    fn topology_needs_hints_on_every_ready_endpoint() {
+        let eps = [Ep { zones: &["zone-a"], ..ep("10.0.0.1") }, ep("10.0.0.2")];
+        let f = topo(&eps, false, &node());
+        assert!(!f.topology);
+        assert_eq!(f.backends.len(), 2);
+        // Not-ready endpoints without hints do not count.
+        let eps = [
+            Ep { zones: &["zone-a"], ..ep("10.0.0.1") },
+            Ep { ready: Some(false), serving: Some(false), ..ep("10.0.0.2") },
+            Ep { zones: &["zone-b"], ..ep("10.0.0.3") },
+        ];
+        let f = topo(&eps, false, &node());
+        assert_eq!(addrs(&f.backends), ["10.0.0.1:8080"]);
+    }
+
+    #[test]
+    fn topology_needs_a_zone_and_an_endpoint_for_it() {
+        let eps = [Ep { zones: &["zone-b"], ..ep("10.0.0.1") }, Ep { zones: &["zone-c"], ..ep("10.0.0.2") }];
+        let f = topo(&eps, false, &node());
+        assert!(!f.topology, "no endpoint hinted for zone-a");
+        assert_eq!(f.backends.len(), 2);
+        let zoneless = NodeInfo { name: "node-a".into(), zone: None };
+        let eps = [Ep { zones: &["zone-a"], ..ep("10.0.0.1") }, Ep { zones: &["zone-b"], ..ep("10.0.0.2") }];
+        let f = topo(&eps, false, &zoneless);
+        assert!(!f.topology);
+        assert_eq!(f.backends.len(), 2);
+    }
+
+    #[test]
+    fn topology_does_not_apply_to_the_terminating_fallback_or_itp_local() {
+        let eps = [
+            Ep { zones: &["zone-b"], ready: Some(false), serving: Some(true), terminating: Some(true), ..ep("10.0.0.1") },
+        ];
+        let f = topo(&eps, false, &node());
+        assert_eq!(addrs(&f.backends), ["10.0.0.1:8080"]);
+        let eps = [Ep { zones: &["zone-a"], ..ep("10.0.0.1") }, Ep { zones: &["zone-b"], ..ep("10.0.0.2") }];
+        let f = topo(&eps, true, &node());
+        assert!(!f.topology);
+        assert_eq!(f.backends.len(), 2);
+    }
+
+    #[test]
+    fn zone_comes_from_the_flag_or_the_node_label() {
+        let mut n = Node::default();
+        n.metadata.name = Some("node-a".into());
+        n.metadata.labels = Some([(LABEL_ZONE.to_string(), "zone-x".to_string())].into());
+        let mut other = Node::default();
+        other.metadata.name = Some("node-b".into());
+        other.metadata.labels = Some([(LABEL_ZONE.to_string(), "zone-y".to_string())].into());
+        let nodes = [other, n];
+        assert_eq!(node_info("node-a", None, &nodes).zone.as_deref(), Some("zone-x"));
+        assert_eq!(node_info("node-a", Some("zone-f"), &nodes).zone.as_deref(), Some("zone-f"));
+        assert_eq!(node_info("node-c", None, &nodes).zone, None);
+    }
+
+    #[test]
+    fn publish_not_ready_addresses_follows_the_slice_conditions() {
+        // The EndpointSlice controller expresses publishNotReadyAddresses by
+        // marking every endpoint ready; kube-proxy reads only the slice.
+        let mut s = svc("web", "10.96.0.10", WEB);
+        s.spec.as_mut().unwrap().publish_not_ready_addresses = Some(true);
+        let eps = [ep("10.0.0.1"), Ep { ready: Some(false), serving: Some(false), ..ep("10.0.0.2") }];
+        let d = compute(&[s], &[slice("web", "s", "IPv4", WEB_EP, &eps)], &node());
+        assert_eq!(addrs(&d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends), ["10.0.0.1:8080"]);
     }
 }

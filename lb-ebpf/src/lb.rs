@@ -1,52 +1,121 @@
-//! Service lookup and backend selection, shared by the socket hooks.
+//! Service lookup and backend selection, shared by the socket hooks, for
+//! both address families.
 //!
 //! Map semantics follow DESIGN.md: slot 0 of a frontend holds the backend
 //! count; slots 1..=count hold backend ids. Selection is O(1).
+use core::ffi::c_void;
+
 use aya_ebpf::{
     btf_maps::{HashMap, LruHashMap, PerCpuArray},
-    helpers::bpf_get_prandom_u32,
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_ktime_get_ns},
     macros::btf_map,
 };
 use lb_common::{
-    Backend4, RevNat4, SCOPE_ALL, SCOPE_LOCAL, SockRevNat4Key, SockRevNat4Value, Svc4Key,
-    SvcValue, capacity, stats, svc_flags,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend, FAMILY_V4, FAMILY_V6, RevNat,
+    SCOPE_ALL, SCOPE_LOCAL, SockRevNat4Key, SockRevNat6Key, SockRevNatValue, SvcKey, SvcValue,
+    capacity, stats, svc_flags,
 };
 
-#[btf_map]
-pub static LB4_SERVICES: HashMap<Svc4Key, SvcValue, { capacity::SERVICES as usize }> =
-    HashMap::new();
+type A4 = [u8; 4];
+type A6 = [u8; 16];
 
 #[btf_map]
-pub static LB4_BACKENDS: HashMap<u32, Backend4, { capacity::BACKENDS as usize }> = HashMap::new();
+static LB4_SERVICES: HashMap<SvcKey<A4>, SvcValue, { capacity::SERVICES as usize }> = HashMap::new();
+#[btf_map]
+static LB4_BACKENDS: HashMap<u32, Backend<A4>, { capacity::BACKENDS as usize }> = HashMap::new();
+#[btf_map]
+static LB4_REVNAT: HashMap<u16, RevNat<A4>, { capacity::REVNAT as usize }> = HashMap::new();
+#[btf_map]
+static LB4_SOCK_REVNAT: LruHashMap<SockRevNat4Key, SockRevNatValue<A4>, { capacity::SOCK_REVNAT as usize }> =
+    LruHashMap::new();
 
 #[btf_map]
-pub static LB4_REVNAT: HashMap<u16, RevNat4, { capacity::REVNAT as usize }> = HashMap::new();
+static LB6_SERVICES: HashMap<SvcKey<A6>, SvcValue, { capacity::SERVICES as usize }> = HashMap::new();
+#[btf_map]
+static LB6_BACKENDS: HashMap<u32, Backend<A6>, { capacity::BACKENDS as usize }> = HashMap::new();
+#[btf_map]
+static LB6_REVNAT: HashMap<u16, RevNat<A6>, { capacity::REVNAT as usize }> = HashMap::new();
+#[btf_map]
+static LB6_SOCK_REVNAT: LruHashMap<SockRevNat6Key, SockRevNatValue<A6>, { capacity::SOCK_REVNAT as usize }> =
+    LruHashMap::new();
 
 #[btf_map]
-pub static LB4_SOCK_REVNAT: LruHashMap<
-    SockRevNat4Key,
-    SockRevNat4Value,
-    { capacity::SOCK_REVNAT as usize },
-> = LruHashMap::new();
+static LB_AFFINITY: LruHashMap<AffinityKey, AffinityValue, { capacity::AFFINITY as usize }> = LruHashMap::new();
+#[btf_map]
+static LB_AFFINITY_MATCH: HashMap<AffinityMatchKey, u8, { capacity::BACKENDS as usize }> = HashMap::new();
 
 #[btf_map]
-pub static LB_STATS: PerCpuArray<u64, { stats::COUNT as usize }> = PerCpuArray::new();
+static LB_STATS: PerCpuArray<u64, { stats::COUNT as usize }> = PerCpuArray::new();
 
 /// How often a lookup chain is retried when a concurrent update removed an
 /// entry between two lookups (the agent changes a service while we read it).
 const RETRIES: u32 = 3;
 
-pub enum Verdict {
+const ECONNREFUSED: i32 = 111;
+const EHOSTUNREACH: i32 = 113;
+
+pub enum Verdict<A> {
     /// Not a frontend we know: leave the socket alone.
     Pass,
-    /// Connect to this backend; replies must look like they come from `frontend`.
-    Backend { backend: Backend4, rev_nat_id: u16 },
+    /// Connect to this backend.
+    Backend { backend: Backend<A>, rev_nat_id: u16 },
     /// Fail the syscall with this errno.
     Refuse(i32),
 }
 
-const ECONNREFUSED: i32 = 111;
-const EHOSTUNREACH: i32 = 113;
+/// Copy a map value out at once: a concurrent agent update replaces whole
+/// elements, and the retry loop re-validates what it read.
+#[inline(always)]
+fn copy<T>(p: *const T) -> T {
+    // SAFETY: p comes from a successful map lookup.
+    unsafe { core::ptr::read_volatile(p) }
+}
+
+/// The maps of one address family.
+pub trait Family {
+    type A: Copy + PartialEq;
+    const ID: u8;
+    fn svc(k: &SvcKey<Self::A>) -> Option<SvcValue>;
+    fn backend(id: u32) -> Option<Backend<Self::A>>;
+    fn revnat(id: u16) -> Option<RevNat<Self::A>>;
+}
+
+pub struct V4;
+pub struct V6;
+
+impl Family for V4 {
+    type A = A4;
+    const ID: u8 = FAMILY_V4;
+    #[inline(always)]
+    fn svc(k: &SvcKey<A4>) -> Option<SvcValue> {
+        LB4_SERVICES.get_ptr(k).map(copy)
+    }
+    #[inline(always)]
+    fn backend(id: u32) -> Option<Backend<A4>> {
+        LB4_BACKENDS.get_ptr(id).map(copy)
+    }
+    #[inline(always)]
+    fn revnat(id: u16) -> Option<RevNat<A4>> {
+        LB4_REVNAT.get_ptr(id).map(copy)
+    }
+}
+
+impl Family for V6 {
+    type A = A6;
+    const ID: u8 = FAMILY_V6;
+    #[inline(always)]
+    fn svc(k: &SvcKey<A6>) -> Option<SvcValue> {
+        LB6_SERVICES.get_ptr(k).map(copy)
+    }
+    #[inline(always)]
+    fn backend(id: u32) -> Option<Backend<A6>> {
+        LB6_BACKENDS.get_ptr(id).map(copy)
+    }
+    #[inline(always)]
+    fn revnat(id: u16) -> Option<RevNat<A6>> {
+        LB6_REVNAT.get_ptr(id).map(copy)
+    }
+}
 
 #[inline(always)]
 pub fn count(index: u32) {
@@ -56,43 +125,51 @@ pub fn count(index: u32) {
     }
 }
 
+/// The affine backend of this client for frontend `rev_nat_id`, if it is
+/// still fresh and still one of the frontend's backends.
 #[inline(always)]
-fn get_svc(key: &Svc4Key) -> Option<SvcValue> {
-    // SAFETY: copied out at once; a concurrent agent update replaces whole
-    // elements, and we re-validate through the retry loop below.
-    LB4_SERVICES.get_ptr(key).map(|p| unsafe { core::ptr::read_volatile(p) })
+fn affine<F: Family>(key: &AffinityKey, timeout_s: u32, now: u64) -> Option<(u32, Backend<F::A>)> {
+    let v = copy(LB_AFFINITY.get_ptr(key)?);
+    if now.wrapping_sub(v.last_used_ns) > timeout_s as u64 * 1_000_000_000 {
+        return None;
+    }
+    let m = AffinityMatchKey { backend_id: v.backend_id, rev_nat_id: key.rev_nat_id, family: F::ID, _pad: 0 };
+    LB_AFFINITY_MATCH.get_ptr(&m)?;
+    Some((v.backend_id, F::backend(v.backend_id)?))
 }
 
 /// Pick a backend for `addr:port/proto`. `hash` selects the slot when given
-/// (stable per socket); otherwise the pick is random per call.
+/// (stable per socket); otherwise the pick is random per call. `ctx` is the
+/// hook's context, for the netns cookie that sessionAffinity keys on.
 #[inline(always)]
-pub fn select4(addr: [u8; 4], port: u16, proto: u8, hash: Option<u32>) -> Verdict {
+pub fn select<F: Family>(ctx: *mut c_void, addr: F::A, port: u16, proto: u8, hash: Option<u32>) -> Verdict<F::A> {
     let mut retry = 0;
     while retry < RETRIES {
         retry += 1;
-        let front = match get_svc(&Svc4Key::new(addr, port, proto, SCOPE_ALL, 0)) {
-            Some(v) => v,
-            None => {
-                // A known ClusterIP on a port that is no service port.
-                let marker = Svc4Key::new(addr, 0, 0, SCOPE_ALL, 0);
-                if let Some(m) = get_svc(&marker)
-                    && m.flags & svc_flags::VIP_MARKER != 0
-                {
-                    count(stats::REFUSED_NO_PORT);
-                    return Verdict::Refuse(ECONNREFUSED);
-                }
-                return Verdict::Pass;
+        let Some(front) = F::svc(&SvcKey::new(addr, port, proto, SCOPE_ALL, 0)) else {
+            // A known ClusterIP on a port that is no service port.
+            if let Some(m) = F::svc(&SvcKey::new(addr, 0, 0, SCOPE_ALL, 0))
+                && m.flags & svc_flags::VIP_MARKER != 0
+            {
+                count(stats::REFUSED_NO_PORT);
+                return Verdict::Refuse(ECONNREFUSED);
             }
+            return Verdict::Pass;
         };
         let (scope, n) = if front.flags & svc_flags::LOCAL_ONLY != 0 {
-            // The count of node-local backends lives in the scope-local slot 0.
-            match get_svc(&Svc4Key::new(addr, port, proto, SCOPE_LOCAL, 0)) {
-                Some(v) if v.count > 0 => (SCOPE_LOCAL, v.count),
-                _ => {
+            // internalTrafficPolicy Local: the node-local slots. With none,
+            // "unreachable" if the Service has endpoints elsewhere, else
+            // "refused", as kube-proxy's DROP and REJECT tell them apart.
+            let local = F::svc(&SvcKey::new(addr, port, proto, SCOPE_LOCAL, 0)).map_or(0, |v| v.count);
+            if local == 0 {
+                if front.count == 0 {
                     count(stats::REFUSED_NO_ENDPOINTS);
-                    return Verdict::Refuse(EHOSTUNREACH);
+                    return Verdict::Refuse(ECONNREFUSED);
                 }
+                count(stats::UNREACH_NO_LOCAL);
+                return Verdict::Refuse(EHOSTUNREACH);
             }
+            (SCOPE_LOCAL, local)
         } else {
             (SCOPE_ALL, front.count)
         };
@@ -100,22 +177,45 @@ pub fn select4(addr: [u8; 4], port: u16, proto: u8, hash: Option<u32>) -> Verdic
             count(stats::REFUSED_NO_ENDPOINTS);
             return Verdict::Refuse(ECONNREFUSED);
         }
+
+        let affinity = front.flags & svc_flags::AFFINITY != 0;
+        let mut akey = AffinityKey::default();
+        // SAFETY: plain helper.
+        let now = if affinity { unsafe { bpf_ktime_get_ns() } } else { 0 };
+        if affinity {
+            akey = AffinityKey {
+                // SAFETY: helper valid for sock_addr programs.
+                netns_cookie: unsafe { bpf_get_netns_cookie(ctx) },
+                rev_nat_id: front.rev_nat_id,
+                family: F::ID,
+                _pad: [0; 5],
+            };
+            if let Some((id, backend)) = affine::<F>(&akey, front.affinity_timeout, now) {
+                let v = AffinityValue { last_used_ns: now, backend_id: id, _pad: 0 };
+                let _ = LB_AFFINITY.insert(&akey, &v, 0);
+                count(stats::AFFINITY_HIT);
+                return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id };
+            }
+        }
+
         let r = match hash {
             Some(h) => h,
             // SAFETY: helper without side effects.
             None => unsafe { bpf_get_prandom_u32() },
         };
         let slot = (r % n as u32) as u16 + 1;
-        let Some(sv) = get_svc(&Svc4Key::new(addr, port, proto, scope, slot)) else {
+        let Some(sv) = F::svc(&SvcKey::new(addr, port, proto, scope, slot)) else {
             count(stats::RETRIED);
             continue;
         };
-        let Some(bp) = LB4_BACKENDS.get_ptr(sv.backend_id) else {
+        let Some(backend) = F::backend(sv.backend_id) else {
             count(stats::RETRIED);
             continue;
         };
-        // SAFETY: copied out at once.
-        let backend = unsafe { core::ptr::read_volatile(bp) };
+        if affinity {
+            let v = AffinityValue { last_used_ns: now, backend_id: sv.backend_id, _pad: 0 };
+            let _ = LB_AFFINITY.insert(&akey, &v, 0);
+        }
         return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id };
     }
     // Every attempt raced with an update: refuse rather than guess.
@@ -124,29 +224,43 @@ pub fn select4(addr: [u8; 4], port: u16, proto: u8, hash: Option<u32>) -> Verdic
 }
 
 /// Remember which frontend a socket's translated destination stands for, so
-/// that recvmsg (and later getpeername and socket termination) can find it.
+/// that recvmsg, getpeername (and socket termination) can find it.
 #[inline(always)]
-pub fn remember4(cookie: u64, backend: &Backend4, front_addr: [u8; 4], front_port: u16, rev_nat_id: u16) {
+pub fn remember4(cookie: u64, backend: &Backend<A4>, front: A4, port: u16, rev_nat_id: u16) {
     let key = SockRevNat4Key { cookie, addr: backend.addr, port: backend.port, _pad: 0 };
-    let val = SockRevNat4Value { addr: front_addr, port: front_port, rev_nat_id };
+    let val = SockRevNatValue { addr: front, port, rev_nat_id };
     let _ = LB4_SOCK_REVNAT.insert(&key, &val, 0);
 }
 
-/// Look up the frontend a reply from `addr:port` on socket `cookie` stands
-/// for. The entry counts only while its frontend still exists.
 #[inline(always)]
-pub fn reverse4(cookie: u64, addr: [u8; 4], port: u16) -> Option<(  [u8; 4], u16)> {
-    let key = SockRevNat4Key { cookie, addr, port, _pad: 0 };
-    let p = LB4_SOCK_REVNAT.get_ptr(&key)?;
-    // SAFETY: copied out at once.
-    let v = unsafe { core::ptr::read_volatile(p) };
-    let rp = LB4_REVNAT.get_ptr(v.rev_nat_id)?;
-    // SAFETY: copied out at once.
-    let rev = unsafe { core::ptr::read_volatile(rp) };
-    if rev.addr != v.addr || rev.port != v.port {
-        return None;
+pub fn remember6(cookie: u64, backend: &Backend<A6>, front: A6, port: u16, rev_nat_id: u16) {
+    let key = SockRevNat6Key { cookie, addr: backend.addr, port: backend.port, _pad: 0, _pad2: 0 };
+    let val = SockRevNatValue { addr: front, port, rev_nat_id };
+    let _ = LB6_SOCK_REVNAT.insert(&key, &val, 0);
+}
+
+/// The frontend that a reply from `addr:port` on socket `cookie` stands for.
+/// The entry counts only while its frontend still exists.
+#[inline(always)]
+fn still_valid<F: Family>(v: &SockRevNatValue<F::A>) -> bool {
+    match F::revnat(v.rev_nat_id) {
+        Some(r) => r.addr == v.addr && r.port == v.port,
+        None => false,
     }
-    Some((v.addr, v.port))
+}
+
+#[inline(always)]
+pub fn reverse4(cookie: u64, addr: A4, port: u16) -> Option<(A4, u16)> {
+    let key = SockRevNat4Key { cookie, addr, port, _pad: 0 };
+    let v = copy(LB4_SOCK_REVNAT.get_ptr(&key)?);
+    still_valid::<V4>(&v).then_some((v.addr, v.port))
+}
+
+#[inline(always)]
+pub fn reverse6(cookie: u64, addr: A6, port: u16) -> Option<(A6, u16)> {
+    let key = SockRevNat6Key { cookie, addr, port, _pad: 0, _pad2: 0 };
+    let v = copy(LB6_SOCK_REVNAT.get_ptr(&key)?);
+    still_valid::<V6>(&v).then_some((v.addr, v.port))
 }
 
 /// A well-mixed 32-bit hash of a socket cookie (murmur3 finalizer), so that

@@ -1,11 +1,10 @@
 //! `lb-agent list`: what the pinned maps hold, like `ipvsadm -Ln`.
 use std::fmt::Write as _;
-use std::net::Ipv4Addr;
 
-use lb_common::{PROTO_TCP, PROTO_UDP, SCOPE_ALL, SCOPE_LOCAL, Svc4Key, backend_flags, svc_flags};
+use lb_common::{PROTO_TCP, PROTO_UDP, SCOPE_ALL, SCOPE_LOCAL, SvcKey, backend_flags, svc_flags};
 use serde::Serialize;
 
-use super::writer::Table;
+use super::writer::{Addr, Table};
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
 pub struct BackendView {
@@ -13,16 +12,20 @@ pub struct BackendView {
     pub address: String,
     pub port: u16,
     pub local: bool,
-    pub terminating: bool,
+    /// "active", or "terminating" (serving while terminating: used only
+    /// because no endpoint is ready).
+    pub state: &'static str,
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
 pub struct FrontendView {
+    pub family: &'static str,
     pub address: String,
     pub port: u16,
     pub protocol: &'static str,
     pub rev_nat_id: u16,
-    pub local_only: bool,
+    /// affinity, itp-local, topology.
+    pub flags: Vec<&'static str>,
     pub affinity_timeout: Option<u32>,
     pub backends: Vec<BackendView>,
     /// Only for internalTrafficPolicy Local: the node-local backends used.
@@ -46,82 +49,92 @@ fn proto_name(p: u8) -> &'static str {
     }
 }
 
-fn backends(t: &Table, k: &Svc4Key, scope: u8, count: u16) -> Vec<BackendView> {
+fn backends<A: Addr>(t: &Table<A>, k: &SvcKey<A>, scope: u8, count: u16) -> Vec<BackendView> {
     (1..=count)
         .filter_map(|slot| {
-            let s = t.services.get(&Svc4Key::new(k.addr, k.port, k.proto, scope, slot))?;
+            let s = t.services.get(&SvcKey::new(k.addr, k.port, k.proto, scope, slot))?;
             let b = t.backends.get(&s.backend_id)?;
             Some(BackendView {
                 id: s.backend_id,
-                address: Ipv4Addr::from(b.addr).to_string(),
+                address: b.addr.to_ip().to_string(),
                 port: b.port,
                 local: b.flags & backend_flags::LOCAL != 0,
-                terminating: b.flags & backend_flags::TERMINATING != 0,
+                state: if b.flags & backend_flags::TERMINATING != 0 { "terminating" } else { "active" },
             })
         })
         .collect()
 }
 
-pub fn view(t: &Table, stats: Vec<(&'static str, u64)>) -> ListView {
-    let mut frontends = Vec::new();
-    let mut vips = Vec::new();
+fn add<A: Addr>(t: &Table<A>, out: &mut ListView) {
     for (k, v) in &t.services {
         if k.slot != 0 || k.scope != SCOPE_ALL {
             continue;
         }
         if v.flags & svc_flags::VIP_MARKER != 0 {
-            vips.push(Ipv4Addr::from(k.addr).to_string());
+            out.vips.push(k.addr.to_ip().to_string());
             continue;
         }
         let local_only = v.flags & svc_flags::LOCAL_ONLY != 0;
+        let mut flags = Vec::new();
+        if v.flags & svc_flags::AFFINITY != 0 {
+            flags.push("affinity");
+        }
+        if local_only {
+            flags.push("itp-local");
+        }
+        if v.flags & svc_flags::TOPOLOGY != 0 {
+            flags.push("topology");
+        }
         let local_backends = local_only.then(|| {
-            let n = t
-                .services
-                .get(&Svc4Key::new(k.addr, k.port, k.proto, SCOPE_LOCAL, 0))
-                .map_or(0, |l| l.count);
+            let n = t.services.get(&SvcKey::new(k.addr, k.port, k.proto, SCOPE_LOCAL, 0)).map_or(0, |l| l.count);
             backends(t, k, SCOPE_LOCAL, n)
         });
-        frontends.push(FrontendView {
-            address: Ipv4Addr::from(k.addr).to_string(),
+        out.frontends.push(FrontendView {
+            family: A::NAME,
+            address: k.addr.to_ip().to_string(),
             port: k.port,
             protocol: proto_name(k.proto),
             rev_nat_id: v.rev_nat_id,
-            local_only,
+            flags,
             affinity_timeout: (v.flags & svc_flags::AFFINITY != 0).then_some(v.affinity_timeout),
             backends: backends(t, k, SCOPE_ALL, v.count),
             local_backends,
         });
     }
-    ListView { frontends, vips, stats: stats.into_iter().collect() }
+}
+
+pub fn view(v4: &Table<[u8; 4]>, v6: &Table<[u8; 16]>, stats: Vec<(&'static str, u64)>) -> ListView {
+    let mut out = ListView { frontends: Vec::new(), vips: Vec::new(), stats: stats.into_iter().collect() };
+    add(v4, &mut out);
+    add(v6, &mut out);
+    out
 }
 
 pub fn render_text(v: &ListView) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "Prot Frontend                 Backends  Flags");
+    let _ = writeln!(s, "Fam  Prot Frontend                          Backends  Flags");
     for f in &v.frontends {
-        let mut flags = Vec::new();
-        if f.local_only {
-            flags.push("local-only".to_string());
-        }
+        let mut flags: Vec<String> = f.flags.iter().map(|f| f.to_string()).collect();
         if let Some(t) = f.affinity_timeout {
-            flags.push(format!("affinity={t}s"));
+            flags.retain(|f| f != "affinity");
+            flags.insert(0, format!("affinity={t}s"));
         }
         let shown = f.local_backends.as_ref().unwrap_or(&f.backends);
-        let front = format!("{}:{}", f.address, f.port);
-        let _ = writeln!(s, "{:<4} {:<24} {:<9} {}", f.protocol, front, shown.len(), flags.join(","));
+        let front = if f.family == "IPv6" { format!("[{}]:{}", f.address, f.port) } else { format!("{}:{}", f.address, f.port) };
+        let fam = if f.family == "IPv6" { "ip6" } else { "ip4" };
+        let _ = writeln!(s, "{fam:<4} {:<4} {:<33} {:<9} {}", f.protocol, front, shown.len(), flags.join(","));
         if shown.is_empty() {
-            let _ = writeln!(s, "  (no endpoints: connect is refused)");
+            let why = if f.local_backends.is_some() && !f.backends.is_empty() {
+                "no local endpoints: connect fails with EHOSTUNREACH"
+            } else {
+                "no endpoints: connect is refused"
+            };
+            let _ = writeln!(s, "  ({why})");
         }
         for b in shown {
-            let mut bf = Vec::new();
-            if b.local {
-                bf.push("local");
-            }
-            if b.terminating {
-                bf.push("terminating");
-            }
-            let addr = format!("{}:{}", b.address, b.port);
-            let _ = writeln!(s, "  -> {:<24} id={:<6} {}", addr, b.id, bf.join(","));
+            let addr = if f.family == "IPv6" { format!("[{}]:{}", b.address, b.port) } else { format!("{}:{}", b.address, b.port) };
+            let local = if b.local { " local" } else { "" };
+            let _ = writeln!(s, "  -> {:<33} id={:<6} {}{local}", addr, b.id, b.state);
         }
     }
     let stats: Vec<String> = v.stats.iter().map(|(k, n)| format!("{k}={n}")).collect();

@@ -13,7 +13,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context as _, Result, bail};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
-use lb_common::{Backend4, RevNat4, SockRevNat4Key, SockRevNat4Value, Svc4Key, SvcValue, maps};
+use lb_common::{
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, RevNat4, RevNat6, SockRevNat4Key,
+    SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, Svc4Key, Svc6Key, SvcValue, maps,
+};
 
 use super::maps::Maps;
 
@@ -21,7 +24,16 @@ use super::maps::Maps;
 static OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
 
 /// The cgroup sock_addr programs, in attach order.
-pub const PROGRAMS: [&str; 3] = ["lb_connect4", "lb_sendmsg4", "lb_recvmsg4"];
+pub const PROGRAMS: [&str; 8] = [
+    "lb_connect4",
+    "lb_connect6",
+    "lb_sendmsg4",
+    "lb_sendmsg6",
+    "lb_recvmsg4",
+    "lb_recvmsg6",
+    "lb_getpeername4",
+    "lb_getpeername6",
+];
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 const CGROUP2_SUPER_MAGIC: i64 = 0x63677270;
@@ -99,11 +111,17 @@ pub fn check_cgroup(dir: &Path) -> Result<()> {
 
 /// Refuse to adopt a pinned map whose layout this agent does not understand.
 fn check_pinned_layout(dir: &Path) -> Result<()> {
-    let expect: [(&str, usize, usize); 4] = [
+    let expect: [(&str, usize, usize); 10] = [
         (maps::SERVICES4, size_of::<Svc4Key>(), size_of::<SvcValue>()),
         (maps::BACKENDS4, size_of::<u32>(), size_of::<Backend4>()),
         (maps::REVNAT4, size_of::<u16>(), size_of::<RevNat4>()),
         (maps::SOCK_REVNAT4, size_of::<SockRevNat4Key>(), size_of::<SockRevNat4Value>()),
+        (maps::SERVICES6, size_of::<Svc6Key>(), size_of::<SvcValue>()),
+        (maps::BACKENDS6, size_of::<u32>(), size_of::<Backend6>()),
+        (maps::REVNAT6, size_of::<u16>(), size_of::<RevNat6>()),
+        (maps::SOCK_REVNAT6, size_of::<SockRevNat6Key>(), size_of::<SockRevNat6Value>()),
+        (maps::AFFINITY, size_of::<AffinityKey>(), size_of::<AffinityValue>()),
+        (maps::AFFINITY_MATCH, size_of::<AffinityMatchKey>(), size_of::<u8>()),
     ];
     for (name, k, v) in expect {
         let path = dir.join(name);
@@ -162,11 +180,17 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }
+    let revnat = cap.services.min(u16::MAX as u32);
     loader
         .map_max_entries(maps::SERVICES4, cap.services)
         .map_max_entries(maps::BACKENDS4, cap.backends)
-        .map_max_entries(maps::REVNAT4, cap.services.min(u16::MAX as u32))
-        .map_max_entries(maps::SOCK_REVNAT4, cap.sock_revnat);
+        .map_max_entries(maps::REVNAT4, revnat)
+        .map_max_entries(maps::SOCK_REVNAT4, cap.sock_revnat)
+        .map_max_entries(maps::SERVICES6, cap.services)
+        .map_max_entries(maps::BACKENDS6, cap.backends)
+        .map_max_entries(maps::REVNAT6, revnat)
+        .map_max_entries(maps::SOCK_REVNAT6, cap.sock_revnat)
+        .map_max_entries(maps::AFFINITY_MATCH, cap.backends.saturating_mul(2));
     let mut ebpf = loader.load(OBJ).context("load the BPF object")?;
 
     let cg = fs::File::open(cgroup).with_context(|| format!("open cgroup {}", cgroup.display()))?;

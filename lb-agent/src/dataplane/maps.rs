@@ -1,17 +1,32 @@
-//! Typed access to the pinned maps: read them into a `Table`, apply ops.
+//! Typed access to the pinned maps: read them into tables, apply ops.
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
+use aya::Pod;
 use aya::maps::{HashMap, Map, MapData, PerCpuArray};
-use lb_common::{Backend4, RevNat4, Svc4Key, SvcValue, maps, stats};
+use lb_common::{AffinityKey, AffinityMatchKey, AffinityValue, Backend, RevNat, SvcKey, SvcValue, maps, stats};
 
-use super::writer::{Op, Table};
+use super::writer::{Addr, Op, Table};
 
-/// The maps the agent writes, plus the stats it reads.
+/// The maps of one address family.
+pub struct FamilyMaps<A: Addr>
+where
+    SvcKey<A>: Pod,
+    Backend<A>: Pod,
+    RevNat<A>: Pod,
+{
+    names: [&'static str; 3],
+    pub services: HashMap<MapData, SvcKey<A>, SvcValue>,
+    pub backends: HashMap<MapData, u32, Backend<A>>,
+    pub revnat: HashMap<MapData, u16, RevNat<A>>,
+}
+
+/// Every map the agent reads or writes.
 pub struct Maps {
-    pub services: HashMap<MapData, Svc4Key, SvcValue>,
-    pub backends: HashMap<MapData, u32, Backend4>,
-    pub revnat: HashMap<MapData, u16, RevNat4>,
+    pub v4: FamilyMaps<[u8; 4]>,
+    pub v6: FamilyMaps<[u8; 16]>,
+    pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
+    pub affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
     pub stats: PerCpuArray<MapData, u64>,
 }
 
@@ -20,45 +35,100 @@ fn open_pinned(dir: &Path, name: &str) -> Result<MapData> {
     MapData::from_pin(&path).with_context(|| format!("open pinned map {}", path.display()))
 }
 
-impl Maps {
-    /// Open the maps pinned under `dir` (for `list`, or an agent adopting them).
-    pub fn open_pinned(dir: &Path) -> Result<Self> {
-        Ok(Self {
-            services: HashMap::try_from(Map::HashMap(open_pinned(dir, maps::SERVICES4)?))?,
-            backends: HashMap::try_from(Map::HashMap(open_pinned(dir, maps::BACKENDS4)?))?,
-            revnat: HashMap::try_from(Map::HashMap(open_pinned(dir, maps::REVNAT4)?))?,
-            stats: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(dir, maps::STATS)?))?,
-        })
+fn hash<K: Pod, V: Pod>(dir: &Path, name: &str) -> Result<HashMap<MapData, K, V>> {
+    HashMap::try_from(Map::HashMap(open_pinned(dir, name)?)).with_context(|| format!("map {name}"))
+}
+
+fn ignore_missing(r: Result<(), aya::maps::MapError>) -> Result<(), aya::maps::MapError> {
+    match r {
+        Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other,
+    }
+}
+
+impl<A: Addr> FamilyMaps<A>
+where
+    SvcKey<A>: Pod,
+    Backend<A>: Pod,
+    RevNat<A>: Pod,
+{
+    fn open(dir: &Path, names: [&'static str; 3]) -> Result<Self> {
+        Ok(Self { names, services: hash(dir, names[0])?, backends: hash(dir, names[1])?, revnat: hash(dir, names[2])? })
     }
 
-    /// Read the full contents of the maps we own.
-    pub fn read_table(&self) -> Result<Table> {
+    /// Read the full contents (the affinity-match entries of this family too).
+    pub fn read_table(&self, matches: &HashMap<MapData, AffinityMatchKey, u8>) -> Result<Table<A>> {
         let mut t = Table::default();
         for kv in self.services.iter() {
-            let (k, v) = kv.context("read LB4_SERVICES")?;
+            let (k, v) = kv.with_context(|| format!("read {}", self.names[0]))?;
             t.services.insert(k, v);
         }
         for kv in self.backends.iter() {
-            let (k, v) = kv.context("read LB4_BACKENDS")?;
+            let (k, v) = kv.with_context(|| format!("read {}", self.names[1]))?;
             t.backends.insert(k, v);
         }
         for kv in self.revnat.iter() {
-            let (k, v) = kv.context("read LB4_REVNAT")?;
+            let (k, v) = kv.with_context(|| format!("read {}", self.names[2]))?;
             t.revnat.insert(k, v);
+        }
+        for k in matches.keys() {
+            let k = k.context("read LB_AFFINITY_MATCH")?;
+            if k.family == A::FAMILY {
+                t.affinity_match.insert(k);
+            }
         }
         Ok(t)
     }
 
     /// Apply one op to the kernel maps.
-    pub fn apply(&mut self, op: &Op) -> Result<()> {
+    pub fn apply(&mut self, op: &Op<A>, matches: &mut HashMap<MapData, AffinityMatchKey, u8>) -> Result<()> {
+        let [svc, be, rn] = self.names;
         match op {
-            Op::PutBackend(id, b) => self.backends.insert(id, b, 0).with_context(|| format!("{}: insert backend {id}", maps::BACKENDS4)),
-            Op::PutRevNat(id, r) => self.revnat.insert(id, r, 0).with_context(|| format!("{}: insert rev_nat {id}", maps::REVNAT4)),
-            Op::PutSvc(k, v) => self.services.insert(k, v, 0).with_context(|| format!("{}: insert slot {} of {:?}:{}", maps::SERVICES4, k.slot, k.addr, k.port)),
-            Op::DelSvc(k) => ignore_missing(self.services.remove(k)).with_context(|| format!("{}: delete slot {} of {:?}:{}", maps::SERVICES4, k.slot, k.addr, k.port)),
-            Op::DelRevNat(id) => ignore_missing(self.revnat.remove(id)).with_context(|| format!("{}: delete rev_nat {id}", maps::REVNAT4)),
-            Op::DelBackend(id) => ignore_missing(self.backends.remove(id)).with_context(|| format!("{}: delete backend {id}", maps::BACKENDS4)),
+            Op::PutBackend(id, b) => self.backends.insert(id, b, 0).with_context(|| format!("{be}: insert backend {id}")),
+            Op::PutRevNat(id, r) => self.revnat.insert(id, r, 0).with_context(|| format!("{rn}: insert rev_nat {id}")),
+            Op::PutSvc(k, v) => self
+                .services
+                .insert(k, v, 0)
+                .with_context(|| format!("{svc}: insert slot {} of {}:{}", k.slot, k.addr.to_ip(), k.port)),
+            Op::DelSvc(k) => ignore_missing(self.services.remove(k))
+                .with_context(|| format!("{svc}: delete slot {} of {}:{}", k.slot, k.addr.to_ip(), k.port)),
+            Op::DelRevNat(id) => ignore_missing(self.revnat.remove(id)).with_context(|| format!("{rn}: delete rev_nat {id}")),
+            Op::DelBackend(id) => ignore_missing(self.backends.remove(id)).with_context(|| format!("{be}: delete backend {id}")),
+            Op::PutMatch(m) => matches.insert(m, 0, 0).context("LB_AFFINITY_MATCH: insert"),
+            Op::DelMatch(m) => ignore_missing(matches.remove(m)).context("LB_AFFINITY_MATCH: delete"),
         }
+    }
+}
+
+impl Maps {
+    /// Open the maps pinned under `dir` (for `list`, or an agent adopting them).
+    pub fn open_pinned(dir: &Path) -> Result<Self> {
+        Ok(Self {
+            v4: FamilyMaps::open(dir, [maps::SERVICES4, maps::BACKENDS4, maps::REVNAT4])?,
+            v6: FamilyMaps::open(dir, [maps::SERVICES6, maps::BACKENDS6, maps::REVNAT6])?,
+            affinity: HashMap::try_from(Map::LruHashMap(open_pinned(dir, maps::AFFINITY)?))?,
+            affinity_match: hash(dir, maps::AFFINITY_MATCH)?,
+            stats: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(dir, maps::STATS)?))?,
+        })
+    }
+
+    /// Forget the sessionAffinity state of these frontends (affinity turned
+    /// off, or the frontend removed), so that it cannot come back stale.
+    pub fn purge_affinity(&mut self, family: u8, rev_nat_ids: &std::collections::BTreeSet<u16>) -> Result<usize> {
+        if rev_nat_ids.is_empty() {
+            return Ok(0);
+        }
+        let stale: Vec<AffinityKey> = self
+            .affinity
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| k.family == family && rev_nat_ids.contains(&k.rev_nat_id))
+            .collect();
+        for k in &stale {
+            ignore_missing(self.affinity.remove(k)).context("LB_AFFINITY: delete")?;
+        }
+        Ok(stale.len())
     }
 
     /// The stats counters, summed over CPUs, by name.
@@ -69,13 +139,5 @@ impl Maps {
             out.push((*name, per_cpu.iter().sum()));
         }
         Ok(out)
-    }
-}
-
-fn ignore_missing(r: Result<(), aya::maps::MapError>) -> Result<(), aya::maps::MapError> {
-    match r {
-        Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
-        other => other,
     }
 }

@@ -15,34 +15,74 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 
 use lb_common::{
-    Backend4, PROTO_TCP, PROTO_UDP, RevNat4, SCOPE_ALL, SCOPE_LOCAL, Svc4Key, SvcValue,
-    backend_flags, svc_flags,
+    AffinityMatchKey, Backend, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, RevNat, SCOPE_ALL,
+    SCOPE_LOCAL, SvcKey, SvcValue, backend_flags, svc_flags,
 };
 
-use crate::model::{Backend, Desired, Proto, ServiceRef};
+use crate::model::{self, Desired, Proto, ServiceRef};
 
-/// The exact contents of the maps the agent owns.
+/// An address family, by the byte array its maps store addresses in.
+pub trait Addr: Copy + Ord + std::hash::Hash + std::fmt::Debug + Default + Send + Sync + 'static {
+    const FAMILY: u8;
+    const NAME: &'static str;
+    fn from_ip(ip: IpAddr) -> Option<Self>;
+    fn to_ip(self) -> IpAddr;
+}
+
+impl Addr for [u8; 4] {
+    const FAMILY: u8 = FAMILY_V4;
+    const NAME: &'static str = "IPv4";
+    fn from_ip(ip: IpAddr) -> Option<Self> {
+        match ip {
+            IpAddr::V4(a) => Some(a.octets()),
+            IpAddr::V6(_) => None,
+        }
+    }
+    fn to_ip(self) -> IpAddr {
+        IpAddr::from(self)
+    }
+}
+
+impl Addr for [u8; 16] {
+    const FAMILY: u8 = FAMILY_V6;
+    const NAME: &'static str = "IPv6";
+    fn from_ip(ip: IpAddr) -> Option<Self> {
+        match ip {
+            IpAddr::V6(a) => Some(a.octets()),
+            IpAddr::V4(_) => None,
+        }
+    }
+    fn to_ip(self) -> IpAddr {
+        IpAddr::from(self)
+    }
+}
+
+/// The exact contents of the maps the agent owns, for one family.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Table {
-    pub services: BTreeMap<Svc4Key, SvcValue>,
-    pub backends: BTreeMap<u32, Backend4>,
-    pub revnat: BTreeMap<u16, RevNat4>,
+pub struct Table<A> {
+    pub services: BTreeMap<SvcKey<A>, SvcValue>,
+    pub backends: BTreeMap<u32, Backend<A>>,
+    pub revnat: BTreeMap<u16, RevNat<A>>,
+    /// (rev_nat_id, backend_id) pairs of frontends with sessionAffinity.
+    pub affinity_match: BTreeSet<AffinityMatchKey>,
 }
 
 /// One map write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    PutBackend(u32, Backend4),
-    PutRevNat(u16, RevNat4),
-    PutSvc(Svc4Key, SvcValue),
-    DelSvc(Svc4Key),
+pub enum Op<A> {
+    PutBackend(u32, Backend<A>),
+    PutRevNat(u16, RevNat<A>),
+    PutMatch(AffinityMatchKey),
+    PutSvc(SvcKey<A>, SvcValue),
+    DelSvc(SvcKey<A>),
+    DelMatch(AffinityMatchKey),
     DelRevNat(u16),
     DelBackend(u32),
 }
 
-impl Table {
+impl<A: Addr> Table<A> {
     /// Apply one op to this in-memory mirror.
-    pub fn apply(&mut self, op: &Op) {
+    pub fn apply(&mut self, op: &Op<A>) {
         match *op {
             Op::PutBackend(id, b) => {
                 self.backends.insert(id, b);
@@ -61,6 +101,12 @@ impl Table {
             }
             Op::DelBackend(id) => {
                 self.backends.remove(&id);
+            }
+            Op::PutMatch(m) => {
+                self.affinity_match.insert(m);
+            }
+            Op::DelMatch(m) => {
+                self.affinity_match.remove(&m);
             }
         }
     }
@@ -83,10 +129,10 @@ pub fn proto_num(p: Proto) -> u8 {
 
 /// What the target table was built from, to name a Service in errors.
 #[derive(Clone, Debug, Default)]
-pub struct Target {
-    pub table: Table,
+pub struct Target<A> {
+    pub table: Table<A>,
     /// `(addr, port, proto)` of each frontend -> the Service it belongs to.
-    pub owners: HashMap<([u8; 4], u16, u8), ServiceRef>,
+    pub owners: HashMap<(A, u16, u8), ServiceRef>,
     /// Frontends left out, with the reason.
     pub skipped: Vec<String>,
 }
@@ -130,29 +176,25 @@ impl IdAlloc {
     }
 }
 
-/// Build the map contents for `desired`, reusing the ids of `current`
-/// wherever the same backend or frontend already has one.
-pub fn build(desired: &Desired, current: &Table, cursors: &mut Cursors) -> Target {
-    let mut t = Target::default();
+/// Build the map contents of family `A` for `desired`, reusing the ids of
+/// `current` wherever the same backend or frontend already has one.
+pub fn build<A: Addr>(desired: &Desired, current: &Table<A>, cursors: &mut Cursors) -> Target<A> {
+    let mut t = Target { table: Table::default(), owners: HashMap::new(), skipped: Vec::new() };
 
     // Backend identity is (addr, port, proto); flags may change in place.
-    let mut backend_ids: HashMap<([u8; 4], u16, u8), u32> = current
+    let mut backend_ids: HashMap<(A, u16, u8), u32> = current
         .backends
         .iter()
         .map(|(id, b)| ((b.addr, b.port, b.proto), *id))
         .collect();
-    let mut revnat_ids: HashMap<([u8; 4], u16), u16> =
+    let mut revnat_ids: HashMap<(A, u16), u16> =
         current.revnat.iter().map(|(id, r)| ((r.addr, r.port), *id)).collect();
     let mut backend_alloc = IdAlloc::new(current.backends.keys().copied(), cursors.backend, u32::MAX);
     let mut revnat_alloc =
         IdAlloc::new(current.revnat.keys().map(|k| *k as u32), cursors.revnat, u16::MAX as u32);
 
     for (key, front) in &desired.frontends {
-        let IpAddr::V4(vip) = key.addr else {
-            t.skipped.push(format!("Service {}: {key}: IPv6 is not supported yet", front.service));
-            continue;
-        };
-        let addr = vip.octets();
+        let Some(addr) = A::from_ip(key.addr) else { continue };
         let proto = proto_num(key.proto);
         t.owners.insert((addr, key.port, proto), front.service.clone());
 
@@ -167,13 +209,14 @@ pub fn build(desired: &Desired, current: &Table, cursors: &mut Cursors) -> Targe
                 id as u16
             }
         };
-        t.table.revnat.insert(rev_nat_id, RevNat4 { addr, port: key.port, _pad: 0 });
+        t.table.revnat.insert(rev_nat_id, RevNat { addr, port: key.port, _pad: 0 });
 
-        let mut slots_for = |backends: &[Backend], scope: u8, t: &mut Target| -> u16 {
+        let affinity = front.affinity_timeout.is_some();
+        let mut slots_for = |backends: &[model::Backend], scope: u8, t: &mut Target<A>| -> u16 {
             let mut n = 0u16;
             for b in backends {
-                let IpAddr::V4(ba) = b.addr else { continue };
-                let ident = (ba.octets(), b.port, proto);
+                let Some(baddr) = A::from_ip(b.addr) else { continue };
+                let ident = (baddr, b.port, proto);
                 let id = match backend_ids.get(&ident) {
                     Some(id) => *id,
                     None => {
@@ -189,10 +232,18 @@ pub fn build(desired: &Desired, current: &Table, cursors: &mut Cursors) -> Targe
                 if b.terminating {
                     flags |= backend_flags::TERMINATING;
                 }
-                t.table.backends.insert(id, Backend4 { addr: ident.0, port: b.port, proto, flags });
+                t.table.backends.insert(id, Backend { addr: baddr, port: b.port, proto, flags });
+                if affinity {
+                    t.table.affinity_match.insert(AffinityMatchKey {
+                        backend_id: id,
+                        rev_nat_id,
+                        family: A::FAMILY,
+                        _pad: 0,
+                    });
+                }
                 n += 1;
                 t.table.services.insert(
-                    Svc4Key::new(addr, key.port, proto, scope, n),
+                    SvcKey::new(addr, key.port, proto, scope, n),
                     SvcValue { backend_id: id, rev_nat_id, ..Default::default() },
                 );
             }
@@ -205,15 +256,18 @@ pub fn build(desired: &Desired, current: &Table, cursors: &mut Cursors) -> Targe
             flags |= svc_flags::LOCAL_ONLY;
             let n = slots_for(&front.local_backends, SCOPE_LOCAL, &mut t);
             t.table.services.insert(
-                Svc4Key::new(addr, key.port, proto, SCOPE_LOCAL, 0),
+                SvcKey::new(addr, key.port, proto, SCOPE_LOCAL, 0),
                 SvcValue { count: n, rev_nat_id, ..Default::default() },
             );
         }
-        if front.affinity_timeout.is_some() {
+        if affinity {
             flags |= svc_flags::AFFINITY;
         }
+        if front.topology {
+            flags |= svc_flags::TOPOLOGY;
+        }
         t.table.services.insert(
-            Svc4Key::new(addr, key.port, proto, SCOPE_ALL, 0),
+            SvcKey::new(addr, key.port, proto, SCOPE_ALL, 0),
             SvcValue {
                 backend_id: 0,
                 count,
@@ -227,9 +281,9 @@ pub fn build(desired: &Desired, current: &Table, cursors: &mut Cursors) -> Targe
     cursors.backend = backend_alloc.next;
     cursors.revnat = revnat_alloc.next;
     for vip in &desired.vips {
-        if let IpAddr::V4(v) = vip {
+        if let Some(v) = A::from_ip(*vip) {
             t.table.services.insert(
-                Svc4Key::new(v.octets(), 0, 0, SCOPE_ALL, 0),
+                SvcKey::new(v, 0, 0, SCOPE_ALL, 0),
                 SvcValue { flags: svc_flags::VIP_MARKER, ..Default::default() },
             );
         }
@@ -237,14 +291,14 @@ pub fn build(desired: &Desired, current: &Table, cursors: &mut Cursors) -> Targe
     t
 }
 
-fn is_marker(k: &Svc4Key) -> bool {
+fn is_marker<A>(k: &SvcKey<A>) -> bool {
     k.port == 0 && k.proto == 0
 }
 
 /// The ops that turn `current` into `target`, in the safe order.
-pub fn plan(current: &Table, target: &Table) -> Vec<Op> {
+pub fn plan<A: Addr>(current: &Table<A>, target: &Table<A>) -> Vec<Op<A>> {
     let mut ops = Vec::new();
-    let changed = |k: &Svc4Key, v: &SvcValue| current.services.get(k) != Some(v);
+    let changed = |k: &SvcKey<A>, v: &SvcValue| current.services.get(k) != Some(v);
 
     // 1. New and changed backends, new rev_nat entries.
     for (id, b) in &target.backends {
@@ -257,9 +311,12 @@ pub fn plan(current: &Table, target: &Table) -> Vec<Op> {
             ops.push(Op::PutRevNat(*id, *r));
         }
     }
+    for m in target.affinity_match.difference(&current.affinity_match) {
+        ops.push(Op::PutMatch(*m));
+    }
     // 2. Slots before the slot 0 that counts them; node-local slot 0 before
     //    the frontend's slot 0 that points to it; VIP markers last.
-    let puts = |pred: &dyn Fn(&Svc4Key) -> bool, ops: &mut Vec<Op>| {
+    let puts = |pred: &dyn Fn(&SvcKey<A>) -> bool, ops: &mut Vec<Op<A>>| {
         for (k, v) in &target.services {
             if pred(k) && changed(k, v) {
                 ops.push(Op::PutSvc(*k, *v));
@@ -272,7 +329,7 @@ pub fn plan(current: &Table, target: &Table) -> Vec<Op> {
     puts(&|k| is_marker(k), &mut ops);
 
     // 3. Deletions: a frontend's slot 0 before its slots.
-    let dels = |pred: &dyn Fn(&Svc4Key) -> bool, ops: &mut Vec<Op>| {
+    let dels = |pred: &dyn Fn(&SvcKey<A>) -> bool, ops: &mut Vec<Op<A>>| {
         for k in current.services.keys() {
             if pred(k) && !target.services.contains_key(k) {
                 ops.push(Op::DelSvc(*k));
@@ -283,6 +340,9 @@ pub fn plan(current: &Table, target: &Table) -> Vec<Op> {
     dels(&|k| k.slot == 0 && k.scope == SCOPE_LOCAL, &mut ops);
     dels(&|k| k.slot != 0, &mut ops);
     dels(&|k| is_marker(k), &mut ops);
+    for m in current.affinity_match.difference(&target.affinity_match) {
+        ops.push(Op::DelMatch(*m));
+    }
 
     // 4. What nothing references any more.
     for id in current.revnat.keys() {
@@ -314,15 +374,15 @@ mod tests {
         Broken(String),
     }
 
-    fn resolve(t: &Table, addr: [u8; 4], port: u16, proto: u8) -> Seen {
-        let Some(front) = t.services.get(&Svc4Key::new(addr, port, proto, SCOPE_ALL, 0)) else {
-            return match t.services.get(&Svc4Key::new(addr, 0, 0, SCOPE_ALL, 0)) {
+    fn resolve(t: &Table<[u8; 4]>, addr: [u8; 4], port: u16, proto: u8) -> Seen {
+        let Some(front) = t.services.get(&SvcKey::new(addr, port, proto, SCOPE_ALL, 0)) else {
+            return match t.services.get(&SvcKey::new(addr, 0, 0, SCOPE_ALL, 0)) {
                 Some(_) => Seen::Refused,
                 None => Seen::Pass,
             };
         };
         let (scope, n) = if front.flags & svc_flags::LOCAL_ONLY != 0 {
-            match t.services.get(&Svc4Key::new(addr, port, proto, SCOPE_LOCAL, 0)) {
+            match t.services.get(&SvcKey::new(addr, port, proto, SCOPE_LOCAL, 0)) {
                 Some(l) => (SCOPE_LOCAL, l.count),
                 None => return Seen::Broken("local slot 0 missing".into()),
             }
@@ -334,7 +394,7 @@ mod tests {
         }
         let mut out = BTreeSet::new();
         for slot in 1..=n {
-            let Some(s) = t.services.get(&Svc4Key::new(addr, port, proto, scope, slot)) else {
+            let Some(s) = t.services.get(&SvcKey::new(addr, port, proto, scope, slot)) else {
                 return Seen::Broken(format!("slot {slot} missing"));
             };
             let Some(b) = t.backends.get(&s.backend_id) else {
@@ -352,9 +412,9 @@ mod tests {
     fn desired(services: &[(&str, u16, &[&str], bool)]) -> Desired {
         let mut d = Desired::default();
         for (vip, port, backends, local_only) in services {
-            let bs: Vec<Backend> = backends
+            let bs: Vec<model::Backend> = backends
                 .iter()
-                .map(|b| Backend { addr: b.parse().unwrap(), port: 8080, local: true, terminating: false })
+                .map(|b| model::Backend { addr: b.parse().unwrap(), port: 8080, local: true, terminating: false })
                 .collect();
             d.frontends.insert(
                 FrontendKey { addr: vip.parse().unwrap(), port: *port, proto: Proto::Tcp },
@@ -365,6 +425,7 @@ mod tests {
                     local_only: *local_only,
                     local_backends: bs,
                     affinity_timeout: None,
+                    topology: false,
                 },
             );
             d.vips.insert(vip.parse().unwrap());
@@ -374,8 +435,8 @@ mod tests {
 
     /// Apply every step of the plan from `a` to `b` and check, in every
     /// intermediate state, what a connect to each frontend would see.
-    fn check_transition(a: &Desired, b: &Desired) -> Table {
-        let start = build(a, &Table::default(), &mut Cursors::default()).table;
+    fn check_transition(a: &Desired, b: &Desired) -> Table<[u8; 4]> {
+        let start = build::<[u8; 4]>(a, &Table::default(), &mut Cursors::default()).table;
         let target = build(b, &start, &mut Cursors::default());
         let ops = plan(&start, &target.table);
         let fronts: BTreeSet<([u8; 4], u16)> = a
@@ -459,7 +520,7 @@ mod tests {
     fn ids_are_reused_for_unchanged_backends() {
         let a = desired(&[("10.96.0.1", 80, &[A, B], false)]);
         let c = &mut Cursors::default();
-        let t1 = build(&a, &Table::default(), c).table;
+        let t1 = build::<[u8; 4]>(&a, &Table::default(), c).table;
         let b = desired(&[("10.96.0.1", 80, &[A, B, C], false), ("10.96.0.2", 80, &[A], false)]);
         let t2 = build(&b, &t1, c).table;
         for (id, be) in &t1.backends {
@@ -473,7 +534,7 @@ mod tests {
     #[test]
     fn freed_ids_are_not_reused_at_once() {
         let c = &mut Cursors::default();
-        let t1 = build(&desired(&[("10.96.0.1", 80, &[A, B], false)]), &Table::default(), c).table;
+        let t1 = build::<[u8; 4]>(&desired(&[("10.96.0.1", 80, &[A, B], false)]), &Table::default(), c).table;
         let t2 = build(&desired(&[("10.96.0.1", 80, &[A], false)]), &t1, c).table;
         let t3 = build(&desired(&[("10.96.0.1", 80, &[A, C], false)]), &t2, c).table;
         let id_b = t1.backends.iter().find(|(_, b)| b.addr == v4(B)).unwrap().0;
@@ -485,13 +546,13 @@ mod tests {
     fn layout_of_one_service() {
         let mut d = desired(&[("10.96.0.10", 80, &[A, B], false)]);
         d.frontends.values_mut().next().unwrap().affinity_timeout = Some(60);
-        let t = build(&d, &Table::default(), &mut Cursors::default()).table;
-        let s0 = t.services[&Svc4Key::new(v4("10.96.0.10"), 80, PROTO_TCP, SCOPE_ALL, 0)];
+        let t = build::<[u8; 4]>(&d, &Table::default(), &mut Cursors::default()).table;
+        let s0 = t.services[&SvcKey::new(v4("10.96.0.10"), 80, PROTO_TCP, SCOPE_ALL, 0)];
         assert_eq!(s0.count, 2);
         assert_eq!(s0.flags, svc_flags::AFFINITY);
         assert_eq!(s0.affinity_timeout, 60);
-        assert_eq!(t.revnat[&s0.rev_nat_id], RevNat4 { addr: v4("10.96.0.10"), port: 80, _pad: 0 });
-        let marker = t.services[&Svc4Key::new(v4("10.96.0.10"), 0, 0, SCOPE_ALL, 0)];
+        assert_eq!(t.revnat[&s0.rev_nat_id], RevNat { addr: v4("10.96.0.10"), port: 80, _pad: 0 });
+        let marker = t.services[&SvcKey::new(v4("10.96.0.10"), 0, 0, SCOPE_ALL, 0)];
         assert_eq!(marker.flags, svc_flags::VIP_MARKER);
         assert_eq!(t.frontend_count(), 1);
         assert_eq!(
@@ -503,10 +564,36 @@ mod tests {
     }
 
     #[test]
-    fn ipv6_frontends_are_reported_not_programmed() {
-        let d = desired(&[("fd00::1", 80, &["fd00::2"], false)]);
-        let t = build(&d, &Table::default(), &mut Cursors::default());
-        assert!(t.table.services.is_empty());
-        assert_eq!(t.skipped.len(), 1);
+    fn each_family_gets_its_own_table() {
+        let d = desired(&[("fd00::1", 80, &["fd00::2"], false), ("10.96.0.1", 80, &[A], false)]);
+        let t4 = build::<[u8; 4]>(&d, &Table::default(), &mut Cursors::default()).table;
+        let t6 = build::<[u8; 16]>(&d, &Table::default(), &mut Cursors::default()).table;
+        assert_eq!(t4.frontend_count(), 1);
+        assert_eq!(t6.frontend_count(), 1);
+        let b6: Vec<_> = t6.backends.values().map(|b| b.addr).collect();
+        assert_eq!(b6, ["fd00::2".parse::<std::net::Ipv6Addr>().unwrap().octets()]);
+    }
+
+    #[test]
+    fn affinity_match_entries_follow_the_backends() {
+        let mut a = desired(&[("10.96.0.1", 80, &[A, B], false)]);
+        a.frontends.values_mut().next().unwrap().affinity_timeout = Some(30);
+        let mut b = desired(&[("10.96.0.1", 80, &[B, C], false)]);
+        b.frontends.values_mut().next().unwrap().affinity_timeout = Some(30);
+        let c = &mut Cursors::default();
+        let ta = build::<[u8; 4]>(&a, &Table::default(), c).table;
+        assert_eq!(ta.affinity_match.len(), 2);
+        let tb = build::<[u8; 4]>(&b, &ta, c).table;
+        let ops = plan(&ta, &tb);
+        // A new pair exists before a slot can name its backend; an old pair
+        // goes only after no slot names it.
+        let last_put_match = ops.iter().rposition(|o| matches!(o, Op::PutMatch(_))).unwrap();
+        let first_del_match = ops.iter().position(|o| matches!(o, Op::DelMatch(_))).unwrap();
+        let first_slot = ops.iter().position(|o| matches!(o, Op::PutSvc(..))).unwrap();
+        let last_slot = ops.iter().rposition(|o| matches!(o, Op::PutSvc(..) | Op::DelSvc(_))).unwrap();
+        assert!(last_put_match < first_slot && last_slot < first_del_match, "{ops:#?}");
+        // Affinity off: no match entries left.
+        let off = desired(&[("10.96.0.1", 80, &[B, C], false)]);
+        assert!(build::<[u8; 4]>(&off, &tb, c).table.affinity_match.is_empty());
     }
 }

@@ -1,7 +1,7 @@
 //! The `dir:` source: a directory of `.yaml`, `.yml` and `.json` files as
 //! `kubectl get -o yaml` prints them. One or many documents per file, or a
-//! `List`. Kinds `Service` (v1) and `EndpointSlice` (discovery.k8s.io/v1);
-//! other kinds are ignored.
+//! `List`. Kinds `Service` and `Node` (v1) and `EndpointSlice`
+//! (discovery.k8s.io/v1); other kinds are ignored.
 //!
 //! A file that does not parse is reported by name and keeps its last good
 //! content, so one bad edit never takes other objects (or its own) away.
@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde::Deserialize;
 
@@ -28,6 +28,7 @@ pub enum ParseError {
 pub struct FileObjects {
     pub services: Vec<Service>,
     pub slices: Vec<EndpointSlice>,
+    pub nodes: Vec<Node>,
 }
 
 fn is_source_file(p: &Path) -> bool {
@@ -51,7 +52,7 @@ fn add_object(
         return Err(err("no kind".into()));
     }
     match kind.as_str() {
-        "List" | "ServiceList" | "EndpointSliceList" => {
+        "List" | "ServiceList" | "EndpointSliceList" | "NodeList" => {
             let items = match v.get("items") {
                 Some(serde_json::Value::Array(a)) => a.clone(),
                 Some(serde_json::Value::Null) | None => Vec::new(),
@@ -81,6 +82,13 @@ fn add_object(
                 return Err(err("EndpointSlice without metadata.name".into()));
             }
             out.slices.push(s);
+        }
+        "Node" => {
+            if api != "v1" {
+                return Err(err(format!("Node with apiVersion {api:?}, want v1")));
+            }
+            let n: Node = serde_json::from_value(v).map_err(|e| err(format!("Node: {e}")))?;
+            out.nodes.push(n);
         }
         other => tracing::debug!(file, doc, kind = other, "ignoring object of another kind"),
     }
@@ -210,6 +218,7 @@ impl DirState {
         for e in self.files.values() {
             snap.services.extend(e.objects.services.iter().cloned());
             snap.slices.extend(e.objects.slices.iter().cloned());
+            snap.nodes.extend(e.objects.nodes.iter().cloned());
         }
         snap
     }

@@ -1,6 +1,6 @@
 //! Where Kubernetes objects come from. Sources know nothing about BPF: they
 //! hand the agent a full snapshot of objects each time something changes.
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 pub mod dir;
@@ -10,6 +10,7 @@ pub mod dir;
 pub struct Snapshot {
     pub services: Vec<Service>,
     pub slices: Vec<EndpointSlice>,
+    pub nodes: Vec<Node>,
 }
 
 /// `--source` parsed.
