@@ -129,6 +129,7 @@ pub struct Node {
     pub name: String,
     pub netns: String,
     pub ip: String,
+    pub ip6: String,
     pub cgroup: PathBuf,
     pub bpffs: PathBuf,
     pub pod_cidr_prefix: String,
@@ -141,6 +142,7 @@ pub struct Pod {
     pub name: String,
     pub netns: String,
     pub ip: String,
+    pub ip6: String,
     pub node: usize,
     pub cgroup: PathBuf,
 }
@@ -211,6 +213,7 @@ impl Cluster {
                 name: format!("node-{i}"),
                 netns: netns.clone(),
                 ip: format!("192.168.77.{}", 10 + i),
+                ip6: format!("fd00:77::{}", 10 + i),
                 cgroup: root.join(&netns),
                 bpffs: PathBuf::from("/sys/fs/bpf").join(&netns),
                 pod_cidr_prefix: format!("10.244.{i}"),
@@ -227,17 +230,23 @@ impl Cluster {
             ip(&["-n", &fab, "link", "add", &fab_if, "type", "veth", "peer", "name", "eth0", "netns", &netns])?;
             ip(&["-n", &fab, "link", "set", &fab_if, "master", "br0", "up"])?;
             ip(&["-n", &netns, "addr", "add", &format!("{}/24", node.ip), "dev", "eth0"])?;
+            ip(&["-n", &netns, "addr", "add", &format!("{}/64", node.ip6), "dev", "eth0", "nodad"])?;
             ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
             ip(&["-n", &netns, "link", "add", "cni0", "type", "bridge"])?;
             ip(&["-n", &netns, "addr", "add", &format!("{}.1/24", node.pod_cidr_prefix), "dev", "cni0"])?;
+            ip(&["-n", &netns, "addr", "add", &format!("fd00:244:{i}::1/64"), "dev", "cni0", "nodad"])?;
             ip(&["-n", &netns, "link", "set", "cni0", "up"])?;
-            run("nsenter", &[&format!("--net=/run/netns/{netns}"), "sysctl", "-qw", "net.ipv4.ip_forward=1"])?;
+            run(
+                "nsenter",
+                &[&format!("--net=/run/netns/{netns}"), "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"],
+            )?;
         }
         // Routes between the nodes' pod CIDRs; no default route anywhere.
         for a in &self.nodes {
             for b in &self.nodes {
                 if a.index != b.index {
                     ip(&["-n", &a.netns, "route", "add", &format!("{}.0/24", b.pod_cidr_prefix), "via", &b.ip])?;
+                    ip(&["-n", &a.netns, "-6", "route", "add", &format!("fd00:244:{}::/64", b.index), "via", &b.ip6])?;
                 }
             }
         }
@@ -255,6 +264,7 @@ impl Cluster {
             name: name.to_string(),
             netns: netns.clone(),
             ip: format!("{}.{k}", n.pod_cidr_prefix),
+            ip6: format!("fd00:244:{node}::{k}"),
             node,
             cgroup: n.cgroup.clone(),
         };
@@ -267,9 +277,24 @@ impl Cluster {
         ip(&["-n", &node_ns, "link", "add", &host_if, "type", "veth", "peer", "name", "eth0", "netns", &netns])?;
         ip(&["-n", &node_ns, "link", "set", &host_if, "master", "cni0", "up"])?;
         ip(&["-n", &netns, "addr", "add", &format!("{}/24", pod.ip), "dev", "eth0"])?;
+        ip(&["-n", &netns, "addr", "add", &format!("{}/64", pod.ip6), "dev", "eth0", "nodad"])?;
         ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
         ip(&["-n", &netns, "route", "add", "default", "via", &gw])?;
+        ip(&["-n", &netns, "-6", "route", "add", "default", "via", &format!("fd00:244:{node}::1")])?;
         Ok(pod)
+    }
+
+    /// A hostNetwork "pod": processes in node `node`'s own netns and cgroup.
+    pub fn host(&self, node: usize) -> Pod {
+        let n = &self.nodes[node - 1];
+        Pod {
+            name: format!("{}-host", n.name),
+            netns: n.netns.clone(),
+            ip: n.ip.clone(),
+            ip6: n.ip6.clone(),
+            node,
+            cgroup: n.cgroup.clone(),
+        }
     }
 
     fn probe_cmd(&self, pod: &Pod) -> Command {
@@ -281,9 +306,14 @@ impl Cluster {
     /// Run a backend server in `pod` that answers with the pod's name on TCP
     /// and UDP `port`. Returns once it listens.
     pub fn serve(&self, pod: &Pod, port: u16) -> Result<u32> {
+        self.serve_as(pod, &pod.name, port)
+    }
+
+    /// Like `serve`, answering with `name`.
+    pub fn serve_as(&self, pod: &Pod, name: &str, port: u16) -> Result<u32> {
         let mut child = self
             .probe_cmd(pod)
-            .args(["serve", "--name", &pod.name, "--port", &port.to_string()])
+            .args(["serve", "--name", name, "--port", &port.to_string()])
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()?;
@@ -341,6 +371,11 @@ impl Cluster {
     /// Start `lb-agent run` in node `node`'s netns, attached to its cgroup,
     /// and wait for its first full sync.
     pub fn start_agent(&mut self, node: usize) -> Result<()> {
+        self.start_agent_with(node, &[])
+    }
+
+    /// `start_agent` with extra `lb-agent run` flags.
+    pub fn start_agent_with(&mut self, node: usize, extra: &[&str]) -> Result<()> {
         let log = self.agent_log(node);
         let before = std::fs::read_to_string(&log).map(|s| s.matches("initial sync complete").count()).unwrap_or(0);
         let n = &self.nodes[node - 1];
@@ -358,6 +393,7 @@ impl Cluster {
             .arg(&n.cgroup)
             .arg("--bpffs")
             .arg(&n.bpffs)
+            .args(extra)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")
             .stdout(f.try_clone()?)

@@ -42,3 +42,73 @@ pub fn slice(svc: &str, name: &str, ports: &[(&str, u16, &str)], eps: &[Ep]) -> 
     }
     s
 }
+
+/// A Service with several clusterIPs (dual-stack), with extra `spec:` lines.
+pub fn service_ips(name: &str, cluster_ips: &[&str], ports: &[SvcPort], extra_spec: &str) -> String {
+    let mut s = format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  type: ClusterIP\n  clusterIP: {}\n  clusterIPs: [{}]\n  ports:\n",
+        cluster_ips[0],
+        cluster_ips.iter().map(|ip| format!("\"{ip}\"")).collect::<Vec<_>>().join(", ")
+    );
+    for (pname, port, target, proto) in ports {
+        s += &format!("  - name: {pname}\n    port: {port}\n    targetPort: {target}\n    protocol: {proto}\n");
+    }
+    s += extra_spec;
+    s
+}
+
+/// An endpoint with every condition spelled out.
+#[derive(Clone, Debug)]
+pub struct Endpoint {
+    pub ip: String,
+    pub node: String,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub zones: Vec<String>,
+}
+
+impl Endpoint {
+    pub fn ready(ip: &str, node: &str) -> Self {
+        Self { ip: ip.into(), node: node.into(), ready: true, serving: true, terminating: false, zones: vec![] }
+    }
+    pub fn not_ready(ip: &str, node: &str) -> Self {
+        Self { ready: false, serving: false, ..Self::ready(ip, node) }
+    }
+    pub fn terminating(ip: &str, node: &str) -> Self {
+        Self { ready: false, serving: true, terminating: true, ..Self::ready(ip, node) }
+    }
+    pub fn zone(mut self, z: &str) -> Self {
+        self.zones.push(z.into());
+        self
+    }
+}
+
+/// An EndpointSlice of `family` ("IPv4" or "IPv6").
+pub fn slice_of(svc: &str, name: &str, family: &str, ports: &[(&str, u16, &str)], eps: &[Endpoint]) -> String {
+    let mut s = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: default\n  labels:\n    kubernetes.io/service-name: {svc}\naddressType: {family}\nports:\n"
+    );
+    for (pname, port, proto) in ports {
+        s += &format!("- name: {pname}\n  port: {port}\n  protocol: {proto}\n");
+    }
+    s += if eps.is_empty() { "endpoints: []\n" } else { "endpoints:\n" };
+    for e in eps {
+        s += &format!(
+            "- addresses: [\"{}\"]\n  nodeName: {}\n  conditions:\n    ready: {}\n    serving: {}\n    terminating: {}\n",
+            e.ip, e.node, e.ready, e.serving, e.terminating
+        );
+        if !e.zones.is_empty() {
+            s += "  hints:\n    forZones:\n";
+            for z in &e.zones {
+                s += &format!("    - name: {z}\n");
+            }
+        }
+    }
+    s
+}
+
+/// A Node object with a zone label.
+pub fn node(name: &str, zone: &str) -> String {
+    format!("apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\n  labels:\n    topology.kubernetes.io/zone: {zone}\n")
+}

@@ -122,8 +122,9 @@ fn enter(netns: Option<&str>, cgroup: Option<&str>) -> anyhow::Result<()> {
 }
 
 fn serve(name: String, port: u16) -> anyhow::Result<()> {
-    let tcp = TcpListener::bind(("0.0.0.0", port))?;
-    let udp = UdpSocket::bind(("0.0.0.0", port))?;
+    // Dual-stack: [::] also takes IPv4 (net.ipv6.bindv6only is 0).
+    let tcp = TcpListener::bind(("::", port))?;
+    let udp = UdpSocket::bind(("::", port))?;
     println!("ready");
     std::io::stdout().flush()?;
     let uname = name.clone();
@@ -267,7 +268,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Udp { addr, count, connected, one_socket, timeout_ms } => {
             let new_sock = || -> anyhow::Result<UdpSocket> {
-                let u = UdpSocket::bind("0.0.0.0:0")?;
+                let u = UdpSocket::bind(if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
                 u.set_read_timeout(Some(Duration::from_millis(timeout_ms)))?;
                 Ok(u)
             };

@@ -1,0 +1,424 @@
+//! Every ClusterIP behaviour Kubernetes defines, in the socket path, on
+//! IPv4 and IPv6: each test asserts what the client sees.
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use anyhow::Result;
+use lbtest::objects::{Endpoint as E, SvcPort, node, service_ips, slice_of};
+use lbtest::{Cluster, Pod, Summary};
+
+const SP: &[SvcPort] = &[("http", 80, 8080, "TCP"), ("dns", 53, 8080, "UDP")];
+const EP: &[(&str, u16, &str)] = &[("http", 8080, "TCP"), ("dns", 8080, "UDP")];
+
+fn tcp(c: &Cluster, pod: &Pod, addr: &str, n: u32) -> Result<Summary> {
+    c.probe(pod, &["tcp", "--addr", addr, "--count", &n.to_string()])
+}
+
+fn udp(c: &Cluster, pod: &Pod, addr: &str, n: u32, extra: &[&str]) -> Result<Summary> {
+    let n = n.to_string();
+    let mut args = vec!["udp", "--addr", addr, "--count", &n];
+    args.extend_from_slice(extra);
+    c.probe(pod, &args)
+}
+
+fn names(s: &Summary) -> BTreeSet<&str> {
+    s.replies.keys().map(String::as_str).collect()
+}
+
+fn peers(s: &Summary) -> Vec<&str> {
+    s.peers.keys().map(String::as_str).collect()
+}
+
+fn be(ip: &str, port: u16) -> String {
+    format!("{ip}:{port}")
+}
+
+/// A node with `pods` backend pods serving on 8080 and a client pod.
+fn one_node(pods: &[&str]) -> Result<(Cluster, Vec<Pod>, Pod)> {
+    let mut c = Cluster::new(1)?;
+    let mut v = Vec::new();
+    for name in pods {
+        let p = c.add_pod(1, name)?;
+        c.serve(&p, 8080)?;
+        v.push(p);
+    }
+    let client = c.add_pod(1, "client")?;
+    Ok((c, v, client))
+}
+
+fn ready4(pods: &[&Pod]) -> Vec<E> {
+    pods.iter().map(|p| E::ready(&p.ip, &format!("node-{}", p.node))).collect()
+}
+
+fn wait(c: &Cluster, vip: &str, port: u16, proto: &str, backends: &[String]) -> Result<()> {
+    let v: Vec<&str> = backends.iter().map(String::as_str).collect();
+    c.wait_programmed(vip, port, proto, Some(&v))
+}
+
+#[test]
+fn ipv6_cluster_ip_reaches_ipv6_backends_and_reports_itself() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a", "pod-b"])?;
+    c.write_object("svc.yaml", &service_ips("web6", &["fd00:96::10"], SP, ""))?;
+    let eps: Vec<E> = p.iter().map(|p| E::ready(&p.ip6, "node-1")).collect();
+    c.write_object("slice.yaml", &slice_of("web6", "web6-1", "IPv6", EP, &eps))?;
+    c.start_agent(1)?;
+    wait(&c, "fd00:96::10", 80, "TCP", &[be(&p[0].ip6, 8080), be(&p[1].ip6, 8080)])?;
+
+    let s = tcp(&c, &client, "[fd00:96::10]:80", 40)?;
+    assert_eq!(s.ok, 40, "{s:?}");
+    assert_eq!(names(&s), ["pod-a", "pod-b"].into(), "{s:?}");
+    assert_eq!(peers(&s), ["[fd00:96::10]:80"], "getpeername6 reports the ClusterIP: {s:?}");
+
+    let s = udp(&c, &client, "[fd00:96::10]:53", 20, &[])?;
+    assert_eq!(s.ok, 20, "{s:?}");
+    assert_eq!(peers(&s), ["[fd00:96::10]:53"], "recvfrom reports the ClusterIP: {s:?}");
+    let s = udp(&c, &client, "[fd00:96::10]:53", 10, &["--connected"])?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    assert_eq!(peers(&s), ["[fd00:96::10]:53"], "{s:?}");
+
+    let s = tcp(&c, &client, "[fd00:96::10]:81", 2)?;
+    assert_eq!(s.errors.get("ECONNREFUSED"), Some(&2), "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn a_dual_stack_service_works_on_both_families() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a", "pod-b"])?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.20", "fd00:96::20"], SP, ""))?;
+    c.write_object("s4.yaml", &slice_of("web", "web-v4", "IPv4", EP, &ready4(&[&p[0], &p[1]])))?;
+    let eps6: Vec<E> = p.iter().map(|p| E::ready(&p.ip6, "node-1")).collect();
+    c.write_object("s6.yaml", &slice_of("web", "web-v6", "IPv6", EP, &eps6))?;
+    c.start_agent(1)?;
+    wait(&c, "fd00:96::20", 80, "TCP", &[be(&p[0].ip6, 8080), be(&p[1].ip6, 8080)])?;
+    wait(&c, "10.96.0.20", 80, "TCP", &[be(&p[0].ip, 8080), be(&p[1].ip, 8080)])?;
+    for addr in ["10.96.0.20:80", "[fd00:96::20]:80"] {
+        let s = tcp(&c, &client, addr, 30)?;
+        assert_eq!(s.ok, 30, "{addr}: {s:?}");
+        assert_eq!(names(&s).len(), 2, "{addr}: {s:?}");
+        assert_eq!(peers(&s), [addr], "{s:?}");
+    }
+    let list = c.list(1)?;
+    let fams: BTreeSet<&str> = list["frontends"].as_array().unwrap().iter().map(|f| f["family"].as_str().unwrap()).collect();
+    assert_eq!(fams, ["IPv4", "IPv6"].into());
+    Ok(())
+}
+
+#[test]
+fn v4_mapped_addresses_on_inet6_sockets_are_balanced_like_ipv4() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a", "pod-b"])?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&[&p[0], &p[1]])))?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[0].ip, 8080), be(&p[1].ip, 8080)])?;
+    let s = tcp(&c, &client, "[::ffff:10.96.0.10]:80", 40)?;
+    assert_eq!(s.ok, 40, "{s:?}");
+    assert_eq!(names(&s).len(), 2, "{s:?}");
+    assert_eq!(peers(&s), ["[::ffff:10.96.0.10]:80"], "{s:?}");
+    let s = udp(&c, &client, "[::ffff:10.96.0.10]:53", 10, &[])?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    assert_eq!(peers(&s), ["[::ffff:10.96.0.10]:53"], "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn getpeername_returns_the_cluster_ip() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a"])?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&[&p[0]])))?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[0].ip, 8080)])?;
+    let s = tcp(&c, &client, "10.96.0.10:80", 5)?;
+    assert_eq!(peers(&s), ["10.96.0.10:80"], "TCP: {s:?}");
+    let s = udp(&c, &client, "10.96.0.10:53", 5, &["--connected"])?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    assert_eq!(peers(&s), ["10.96.0.10:53"], "connected UDP: {s:?}");
+    Ok(())
+}
+
+#[test]
+fn multi_port_services_and_named_target_ports_that_differ_per_pod() -> Result<()> {
+    let mut c = Cluster::new(1)?;
+    let a = c.add_pod(1, "a")?;
+    let b = c.add_pod(1, "b")?;
+    c.serve_as(&a, "a-http", 8080)?;
+    c.serve_as(&b, "b-http", 9090)?;
+    c.serve_as(&a, "a-metrics", 9100)?;
+    c.serve_as(&b, "b-metrics", 9100)?;
+    let client = c.add_pod(1, "client")?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], &[("http", 80, 0, "TCP"), ("metrics", 9100, 0, "TCP")], ""))?;
+    c.write_object("sa.yaml", &slice_of("web", "web-a", "IPv4", &[("http", 8080, "TCP"), ("metrics", 9100, "TCP")], &ready4(&[&a])))?;
+    c.write_object("sb.yaml", &slice_of("web", "web-b", "IPv4", &[("http", 9090, "TCP"), ("metrics", 9100, "TCP")], &ready4(&[&b])))?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&a.ip, 8080), be(&b.ip, 9090)])?;
+    wait(&c, "10.96.0.10", 9100, "TCP", &[be(&a.ip, 9100), be(&b.ip, 9100)])?;
+    let s = tcp(&c, &client, "10.96.0.10:80", 40)?;
+    assert_eq!(names(&s), ["a-http", "b-http"].into(), "{s:?}");
+    let s = tcp(&c, &client, "10.96.0.10:9100", 40)?;
+    assert_eq!(names(&s), ["a-metrics", "b-metrics"].into(), "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn the_same_port_on_tcp_and_udp() -> Result<()> {
+    let mut c = Cluster::new(1)?;
+    let d = c.add_pod(1, "dns")?;
+    c.serve_as(&d, "answer-8053", 8053)?;
+    c.serve_as(&d, "answer-8054", 8054)?;
+    let client = c.add_pod(1, "client")?;
+    c.write_object("svc.yaml", &service_ips("dns", &["10.96.0.53"], &[("dns", 53, 8053, "UDP"), ("dns-tcp", 53, 8054, "TCP")], ""))?;
+    c.write_object("slice.yaml", &slice_of("dns", "dns-1", "IPv4", &[("dns", 8053, "UDP"), ("dns-tcp", 8054, "TCP")], &ready4(&[&d])))?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.53", 53, "UDP", &[be(&d.ip, 8053)])?;
+    wait(&c, "10.96.0.53", 53, "TCP", &[be(&d.ip, 8054)])?;
+    let s = udp(&c, &client, "10.96.0.53:53", 5, &[])?;
+    assert_eq!(names(&s), ["answer-8053"].into(), "{s:?}");
+    let s = tcp(&c, &client, "10.96.0.53:53", 5)?;
+    assert_eq!(names(&s), ["answer-8054"].into(), "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn only_ready_endpoints_and_the_serving_terminating_fallback() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a", "pod-b"])?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::ready(&p[0].ip, "node-1"), E::not_ready(&p[1].ip, "node-1")]))?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[0].ip, 8080)])?;
+    let s = tcp(&c, &client, "10.96.0.10:80", 20)?;
+    assert_eq!(names(&s), ["pod-a"].into(), "only the ready one: {s:?}");
+
+    // Nothing ready: the serving+terminating endpoint takes the traffic.
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::not_ready(&p[0].ip, "node-1"), E::terminating(&p[1].ip, "node-1")]))?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[1].ip, 8080)])?;
+    let s = tcp(&c, &client, "10.96.0.10:80", 20)?;
+    assert_eq!(names(&s), ["pod-b"].into(), "{s:?}");
+    let list = c.list(1)?;
+    assert_eq!(list["frontends"][0]["backends"][0]["state"], "terminating", "{list}");
+    Ok(())
+}
+
+/// Two nodes, one backend pod and one client pod on each; Service web with
+/// internalTrafficPolicy Local.
+fn itp_local() -> Result<(Cluster, [Pod; 2], [Pod; 2])> {
+    let mut c = Cluster::new(2)?;
+    let p1 = c.add_pod(1, "pod-1")?;
+    let p2 = c.add_pod(2, "pod-2")?;
+    c.serve(&p1, 8080)?;
+    c.serve(&p2, 8080)?;
+    let c1 = c.add_pod(1, "client-1")?;
+    let c2 = c.add_pod(2, "client-2")?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, "  internalTrafficPolicy: Local\n"))?;
+    Ok((c, [p1, p2], [c1, c2]))
+}
+
+#[test]
+fn internal_traffic_policy_local_uses_only_this_nodes_endpoints() -> Result<()> {
+    let (mut c, [p1, p2], [c1, c2]) = itp_local()?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&[&p1, &p2])))?;
+    c.start_agent(1)?;
+    c.start_agent(2)?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p1.ip, 8080), be(&p2.ip, 8080)])?;
+    assert_eq!(names(&tcp(&c, &c1, "10.96.0.10:80", 20)?), ["pod-1"].into());
+    assert_eq!(names(&tcp(&c, &c2, "10.96.0.10:80", 20)?), ["pod-2"].into());
+    let list = c.list(1)?;
+    assert!(list["frontends"][0]["flags"].as_array().unwrap().iter().any(|f| f == "itp-local"), "{list}");
+
+    // No local endpoint, but endpoints elsewhere: unreachable, at once.
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&[&p2])))?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p2.ip, 8080)])?;
+    let s = tcp(&c, &c1, "10.96.0.10:80", 3)?;
+    assert_eq!(s.errors.get("EHOSTUNREACH"), Some(&3), "{s:?}");
+    assert_eq!(names(&tcp(&c, &c2, "10.96.0.10:80", 5)?), ["pod-2"].into());
+
+    // No endpoints at all: refused, as for any Service.
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[]))?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[])?;
+    let s = tcp(&c, &c1, "10.96.0.10:80", 3)?;
+    assert_eq!(s.errors.get("ECONNREFUSED"), Some(&3), "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn the_terminating_fallback_is_decided_separately_for_the_local_set() -> Result<()> {
+    let (mut c, [p1, p2], [c1, c2]) = itp_local()?;
+    // Cluster-wide there is a ready endpoint (pod-2); on node-1 only a
+    // serving+terminating one (pod-1): node-1's clients use pod-1.
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::terminating(&p1.ip, "node-1"), E::ready(&p2.ip, "node-2")]))?;
+    c.start_agent(1)?;
+    c.start_agent(2)?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p2.ip, 8080)])?;
+    assert_eq!(names(&tcp(&c, &c1, "10.96.0.10:80", 10)?), ["pod-1"].into());
+    assert_eq!(names(&tcp(&c, &c2, "10.96.0.10:80", 10)?), ["pod-2"].into());
+    Ok(())
+}
+
+const AFFINITY: &str = "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: 10800\n";
+
+#[test]
+fn session_affinity_keeps_a_client_on_one_backend() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a", "pod-b", "pod-c"])?;
+    let other = c.add_pod(1, "other-client")?;
+    let all: Vec<&Pod> = p.iter().collect();
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, AFFINITY))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&all)))?;
+    c.start_agent(1)?;
+    let every: Vec<String> = p.iter().map(|p| be(&p.ip, 8080)).collect();
+    wait(&c, "10.96.0.10", 80, "TCP", &every)?;
+    let list = c.list(1)?;
+    assert_eq!(list["frontends"][0]["affinity_timeout"], 10800, "{list}");
+
+    let s = tcp(&c, &client, "10.96.0.10:80", 30)?;
+    assert_eq!(s.ok, 30, "{s:?}");
+    assert_eq!(names(&s).len(), 1, "one client, one backend: {s:?}");
+    let affine = names(&s).into_iter().next().unwrap().to_string();
+    let s = tcp(&c, &other, "10.96.0.10:80", 20)?;
+    assert_eq!(names(&s).len(), 1, "each client sticks: {s:?}");
+
+    // The affine backend goes away: the next connect picks a live one, and sticks to it.
+    let rest: Vec<&Pod> = p.iter().filter(|p| p.name != affine).collect();
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&rest)))?;
+    wait(&c, "10.96.0.10", 80, "TCP", &rest.iter().map(|p| be(&p.ip, 8080)).collect::<Vec<_>>())?;
+    let s = tcp(&c, &client, "10.96.0.10:80", 20)?;
+    assert_eq!(s.ok, 20, "{s:?}");
+    assert_eq!(names(&s).len(), 1, "{s:?}");
+    assert!(!s.replies.contains_key(&affine), "{affine} was removed: {s:?}");
+
+    // Affinity off: spread again. On again: sticky again.
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    c.wait_for("affinity off", Duration::from_secs(5), || Ok(c.list(1)?["frontends"][0]["affinity_timeout"].is_null()))?;
+    let s = tcp(&c, &client, "10.96.0.10:80", 40)?;
+    assert_eq!(names(&s).len(), 2, "{s:?}");
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, AFFINITY))?;
+    c.wait_for("affinity on", Duration::from_secs(5), || Ok(c.list(1)?["frontends"][0]["affinity_timeout"] == 10800))?;
+    let s = tcp(&c, &client, "10.96.0.10:80", 30)?;
+    assert_eq!(names(&s).len(), 1, "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn session_affinity_expires_after_the_timeout() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a", "pod-b", "pod-c"])?;
+    let all: Vec<&Pod> = p.iter().collect();
+    let one_second = "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: 1\n";
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, one_second))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&all)))?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.10", 80, "TCP", &p.iter().map(|p| be(&p.ip, 8080)).collect::<Vec<_>>())?;
+    // Within the timeout: one backend.
+    let s = tcp(&c, &client, "10.96.0.10:80", 10)?;
+    assert_eq!(names(&s).len(), 1, "{s:?}");
+    // Idle longer than the timeout each time: a fresh pick each time. Ten
+    // picks from three pods are all the same with probability 3^-9.
+    let mut seen = BTreeSet::new();
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_millis(1200));
+        let s = tcp(&c, &client, "10.96.0.10:80", 1)?;
+        seen.extend(s.replies.keys().cloned());
+    }
+    assert!(seen.len() >= 2, "{seen:?}");
+    Ok(())
+}
+
+#[test]
+fn topology_hints_prefer_this_zone_from_the_node_label_or_the_flag() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a", "pod-b"])?;
+    c.write_object("node.yaml", &node("node-1", "zone-a"))?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, "  trafficDistribution: PreferClose\n"))?;
+    let hinted = [E::ready(&p[0].ip, "node-1").zone("zone-a"), E::ready(&p[1].ip, "node-2").zone("zone-b")];
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &hinted))?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[0].ip, 8080)])?;
+    assert_eq!(names(&tcp(&c, &client, "10.96.0.10:80", 20)?), ["pod-a"].into());
+    let list = c.list(1)?;
+    assert!(list["frontends"][0]["flags"].as_array().unwrap().iter().any(|f| f == "topology"), "{list}");
+
+    // One ready endpoint without hints: kube-proxy ignores the hints.
+    let partly = [E::ready(&p[0].ip, "node-1").zone("zone-a"), E::ready(&p[1].ip, "node-2")];
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &partly))?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[0].ip, 8080), be(&p[1].ip, 8080)])?;
+    assert_eq!(names(&tcp(&c, &client, "10.96.0.10:80", 40)?), ["pod-a", "pod-b"].into());
+
+    // --zone overrides the Node label.
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &hinted))?;
+    c.kill_agent(1);
+    c.start_agent_with(1, &["--zone", "zone-b"])?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[1].ip, 8080)])?;
+    assert_eq!(names(&tcp(&c, &client, "10.96.0.10:80", 20)?), ["pod-b"].into());
+    Ok(())
+}
+
+#[test]
+fn objects_kube_proxy_ignores_are_ignored() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a"])?;
+    let ep = ready4(&[&p[0]]);
+    c.write_object(
+        "ext.yaml",
+        "apiVersion: v1\nkind: Service\nmetadata: {name: ext, namespace: default}\nspec:\n  type: ExternalName\n  externalName: example.com\n  ports: [{name: http, port: 80}]\n",
+    )?;
+    c.write_object("headless.yaml", &service_ips("hl", &["None"], SP, ""))?;
+    c.write_object("hl-slice.yaml", &slice_of("hl", "hl-1", "IPv4", EP, &ep))?;
+    c.write_object(
+        "other.yaml",
+        &service_ips("other", &["10.96.0.31"], SP, "").replace("  namespace: default\n", "  namespace: default\n  labels: {service.kubernetes.io/service-proxy-name: someone-else}\n"),
+    )?;
+    c.write_object("other-slice.yaml", &slice_of("other", "other-1", "IPv4", EP, &ep))?;
+    c.write_object("fqdn.yaml", &service_ips("fq", &["10.96.0.32"], SP, ""))?;
+    c.write_object("fqdn-slice.yaml", &slice_of("fq", "fq-1", "FQDN", EP, &[E::ready("example.com", "node-1")]))?;
+    c.write_object("nolabel.yaml", &service_ips("nolabel", &["10.96.0.33"], SP, ""))?;
+    c.write_object(
+        "nolabel-slice.yaml",
+        &slice_of("nolabel", "nolabel-1", "IPv4", EP, &ep).replace("  labels:\n    kubernetes.io/service-name: nolabel\n", ""),
+    )?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.32", 80, "TCP", &[])?;
+    wait(&c, "10.96.0.33", 80, "TCP", &[])?;
+    let list = c.list(1)?;
+    let fronts: BTreeSet<&str> = list["frontends"].as_array().unwrap().iter().map(|f| f["address"].as_str().unwrap()).collect();
+    assert_eq!(fronts, ["10.96.0.32", "10.96.0.33"].into(), "{list}");
+
+    // Another proxy's Service is not translated: the connect goes to the network.
+    let s = tcp(&c, &client, "10.96.0.31:80", 1)?;
+    assert!(s.errors.contains_key("EHOSTUNREACH") || s.errors.contains_key("ENETUNREACH"), "{s:?}");
+    // FQDN-only and unlabelled slices give no endpoints.
+    for vip in ["10.96.0.32:80", "10.96.0.33:80"] {
+        let s = tcp(&c, &client, vip, 1)?;
+        assert_eq!(s.errors.get("ECONNREFUSED"), Some(&1), "{vip}: {s:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn host_network_clients_hairpin_recreation_and_merged_slices() -> Result<()> {
+    let (mut c, p, _client) = one_node(&["pod-a", "pod-b", "pod-c"])?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    // Several EndpointSlices for one Service are merged.
+    c.write_object("s1.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&[&p[0], &p[1]])))?;
+    c.write_object("s2.yaml", &slice_of("web", "web-2", "IPv4", EP, &ready4(&[&p[2]])))?;
+    c.write_object("self.yaml", &service_ips("self", &["10.96.0.40"], SP, ""))?;
+    c.write_object("self-slice.yaml", &slice_of("self", "self-1", "IPv4", EP, &ready4(&[&p[0]])))?;
+    c.start_agent(1)?;
+    let every: Vec<String> = p.iter().map(|p| be(&p.ip, 8080)).collect();
+    wait(&c, "10.96.0.10", 80, "TCP", &every)?;
+    wait(&c, "10.96.0.40", 80, "TCP", &[be(&p[0].ip, 8080)])?;
+
+    // A hostNetwork client: a process in the node's netns and cgroup.
+    let host = c.host(1);
+    let s = tcp(&c, &host, "10.96.0.10:80", 60)?;
+    assert_eq!(s.ok, 60, "{s:?}");
+    assert_eq!(names(&s), ["pod-a", "pod-b", "pod-c"].into(), "all three slices' pods: {s:?}");
+
+    // Hairpin: pod-a reaches itself through its own Service.
+    let s = tcp(&c, &p[0], "10.96.0.40:80", 5)?;
+    assert_eq!(names(&s), ["pod-a"].into(), "{s:?}");
+
+    // Deleted and recreated with the same ClusterIP: works again.
+    c.remove_object("svc.yaml")?;
+    c.wait_programmed("10.96.0.10", 80, "TCP", None)?;
+    let s = tcp(&c, &host, "10.96.0.10:80", 1)?;
+    assert_eq!(s.ok, 0, "{s:?}");
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    wait(&c, "10.96.0.10", 80, "TCP", &every)?;
+    let s = tcp(&c, &host, "10.96.0.10:80", 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    Ok(())
+}
