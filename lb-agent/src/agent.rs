@@ -1,6 +1,7 @@
 //! `lb-agent run`: watch a source, compute the model, program the maps.
 use std::collections::{BTreeSet, HashSet};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
@@ -11,11 +12,17 @@ use crate::dataplane::maps::Maps;
 use crate::dataplane::maps::FamilyMaps;
 use crate::dataplane::writer::{self, Addr, Cursors, Op, Table};
 use crate::model;
+use crate::health::{Health, Metrics};
 use crate::source::dir::{self, DirState};
-use crate::source::{Snapshot, SourceSpec};
+use crate::source::{Snapshot, SourceSpec, Update};
 
 pub struct RunConfig {
     pub source: SourceSpec,
+    pub kubeconfig: Option<PathBuf>,
+    pub healthz_bind: Option<std::net::SocketAddr>,
+    pub metrics_bind: Option<std::net::SocketAddr>,
+    /// /healthz fails when a change waits longer than this.
+    pub stall_after: Duration,
     pub node_name: String,
     /// `--zone`: overrides the Node object's zone label.
     pub zone: Option<String>,
@@ -135,10 +142,61 @@ fn owner_of<A: Addr>(op: &Op<A>, target: &writer::Target<A>) -> Option<String> {
     Some(format!("Service {svc} ({}:{}/{})", key.0.to_ip(), key.1, key.2))
 }
 
+/// The datapath counters for /metrics, read from the pinned stats map.
+struct PinnedStats(std::sync::Mutex<aya::maps::PerCpuArray<aya::maps::MapData, u64>>);
+
+impl std::fmt::Debug for PinnedStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PinnedStats")
+    }
+}
+
+impl crate::health::StatsSource for PinnedStats {
+    fn read(&self) -> Vec<(&'static str, u64)> {
+        let m = self.0.lock().unwrap();
+        lb_common::stats::NAMES
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (*n, m.get(&(i as u32), 0).map(|v| v.iter().sum()).unwrap_or(0)))
+            .collect()
+    }
+}
+
+impl Reconciler {
+    fn export(&self, m: &Metrics, cap: &Capacity) {
+        use lb_common::maps as n;
+        m.services.set(self.frontends() as i64);
+        m.backends.set((self.v4.table.backends.len() + self.v6.table.backends.len()) as i64);
+        let entries = [
+            (n::SERVICES4, self.v4.table.services.len(), cap.services),
+            (n::BACKENDS4, self.v4.table.backends.len(), cap.backends),
+            (n::REVNAT4, self.v4.table.revnat.len(), cap.services.min(u16::MAX as u32)),
+            (n::SERVICES6, self.v6.table.services.len(), cap.services),
+            (n::BACKENDS6, self.v6.table.backends.len(), cap.backends),
+            (n::REVNAT6, self.v6.table.revnat.len(), cap.services.min(u16::MAX as u32)),
+            (n::AFFINITY_MATCH, self.v4.table.affinity_match.len() + self.v6.table.affinity_match.len(), cap.backends.saturating_mul(2)),
+        ];
+        for (map, len, max) in entries {
+            m.map_entries.get_or_create(&[("map", map)]).set(len as i64);
+            m.map_capacity.get_or_create(&[("map", map)]).set(max as i64);
+        }
+    }
+}
+
 pub async fn run(cfg: RunConfig) -> Result<()> {
-    let SourceSpec::Dir(dir) = &cfg.source;
-    // Check the source before touching the kernel.
-    let mut state = DirState::new(dir)?;
+    // Check the source before touching the kernel: bad input fails first.
+    let (tx, mut rx): (crate::source::Publisher, crate::source::Subscriber) = tokio::sync::watch::channel(None);
+    let mut source: tokio::task::JoinHandle<Result<()>> = match &cfg.source {
+        SourceSpec::Dir(dir) => {
+            let state = DirState::new(dir)?;
+            tokio::spawn(dir::run(state, tx))
+        }
+        SourceSpec::Kube => {
+            let client = crate::source::kube::client(cfg.kubeconfig.as_deref()).await?;
+            tokio::spawn(crate::source::kube::run(client, cfg.node_name.clone(), tx))
+        }
+    };
+
     let dp = loader::load(&cfg.bpffs, &cfg.cgroup, cfg.capacity)?;
     let v4 = Mirror { table: dp.maps.v4.read_table(&dp.maps.affinity_match)?, cursors: Cursors::default() };
     let v6 = Mirror { table: dp.maps.v6.read_table(&dp.maps.affinity_match)?, cursors: Cursors::default() };
@@ -146,7 +204,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         tracing::info!(
             frontends = v4.table.frontend_count() + v6.table.frontend_count(),
             backends = v4.table.backends.len() + v6.table.backends.len(),
-            "adopted pinned state; programs replaced without a gap"
+            "adopted pinned state; programs replaced without a gap; it stays as it is until the source's first full sync"
         );
     }
     tracing::info!(
@@ -155,56 +213,65 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         node = %cfg.node_name,
         "programs attached"
     );
+
+    let stats = aya::maps::PerCpuArray::try_from(aya::maps::Map::PerCpuArray(aya::maps::MapData::from_pin(
+        cfg.bpffs.join(lb_common::maps::STATS),
+    )?))?;
+    let metrics = Metrics::new(Arc::new(PinnedStats(std::sync::Mutex::new(stats))));
+    let health = Arc::new(Health::new(cfg.stall_after));
+    let (hz, mt) = crate::health::serve(cfg.healthz_bind, cfg.metrics_bind, health.clone(), metrics.clone()).await?;
+    tracing::info!(healthz = ?hz, metrics = ?mt, "serving health and metrics");
+
     let mut rec = Reconciler { maps: dp.maps, v4, v6, node_name: cfg.node_name, zone: cfg.zone, logged: HashSet::new() };
-
-    let (_watcher, mut events) = dir::watch(state.dir())?;
-    state.rescan(&BTreeSet::new())?;
-    // The first full sync: this also removes what disappeared while no agent ran.
-    let mut dirty = match rec.sync(&state.snapshot()) {
-        Ok(()) => false,
-        Err(e) => {
-            tracing::error!("{e:#}");
-            true
-        }
-    };
-    tracing::info!(frontends = rec.frontends(), "initial sync complete");
-
+    rec.export(&metrics, &cfg.capacity);
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    // A rescan (stat only) also runs on a timer, in case a watch event is lost.
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let mut retry = tokio::time::interval(Duration::from_secs(1));
+    let mut last: Option<Arc<Update>> = None;
+    let mut dirty = false;
+    let mut first = true;
     loop {
-        let mut touched = BTreeSet::new();
         tokio::select! {
-            Some(paths) = events.recv() => {
-                touched.extend(paths);
-                // Coalesce a burst of events (an editor's write + rename).
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                while let Ok(p) = events.try_recv() {
-                    touched.extend(p);
+            r = rx.changed() => {
+                if r.is_err() {
+                    // The source task ended; its result says why.
+                    return match (&mut source).await {
+                        Ok(Err(e)) => Err(e.context("source failed")),
+                        _ => Err(anyhow::anyhow!("source stopped")),
+                    };
                 }
+                let Some(upd) = rx.borrow_and_update().clone() else { continue };
+                health.changed(upd.since);
+                last = Some(upd);
             }
-            _ = tick.tick() => {}
+            _ = retry.tick(), if dirty => {}
             _ = term.recv() => break,
             _ = int.recv() => break,
         }
-        let changed = match state.rescan(&touched) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::error!("{e:#}");
-                continue;
+        let Some(upd) = last.clone() else { continue };
+        let started = Instant::now();
+        match rec.sync(&upd.snapshot) {
+            Ok(()) => {
+                dirty = false;
+                health.synced();
+                metrics.sync_duration.observe(started.elapsed().as_secs_f64());
+                metrics.event_to_programmed.observe(upd.since.elapsed().as_secs_f64());
             }
-        };
-        if changed || dirty {
-            dirty = match rec.sync(&state.snapshot()) {
-                Ok(()) => false,
-                Err(e) => {
-                    tracing::error!("{e:#}");
-                    true
-                }
-            };
+            Err(e) => {
+                dirty = true;
+                metrics.sync_errors.inc();
+                tracing::error!("{e:#}");
+            }
+        }
+        rec.export(&metrics, &cfg.capacity);
+        if first {
+            first = false;
+            // The source's first full view is programmed: anything inherited
+            // that it does not have is gone now.
+            tracing::info!(frontends = rec.frontends(), "initial sync complete");
         }
     }
+    source.abort();
     tracing::info!("exiting; programs stay attached and maps stay pinned");
     Ok(())
 }

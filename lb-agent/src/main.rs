@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 mod agent;
 mod dataplane;
+mod health;
 mod model;
 mod source;
 
@@ -23,9 +24,22 @@ struct Cli {
 enum Cmd {
     /// Load and attach the programs, then program the maps from a source.
     Run {
-        /// Where objects come from: dir:PATH (a directory of YAML/JSON files).
-        #[arg(long)]
+        /// Where objects come from: kube (the API server) or dir:PATH (a
+        /// directory of YAML/JSON files).
+        #[arg(long, default_value = "kube")]
         source: String,
+        /// kubeconfig for the kube source. Default: $KUBECONFIG, ~/.kube/config, then in-cluster.
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+        /// Serve /healthz and /livez here ("" to disable).
+        #[arg(long, default_value = "0.0.0.0:10256")]
+        healthz_bind: String,
+        /// Serve /metrics here ("" to disable).
+        #[arg(long, default_value = "0.0.0.0:10249")]
+        metrics_bind: String,
+        /// /healthz turns 503 when a change waits longer than this many seconds.
+        #[arg(long, default_value_t = 60)]
+        healthz_stall_seconds: u64,
         /// This node's name (matches EndpointSlice nodeName). Default: $NODE_NAME, else the hostname.
         #[arg(long, env = "NODE_NAME")]
         node_name: Option<String>,
@@ -88,15 +102,38 @@ fn main() -> ExitCode {
 
 fn real_main(cli: Cli) -> anyhow::Result<()> {
     match cli.cmd {
-        Cmd::Run { source, node_name, zone, cgroup, bpffs, max_services, max_backends, max_sock_revnat } => {
+        Cmd::Run {
+            source,
+            kubeconfig,
+            healthz_bind,
+            metrics_bind,
+            healthz_stall_seconds,
+            node_name,
+            zone,
+            cgroup,
+            bpffs,
+            max_services,
+            max_backends,
+            max_sock_revnat,
+        } => {
             loader::check_root()?;
             let source: source::SourceSpec = source.parse().map_err(|e| anyhow::anyhow!("--source: {e}"))?;
             let cgroup = match cgroup {
                 Some(c) => c,
                 None => loader::cgroup2_root()?,
             };
+            let bind = |flag: &str, v: &str| -> anyhow::Result<Option<std::net::SocketAddr>> {
+                if v.is_empty() {
+                    return Ok(None);
+                }
+                v.parse().map(Some).map_err(|e| anyhow::anyhow!("{flag} {v:?}: {e}"))
+            };
             let cfg = agent::RunConfig {
                 source,
+                kubeconfig,
+                healthz_bind: bind("--healthz-bind", &healthz_bind)?,
+                metrics_bind: bind("--metrics-bind", &metrics_bind)?,
+                stall_after: std::time::Duration::from_secs(healthz_stall_seconds),
                 node_name: node_name.unwrap_or_else(hostname),
                 zone,
                 cgroup,

@@ -350,6 +350,20 @@ impl Cluster {
         serde_json::from_str(s.trim()).with_context(|| format!("lbprobe output {s:?}"))
     }
 
+    /// HTTP GET from inside node `node`'s netns (no cgroup): (status, body).
+    pub fn http(&self, node: usize, addr: &str, path: &str) -> Result<(u16, String)> {
+        let out = Command::new(bin("lbprobe"))
+            .arg("--netns")
+            .arg(&self.nodes[node - 1].netns)
+            .args(["http", "--addr", addr, "--path", path])
+            .output()?;
+        if !out.status.success() {
+            bail!("http {addr}{path}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        Ok((v["status"].as_u64().unwrap_or(0) as u16, v["body"].as_str().unwrap_or("").to_string()))
+    }
+
     /// Start a client in the background; collect it with `finish`.
     pub fn probe_bg(&self, pod: &Pod, args: &[&str]) -> Result<Child> {
         Ok(self.probe_cmd(pod).args(args).stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn()?)

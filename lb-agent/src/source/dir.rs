@@ -226,7 +226,7 @@ impl DirState {
 
 /// Watch `dir`; every batch of changed paths is sent on the returned channel.
 /// Keep the watcher alive for as long as events are wanted.
-pub fn watch(
+fn watch(
     dir: &Path,
 ) -> anyhow::Result<(notify::RecommendedWatcher, tokio::sync::mpsc::UnboundedReceiver<Vec<PathBuf>>)> {
     use notify::Watcher as _;
@@ -243,6 +243,39 @@ pub fn watch(
     w.watch(dir, notify::RecursiveMode::NonRecursive)
         .map_err(|e| anyhow::anyhow!("cannot watch source directory {}: {e}", dir.display()))?;
     Ok((w, rx))
+}
+
+/// Run the source: publish the directory's objects now, and again after
+/// every change (inotify, plus a stat-only rescan every 500 ms in case an
+/// event is lost).
+pub async fn run(mut state: DirState, tx: super::Publisher) -> anyhow::Result<()> {
+    let (_watcher, mut events) = watch(state.dir())?;
+    state.rescan(&BTreeSet::new())?;
+    let publish = |state: &DirState, since: std::time::Instant| {
+        let _ = tx.send(Some(std::sync::Arc::new(super::Update { snapshot: state.snapshot(), since })));
+    };
+    publish(&state, std::time::Instant::now());
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
+    loop {
+        let mut touched = BTreeSet::new();
+        tokio::select! {
+            Some(paths) = events.recv() => {
+                touched.extend(paths);
+                // Coalesce a burst of events (an editor's write + rename).
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                while let Ok(p) = events.try_recv() {
+                    touched.extend(p);
+                }
+            }
+            _ = tick.tick() => {}
+        }
+        let since = std::time::Instant::now();
+        match state.rescan(&touched) {
+            Ok(true) => publish(&state, since),
+            Ok(false) => {}
+            Err(e) => tracing::error!("{e:#}"),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,15 @@
-//! Where Kubernetes objects come from. Sources know nothing about BPF: they
-//! hand the agent a full snapshot of objects each time something changes.
+//! Where Kubernetes objects come from. Sources know nothing about BPF: each
+//! runs as a task and publishes a full snapshot of the objects whenever they
+//! change. The channel keeps only the newest snapshot, so a burst of changes
+//! that arrives while the agent programs the maps becomes one sync.
+use std::sync::Arc;
+use std::time::Instant;
+
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 pub mod dir;
+pub mod kube;
 
 /// A full snapshot of the objects a source knows.
 #[derive(Clone, Debug, Default)]
@@ -13,9 +19,24 @@ pub struct Snapshot {
     pub nodes: Vec<Node>,
 }
 
+/// What a source publishes: a snapshot, and when the first change that it
+/// contains was seen (for the event-to-programmed latency).
+#[derive(Debug)]
+pub struct Update {
+    pub snapshot: Snapshot,
+    pub since: Instant,
+}
+
+/// The newest update; `None` until the source has its first full view.
+pub type Publisher = tokio::sync::watch::Sender<Option<Arc<Update>>>;
+pub type Subscriber = tokio::sync::watch::Receiver<Option<Arc<Update>>>;
+
 /// `--source` parsed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SourceSpec {
+    /// Watch the API server (kubeconfig from the usual places).
+    Kube,
+    /// A directory of YAML/JSON files.
     Dir(std::path::PathBuf),
 }
 
@@ -26,9 +47,9 @@ impl std::str::FromStr for SourceSpec {
         match s.split_once(':') {
             Some(("dir", path)) if !path.is_empty() => Ok(SourceSpec::Dir(path.into())),
             Some(("dir", _)) => Err("dir: needs a path, as in dir:/etc/lb/objects".into()),
-            Some((scheme, _)) => Err(format!("unknown source scheme {scheme:?}; supported: dir:PATH")),
-            None if s == "kube" => Err("the kube source is not built yet; use dir:PATH".into()),
-            None => Err(format!("unknown source {s:?}; supported: dir:PATH")),
+            Some((scheme, _)) => Err(format!("unknown source scheme {scheme:?}; supported: kube, dir:PATH")),
+            None if s == "kube" => Ok(SourceSpec::Kube),
+            None => Err(format!("unknown source {s:?}; supported: kube, dir:PATH")),
         }
     }
 }
@@ -40,6 +61,7 @@ mod tests {
     #[test]
     fn source_specs() {
         assert_eq!("dir:/x".parse::<SourceSpec>(), Ok(SourceSpec::Dir("/x".into())));
+        assert_eq!("kube".parse::<SourceSpec>(), Ok(SourceSpec::Kube));
         assert!("dir:".parse::<SourceSpec>().unwrap_err().contains("needs a path"));
         assert!("http://x".parse::<SourceSpec>().unwrap_err().contains("unknown source scheme \"http\""));
         assert!("bogus".parse::<SourceSpec>().unwrap_err().contains("unknown source"));

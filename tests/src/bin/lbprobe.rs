@@ -53,6 +53,13 @@ enum Cmd {
         #[arg(long)]
         hold_ms: Option<u64>,
     },
+    /// HTTP GET; prints {"status": N, "body": "..."}.
+    Http {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long)]
+        path: String,
+    },
     /// UDP: send a datagram, read the reply and its source; COUNT times.
     Udp {
         #[arg(long)]
@@ -250,6 +257,18 @@ fn main() -> anyhow::Result<()> {
     let mut s = Summary::default();
     match cli.cmd {
         Cmd::Serve { name, port } => return serve(name, port),
+        Cmd::Http { addr, path } => {
+            // A bare HTTP/1.1 GET is all the health and metrics checks need.
+            let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+            c.set_read_timeout(Some(Duration::from_secs(5)))?;
+            write!(c, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n")?;
+            let mut raw = String::new();
+            std::io::Read::read_to_string(&mut c, &mut raw)?;
+            let status: u16 = raw.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+            let body = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+            println!("{}", serde_json::json!({"status": status, "body": body}));
+            return Ok(());
+        }
         Cmd::Tcp { addr, hold_ms: Some(hold), interval_ms, timeout_ms, .. } => {
             hold_tcp(addr, Duration::from_millis(hold), Duration::from_millis(interval_ms.max(1)), Duration::from_millis(timeout_ms), &mut s);
         }

@@ -1,0 +1,263 @@
+//! Health and metrics, where kube-proxy users expect them:
+//! `/healthz` and `/livez` on `--healthz-bind` (default `0.0.0.0:10256`),
+//! `/metrics` on `--metrics-bind` (default `0.0.0.0:10249`).
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Whether the agent has programmed the maps and keeps up with changes.
+#[derive(Debug)]
+pub struct Health {
+    state: Mutex<HealthState>,
+    /// A change not programmed after this long makes /healthz fail.
+    stall_after: Duration,
+}
+
+#[derive(Debug, Default)]
+struct HealthState {
+    /// When the maps last matched the source (wall clock, for the body).
+    last_updated: Option<SystemTime>,
+    /// The oldest change received and not programmed yet.
+    pending_since: Option<Instant>,
+}
+
+fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+impl Health {
+    pub fn new(stall_after: Duration) -> Self {
+        Self { state: Mutex::new(HealthState::default()), stall_after }
+    }
+
+    /// A change arrived from the source.
+    pub fn changed(&self, at: Instant) {
+        let mut s = self.state.lock().unwrap();
+        if s.pending_since.is_none() {
+            s.pending_since = Some(at);
+        }
+    }
+
+    /// The maps now hold everything the source said.
+    pub fn synced(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.last_updated = Some(SystemTime::now());
+        s.pending_since = None;
+    }
+
+    /// 200 once the first full sync is programmed and no change waits
+    /// longer than `stall_after`; 503 otherwise. The body is kube-proxy's.
+    pub fn report(&self) -> (bool, serde_json::Value) {
+        let s = self.state.lock().unwrap();
+        let stalled = s.pending_since.is_some_and(|t| t.elapsed() > self.stall_after);
+        let healthy = s.last_updated.is_some() && !stalled;
+        let body = serde_json::json!({
+            "lastUpdated": s.last_updated.map(rfc3339).unwrap_or_default(),
+            "currentTime": rfc3339(SystemTime::now()),
+            "nodeEligible": true,
+        });
+        (healthy, body)
+    }
+}
+
+/// The datapath counters, read from the per-CPU stats map at each scrape.
+pub trait StatsSource: Send + Sync + std::fmt::Debug + 'static {
+    fn read(&self) -> Vec<(&'static str, u64)>;
+}
+
+#[derive(Debug)]
+struct DatapathCollector(Arc<dyn StatsSource>);
+
+impl Collector for DatapathCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let stats = self.0.read();
+        let mut m = encoder.encode_descriptor(
+            "lb_datapath_events",
+            "Socket-LB decisions by the BPF programs (translated, refused_no_endpoints, refused_no_port, unreachable_no_local, reversed, retried, affinity_hit)",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (name, v) in stats {
+            let labels = [("result", name)];
+            ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The agent's metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    pub sync_duration: Histogram,
+    pub event_to_programmed: Histogram,
+    pub sync_errors: Counter,
+    pub services: Gauge,
+    pub backends: Gauge,
+    pub map_entries: Family<[(&'static str, &'static str); 1], Gauge>,
+    pub map_capacity: Family<[(&'static str, &'static str); 1], Gauge>,
+    registry: Mutex<Registry>,
+}
+
+impl Metrics {
+    pub fn new(datapath: Arc<dyn StatsSource>) -> Arc<Self> {
+        let m = Metrics {
+            sync_duration: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
+            event_to_programmed: Histogram::new(exponential_buckets(0.0005, 2.0, 18)),
+            sync_errors: Counter::default(),
+            services: Gauge::default(),
+            backends: Gauge::default(),
+            map_entries: Family::default(),
+            map_capacity: Family::default(),
+            registry: Mutex::new(Registry::default()),
+        };
+        {
+            let mut r = m.registry.lock().unwrap();
+            r.register("lb_sync_duration_seconds", "Time to compute and program one sync", m.sync_duration.clone());
+            r.register(
+                "lb_event_to_programmed_seconds",
+                "Time from a watch or file event to the maps holding it",
+                m.event_to_programmed.clone(),
+            );
+            r.register("lb_sync_errors", "Syncs that failed to program the maps", m.sync_errors.clone());
+            r.register("lb_services", "Programmed frontends (ClusterIP:port/proto)", m.services.clone());
+            r.register("lb_backends", "Programmed backends", m.backends.clone());
+            r.register("lb_map_entries", "Entries in each map the agent owns", m.map_entries.clone());
+            r.register("lb_map_capacity", "max_entries of each map", m.map_capacity.clone());
+            r.register_collector(Box::new(DatapathCollector(datapath)));
+        }
+        Arc::new(m)
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        let r = self.registry.lock().unwrap();
+        prometheus_client::encoding::text::encode(&mut out, &r).expect("encoding to a String cannot fail");
+        out
+    }
+}
+
+async fn healthz(State(h): State<Arc<Health>>) -> impl IntoResponse {
+    let (ok, body) = h.report();
+    let code = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, [(header::CONTENT_TYPE, "application/json")], body.to_string())
+}
+
+async fn metrics(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], m.encode())
+}
+
+/// Bind both listeners now (so that a bad address fails at start), and
+/// serve them in the background. Returns the bound addresses.
+pub async fn serve(
+    healthz_bind: Option<SocketAddr>,
+    metrics_bind: Option<SocketAddr>,
+    health: Arc<Health>,
+    m: Arc<Metrics>,
+) -> anyhow::Result<(Option<SocketAddr>, Option<SocketAddr>)> {
+    use anyhow::Context as _;
+    let mut bound = (None, None);
+    if let Some(addr) = healthz_bind {
+        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--healthz-bind {addr}"))?;
+        bound.0 = Some(l.local_addr()?);
+        let app = Router::new().route("/healthz", get(healthz)).route("/livez", get(healthz)).with_state(health);
+        tokio::spawn(async move { axum::serve(l, app).await });
+    }
+    if let Some(addr) = metrics_bind {
+        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--metrics-bind {addr}"))?;
+        bound.1 = Some(l.local_addr()?);
+        let app = Router::new().route("/metrics", get(metrics)).with_state(m);
+        tokio::spawn(async move { axum::serve(l, app).await });
+    }
+    Ok(bound)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    #[derive(Debug)]
+    struct FakeStats;
+    impl StatsSource for FakeStats {
+        fn read(&self) -> Vec<(&'static str, u64)> {
+            vec![("translated", 42), ("refused_no_endpoints", 3)]
+        }
+    }
+
+    async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await.unwrap();
+        let code = buf.split_whitespace().nth(1).unwrap().parse().unwrap();
+        let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        (code, body)
+    }
+
+    #[tokio::test]
+    async fn healthz_is_503_before_the_first_sync_then_200_then_503_when_stalled() {
+        let health = Arc::new(Health::new(Duration::from_millis(200)));
+        let m = Metrics::new(Arc::new(FakeStats));
+        let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let (h, _) = serve(Some(lo), Some(lo), health.clone(), m).await.unwrap();
+        let h = h.unwrap();
+
+        let (code, body) = get(h, "/healthz").await;
+        assert_eq!(code, 503, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["lastUpdated"], "");
+        assert!(v["currentTime"].as_str().unwrap().ends_with('Z'));
+
+        health.synced();
+        let (code, body) = get(h, "/healthz").await;
+        assert_eq!(code, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["lastUpdated"].as_str().unwrap().len(), 20, "{v}");
+        assert_eq!(get(h, "/livez").await.0, 200);
+
+        // A change that is not programmed in time: unhealthy until it is.
+        health.changed(Instant::now());
+        assert_eq!(get(h, "/healthz").await.0, 200, "pending, not stalled yet");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(get(h, "/healthz").await.0, 503);
+        health.synced();
+        assert_eq!(get(h, "/healthz").await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn metrics_are_prometheus_text() {
+        let health = Arc::new(Health::new(Duration::from_secs(60)));
+        let m = Metrics::new(Arc::new(FakeStats));
+        m.services.set(7);
+        m.sync_errors.inc();
+        m.sync_duration.observe(0.002);
+        m.map_entries.get_or_create(&[("map", "LB4_SERVICES")]).set(12);
+        let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let (_, addr) = serve(None, Some(lo), health, m).await.unwrap();
+        let (code, body) = get(addr.unwrap(), "/metrics").await;
+        assert_eq!(code, 200);
+        for line in [
+            "lb_services 7",
+            "lb_sync_errors_total 1",
+            "lb_sync_duration_seconds_count 1",
+            "lb_map_entries{map=\"LB4_SERVICES\"} 12",
+            "lb_datapath_events_total{result=\"translated\"} 42",
+            "lb_datapath_events_total{result=\"refused_no_endpoints\"} 3",
+        ] {
+            assert!(body.lines().any(|l| l == line), "{line} missing:\n{body}");
+        }
+    }
+}

@@ -1,0 +1,250 @@
+//! The kube source against kube-rs' mocked client service: a fake API
+//! server that answers lists and watches from a scripted state.
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::{Request, Response, StatusCode};
+use kube::client::Body;
+use serde_json::{Value, json};
+
+use super::*;
+use crate::model::{self, FrontendKey, Proto};
+
+type Responder = tower_test::mock::SendResponse<Response<Body>>;
+
+#[derive(Default)]
+struct Kind {
+    items: BTreeMap<String, Value>,
+    /// A watch request waiting for events.
+    parked: Option<Responder>,
+    /// Status codes to answer the next lists with.
+    fail_lists: Vec<u16>,
+    lists: u32,
+}
+
+#[derive(Default)]
+struct State {
+    rv: u64,
+    kinds: BTreeMap<&'static str, Kind>,
+}
+
+/// The fake API server: kinds by collection path.
+#[derive(Clone, Default)]
+struct Fake(Arc<Mutex<State>>);
+
+const SERVICES: &str = "/api/v1/services";
+const SLICES: &str = "/apis/discovery.k8s.io/v1/endpointslices";
+const NODES: &str = "/api/v1/nodes";
+
+fn name_of(v: &Value) -> String {
+    v["metadata"]["name"].as_str().unwrap().to_string()
+}
+
+impl Fake {
+    fn set(&self, path: &'static str, items: Vec<Value>) {
+        let mut st = self.0.lock().unwrap();
+        st.kinds.entry(path).or_default().items = items.into_iter().map(|v| (name_of(&v), v)).collect();
+    }
+
+    fn fail_next_list(&self, path: &'static str, code: u16) {
+        self.0.lock().unwrap().kinds.entry(path).or_default().fail_lists.push(code);
+    }
+
+    fn lists(&self, path: &'static str) -> u32 {
+        self.0.lock().unwrap().kinds.get(path).map_or(0, |k| k.lists)
+    }
+
+    /// Send one watch event to the parked watch of `path` (waiting for the
+    /// watcher to come back if it is between two watches).
+    async fn event(&self, path: &'static str, ty: &str, obj: Value) {
+        for _ in 0..500 {
+            {
+                let mut st = self.0.lock().unwrap();
+                st.rv += 1;
+                let rv = st.rv;
+                let kind = st.kinds.entry(path).or_default();
+                if let Some(resp) = kind.parked.take() {
+                    let mut obj = obj.clone();
+                    if ty != "ERROR" {
+                        obj["metadata"]["resourceVersion"] = json!(rv.to_string());
+                        match ty {
+                            "DELETED" => {
+                                kind.items.remove(&name_of(&obj));
+                            }
+                            _ => {
+                                kind.items.insert(name_of(&obj), obj.clone());
+                            }
+                        }
+                    }
+                    let line = format!("{}\n", json!({"type": ty, "object": obj}));
+                    resp.send_response(Response::new(Body::from(line.into_bytes())));
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no watch on {path} to deliver {ty} to");
+    }
+
+    /// Answer requests until the client goes away.
+    async fn serve(self, mut handle: tower_test::mock::Handle<Request<Body>, Response<Body>>) {
+        while let Some((req, send)) = handle.next_request().await {
+            let path = req.uri().path().to_string();
+            let query = req.uri().query().unwrap_or("").to_string();
+            let key = [SERVICES, SLICES, NODES].into_iter().find(|p| *p == path).unwrap_or_else(|| panic!("unexpected request {path}"));
+            let mut st = self.0.lock().unwrap();
+            st.rv += 1;
+            let rv = st.rv;
+            let kind = st.kinds.entry(key).or_default();
+            if query.contains("watch=true") {
+                // Hold the watch open until the test sends an event.
+                kind.parked = Some(send);
+                continue;
+            }
+            kind.lists += 1;
+            if !kind.fail_lists.is_empty() {
+                let code = kind.fail_lists.remove(0);
+                let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                    "message": "injected failure", "reason": "InternalError", "code": code});
+                let mut r = Response::new(Body::from(serde_json::to_vec(&status).unwrap()));
+                *r.status_mut() = StatusCode::from_u16(code).unwrap();
+                send.send_response(r);
+                continue;
+            }
+            let list_kind = match key {
+                SERVICES => "ServiceList",
+                SLICES => "EndpointSliceList",
+                _ => "NodeList",
+            };
+            let api = if key == SLICES { "discovery.k8s.io/v1" } else { "v1" };
+            let items: Vec<Value> = kind.items.values().cloned().collect();
+            let body = json!({"apiVersion": api, "kind": list_kind, "metadata": {"resourceVersion": rv.to_string()}, "items": items});
+            send.send_response(Response::new(Body::from(serde_json::to_vec(&body).unwrap())));
+        }
+    }
+}
+
+fn svc(name: &str, ip: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default"},
+        "spec": {"clusterIP": ip, "clusterIPs": [ip], "ports": [{"name": "http", "port": 80, "protocol": "TCP"}]}})
+}
+
+fn slice(svc: &str, name: &str, ips: &[&str]) -> Value {
+    json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": "default", "labels": {"kubernetes.io/service-name": svc}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": ips.iter().map(|ip| json!({"addresses": [ip], "conditions": {"ready": true}})).collect::<Vec<_>>()})
+}
+
+fn node(name: &str, zone: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"topology.kubernetes.io/zone": zone}}})
+}
+
+struct Harness {
+    rx: crate::source::Subscriber,
+    /// Every snapshot seen, as the set of Service names.
+    seen: Vec<BTreeSet<String>>,
+}
+
+impl Harness {
+    fn start(fake: Fake) -> Self {
+        let (mock, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = Client::new(mock, "default");
+        tokio::spawn(fake.clone().serve(handle));
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        tokio::spawn(run(client, "node-a".into(), tx));
+        Harness { rx, seen: Vec::new() }
+    }
+
+    /// Wait until the published snapshot satisfies `pred`; return it.
+    async fn until(&mut self, what: &str, pred: impl Fn(&Snapshot) -> bool) -> Arc<Update> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(u) = self.rx.borrow_and_update().clone() {
+                self.seen.push(u.snapshot.services.iter().map(|s| s.metadata.name.clone().unwrap()).collect());
+                if pred(&u.snapshot) {
+                    return u;
+                }
+            }
+            if tokio::time::timeout_at(deadline, self.rx.changed()).await.is_err() {
+                panic!("timed out waiting for {what}; last: {:?}", self.seen.last());
+            }
+        }
+    }
+}
+
+fn names(s: &Snapshot) -> BTreeSet<String> {
+    s.services.iter().map(|s| s.metadata.name.clone().unwrap()).collect()
+}
+
+fn backends(s: &Snapshot, vip: &str) -> Vec<String> {
+    let node = model::node_info("node-a", None, &s.nodes);
+    let d = model::compute(&s.services, &s.slices, &node);
+    let key = FrontendKey { addr: vip.parse().unwrap(), port: 80, proto: Proto::Tcp };
+    d.frontends.get(&key).map(|f| f.backends.iter().map(|b| b.addr.to_string()).collect()).unwrap_or_default()
+}
+
+#[tokio::test]
+async fn initial_list_then_add_modify_delete() {
+    let fake = Fake::default();
+    fake.set(SERVICES, vec![svc("a", "10.96.0.1")]);
+    fake.set(SLICES, vec![slice("a", "a-1", &["10.0.0.1"])]);
+    fake.set(NODES, vec![node("node-a", "zone-1")]);
+    let mut h = Harness::start(fake.clone());
+
+    let u = h.until("initial list", |s| !s.services.is_empty()).await;
+    assert_eq!(names(&u.snapshot), ["a".to_string()].into());
+    assert_eq!(backends(&u.snapshot, "10.96.0.1"), ["10.0.0.1"]);
+    assert_eq!(model::node_info("node-a", None, &u.snapshot.nodes).zone.as_deref(), Some("zone-1"));
+
+    fake.event(SERVICES, "ADDED", svc("b", "10.96.0.2")).await;
+    h.until("b added", |s| names(s).contains("b")).await;
+
+    fake.event(SLICES, "MODIFIED", slice("a", "a-1", &["10.0.0.1", "10.0.0.2"])).await;
+    let u = h.until("a-1 modified", |s| backends(s, "10.96.0.1").len() == 2).await;
+    assert_eq!(backends(&u.snapshot, "10.96.0.1"), ["10.0.0.1", "10.0.0.2"]);
+
+    fake.event(SERVICES, "DELETED", svc("a", "10.96.0.1")).await;
+    let u = h.until("a deleted", |s| !names(s).contains("a")).await;
+    assert_eq!(names(&u.snapshot), ["b".to_string()].into());
+    assert!(backends(&u.snapshot, "10.96.0.1").is_empty());
+}
+
+#[tokio::test]
+async fn a_410_relist_drops_vanished_objects_without_blanking() {
+    let fake = Fake::default();
+    fake.set(SERVICES, vec![svc("keep", "10.96.0.1"), svc("gone", "10.96.0.2")]);
+    fake.set(SLICES, vec![]);
+    fake.set(NODES, vec![]);
+    let mut h = Harness::start(fake.clone());
+    h.until("initial list", |s| names(s).len() == 2).await;
+    let lists_before = fake.lists(SERVICES);
+
+    // While the watch was down, "gone" was deleted and "new" created; the
+    // watch then fails with 410 Gone and the watcher re-lists.
+    fake.set(SERVICES, vec![svc("keep", "10.96.0.1"), svc("new", "10.96.0.3")]);
+    let expired = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": "too old resource version", "reason": "Expired", "code": 410});
+    fake.event(SERVICES, "ERROR", expired).await;
+    let u = h.until("re-list", |s| names(s).contains("new")).await;
+    assert_eq!(names(&u.snapshot), ["keep".to_string(), "new".to_string()].into());
+    assert!(fake.lists(SERVICES) > lists_before, "the watcher re-listed");
+    // No published snapshot ever lost "keep": the maps are never blanked.
+    assert!(h.seen.iter().all(|s| s.contains("keep")), "{:?}", h.seen);
+}
+
+#[tokio::test]
+async fn an_api_error_delays_the_first_snapshot_until_a_retry_succeeds() {
+    let fake = Fake::default();
+    fake.set(SERVICES, vec![svc("a", "10.96.0.1")]);
+    fake.set(SLICES, vec![slice("a", "a-1", &["10.0.0.1"])]);
+    fake.set(NODES, vec![]);
+    fake.fail_next_list(SLICES, 500);
+    let mut h = Harness::start(fake.clone());
+    let u = h.until("first snapshot", |_| true).await;
+    // The first snapshot is complete: it was published only after the
+    // EndpointSlice list succeeded on retry.
+    assert!(fake.lists(SLICES) >= 2);
+    assert_eq!(backends(&u.snapshot, "10.96.0.1"), ["10.0.0.1"]);
+}
