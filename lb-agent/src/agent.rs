@@ -192,8 +192,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             tokio::spawn(dir::run(state, tx))
         }
         SourceSpec::Kube => {
-            let client = crate::source::kube::client(cfg.kubeconfig.as_deref()).await?;
-            tokio::spawn(crate::source::kube::run(client, cfg.node_name.clone(), tx))
+            let (client, server) = crate::source::kube::client(cfg.kubeconfig.as_deref()).await?;
+            tokio::spawn(crate::source::kube::run(client, server, cfg.node_name.clone(), tx))
         }
     };
 

@@ -72,7 +72,7 @@ fn an_unreachable_api_server_is_a_clear_error_and_healthz_stays_503() -> Result<
         .spawn()?;
     let res = (|| -> Result<()> {
         c.wait_for("the watch error in the log", Duration::from_secs(10), || {
-            Ok(std::fs::read_to_string(&log)?.contains("cannot watch Services on the API server"))
+            Ok(std::fs::read_to_string(&log)?.contains("cannot watch Services on the API server https://127.0.0.1:1/"))
         })?;
         let text = std::fs::read_to_string(&log)?;
         assert!(text.contains("KUBERNETES_SERVICE_HOST"), "the error says what to check: {text}");

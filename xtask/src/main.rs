@@ -8,6 +8,8 @@ use std::process::Command;
 use anyhow::{Context as _, Result, bail};
 use clap::{Parser, Subcommand};
 
+mod e2e;
+
 #[derive(Parser)]
 #[command(name = "xtask")]
 struct Cli {
@@ -21,6 +23,13 @@ enum Cmd {
     Setup,
     /// Build, then run the netns mini-cluster demo.
     Demo,
+    /// End-to-end on kind (needs docker with a running engine, and kind):
+    /// create a cluster without kube-proxy, install lb, check Services, delete it.
+    E2eKind {
+        /// Keep the cluster after the run (for debugging).
+        #[arg(long)]
+        keep: bool,
+    },
     /// Build, then run every test (unit and netns-cluster), plus clippy.
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
@@ -117,6 +126,24 @@ fn cargo() -> Command {
     c
 }
 
+fn docker_engine_up() -> bool {
+    Command::new("docker").arg("info").output().is_ok_and(|o| o.status.success())
+}
+
+/// What e2e-kind lacks on this machine, in one line, or None.
+fn e2e_preflight(has: &dyn Fn(&str) -> bool, engine_up: &dyn Fn() -> bool) -> Option<String> {
+    let mut missing = Vec::new();
+    for tool in ["docker", "kind", "kubectl"] {
+        if !has(tool) {
+            missing.push(format!("{tool} not found"));
+        }
+    }
+    if has("docker") && !engine_up() {
+        missing.push("no Docker engine running (`docker info` fails)".to_string());
+    }
+    (!missing.is_empty()).then(|| missing.join("; "))
+}
+
 fn build_bins(release: bool) -> Result<()> {
     let mut c = cargo();
     c.args(["build", "-p", "lb-agent", "-p", "tests", "--bins"]);
@@ -135,11 +162,34 @@ fn main() -> Result<()> {
             build_bins(false)?;
             status(&mut Command::new(root().join("target/debug/lb-demo")))
         }
+        Cmd::E2eKind { keep } => {
+            // Checked first, before anything is installed or built.
+            if let Some(missing) = e2e_preflight(&|c: &str| has(c), &|| docker_engine_up()) {
+                eprintln!("xtask e2e-kind: cannot run here: {missing}");
+                std::process::exit(1);
+            }
+            setup()?;
+            e2e::run(&root(), keep)
+        }
         Cmd::Test { args } => {
             setup()?;
             build_bins(false)?;
             status(cargo().args(["test", "--workspace"]).args(&args))?;
             status(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn e2e_preflight_names_what_is_missing_in_one_line() {
+        let none = e2e_preflight(&|_| false, &|| false).unwrap();
+        assert_eq!(none, "docker not found; kind not found; kubectl not found");
+        let no_engine = e2e_preflight(&|t| t != "kind", &|| false).unwrap();
+        assert_eq!(no_engine, "kind not found; no Docker engine running (`docker info` fails)");
+        assert_eq!(e2e_preflight(&|_| true, &|| true), None);
     }
 }

@@ -26,13 +26,14 @@ use tokio::sync::mpsc;
 
 use super::{Publisher, Snapshot, Update};
 
+
 /// How long to wait after a change for more changes before publishing.
 pub const DEBOUNCE: Duration = Duration::from_millis(30);
 
 /// A client from `--kubeconfig`, else `KUBECONFIG` / `~/.kube/config`, else
 /// the in-cluster config (`KUBERNETES_SERVICE_HOST`/`_PORT` and the
 /// service account).
-pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
+pub async fn client(kubeconfig: Option<&Path>) -> Result<(Client, String)> {
     let config = match kubeconfig {
         Some(p) => {
             let kc = kube::config::Kubeconfig::read_from(p).with_context(|| format!("--kubeconfig {}", p.display()))?;
@@ -45,12 +46,20 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client> {
              (in-cluster config needs KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT)",
         )?,
     };
-    tracing::info!(url = %config.cluster_url, "API server");
-    Client::try_from(config).context("build the Kubernetes client")
+    let url = config.cluster_url.to_string();
+    tracing::info!(url, "API server");
+    Ok((Client::try_from(config).context("build the Kubernetes client")?, url))
 }
 
 /// Run one reflector; report every change on `changed`.
-fn spawn_reflector<K>(api: Api<K>, cfg: watcher::Config, writer: reflector::store::Writer<K>, changed: mpsc::UnboundedSender<Instant>, kind: &'static str)
+fn spawn_reflector<K>(
+    api: Api<K>,
+    cfg: watcher::Config,
+    writer: reflector::store::Writer<K>,
+    changed: mpsc::UnboundedSender<Instant>,
+    kind: &'static str,
+    server: String,
+)
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
@@ -75,7 +84,7 @@ where
                     failing = true;
                     tracing::error!(
                         kind,
-                        "cannot watch {kind}s on the API server: {e}; retrying with backoff \
+                        "cannot watch {kind}s on the API server {server}: {e}; retrying with backoff \
                          (in a cluster without kube-proxy, KUBERNETES_SERVICE_HOST/PORT must name the real API server)"
                     );
                 }
@@ -84,25 +93,35 @@ where
     });
 }
 
-fn cloned<K: Clone>(store: &Store<K>) -> Vec<K>
+fn cloned<K>(store: &Store<K>) -> Vec<K>
 where
-    K: Resource + 'static,
+    K: Resource + Clone + 'static,
     K::DynamicType: Eq + Hash + Clone,
 {
     store.state().iter().map(|o| (**o).clone()).collect()
 }
 
 /// Watch the API server and publish snapshots until the watchers end.
-pub async fn run(client: Client, node_name: String, tx: Publisher) -> Result<()> {
+pub async fn run(client: Client, server: String, node_name: String, tx: Publisher) -> Result<()> {
+    run_with(client, server, node_name, move |u| tx.send(Some(u)).is_ok()).await
+}
+
+/// `run`, handing each snapshot to `publish` (false: stop).
+pub async fn run_with(
+    client: Client,
+    server: String,
+    node_name: String,
+    mut publish: impl FnMut(Arc<Update>) -> bool,
+) -> Result<()> {
     let (svc_store, svc_writer) = reflector::store::<Service>();
     let (eps_store, eps_writer) = reflector::store::<EndpointSlice>();
     let (node_store, node_writer) = reflector::store::<Node>();
     let (changed_tx, mut changed) = mpsc::unbounded_channel();
     let all = watcher::Config::default();
-    spawn_reflector(Api::<Service>::all(client.clone()), all.clone(), svc_writer, changed_tx.clone(), "Service");
-    spawn_reflector(Api::<EndpointSlice>::all(client.clone()), all, eps_writer, changed_tx.clone(), "EndpointSlice");
+    spawn_reflector(Api::<Service>::all(client.clone()), all.clone(), svc_writer, changed_tx.clone(), "Service", server.clone());
+    spawn_reflector(Api::<EndpointSlice>::all(client.clone()), all, eps_writer, changed_tx.clone(), "EndpointSlice", server.clone());
     let this_node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-    spawn_reflector(Api::<Node>::all(client), this_node, node_writer, changed_tx, "Node");
+    spawn_reflector(Api::<Node>::all(client), this_node, node_writer, changed_tx, "Node", server);
 
     // The first full view of all three before anything is published.
     let first = Instant::now();
@@ -119,7 +138,7 @@ pub async fn run(client: Client, node_name: String, tx: Publisher) -> Result<()>
     let mut since = first;
     loop {
         let snapshot = Snapshot { services: cloned(&svc_store), slices: cloned(&eps_store), nodes: cloned(&node_store) };
-        if tx.send(Some(Arc::new(Update { snapshot, since }))).is_err() {
+        if !publish(Arc::new(Update { snapshot, since })) {
             return Ok(());
         }
         since = changed.recv().await.context("the watchers ended")?;

@@ -87,6 +87,32 @@ impl Fake {
         panic!("no watch on {path} to deliver {ty} to");
     }
 
+    /// Send many MODIFIED events in one watch response, as fast as the API
+    /// server can.
+    async fn burst(&self, path: &'static str, objs: Vec<Value>) {
+        for _ in 0..500 {
+            {
+                let mut st = self.0.lock().unwrap();
+                let mut lines = String::new();
+                let mut rv = st.rv;
+                let kind = st.kinds.entry(path).or_default();
+                if let Some(resp) = kind.parked.take() {
+                    for mut obj in objs {
+                        rv += 1;
+                        obj["metadata"]["resourceVersion"] = json!(rv.to_string());
+                        kind.items.insert(name_of(&obj), obj.clone());
+                        lines += &format!("{}\n", json!({"type": "MODIFIED", "object": obj}));
+                    }
+                    st.rv = rv;
+                    resp.send_response(Response::new(Body::from(lines.into_bytes())));
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("no watch on {path}");
+    }
+
     /// Answer requests until the client goes away.
     async fn serve(self, mut handle: tower_test::mock::Handle<Request<Body>, Response<Body>>) {
         while let Some((req, send)) = handle.next_request().await {
@@ -153,7 +179,7 @@ impl Harness {
         let client = Client::new(mock, "default");
         tokio::spawn(fake.clone().serve(handle));
         let (tx, rx) = tokio::sync::watch::channel(None);
-        tokio::spawn(run(client, "node-a".into(), tx));
+        tokio::spawn(run(client, "mock".into(), "node-a".into(), tx));
         Harness { rx, seen: Vec::new() }
     }
 
@@ -247,4 +273,55 @@ async fn an_api_error_delays_the_first_snapshot_until_a_retry_succeeds() {
     // EndpointSlice list succeeded on retry.
     assert!(fake.lists(SLICES) >= 2);
     assert_eq!(backends(&u.snapshot, "10.96.0.1"), ["10.0.0.1"]);
+}
+
+#[tokio::test]
+async fn a_burst_of_a_thousand_changes_is_published_as_a_few_snapshots() {
+    let fake = Fake::default();
+    fake.set(SERVICES, vec![svc("a", "10.96.0.1")]);
+    fake.set(SLICES, vec![slice("a", "a-1", &["10.0.0.0"])]);
+    fake.set(NODES, vec![]);
+    let (mock, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    tokio::spawn(fake.clone().serve(handle));
+    let published = Arc::new(Mutex::new(Vec::<Arc<Update>>::new()));
+    let p = published.clone();
+    tokio::spawn(run_with(Client::new(mock, "default"), "mock".into(), "node-a".into(), move |u| {
+        p.lock().unwrap().push(u);
+        true
+    }));
+    let wait = |n: usize| {
+        let published = published.clone();
+        async move {
+            for _ in 0..1000 {
+                if published.lock().unwrap().len() >= n {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("fewer than {n} snapshots");
+        }
+    };
+    wait(1).await;
+
+    let burst: Vec<Value> = (1..=1000).map(|i| slice("a", "a-1", &[&format!("10.0.{}.{}", i / 256, i % 256)])).collect();
+    fake.burst(SLICES, burst).await;
+    // The last change lands...
+    for _ in 0..1000 {
+        let done = published.lock().unwrap().last().is_some_and(|u| backends(&u.snapshot, "10.96.0.1") == ["10.0.3.232"]);
+        if done {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let n = published.lock().unwrap().len();
+    let last = published.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(backends(&last.snapshot, "10.96.0.1"), ["10.0.3.232"]);
+    // ...in a handful of snapshots, not a thousand.
+    assert!(n <= 1 + 5, "{n} snapshots for 1000 changes");
+
+    // A single change is published on its own.
+    fake.event(SERVICES, "ADDED", svc("b", "10.96.0.2")).await;
+    wait(n + 1).await;
+    let u = published.lock().unwrap().last().cloned().unwrap();
+    assert!(names(&u.snapshot).contains("b"));
 }

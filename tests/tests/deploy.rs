@@ -1,0 +1,111 @@
+//! Every manifest in deploy/ parses into k8s-openapi types, and says what
+//! the install needs: least privilege, hostNetwork, pins that survive.
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::ServiceAccount;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use serde::Deserialize;
+
+fn deploy(file: &str) -> String {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(file);
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+}
+
+fn docs(file: &str) -> Vec<serde_yaml::Value> {
+    serde_yaml::Deserializer::from_str(&deploy(file))
+        .map(|d| serde_yaml::Value::deserialize(d).unwrap())
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn typed<T: serde::de::DeserializeOwned>(v: &serde_yaml::Value) -> T {
+    serde_yaml::from_value(v.clone()).unwrap_or_else(|e| panic!("{e}: {v:?}"))
+}
+
+#[test]
+fn every_manifest_parses_into_its_type() {
+    let mut kinds = BTreeSet::new();
+    for file in ["rbac.yaml", "daemonset.yaml"] {
+        for d in docs(file) {
+            let kind = d["kind"].as_str().unwrap().to_string();
+            match kind.as_str() {
+                "ServiceAccount" => drop(typed::<ServiceAccount>(&d)),
+                "ClusterRole" => drop(typed::<ClusterRole>(&d)),
+                "ClusterRoleBinding" => drop(typed::<ClusterRoleBinding>(&d)),
+                "DaemonSet" => drop(typed::<DaemonSet>(&d)),
+                other => panic!("{file}: unexpected kind {other}"),
+            }
+            kinds.insert(kind);
+        }
+    }
+    assert_eq!(kinds, ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "ServiceAccount"].map(String::from).into());
+    let k = &docs("kustomization.yaml")[0];
+    let resources: Vec<&str> = k["resources"].as_sequence().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
+    assert_eq!(resources, ["rbac.yaml", "daemonset.yaml"]);
+    let lits: Vec<&str> = k["configMapGenerator"][0]["literals"].as_sequence().unwrap().iter().map(|l| l.as_str().unwrap()).collect();
+    assert!(lits.iter().any(|l| l.starts_with("KUBERNETES_SERVICE_HOST=")), "{lits:?}");
+    assert!(lits.iter().any(|l| l.starts_with("KUBERNETES_SERVICE_PORT=")), "{lits:?}");
+    let kind = &docs("kind.yaml")[0];
+    assert_eq!(kind["networking"]["kubeProxyMode"].as_str(), Some("none"));
+}
+
+#[test]
+fn the_cluster_role_grants_get_list_watch_on_three_resources_and_nothing_else() {
+    let d = docs("rbac.yaml");
+    let role: ClusterRole = typed(d.iter().find(|d| d["kind"] == "ClusterRole").unwrap());
+    let mut granted = BTreeSet::new();
+    for r in role.rules.unwrap() {
+        assert!(r.non_resource_urls.is_none() && r.resource_names.is_none(), "{r:?}");
+        for g in r.api_groups.unwrap_or_default() {
+            for res in r.resources.clone().unwrap_or_default() {
+                for v in &r.verbs {
+                    granted.insert((g.clone(), res.clone(), v.clone()));
+                }
+            }
+        }
+    }
+    let mut want = BTreeSet::new();
+    for (g, res) in [("", "services"), ("", "nodes"), ("discovery.k8s.io", "endpointslices")] {
+        for v in ["get", "list", "watch"] {
+            want.insert((g.to_string(), res.to_string(), v.to_string()));
+        }
+    }
+    assert_eq!(granted, want);
+    let sa: ServiceAccount = typed(d.iter().find(|d| d["kind"] == "ServiceAccount").unwrap());
+    let binding: ClusterRoleBinding = typed(d.iter().find(|d| d["kind"] == "ClusterRoleBinding").unwrap());
+    assert_eq!(binding.role_ref.name, role.metadata.name.unwrap());
+    let subject = &binding.subjects.unwrap()[0];
+    assert_eq!((subject.kind.as_str(), subject.name.as_str()), ("ServiceAccount", sa.metadata.name.as_deref().unwrap()));
+    assert_eq!(subject.namespace, sa.metadata.namespace);
+}
+
+#[test]
+fn the_daemon_set_runs_on_every_node_with_pinned_state_and_health() {
+    let ds: DaemonSet = typed(&docs("daemonset.yaml")[0]);
+    let pod = ds.spec.unwrap().template.spec.unwrap();
+    assert_eq!(pod.host_network, Some(true));
+    assert_eq!(pod.service_account_name.as_deref(), Some("lb-agent"));
+    assert!(pod.tolerations.unwrap().iter().any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none()));
+    let c = &pod.containers[0];
+    let args = c.args.clone().unwrap();
+    assert!(args.contains(&"--source=kube".to_string()), "{args:?}");
+    let probe = c.readiness_probe.as_ref().unwrap().http_get.as_ref().unwrap();
+    assert_eq!(probe.path.as_deref(), Some("/healthz"));
+    assert_eq!(probe.port, k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(10256));
+    let mounts = c.volume_mounts.clone().unwrap();
+    let bpffs = mounts.iter().find(|m| m.mount_path == "/sys/fs/bpf").unwrap();
+    assert_eq!(bpffs.mount_propagation.as_deref(), Some("Bidirectional"));
+    assert!(mounts.iter().any(|m| m.mount_path == "/run/lb/cgroupv2"));
+    assert!(args.contains(&"--cgroup=/run/lb/cgroupv2".to_string()));
+    let env = c.env.clone().unwrap();
+    let node = env.iter().find(|e| e.name == "NODE_NAME").unwrap();
+    assert_eq!(node.value_from.as_ref().unwrap().field_ref.as_ref().unwrap().field_path, "spec.nodeName");
+    let from = c.env_from.clone().unwrap();
+    assert_eq!(from[0].config_map_ref.as_ref().unwrap().name, "lb-agent-config");
+    assert_eq!(c.security_context.as_ref().unwrap().privileged, Some(true));
+    let vols = pod.volumes.unwrap();
+    let paths: BTreeSet<String> = vols.iter().filter_map(|v| v.host_path.as_ref().map(|h| h.path.clone())).collect();
+    assert_eq!(paths, ["/sys/fs/bpf".to_string(), "/sys/fs/cgroup".to_string()].into());
+}
