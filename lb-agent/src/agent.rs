@@ -29,6 +29,18 @@ pub struct RunConfig {
     pub cgroup: PathBuf,
     pub bpffs: PathBuf,
     pub capacity: Capacity,
+    /// `--node-ip`: the node's addresses (else the Node object's, else the interfaces').
+    pub node_ips: Vec<std::net::IpAddr>,
+    /// `--nodeport-interface`: where the TC programs attach (else the
+    /// interfaces that hold the node's addresses).
+    pub nodeport_interfaces: Vec<String>,
+    /// The NodePort range, kept out of the node's ephemeral ports.
+    pub nodeport_range: (u16, u16),
+    /// Ports SNATed flows leave from.
+    pub snat_ports: (u16, u16),
+    pub nat_timeouts: crate::nodeport::NatTimeouts,
+    pub nat_gc_interval: Duration,
+    pub model: model::Options,
 }
 
 /// What one family's maps hold, as the agent last programmed them.
@@ -44,7 +56,15 @@ struct Reconciler {
     v6: Mirror<[u8; 16]>,
     node_name: String,
     zone: Option<String>,
+    node_ips: Vec<std::net::IpAddr>,
+    opts: model::Options,
+    nodeports: BTreeSet<lb_common::NodePortKey>,
+    snat_ports: (u16, u16),
+    netns_cookie: u64,
     logged: HashSet<String>,
+    /// What the last sync decided besides the maps.
+    health_checks: std::collections::BTreeMap<u16, model::HealthCheck>,
+    node_addresses: Vec<std::net::IpAddr>,
 }
 
 /// Plan and apply one family. Stops at the first failed write; every
@@ -53,7 +73,7 @@ fn sync_family<A: Addr>(
     desired: &model::Desired,
     mirror: &mut Mirror<A>,
     fm: &mut FamilyMaps<A>,
-    matches: &mut aya::maps::HashMap<aya::maps::MapData, lb_common::AffinityMatchKey, u8>,
+    shared: &mut crate::dataplane::maps::Shared<'_>,
     warnings: &mut Vec<String>,
 ) -> Result<(usize, BTreeSet<u16>)>
 where
@@ -75,7 +95,7 @@ where
     let stale: BTreeSet<u16> =
         had_affinity(&mirror.table).difference(&had_affinity(&target.table)).copied().collect();
     for op in &ops {
-        if let Err(e) = fm.apply(op, matches) {
+        if let Err(e) = fm.apply(op, shared) {
             let who = owner_of(op, &target).unwrap_or_else(|| "a removed service".into());
             anyhow::bail!("programming {who} failed: {e:#}");
         }
@@ -90,11 +110,20 @@ impl Reconciler {
     /// retries.
     fn sync(&mut self, snap: &Snapshot) -> Result<()> {
         let started = Instant::now();
-        let node = model::node_info(&self.node_name, self.zone.as_deref(), &snap.nodes);
-        let desired = model::compute(&snap.services, &snap.slices, &node);
+        let iface_ips: Vec<std::net::IpAddr> = crate::nodeport::interface_addrs().into_iter().map(|(_, a)| a).collect();
+        let facts = model::NodeFacts {
+            name: &self.node_name,
+            zone: self.zone.as_deref(),
+            ips: &self.node_ips,
+            interface_ips: &iface_ips,
+        };
+        let node = model::node_info(&facts, &snap.nodes);
+        let desired = model::compute_with(&snap.services, &snap.slices, &node, &self.opts);
         let mut warnings = desired.warnings.clone();
-        let r4 = sync_family(&desired, &mut self.v4, &mut self.maps.v4, &mut self.maps.affinity_match, &mut warnings);
-        let r6 = sync_family(&desired, &mut self.v6, &mut self.maps.v6, &mut self.maps.affinity_match, &mut warnings);
+        let mut shared =
+            crate::dataplane::maps::Shared { matches: &mut self.maps.affinity_match, src_range: &mut self.maps.src_range };
+        let r4 = sync_family(&desired, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings);
+        let r6 = sync_family(&desired, &mut self.v6, &mut self.maps.v6, &mut shared, &mut warnings);
         let mut now_logged = HashSet::new();
         for w in warnings {
             if !self.logged.contains(&w) {
@@ -107,6 +136,25 @@ impl Reconciler {
         let (n6, stale6) = r6?;
         self.maps.purge_affinity(lb_common::FAMILY_V4, &stale4)?;
         self.maps.purge_affinity(lb_common::FAMILY_V6, &stale6)?;
+        // NodePorts that local processes may not bind, and the node's facts.
+        let want: BTreeSet<lb_common::NodePortKey> = desired
+            .node_ports
+            .iter()
+            .map(|(p, proto)| lb_common::NodePortKey { port: *p, proto: writer::proto_num(*proto), _pad: 0 })
+            .collect();
+        self.maps.set_nodeports(&mut self.nodeports, &want)?;
+        let snat_addr = node.addresses.iter().find_map(|a| match a {
+            std::net::IpAddr::V4(v4) => Some(v4.octets()),
+            _ => None,
+        });
+        self.maps.set_node_config(&lb_common::NodeConfig {
+            netns_cookie: self.netns_cookie,
+            snat_addr: snat_addr.unwrap_or_default(),
+            snat_port_min: self.snat_ports.0,
+            snat_port_max: self.snat_ports.1,
+        })?;
+        self.health_checks = desired.health_checks.clone();
+        self.node_addresses = node.addresses.clone();
         if n4 + n6 > 0 {
             tracing::info!(
                 ops = n4 + n6,
@@ -140,6 +188,25 @@ fn owner_of<A: Addr>(op: &Op<A>, target: &writer::Target<A>) -> Option<String> {
     }?;
     let svc = target.owners.get(&key)?;
     Some(format!("Service {svc} ({}:{}/{})", key.0.to_ip(), key.1, key.2))
+}
+
+/// Expire NAT entries in the background.
+fn spawn_nat_gc(cfg: &RunConfig) -> Result<()> {
+    let data = aya::maps::MapData::from_pin(cfg.bpffs.join(lb_common::maps::NAT4))?;
+    let mut nat = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
+    let (timeouts, every) = (cfg.nat_timeouts, cfg.nat_gc_interval);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            match crate::nodeport::gc(&mut nat, &timeouts) {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(flows = n, "NAT entries expired"),
+                Err(e) => tracing::warn!("NAT expiry: {e:#}"),
+            }
+        }
+    });
+    Ok(())
 }
 
 /// The datapath counters for /metrics, read from the pinned stats map.
@@ -198,9 +265,18 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     };
 
     let dp = loader::load(&cfg.bpffs, &cfg.cgroup, cfg.capacity)?;
-    let v4 = Mirror { table: dp.maps.v4.read_table(&dp.maps.affinity_match)?, cursors: Cursors::default() };
-    let v6 = Mirror { table: dp.maps.v6.read_table(&dp.maps.affinity_match)?, cursors: Cursors::default() };
-    if dp.adopted {
+    let loader::Dataplane { maps, mut tc, adopted } = dp;
+    let v4 = Mirror { table: maps.v4.read_table(&maps.affinity_match, &maps.src_range)?, cursors: Cursors::default() };
+    let v6 = Mirror { table: maps.v6.read_table(&maps.affinity_match, &maps.src_range)?, cursors: Cursors::default() };
+    let nodeports = maps.read_nodeports()?;
+    if let Err(e) = crate::nodeport::reserve_ports(cfg.nodeport_range.0, cfg.nodeport_range.1) {
+        tracing::warn!("cannot reserve the NodePort range for local ports: {e:#}");
+    }
+    for iface in &cfg.nodeport_interfaces {
+        tc.attach_tc(iface)?;
+    }
+    spawn_nat_gc(&cfg)?;
+    if adopted {
         tracing::info!(
             frontends = v4.table.frontend_count() + v6.table.frontend_count(),
             backends = v4.table.backends.len() + v6.table.backends.len(),
@@ -222,7 +298,23 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let (hz, mt) = crate::health::serve(cfg.healthz_bind, cfg.metrics_bind, health.clone(), metrics.clone()).await?;
     tracing::info!(healthz = ?hz, metrics = ?mt, "serving health and metrics");
 
-    let mut rec = Reconciler { maps: dp.maps, v4, v6, node_name: cfg.node_name, zone: cfg.zone, logged: HashSet::new() };
+    let netns_cookie = crate::nodeport::netns_cookie()?;
+    let mut rec = Reconciler {
+        maps,
+        v4,
+        v6,
+        node_name: cfg.node_name.clone(),
+        zone: cfg.zone.clone(),
+        node_ips: cfg.node_ips.clone(),
+        opts: cfg.model.clone(),
+        nodeports,
+        snat_ports: cfg.snat_ports,
+        netns_cookie,
+        logged: HashSet::new(),
+        health_checks: Default::default(),
+        node_addresses: Vec::new(),
+    };
+    let mut health_checks = crate::nodeport::HealthChecks::default();
     rec.export(&metrics, &cfg.capacity);
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
@@ -264,6 +356,15 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             }
         }
         rec.export(&metrics, &cfg.capacity);
+        health_checks.reconcile(&rec.health_checks).await;
+        // The TC programs go where the node's addresses are, unless told.
+        if cfg.nodeport_interfaces.is_empty() {
+            for iface in crate::nodeport::interfaces_for(&rec.node_addresses) {
+                if let Err(e) = tc.attach_tc(&iface) {
+                    tracing::error!("{e:#}");
+                }
+            }
+        }
         if first {
             first = false;
             // The source's first full view is programmed: anything inherited

@@ -2,6 +2,7 @@
 //! socket with cgroup BPF programs.
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
@@ -9,6 +10,7 @@ mod agent;
 mod dataplane;
 mod health;
 mod model;
+mod nodeport;
 mod source;
 
 use dataplane::{inspect, loader, maps::Maps};
@@ -62,6 +64,46 @@ enum Cmd {
         /// Capacity of the socket reverse-translation LRU map.
         #[arg(long, default_value_t = lb_common::capacity::SOCK_REVNAT)]
         max_sock_revnat: u32,
+        /// Capacity of the NAT table for outside traffic (LRU).
+        #[arg(long, default_value_t = lb_common::capacity::NAT)]
+        max_nat: u32,
+        /// This node's address for NodePorts (repeatable). Default: the Node
+        /// object's InternalIP/ExternalIP addresses, else the interfaces'.
+        #[arg(long = "node-ip")]
+        node_ips: Vec<std::net::IpAddr>,
+        /// Interface to handle NodePort/LoadBalancer/externalIP traffic on
+        /// (repeatable). Default: the interfaces that hold the node's addresses.
+        #[arg(long = "nodeport-interface")]
+        nodeport_interfaces: Vec<String>,
+        /// The NodePort range, kept out of local ephemeral ports.
+        #[arg(long, default_value = "30000-32767")]
+        nodeport_range: String,
+        /// Source ports for SNATed outside flows (outside the ephemeral range).
+        #[arg(long, default_value = "61000-65535")]
+        snat_ports: String,
+        /// Translate in-cluster connects to externalIPs too (kube-proxy does;
+        /// see CVE-2020-8554). false: only traffic from outside is translated.
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        external_ip_socket_lb: bool,
+        /// NAT: seconds an idle established TCP flow is kept.
+        #[arg(long, default_value_t = 21600)]
+        nat_tcp_timeout: u64,
+        /// NAT: seconds a TCP flow is kept after FIN both ways or RST.
+        #[arg(long, default_value_t = 10)]
+        nat_tcp_close_timeout: u64,
+        /// NAT: seconds an idle UDP flow is kept.
+        #[arg(long, default_value_t = 60)]
+        nat_udp_timeout: u64,
+        /// NAT: seconds between expiry scans.
+        #[arg(long, default_value_t = 5)]
+        nat_gc_interval: u64,
+    },
+    /// Print the NAT table of outside flows, like `conntrack -L`.
+    Nat {
+        #[arg(long, default_value = "/sys/fs/bpf/lb")]
+        bpffs: PathBuf,
+        #[arg(long)]
+        json: bool,
     },
     /// Print the programmed services from the pinned maps (works without an agent).
     List {
@@ -76,6 +118,18 @@ enum Cmd {
         #[arg(long, default_value = "/sys/fs/bpf/lb")]
         bpffs: PathBuf,
     },
+}
+
+fn port_range(flag: &str, s: &str) -> anyhow::Result<(u16, u16)> {
+    let (a, b) = s.split_once('-').ok_or_else(|| anyhow::anyhow!("{flag} {s:?}: want MIN-MAX"))?;
+    let (a, b): (u16, u16) = (
+        a.trim().parse().map_err(|e| anyhow::anyhow!("{flag} {s:?}: {e}"))?,
+        b.trim().parse().map_err(|e| anyhow::anyhow!("{flag} {s:?}: {e}"))?,
+    );
+    if a == 0 || a > b {
+        anyhow::bail!("{flag} {s:?}: want 1 <= MIN <= MAX");
+    }
+    Ok((a, b))
 }
 
 fn hostname() -> String {
@@ -115,6 +169,16 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             max_services,
             max_backends,
             max_sock_revnat,
+            max_nat,
+            node_ips,
+            nodeport_interfaces,
+            nodeport_range,
+            snat_ports,
+            external_ip_socket_lb,
+            nat_tcp_timeout,
+            nat_tcp_close_timeout,
+            nat_udp_timeout,
+            nat_gc_interval,
         } => {
             loader::check_root()?;
             let source: source::SourceSpec = source.parse().map_err(|e| anyhow::anyhow!("--source: {e}"))?;
@@ -142,7 +206,19 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     services: max_services,
                     backends: max_backends,
                     sock_revnat: max_sock_revnat,
+                    nat: max_nat,
                 },
+                node_ips,
+                nodeport_interfaces,
+                nodeport_range: port_range("--nodeport-range", &nodeport_range)?,
+                snat_ports: port_range("--snat-ports", &snat_ports)?,
+                nat_timeouts: nodeport::NatTimeouts {
+                    tcp: Duration::from_secs(nat_tcp_timeout),
+                    tcp_closed: Duration::from_secs(nat_tcp_close_timeout),
+                    udp: Duration::from_secs(nat_udp_timeout),
+                },
+                nat_gc_interval: Duration::from_secs(nat_gc_interval.max(1)),
+                model: model::Options { external_ip_socket: external_ip_socket_lb },
             };
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(agent::run(cfg))
@@ -155,14 +231,29 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             }
             let maps = Maps::open_pinned(&bpffs)?;
             let v = inspect::view(
-                &maps.v4.read_table(&maps.affinity_match)?,
-                &maps.v6.read_table(&maps.affinity_match)?,
+                &maps.v4.read_table(&maps.affinity_match, &maps.src_range)?,
+                &maps.v6.read_table(&maps.affinity_match, &maps.src_range)?,
                 maps.read_stats()?,
             );
             if json {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 print!("{}", inspect::render_text(&v));
+            }
+            Ok(())
+        }
+        Cmd::Nat { bpffs, json } => {
+            loader::check_root()?;
+            loader::check_bpffs(&bpffs)?;
+            if !bpffs.join(lb_common::maps::NAT4).exists() {
+                anyhow::bail!("nothing is pinned under {}: is an agent running with --bpffs {0}?", bpffs.display());
+            }
+            let maps = Maps::open_pinned(&bpffs)?;
+            let flows = inspect::nat_flows(&maps.nat, nodeport::monotonic_ns());
+            if json {
+                println!("{}", serde_json::to_string_pretty(&flows)?);
+            } else {
+                print!("{}", inspect::render_nat(&flows));
             }
             Ok(())
         }

@@ -26,18 +26,70 @@ pub struct NodeInfo {
     pub name: String,
     /// The node's zone, for topology hints.
     pub zone: Option<String>,
+    /// The node's addresses: NodePorts listen on these.
+    pub addresses: Vec<IpAddr>,
+}
+
+/// Where the node's facts come from, strongest first.
+#[derive(Clone, Debug, Default)]
+pub struct NodeFacts<'a> {
+    pub name: &'a str,
+    /// `--zone`.
+    pub zone: Option<&'a str>,
+    /// `--node-ip`.
+    pub ips: &'a [IpAddr],
+    /// The addresses on the node's interfaces, used when neither `--node-ip`
+    /// nor the Node object gives any.
+    pub interface_ips: &'a [IpAddr],
 }
 
 /// This node's facts: the zone comes from `--zone` when given, else from the
-/// `topology.kubernetes.io/zone` label of the Node object named `name`.
-pub fn node_info(name: &str, zone_flag: Option<&str>, nodes: &[Node]) -> NodeInfo {
-    let zone = zone_flag.map(str::to_string).or_else(|| {
-        nodes
-            .iter()
-            .find(|n| n.metadata.name.as_deref() == Some(name))
-            .and_then(|n| n.metadata.labels.as_ref()?.get(LABEL_ZONE).cloned())
-    });
-    NodeInfo { name: name.to_string(), zone: zone.filter(|z| !z.is_empty()) }
+/// `topology.kubernetes.io/zone` label of the Node object named `name`. The
+/// addresses come from `--node-ip`, else the Node's InternalIP and ExternalIP
+/// addresses, else the interfaces.
+pub fn node_info(facts: &NodeFacts, nodes: &[Node]) -> NodeInfo {
+    let this = nodes.iter().find(|n| n.metadata.name.as_deref() == Some(facts.name));
+    let zone = facts
+        .zone
+        .map(str::to_string)
+        .or_else(|| this.and_then(|n| n.metadata.labels.as_ref()?.get(LABEL_ZONE).cloned()));
+    let from_node: Vec<IpAddr> = this
+        .and_then(|n| n.status.as_ref()?.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+        .filter_map(|a| a.address.parse().ok())
+        .collect();
+    let addresses = if !facts.ips.is_empty() {
+        facts.ips.to_vec()
+    } else if !from_node.is_empty() {
+        from_node
+    } else {
+        facts.interface_ips.to_vec()
+    };
+    NodeInfo { name: facts.name.to_string(), zone: zone.filter(|z| !z.is_empty()), addresses }
+}
+
+/// Choices the operator makes that change what the model emits.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Translate in-cluster connects to externalIPs too, as kube-proxy does.
+    /// Off: only traffic arriving from outside is translated (CVE-2020-8554).
+    pub external_ip_socket: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { external_ip_socket: true }
+    }
+}
+
+/// kube-proxy's health check for a Service with externalTrafficPolicy Local.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub service: ServiceRef,
+    /// Ready endpoints of the Service on this node.
+    pub local_endpoints: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -112,6 +164,14 @@ pub struct Frontend {
     pub affinity_timeout: Option<u32>,
     /// Topology hints narrowed `backends` to this node's zone.
     pub topology: bool,
+    /// A NodePort, LoadBalancer-IP or externalIP frontend.
+    pub external: bool,
+    /// externalTrafficPolicy Local: outside traffic only to `local_backends`.
+    pub ext_local: bool,
+    /// In-cluster connects are not translated (see `Options`).
+    pub no_socket: bool,
+    /// loadBalancerSourceRanges (LoadBalancer IPs only): (network, prefix length).
+    pub source_ranges: Vec<(IpAddr, u8)>,
 }
 
 /// The desired dataplane state.
@@ -123,6 +183,26 @@ pub struct Desired {
     pub vips: BTreeSet<IpAddr>,
     /// Objects we could not use, each with the reason (for the logs).
     pub warnings: Vec<String>,
+    /// Health checks to serve, by healthCheckNodePort.
+    pub health_checks: BTreeMap<u16, HealthCheck>,
+    /// NodePorts in use: local processes may not bind them.
+    pub node_ports: BTreeSet<(u16, Proto)>,
+}
+
+fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
+    let (a, l) = s.split_once('/').unwrap_or((s, ""));
+    let addr: IpAddr = a.trim().parse().ok()?;
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    let len: u8 = if l.is_empty() { max } else { l.trim().parse().ok()? };
+    if len > max {
+        return None;
+    }
+    // The network address: host bits cleared.
+    let net = match addr {
+        IpAddr::V4(a) => IpAddr::from(std::net::Ipv4Addr::from(u32::from(a) & u32::MAX.checked_shl(32 - len as u32).unwrap_or(0))),
+        IpAddr::V6(a) => IpAddr::from(std::net::Ipv6Addr::from(u128::from(a) & u128::MAX.checked_shl(128 - len as u32).unwrap_or(0))),
+    };
+    Some((net, len))
 }
 
 fn service_ref(svc: &Service) -> ServiceRef {
@@ -249,10 +329,6 @@ fn dedup(v: Vec<(Backend, Conditions)>) -> Vec<(Backend, Conditions)> {
     by_addr.into_values().collect()
 }
 
-fn same_family(a: &IpAddr, b: &IpAddr) -> bool {
-    a.is_ipv4() == b.is_ipv4()
-}
-
 /// The EndpointSlice port that a Service port maps to: matched by name
 /// (both unnamed counts as a match) and protocol.
 fn slice_port(slice: &EndpointSlice, sp: &ServicePort, proto: Proto) -> Option<u16> {
@@ -266,9 +342,15 @@ fn slice_port(slice: &EndpointSlice, sp: &ServicePort, proto: Proto) -> Option<u
     })
 }
 
+/// Compute the desired state with the default options.
+#[cfg(test)]
+pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) -> Desired {
+    compute_with(services, slices, node, &Options::default())
+}
+
 /// Compute the desired state. Pure: same input, same output, whatever the
 /// order of the inputs.
-pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) -> Desired {
+pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo, opts: &Options) -> Desired {
     let mut out = Desired::default();
 
     let mut by_service: BTreeMap<ServiceRef, Vec<&EndpointSlice>> = BTreeMap::new();
@@ -343,12 +425,13 @@ pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) 
                 out.warnings.push(format!("Service {sref}: invalid port {}, ignored", sp.port));
                 continue;
             };
-            for vip in &vips {
+            // The endpoints of this port, per family.
+            let endpoints = |v4: bool| -> Vec<(Backend, Conditions)> {
                 let mut all = Vec::new();
                 for slice in svc_slices {
                     let family_ok = match slice.address_type.as_str() {
-                        "IPv4" => vip.is_ipv4(),
-                        "IPv6" => vip.is_ipv6(),
+                        "IPv4" => v4,
+                        "IPv6" => !v4,
                         _ => false,
                     };
                     if !family_ok {
@@ -356,37 +439,134 @@ pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) 
                     }
                     let Some(target) = slice_port(slice, sp, proto) else { continue };
                     for ep in &slice.endpoints {
-                        let local = ep.node_name.as_deref() == Some(node.name.as_str())
-                            && !node.name.is_empty();
+                        let local = ep.node_name.as_deref() == Some(node.name.as_str()) && !node.name.is_empty();
                         for a in &ep.addresses {
                             let Ok(addr) = a.parse::<IpAddr>() else { continue };
-                            if !same_family(&addr, vip) {
+                            if addr.is_ipv4() != v4 {
                                 continue;
                             }
-                            let b = Backend { addr, port: target, local, terminating: false };
-                            all.push((b, conditions(ep)));
+                            all.push((Backend { addr, port: target, local, terminating: false }, conditions(ep)));
                         }
                     }
                 }
-                let all = dedup(all);
-                // Topology applies to cluster-wide traffic only.
-                let zone = if local_only { None } else { topology_zone(&all, node) };
-                let backends = usable(&all, zone);
+                dedup(all)
+            };
+            let base = Frontend {
+                service: sref.clone(),
+                port_name: sp.name.clone().unwrap_or_default(),
+                backends: Vec::new(),
+                local_only: false,
+                local_backends: Vec::new(),
+                affinity_timeout,
+                topology: false,
+                external: false,
+                ext_local: false,
+                no_socket: false,
+                source_ranges: Vec::new(),
+            };
+            // (cluster set, topology applied, local set) for one family.
+            let sets = |v4: bool, topology: bool| {
+                let all = endpoints(v4);
+                let zone = if topology { topology_zone(&all, node) } else { None };
+                let cluster = usable(&all, zone);
                 let local: Vec<_> = all.into_iter().filter(|(b, _)| b.local).collect();
-                let local_backends = usable(&local, None);
+                (cluster, zone.is_some(), usable(&local, None))
+            };
+            for vip in &vips {
+                // Topology applies to cluster-wide traffic only.
+                let (backends, topology, local_backends) = sets(vip.is_ipv4(), !local_only);
                 out.frontends.insert(
                     FrontendKey { addr: *vip, port, proto },
+                    Frontend { backends, local_only, local_backends, topology, ..base.clone() },
+                );
+            }
+
+            // NodePort, LoadBalancer IPs and externalIPs: traffic from outside.
+            let mut external: Vec<(IpAddr, u16, bool, bool)> = Vec::new(); // addr, port, no_socket, lb_ip
+            if matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer")) {
+                if let Some(np) = sp.node_port {
+                    match valid_port(np) {
+                        Some(np) => {
+                            out.node_ports.insert((np, proto));
+                            external.extend(node.addresses.iter().map(|a| (*a, np, false, false)));
+                        }
+                        None => out.warnings.push(format!("Service {sref}: invalid nodePort {np}, ignored")),
+                    }
+                }
+            }
+            if spec.type_.as_deref() == Some("LoadBalancer") {
+                let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
+                for ing in ingress.into_iter().flatten() {
+                    // ipMode Proxy: the load balancer proxies to the nodes;
+                    // its IP is not short-circuited.
+                    if ing.ip_mode.as_deref() == Some("Proxy") {
+                        continue;
+                    }
+                    match ing.ip.as_deref().map(str::parse::<IpAddr>) {
+                        Some(Ok(a)) => external.push((a, port, false, true)),
+                        Some(Err(_)) => out.warnings.push(format!("Service {sref}: invalid load balancer ingress IP {:?}", ing.ip)),
+                        None => {}
+                    }
+                }
+            }
+            for ip in spec.external_ips.iter().flatten() {
+                match ip.parse::<IpAddr>() {
+                    Ok(a) => external.push((a, port, !opts.external_ip_socket, false)),
+                    Err(_) => out.warnings.push(format!("Service {sref}: invalid externalIP {ip:?}, ignored")),
+                }
+            }
+            let ext_local = spec.external_traffic_policy.as_deref() == Some("Local");
+            let ranges: Vec<(IpAddr, u8)> = spec
+                .load_balancer_source_ranges
+                .iter()
+                .flatten()
+                .filter_map(|r| {
+                    let c = parse_cidr(r);
+                    if c.is_none() {
+                        out.warnings.push(format!("Service {sref}: invalid loadBalancerSourceRange {r:?}, ignored"));
+                    }
+                    c
+                })
+                .collect();
+            for (addr, eport, no_socket, lb_ip) in external {
+                let key = FrontendKey { addr, port: eport, proto };
+                if out.frontends.contains_key(&key) {
+                    out.warnings.push(format!("Service {sref}: {key} is already a frontend of another Service, ignored"));
+                    continue;
+                }
+                let (backends, topology, local_backends) = sets(addr.is_ipv4(), true);
+                let source_ranges: Vec<(IpAddr, u8)> = if lb_ip {
+                    ranges.iter().filter(|(a, _)| a.is_ipv4() == addr.is_ipv4()).copied().collect()
+                } else {
+                    Vec::new()
+                };
+                out.frontends.insert(
+                    key,
                     Frontend {
-                        service: sref.clone(),
-                        port_name: sp.name.clone().unwrap_or_default(),
                         backends,
-                        local_only,
                         local_backends,
-                        affinity_timeout,
-                        topology: zone.is_some(),
+                        topology,
+                        external: true,
+                        ext_local,
+                        no_socket,
+                        source_ranges,
+                        ..base.clone()
                     },
                 );
             }
+        }
+        // kube-proxy's health check for externalTrafficPolicy Local.
+        if spec.external_traffic_policy.as_deref() == Some("Local")
+            && spec.type_.as_deref() == Some("LoadBalancer")
+            && let Some(hc) = spec.health_check_node_port.and_then(valid_port)
+        {
+            let local: BTreeSet<IpAddr> = svc_slices
+                .iter()
+                .flat_map(|s| s.endpoints.iter())
+                .filter(|ep| ep.node_name.as_deref() == Some(node.name.as_str()) && conditions(ep).ready)
+                .flat_map(|ep| ep.addresses.iter().filter_map(|a| a.parse().ok()))
+                .collect();
+            out.health_checks.insert(hc, HealthCheck { service: sref.clone(), local_endpoints: local.len() });
         }
         out.vips.extend(vips);
     }
@@ -401,7 +581,7 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     fn node() -> NodeInfo {
-        NodeInfo { name: "node-a".into(), zone: Some("zone-a".into()) }
+        NodeInfo { name: "node-a".into(), zone: Some("zone-a".into()), addresses: vec!["192.168.0.1".parse().unwrap()] }
     }
 
     fn svc(name: &str, ip: &str, ports: &[(Option<&str>, i32, &str)]) -> Service {
@@ -764,7 +944,7 @@ mod tests {
         let f = topo(&eps, false, &node());
         assert!(!f.topology, "no endpoint hinted for zone-a");
         assert_eq!(f.backends.len(), 2);
-        let zoneless = NodeInfo { name: "node-a".into(), zone: None };
+        let zoneless = NodeInfo { name: "node-a".into(), zone: None, addresses: vec![] };
         let eps = [Ep { zones: &["zone-a"], ..ep("10.0.0.1") }, Ep { zones: &["zone-b"], ..ep("10.0.0.2") }];
         let f = topo(&eps, false, &zoneless);
         assert!(!f.topology);
@@ -793,9 +973,10 @@ mod tests {
         other.metadata.name = Some("node-b".into());
         other.metadata.labels = Some([(LABEL_ZONE.to_string(), "zone-y".to_string())].into());
         let nodes = [other, n];
-        assert_eq!(node_info("node-a", None, &nodes).zone.as_deref(), Some("zone-x"));
-        assert_eq!(node_info("node-a", Some("zone-f"), &nodes).zone.as_deref(), Some("zone-f"));
-        assert_eq!(node_info("node-c", None, &nodes).zone, None);
+        let facts = |name, zone| NodeFacts { name, zone, ips: &[], interface_ips: &[] };
+        assert_eq!(node_info(&facts("node-a", None), &nodes).zone.as_deref(), Some("zone-x"));
+        assert_eq!(node_info(&facts("node-a", Some("zone-f")), &nodes).zone.as_deref(), Some("zone-f"));
+        assert_eq!(node_info(&facts("node-c", None), &nodes).zone, None);
     }
 
     #[test]

@@ -26,6 +26,17 @@ pub mod svc_flags {
     pub const AFFINITY: u16 = 1 << 2;
     /// Topology hints narrowed the backends to this node's zone (display only).
     pub const TOPOLOGY: u16 = 1 << 3;
+    /// A NodePort, LoadBalancer-IP or externalIP frontend: the TC program
+    /// handles it for traffic that arrives from outside.
+    pub const EXTERNAL: u16 = 1 << 4;
+    /// externalTrafficPolicy Local: outside traffic uses only the
+    /// `SCOPE_LOCAL` slots and is dropped when there are none.
+    pub const EXT_LOCAL: u16 = 1 << 5;
+    /// The socket hooks leave this frontend alone (externalIPs when their
+    /// in-cluster translation is turned off).
+    pub const NO_SOCKET: u16 = 1 << 6;
+    /// loadBalancerSourceRanges: the client must match `LB4_SRC_RANGE`.
+    pub const SRC_RANGE: u16 = 1 << 7;
 }
 
 /// `Backend::flags`.
@@ -174,6 +185,70 @@ pub struct AffinityMatchKey {
     pub _pad: u8,
 }
 
+/// Key of the `LB4_NAT` LRU map: a packet's 5-tuple as seen on the wire
+/// (ports in host order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct NatKey {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+/// `NatEntry::flags`.
+pub mod nat_flags {
+    /// The entry rewrites replies (backend -> client); else the original direction.
+    pub const REPLY: u8 = 1 << 0;
+    /// The flow is SNATed to this node's address (a backend on another node).
+    pub const SNAT: u8 = 1 << 1;
+}
+
+/// `NatEntry::state` bits, per direction.
+pub mod nat_state {
+    pub const FIN: u8 = 1 << 0;
+    pub const RST: u8 = 1 << 1;
+}
+
+/// Value of the `LB4_NAT` LRU map: how to rewrite packets of this tuple.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatEntry {
+    pub to_saddr: [u8; 4],
+    pub to_daddr: [u8; 4],
+    pub to_sport: u16,
+    pub to_dport: u16,
+    pub flags: u8,
+    pub state: u8,
+    pub rev_nat_id: u16,
+    /// bpf_ktime_get_ns() (CLOCK_MONOTONIC) of the first and the last packet.
+    pub created_ns: u64,
+    pub last_seen_ns: u64,
+}
+
+/// Data of the `LB4_SRC_RANGE` LPM trie key (after its prefix length): the
+/// prefix length counts bits of `rev_nat_id`, `_pad` and `addr`, so the
+/// entry for a.b.c.d/n of frontend `rev_nat_id` has prefix length 32 + n.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct SrcRange {
+    pub rev_nat_id: u16,
+    pub _pad: u16,
+    pub addr: [u8; 4],
+}
+
+/// Key of the `LB_NODEPORTS` hash map: a NodePort in use, which local
+/// processes in the cgroup may not bind().
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct NodePortKey {
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
 /// Indexes of the per-CPU `LB_STATS` array.
 pub mod stats {
     /// connect/sendmsg rewritten to a backend.
@@ -190,7 +265,16 @@ pub mod stats {
     pub const UNREACH_NO_LOCAL: u32 = 5;
     /// A connect that reused its client's affine backend.
     pub const AFFINITY_HIT: u32 = 6;
-    pub const COUNT: u32 = 7;
+    /// TC: new outside flows translated to a backend.
+    pub const NAT_NEW: u32 = 7;
+    /// TC: outside packets dropped (no endpoints, no local endpoint with
+    /// externalTrafficPolicy Local, or a source outside loadBalancerSourceRanges).
+    pub const NAT_DROPPED: u32 = 8;
+    /// TC: no free SNAT port, or the NAT table refused the flow.
+    pub const NAT_FAILED: u32 = 9;
+    /// bind() to a NodePort refused.
+    pub const BIND_REFUSED: u32 = 10;
+    pub const COUNT: u32 = 11;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -199,6 +283,10 @@ pub mod stats {
         "retried",
         "unreachable_no_local",
         "affinity_hit",
+        "nat_new",
+        "nat_dropped",
+        "nat_failed",
+        "bind_refused",
     ];
 }
 
@@ -215,9 +303,13 @@ pub mod maps {
     pub const AFFINITY: &str = "LB_AFFINITY";
     pub const AFFINITY_MATCH: &str = "LB_AFFINITY_MATCH";
     pub const STATS: &str = "LB_STATS";
-    pub const ALL: [&str; 11] = [
+    pub const NAT4: &str = "LB4_NAT";
+    pub const SRC_RANGE4: &str = "LB4_SRC_RANGE";
+    pub const NODEPORTS: &str = "LB_NODEPORTS";
+    pub const NODE_CONFIG: &str = "LB_NODE_CONFIG";
+    pub const ALL: [&str; 15] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
-        AFFINITY, AFFINITY_MATCH, STATS,
+        AFFINITY, AFFINITY_MATCH, STATS, NAT4, SRC_RANGE4, NODEPORTS, NODE_CONFIG,
     ];
 }
 
@@ -228,6 +320,24 @@ pub mod capacity {
     pub const REVNAT: u32 = 65536;
     pub const SOCK_REVNAT: u32 = 262144;
     pub const AFFINITY: u32 = 65536;
+    pub const NAT: u32 = 262144;
+    pub const SRC_RANGE: u32 = 16384;
+    pub const NODEPORTS: u32 = 8192;
+}
+
+/// Value of the `LB_NODE_CONFIG` array (index 0): facts about this node
+/// that the programs need.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NodeConfig {
+    /// The node's network namespace: NodePorts are protected from bind() there.
+    pub netns_cookie: u64,
+    /// The node address SNATed flows leave from.
+    pub snat_addr: [u8; 4],
+    /// SNAT ports: outside the node's ephemeral range, so SNATed flows never
+    /// collide with the node's own sockets.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
 }
 
 #[cfg(feature = "user")]
@@ -249,6 +359,11 @@ mod user {
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for AffinityMatchKey {}
+    unsafe impl aya::Pod for NatKey {}
+    unsafe impl aya::Pod for NatEntry {}
+    unsafe impl aya::Pod for SrcRange {}
+    unsafe impl aya::Pod for NodePortKey {}
+    unsafe impl aya::Pod for NodeConfig {}
 }
 
 // Layouts are part of the pinned-map ABI: a change must be deliberate.
@@ -267,4 +382,9 @@ const _: () = {
     assert!(core::mem::size_of::<AffinityKey>() == 16);
     assert!(core::mem::size_of::<AffinityValue>() == 16);
     assert!(core::mem::size_of::<AffinityMatchKey>() == 8);
+    assert!(core::mem::size_of::<NatKey>() == 16);
+    assert!(core::mem::size_of::<NatEntry>() == 32);
+    assert!(core::mem::size_of::<SrcRange>() == 8);
+    assert!(core::mem::size_of::<NodePortKey>() == 4);
+    assert!(core::mem::size_of::<NodeConfig>() == 16);
 };

@@ -6,12 +6,12 @@
 use core::ffi::c_void;
 
 use aya_ebpf::{
-    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_ktime_get_ns},
     macros::btf_map,
 };
 use lb_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend, FAMILY_V4, FAMILY_V6, RevNat,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend, FAMILY_V4, FAMILY_V6, NodeConfig, RevNat,
     SCOPE_ALL, SCOPE_LOCAL, SockRevNat4Key, SockRevNat6Key, SockRevNatValue, SvcKey, SvcValue,
     capacity, stats, svc_flags,
 };
@@ -47,6 +47,15 @@ static LB_AFFINITY_MATCH: HashMap<AffinityMatchKey, u8, { capacity::BACKENDS as 
 #[btf_map]
 static LB_STATS: PerCpuArray<u64, { stats::COUNT as usize }> = PerCpuArray::new();
 
+#[btf_map]
+static LB_NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
+
+/// This node's configuration, once the agent has written it.
+#[inline(always)]
+pub fn node_config() -> Option<NodeConfig> {
+    LB_NODE_CONFIG.get_ptr(0).map(copy).filter(|c| c.netns_cookie != 0)
+}
+
 /// How often a lookup chain is retried when a concurrent update removed an
 /// entry between two lookups (the agent changes a service while we read it).
 const RETRIES: u32 = 3;
@@ -57,8 +66,8 @@ const EHOSTUNREACH: i32 = 113;
 pub enum Verdict<A> {
     /// Not a frontend we know: leave the socket alone.
     Pass,
-    /// Connect to this backend.
-    Backend { backend: Backend<A>, rev_nat_id: u16 },
+    /// Connect to this backend. `flags` are the frontend's.
+    Backend { backend: Backend<A>, rev_nat_id: u16, flags: u16 },
     /// Fail the syscall with this errno.
     Refuse(i32),
 }
@@ -139,14 +148,35 @@ fn affine<F: Family>(key: &AffinityKey, timeout_s: u32, now: u64) -> Option<(u32
 }
 
 /// Pick a backend for `addr:port/proto`. `hash` selects the slot when given
-/// (stable per socket); otherwise the pick is random per call. `ctx` is the
-/// hook's context, for the netns cookie that sessionAffinity keys on.
+/// (stable per socket, or per flow); otherwise the pick is random per call.
+/// `ctx` is the socket hook's context, for the netns cookie that
+/// sessionAffinity keys on. `external`: the TC path, for traffic from
+/// outside the node; it serves only EXTERNAL frontends and follows
+/// externalTrafficPolicy instead of internalTrafficPolicy.
 #[inline(always)]
-pub fn select<F: Family>(ctx: *mut c_void, addr: F::A, port: u16, proto: u8, hash: Option<u32>) -> Verdict<F::A> {
+pub fn select<F: Family>(
+    ctx: *mut c_void,
+    addr: F::A,
+    port: u16,
+    proto: u8,
+    hash: Option<u32>,
+    external: bool,
+) -> Verdict<F::A> {
     let mut retry = 0;
     while retry < RETRIES {
         retry += 1;
-        let Some(front) = F::svc(&SvcKey::new(addr, port, proto, SCOPE_ALL, 0)) else {
+        let front = F::svc(&SvcKey::new(addr, port, proto, SCOPE_ALL, 0));
+        if external {
+            // Outside traffic: only NodePort / LB IP / externalIP frontends.
+            match front {
+                Some(f) if f.flags & svc_flags::EXTERNAL != 0 => {}
+                _ => return Verdict::Pass,
+            }
+        }
+        let Some(front) = front.filter(|f| external || f.flags & svc_flags::NO_SOCKET == 0) else {
+            if external {
+                return Verdict::Pass;
+            }
             // A known ClusterIP on a port that is no service port.
             if let Some(m) = F::svc(&SvcKey::new(addr, 0, 0, SCOPE_ALL, 0))
                 && m.flags & svc_flags::VIP_MARKER != 0
@@ -156,7 +186,8 @@ pub fn select<F: Family>(ctx: *mut c_void, addr: F::A, port: u16, proto: u8, has
             }
             return Verdict::Pass;
         };
-        let (scope, n) = if front.flags & svc_flags::LOCAL_ONLY != 0 {
+        let local_flag = if external { svc_flags::EXT_LOCAL } else { svc_flags::LOCAL_ONLY };
+        let (scope, n) = if front.flags & local_flag != 0 {
             // internalTrafficPolicy Local: the node-local slots. With none,
             // "unreachable" if the Service has endpoints elsewhere, else
             // "refused", as kube-proxy's DROP and REJECT tell them apart.
@@ -178,7 +209,8 @@ pub fn select<F: Family>(ctx: *mut c_void, addr: F::A, port: u16, proto: u8, has
             return Verdict::Refuse(ECONNREFUSED);
         }
 
-        let affinity = front.flags & svc_flags::AFFINITY != 0;
+        // Affinity keys on the client pod; outside clients have no netns here.
+        let affinity = !external && front.flags & svc_flags::AFFINITY != 0;
         let mut akey = AffinityKey::default();
         // SAFETY: plain helper.
         let now = if affinity { unsafe { bpf_ktime_get_ns() } } else { 0 };
@@ -194,7 +226,7 @@ pub fn select<F: Family>(ctx: *mut c_void, addr: F::A, port: u16, proto: u8, has
                 let v = AffinityValue { last_used_ns: now, backend_id: id, _pad: 0 };
                 let _ = LB_AFFINITY.insert(&akey, &v, 0);
                 count(stats::AFFINITY_HIT);
-                return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id };
+                return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, flags: front.flags };
             }
         }
 
@@ -216,7 +248,7 @@ pub fn select<F: Family>(ctx: *mut c_void, addr: F::A, port: u16, proto: u8, has
             let v = AffinityValue { last_used_ns: now, backend_id: sv.backend_id, _pad: 0 };
             let _ = LB_AFFINITY.insert(&akey, &v, 0);
         }
-        return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id };
+        return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, flags: front.flags };
     }
     // Every attempt raced with an update: refuse rather than guess.
     count(stats::REFUSED_NO_ENDPOINTS);

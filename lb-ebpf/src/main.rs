@@ -6,6 +6,8 @@
 #[cfg(target_arch = "bpf")]
 mod lb;
 #[cfg(target_arch = "bpf")]
+mod nodeport;
+#[cfg(target_arch = "bpf")]
 mod sock;
 
 #[cfg(target_arch = "bpf")]

@@ -11,11 +11,19 @@
 use core::ffi::c_void;
 
 use aya_ebpf::{
-    helpers::{bpf_get_socket_cookie, bpf_set_retval},
-    macros::cgroup_sock_addr,
-    programs::SockAddrContext,
+    btf_maps::HashMap,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
+    macros::{btf_map, cgroup_sock, cgroup_sock_addr},
+    programs::{SockAddrContext, SockContext},
 };
-use lb_common::{PROTO_TCP, PROTO_UDP, stats};
+use lb_common::{NodePortKey, PROTO_TCP, PROTO_UDP, capacity, stats};
+
+/// The NodePorts in use: processes in the node's network namespace may not
+/// bind() them.
+#[btf_map]
+static LB_NODEPORTS: HashMap<NodePortKey, u8, { capacity::NODEPORTS as usize }> = HashMap::new();
+
+const EADDRINUSE: i32 = 98;
 
 use crate::lb::{self, V4, V6, Verdict};
 
@@ -134,10 +142,10 @@ fn xlate4(ctx: &SockAddrContext, stable: bool) -> i32 {
     let (addr, port) = (ip4(ctx), port(ctx));
     let cookie = cookie(ctx);
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
-    match lb::select::<V4>(ctx.sock_addr.cast::<c_void>(), addr, port, proto, hash) {
+    match lb::select::<V4>(ctx.sock_addr.cast::<c_void>(), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
         Verdict::Refuse(errno) => refuse(errno),
-        Verdict::Backend { backend, rev_nat_id } => {
+        Verdict::Backend { backend, rev_nat_id, .. } => {
             lb::remember4(cookie, &backend, addr, port, rev_nat_id);
             set_ip4(ctx, backend.addr);
             set_port(ctx, backend.port);
@@ -155,10 +163,10 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     let cookie = cookie(ctx);
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
     if let Some(addr) = v4_mapped(&words) {
-        return match lb::select::<V4>(ctx.sock_addr.cast::<c_void>(), addr, port, proto, hash) {
+        return match lb::select::<V4>(ctx.sock_addr.cast::<c_void>(), addr, port, proto, hash, false) {
             Verdict::Pass => ALLOW,
             Verdict::Refuse(errno) => refuse(errno),
-            Verdict::Backend { backend, rev_nat_id } => {
+            Verdict::Backend { backend, rev_nat_id, .. } => {
                 lb::remember4(cookie, &backend, addr, port, rev_nat_id);
                 set_ip6_word(ctx, 3, u32::from_ne_bytes(backend.addr));
                 set_port(ctx, backend.port);
@@ -168,10 +176,10 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
         };
     }
     let addr = bytes16(&words);
-    match lb::select::<V6>(ctx.sock_addr.cast::<c_void>(), addr, port, proto, hash) {
+    match lb::select::<V6>(ctx.sock_addr.cast::<c_void>(), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
         Verdict::Refuse(errno) => refuse(errno),
-        Verdict::Backend { backend, rev_nat_id } => {
+        Verdict::Backend { backend, rev_nat_id, .. } => {
             lb::remember6(cookie, &backend, addr, port, rev_nat_id);
             set_ip6(ctx, backend.addr);
             set_port(ctx, backend.port);
@@ -255,4 +263,36 @@ pub fn lb_getpeername4(ctx: SockAddrContext) -> i32 {
 pub fn lb_getpeername6(ctx: SockAddrContext) -> i32 {
     reverse6(&ctx);
     ALLOW
+}
+
+/// Refuse a bind() in the node's netns to a port that is a NodePort, so no
+/// local process can steal it.
+#[inline(always)]
+fn post_bind(ctx: &SockContext) -> i32 {
+    // SAFETY: context fields this program type may read.
+    let (port, proto) = unsafe {
+        (core::ptr::read_volatile(&(*ctx.sock).src_port) as u16, core::ptr::read_volatile(&(*ctx.sock).protocol) as u8)
+    };
+    if LB_NODEPORTS.get_ptr(&NodePortKey { port, proto, _pad: 0 }).is_none() {
+        return ALLOW;
+    }
+    // SAFETY: helper valid for cgroup sock programs.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.sock.cast()) };
+    match lb::node_config() {
+        Some(cfg) if cfg.netns_cookie == netns => {
+            lb::count(stats::BIND_REFUSED);
+            refuse(EADDRINUSE)
+        }
+        _ => ALLOW,
+    }
+}
+
+#[cgroup_sock(post_bind4)]
+pub fn lb_post_bind4(ctx: SockContext) -> i32 {
+    post_bind(&ctx)
+}
+
+#[cgroup_sock(post_bind6)]
+pub fn lb_post_bind6(ctx: SockContext) -> i32 {
+    post_bind(&ctx)
 }

@@ -1,5 +1,6 @@
 //! `lb-agent list`: what the pinned maps hold, like `ipvsadm -Ln`.
 use std::fmt::Write as _;
+use std::net::Ipv4Addr;
 
 use lb_common::{PROTO_TCP, PROTO_UDP, SCOPE_ALL, SCOPE_LOCAL, SvcKey, backend_flags, svc_flags};
 use serde::Serialize;
@@ -75,6 +76,7 @@ fn add<A: Addr>(t: &Table<A>, out: &mut ListView) {
             continue;
         }
         let local_only = v.flags & svc_flags::LOCAL_ONLY != 0;
+        let ext_local = v.flags & svc_flags::EXT_LOCAL != 0;
         let mut flags = Vec::new();
         if v.flags & svc_flags::AFFINITY != 0 {
             flags.push("affinity");
@@ -85,7 +87,19 @@ fn add<A: Addr>(t: &Table<A>, out: &mut ListView) {
         if v.flags & svc_flags::TOPOLOGY != 0 {
             flags.push("topology");
         }
-        let local_backends = local_only.then(|| {
+        if v.flags & svc_flags::EXTERNAL != 0 {
+            flags.push("external");
+        }
+        if v.flags & svc_flags::EXT_LOCAL != 0 {
+            flags.push("etp-local");
+        }
+        if v.flags & svc_flags::NO_SOCKET != 0 {
+            flags.push("no-socket");
+        }
+        if v.flags & svc_flags::SRC_RANGE != 0 {
+            flags.push("source-ranges");
+        }
+        let local_backends = (local_only || ext_local).then(|| {
             let n = t.services.get(&SvcKey::new(k.addr, k.port, k.proto, SCOPE_LOCAL, 0)).map_or(0, |l| l.count);
             backends(t, k, SCOPE_LOCAL, n)
         });
@@ -119,12 +133,15 @@ pub fn render_text(v: &ListView) -> String {
             flags.retain(|f| f != "affinity");
             flags.insert(0, format!("affinity={t}s"));
         }
-        let shown = f.local_backends.as_ref().unwrap_or(&f.backends);
+        let shown = match &f.local_backends {
+            Some(local) if f.flags.contains(&"itp-local") => local,
+            _ => &f.backends,
+        };
         let front = if f.family == "IPv6" { format!("[{}]:{}", f.address, f.port) } else { format!("{}:{}", f.address, f.port) };
         let fam = if f.family == "IPv6" { "ip6" } else { "ip4" };
         let _ = writeln!(s, "{fam:<4} {:<4} {:<33} {:<9} {}", f.protocol, front, shown.len(), flags.join(","));
         if shown.is_empty() {
-            let why = if f.local_backends.is_some() && !f.backends.is_empty() {
+            let why = if f.flags.contains(&"itp-local") && !f.backends.is_empty() {
                 "no local endpoints: connect fails with EHOSTUNREACH"
             } else {
                 "no endpoints: connect is refused"
@@ -139,5 +156,69 @@ pub fn render_text(v: &ListView) -> String {
     }
     let stats: Vec<String> = v.stats.iter().map(|(k, n)| format!("{k}={n}")).collect();
     let _ = writeln!(s, "stats: {}", stats.join(" "));
+    s
+}
+
+/// One flow of the NAT table, as `lb-agent nat` prints it.
+#[derive(Debug, Serialize)]
+pub struct NatFlow {
+    pub protocol: &'static str,
+    /// The tuple as the client sent it.
+    pub original: String,
+    /// The tuple as the backend sees it.
+    pub rewritten: String,
+    pub snat: bool,
+    pub state: &'static str,
+    pub age_s: u64,
+    pub idle_s: u64,
+}
+
+pub fn nat_flows(nat: &aya::maps::HashMap<aya::maps::MapData, lb_common::NatKey, lb_common::NatEntry>, now_ns: u64) -> Vec<NatFlow> {
+    use lb_common::{nat_flags, nat_state};
+    let entries: std::collections::BTreeMap<_, _> = nat.iter().filter_map(|r| r.ok()).collect();
+    let tuple = |s: [u8; 4], sp: u16, d: [u8; 4], dp: u16| format!("src={} dst={} sport={sp} dport={dp}", Ipv4(s), Ipv4(d));
+    entries
+        .iter()
+        .filter(|(_, e)| e.flags & nat_flags::REPLY == 0)
+        .map(|(k, e)| {
+            let reply = entries.get(&crate::nodeport::reply_key(k, e));
+            let states = e.state | reply.map_or(0, |r| r.state);
+            let fin_both = e.state & nat_state::FIN != 0 && reply.is_some_and(|r| r.state & nat_state::FIN != 0);
+            let state = match (k.proto, states) {
+                (lb_common::PROTO_UDP, _) => "UDP",
+                (_, s) if s & nat_state::RST != 0 => "CLOSE(RST)",
+                _ if fin_both => "CLOSED",
+                (_, s) if s & nat_state::FIN != 0 => "FIN_WAIT",
+                _ => "ESTABLISHED",
+            };
+            let last = reply.map_or(e.last_seen_ns, |r| r.last_seen_ns.max(e.last_seen_ns));
+            NatFlow {
+                protocol: proto_name(k.proto),
+                original: tuple(k.saddr, k.sport, k.daddr, k.dport),
+                rewritten: tuple(e.to_saddr, e.to_sport, e.to_daddr, e.to_dport),
+                snat: e.flags & nat_flags::SNAT != 0,
+                state,
+                age_s: now_ns.saturating_sub(e.created_ns) / 1_000_000_000,
+                idle_s: now_ns.saturating_sub(last) / 1_000_000_000,
+            }
+        })
+        .collect()
+}
+
+struct Ipv4([u8; 4]);
+
+impl std::fmt::Display for Ipv4 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        Ipv4Addr::from(self.0).fmt(f)
+    }
+}
+
+pub fn render_nat(flows: &[NatFlow]) -> String {
+    let mut s = String::new();
+    for f in flows {
+        let snat = if f.snat { " [SNAT]" } else { "" };
+        let _ = writeln!(s, "{:<4} {:<11} {} -> {}{snat} age={}s idle={}s", f.protocol.to_lowercase(), f.state, f.original, f.rewritten, f.age_s, f.idle_s);
+    }
+    let _ = writeln!(s, "{} flows", flows.len());
     s
 }

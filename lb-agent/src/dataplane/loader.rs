@@ -11,11 +11,11 @@ use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result, bail};
-use aya::programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink};
+use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier, TcAttachType, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
 use lb_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, RevNat4, RevNat6, SockRevNat4Key,
-    SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, Svc4Key, Svc6Key, SvcValue, maps,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, NatEntry, NatKey, NodePortKey, RevNat4,
+    RevNat6, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, Svc4Key, Svc6Key, SvcValue, maps,
 };
 
 use super::maps::Maps;
@@ -35,6 +35,13 @@ pub const PROGRAMS: [&str; 8] = [
     "lb_getpeername6",
 ];
 
+/// The cgroup sock programs (NodePort bind protection).
+pub const SOCK_PROGRAMS: [&str; 2] = ["lb_post_bind4", "lb_post_bind6"];
+
+/// The TC programs, attached to each NodePort interface.
+pub const TC_PROGRAMS: [(&str, TcAttachType); 2] =
+    [("lb_nodeport_ingress", TcAttachType::Ingress), ("lb_nodeport_egress", TcAttachType::Egress)];
+
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 const CGROUP2_SUPER_MAGIC: i64 = 0x63677270;
 
@@ -44,6 +51,7 @@ pub struct Capacity {
     pub services: u32,
     pub backends: u32,
     pub sock_revnat: u32,
+    pub nat: u32,
 }
 
 impl Default for Capacity {
@@ -52,6 +60,7 @@ impl Default for Capacity {
             services: lb_common::capacity::SERVICES,
             backends: lb_common::capacity::BACKENDS,
             sock_revnat: lb_common::capacity::SOCK_REVNAT,
+            nat: lb_common::capacity::NAT,
         }
     }
 }
@@ -111,7 +120,9 @@ pub fn check_cgroup(dir: &Path) -> Result<()> {
 
 /// Refuse to adopt a pinned map whose layout this agent does not understand.
 fn check_pinned_layout(dir: &Path) -> Result<()> {
-    let expect: [(&str, usize, usize); 10] = [
+    let expect: [(&str, usize, usize); 12] = [
+        (maps::NAT4, size_of::<NatKey>(), size_of::<NatEntry>()),
+        (maps::NODEPORTS, size_of::<NodePortKey>(), size_of::<u8>()),
         (maps::SERVICES4, size_of::<Svc4Key>(), size_of::<SvcValue>()),
         (maps::BACKENDS4, size_of::<u32>(), size_of::<Backend4>()),
         (maps::REVNAT4, size_of::<u16>(), size_of::<RevNat4>()),
@@ -147,10 +158,19 @@ fn check_pinned_layout(dir: &Path) -> Result<()> {
 /// The loaded dataplane. Dropping it leaves everything pinned and attached.
 pub struct Dataplane {
     pub maps: Maps,
-    _ebpf: Ebpf,
+    /// Keeps the object, the TC programs and the pin-dir lock for the
+    /// agent's lifetime.
+    pub tc: Tc,
+    pub adopted: bool,
+}
+
+/// The loaded object, for attaching the TC programs to interfaces.
+pub struct Tc {
+    ebpf: Ebpf,
+    bpffs: PathBuf,
+    attached: std::collections::BTreeSet<String>,
     /// Held for the agent's lifetime: one agent per --bpffs.
     _lock: fs::File,
-    pub adopted: bool,
 }
 
 /// Take an exclusive lock on the pin directory, so that two agents never
@@ -190,7 +210,8 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
         .map_max_entries(maps::BACKENDS6, cap.backends)
         .map_max_entries(maps::REVNAT6, revnat)
         .map_max_entries(maps::SOCK_REVNAT6, cap.sock_revnat)
-        .map_max_entries(maps::AFFINITY_MATCH, cap.backends.saturating_mul(2));
+        .map_max_entries(maps::AFFINITY_MATCH, cap.backends.saturating_mul(2))
+        .map_max_entries(maps::NAT4, cap.nat);
     let mut ebpf = loader.load(OBJ).context("load the BPF object")?;
 
     let cg = fs::File::open(cgroup).with_context(|| format!("open cgroup {}", cgroup.display()))?;
@@ -206,18 +227,73 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
             .attach(cg.as_fd(), CgroupAttachMode::Single)
             .with_context(|| format!("attach {name} to {}", cgroup.display()))?;
         let link: FdLink = prog.take_link(id)?.try_into().context("link is not an fd link")?;
-        // Pin the new link beside the old one, then rename it over the old
-        // one: the old link is released (detached) only once the new one is
-        // attached. Both translate idempotently meanwhile.
-        let final_path = bpffs.join("links").join(name);
-        // bpffs forbids dots in names.
-        let tmp = bpffs.join("links").join(format!("{name}_new"));
-        let _ = fs::remove_file(&tmp);
-        link.pin(&tmp).with_context(|| format!("pin link {}", tmp.display()))?;
-        fs::rename(&tmp, &final_path).with_context(|| format!("pin link {}", final_path.display()))?;
+        pin_link(bpffs, name, link)?;
+    }
+    for name in SOCK_PROGRAMS {
+        let prog: &mut CgroupSock = ebpf
+            .program_mut(name)
+            .with_context(|| format!("program {name} missing from the object"))?
+            .try_into()?;
+        prog.load().with_context(|| format!("verify program {name}"))?;
+        let id = prog.attach(cg.as_fd(), CgroupAttachMode::Single).with_context(|| format!("attach {name} to {}", cgroup.display()))?;
+        let link: FdLink = prog.take_link(id)?.try_into().context("link is not an fd link")?;
+        pin_link(bpffs, name, link)?;
+    }
+    for (name, _) in TC_PROGRAMS {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(name)
+            .with_context(|| format!("program {name} missing from the object"))?
+            .try_into()?;
+        prog.load().with_context(|| format!("verify program {name}"))?;
     }
     let maps = Maps::open_pinned(bpffs)?;
-    Ok(Dataplane { maps, _ebpf: ebpf, _lock: lock, adopted })
+    let tc = Tc { ebpf, bpffs: bpffs.to_path_buf(), attached: Default::default(), _lock: lock };
+    Ok(Dataplane { maps, tc, adopted })
+}
+
+/// Pin a new link beside the old one, then rename it over the old one: the
+/// old link is released (detached) only once the new one is attached. Both
+/// programs translate idempotently meanwhile.
+fn pin_link(bpffs: &Path, name: &str, link: FdLink) -> Result<()> {
+    let final_path = bpffs.join("links").join(name);
+    // bpffs forbids dots in names.
+    let tmp = bpffs.join("links").join(format!("{name}_new"));
+    let _ = fs::remove_file(&tmp);
+    link.pin(&tmp).with_context(|| format!("pin link {}", tmp.display()))?;
+    fs::rename(&tmp, &final_path).with_context(|| format!("pin link {}", final_path.display()))?;
+    Ok(())
+}
+
+impl Tc {
+    /// Attach the TC programs to `iface` (ingress and egress), once per agent.
+    /// With TCX (kernel 6.6+) the links are pinned like the cgroup ones;
+    /// otherwise aya falls back to a clsact qdisc and netlink filters.
+    pub fn attach_tc(&mut self, iface: &str) -> Result<()> {
+        if self.attached.contains(iface) {
+            return Ok(());
+        }
+        let tcx = aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0));
+        if !tcx {
+            // The netlink fallback needs a clsact qdisc.
+            // It may exist already; a real failure shows in the attach below.
+            if let Err(e) = aya::programs::tc::qdisc_add_clsact(iface) {
+                tracing::debug!(iface, "clsact qdisc: {e}");
+            }
+        }
+        let safe: String = iface.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+        for (name, ty) in TC_PROGRAMS {
+            let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
+            let id = prog.attach(iface, ty).with_context(|| format!("attach {name} to {iface}"))?;
+            let link = prog.take_link(id)?;
+            match FdLink::try_from(link) {
+                Ok(fd) => pin_link(&self.bpffs, &format!("{name}_{safe}"), fd)?,
+                Err(_) => tracing::warn!(iface, "TC attached with a netlink filter (no TCX); it stays attached after the agent exits"),
+            }
+        }
+        self.attached.insert(iface.to_string());
+        tracing::info!(iface, tcx, "NodePort programs attached");
+        Ok(())
+    }
 }
 
 /// Detach and unpin everything under `bpffs`. Idempotent.

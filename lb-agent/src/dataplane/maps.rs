@@ -3,8 +3,12 @@ use std::path::Path;
 
 use anyhow::{Context as _, Result};
 use aya::Pod;
-use aya::maps::{HashMap, Map, MapData, PerCpuArray};
-use lb_common::{AffinityKey, AffinityMatchKey, AffinityValue, Backend, RevNat, SvcKey, SvcValue, maps, stats};
+use aya::maps::lpm_trie::{Key, LpmTrie};
+use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
+use lb_common::{
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend, NatEntry, NatKey, NodeConfig, NodePortKey, RevNat, SrcRange,
+    SvcKey, SvcValue, maps, stats,
+};
 
 use super::writer::{Addr, Op, Table};
 
@@ -27,7 +31,22 @@ pub struct Maps {
     pub v6: FamilyMaps<[u8; 16]>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityValue>,
     pub affinity_match: HashMap<MapData, AffinityMatchKey, u8>,
+    pub src_range: LpmTrie<MapData, SrcRange, u8>,
+    pub nodeports: HashMap<MapData, NodePortKey, u8>,
+    pub node_config: Array<MapData, NodeConfig>,
+    pub nat: HashMap<MapData, NatKey, NatEntry>,
     pub stats: PerCpuArray<MapData, u64>,
+}
+
+/// The maps a family's ops touch besides its own.
+pub struct Shared<'a> {
+    pub matches: &'a mut HashMap<MapData, AffinityMatchKey, u8>,
+    pub src_range: &'a mut LpmTrie<MapData, SrcRange, u8>,
+}
+
+/// The LPM key of a loadBalancerSourceRange of frontend `id`.
+pub fn range_key(id: u16, addr: [u8; 4], len: u8) -> Key<SrcRange> {
+    Key::new(32 + len as u32, SrcRange { rev_nat_id: id, _pad: 0, addr })
 }
 
 fn open_pinned(dir: &Path, name: &str) -> Result<MapData> {
@@ -57,8 +76,9 @@ where
         Ok(Self { names, services: hash(dir, names[0])?, backends: hash(dir, names[1])?, revnat: hash(dir, names[2])? })
     }
 
-    /// Read the full contents (the affinity-match entries of this family too).
-    pub fn read_table(&self, matches: &HashMap<MapData, AffinityMatchKey, u8>) -> Result<Table<A>> {
+    /// Read the full contents (the affinity-match and source-range entries
+    /// of this family too).
+    pub fn read_table(&self, matches: &HashMap<MapData, AffinityMatchKey, u8>, ranges: &LpmTrie<MapData, SrcRange, u8>) -> Result<Table<A>> {
         let mut t = Table::default();
         for kv in self.services.iter() {
             let (k, v) = kv.with_context(|| format!("read {}", self.names[0]))?;
@@ -78,11 +98,23 @@ where
                 t.affinity_match.insert(k);
             }
         }
+        if A::FAMILY == lb_common::FAMILY_V4 {
+            for k in ranges.keys() {
+                let k = k.context("read LB4_SRC_RANGE")?;
+                let d = k.data();
+                let len = k.prefix_len().saturating_sub(32) as u8;
+                let mut a = A::default();
+                if let Some(addr) = A::from_ip(std::net::IpAddr::from(d.addr)) {
+                    a = addr;
+                }
+                t.src_ranges.insert((d.rev_nat_id, a, len));
+            }
+        }
         Ok(t)
     }
 
     /// Apply one op to the kernel maps.
-    pub fn apply(&mut self, op: &Op<A>, matches: &mut HashMap<MapData, AffinityMatchKey, u8>) -> Result<()> {
+    pub fn apply(&mut self, op: &Op<A>, shared: &mut Shared<'_>) -> Result<()> {
         let [svc, be, rn] = self.names;
         match op {
             Op::PutBackend(id, b) => self.backends.insert(id, b, 0).with_context(|| format!("{be}: insert backend {id}")),
@@ -95,8 +127,17 @@ where
                 .with_context(|| format!("{svc}: delete slot {} of {}:{}", k.slot, k.addr.to_ip(), k.port)),
             Op::DelRevNat(id) => ignore_missing(self.revnat.remove(id)).with_context(|| format!("{rn}: delete rev_nat {id}")),
             Op::DelBackend(id) => ignore_missing(self.backends.remove(id)).with_context(|| format!("{be}: delete backend {id}")),
-            Op::PutMatch(m) => matches.insert(m, 0, 0).context("LB_AFFINITY_MATCH: insert"),
-            Op::DelMatch(m) => ignore_missing(matches.remove(m)).context("LB_AFFINITY_MATCH: delete"),
+            Op::PutMatch(m) => shared.matches.insert(m, 0, 0).context("LB_AFFINITY_MATCH: insert"),
+            Op::DelMatch(m) => ignore_missing(shared.matches.remove(m)).context("LB_AFFINITY_MATCH: delete"),
+            Op::PutRange(id, a, l) | Op::DelRange(id, a, l) => {
+                let std::net::IpAddr::V4(v4) = a.to_ip() else { return Ok(()) };
+                let key = range_key(*id, v4.octets(), *l);
+                if matches!(op, Op::PutRange(..)) {
+                    shared.src_range.insert(&key, 0, 0).context("LB4_SRC_RANGE: insert")
+                } else {
+                    ignore_missing(shared.src_range.remove(&key)).context("LB4_SRC_RANGE: delete")
+                }
+            }
         }
     }
 }
@@ -109,6 +150,10 @@ impl Maps {
             v6: FamilyMaps::open(dir, [maps::SERVICES6, maps::BACKENDS6, maps::REVNAT6])?,
             affinity: HashMap::try_from(Map::LruHashMap(open_pinned(dir, maps::AFFINITY)?))?,
             affinity_match: hash(dir, maps::AFFINITY_MATCH)?,
+            src_range: LpmTrie::try_from(Map::LpmTrie(open_pinned(dir, maps::SRC_RANGE4)?))?,
+            nodeports: hash(dir, maps::NODEPORTS)?,
+            node_config: Array::try_from(Map::Array(open_pinned(dir, maps::NODE_CONFIG)?))?,
+            nat: HashMap::try_from(Map::LruHashMap(open_pinned(dir, maps::NAT4)?))?,
             stats: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(dir, maps::STATS)?))?,
         })
     }
@@ -139,5 +184,31 @@ impl Maps {
             out.push((*name, per_cpu.iter().sum()));
         }
         Ok(out)
+    }
+}
+
+impl Maps {
+    /// The NodePorts that local processes may not bind.
+    pub fn read_nodeports(&self) -> Result<std::collections::BTreeSet<NodePortKey>> {
+        self.nodeports.keys().map(|k| k.context("read LB_NODEPORTS")).collect()
+    }
+
+    pub fn set_nodeports(&mut self, current: &mut std::collections::BTreeSet<NodePortKey>, want: &std::collections::BTreeSet<NodePortKey>) -> Result<()> {
+        for k in want.difference(&current.clone()) {
+            self.nodeports.insert(k, 0, 0).context("LB_NODEPORTS: insert")?;
+            current.insert(*k);
+        }
+        for k in current.clone().difference(want) {
+            ignore_missing(self.nodeports.remove(k)).context("LB_NODEPORTS: delete")?;
+            current.remove(k);
+        }
+        Ok(())
+    }
+
+    pub fn set_node_config(&mut self, cfg: &NodeConfig) -> Result<()> {
+        if self.node_config.get(&0, 0).ok().as_ref() != Some(cfg) {
+            self.node_config.set(0, cfg, 0).context("LB_NODE_CONFIG: set")?;
+        }
+        Ok(())
     }
 }

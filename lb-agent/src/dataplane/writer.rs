@@ -65,6 +65,9 @@ pub struct Table<A> {
     pub revnat: BTreeMap<u16, RevNat<A>>,
     /// (rev_nat_id, backend_id) pairs of frontends with sessionAffinity.
     pub affinity_match: BTreeSet<AffinityMatchKey>,
+    /// loadBalancerSourceRanges: (rev_nat_id, network, prefix length). IPv4
+    /// only: the TC path is IPv4.
+    pub src_ranges: BTreeSet<(u16, A, u8)>,
 }
 
 /// One map write.
@@ -73,9 +76,11 @@ pub enum Op<A> {
     PutBackend(u32, Backend<A>),
     PutRevNat(u16, RevNat<A>),
     PutMatch(AffinityMatchKey),
+    PutRange(u16, A, u8),
     PutSvc(SvcKey<A>, SvcValue),
     DelSvc(SvcKey<A>),
     DelMatch(AffinityMatchKey),
+    DelRange(u16, A, u8),
     DelRevNat(u16),
     DelBackend(u32),
 }
@@ -107,6 +112,12 @@ impl<A: Addr> Table<A> {
             }
             Op::DelMatch(m) => {
                 self.affinity_match.remove(&m);
+            }
+            Op::PutRange(id, a, l) => {
+                self.src_ranges.insert((id, a, l));
+            }
+            Op::DelRange(id, a, l) => {
+                self.src_ranges.remove(&(id, a, l));
             }
         }
     }
@@ -254,6 +265,25 @@ pub fn build<A: Addr>(desired: &Desired, current: &Table<A>, cursors: &mut Curso
         let mut flags = 0;
         if front.local_only {
             flags |= svc_flags::LOCAL_ONLY;
+        }
+        if front.external {
+            flags |= svc_flags::EXTERNAL;
+        }
+        if front.ext_local {
+            flags |= svc_flags::EXT_LOCAL;
+        }
+        if front.no_socket {
+            flags |= svc_flags::NO_SOCKET;
+        }
+        if !front.source_ranges.is_empty() && A::FAMILY == FAMILY_V4 {
+            flags |= svc_flags::SRC_RANGE;
+            for (net, len) in &front.source_ranges {
+                if let Some(a) = A::from_ip(*net) {
+                    t.table.src_ranges.insert((rev_nat_id, a, *len));
+                }
+            }
+        }
+        if front.local_only || front.ext_local {
             let n = slots_for(&front.local_backends, SCOPE_LOCAL, &mut t);
             t.table.services.insert(
                 SvcKey::new(addr, key.port, proto, SCOPE_LOCAL, 0),
@@ -314,6 +344,9 @@ pub fn plan<A: Addr>(current: &Table<A>, target: &Table<A>) -> Vec<Op<A>> {
     for m in target.affinity_match.difference(&current.affinity_match) {
         ops.push(Op::PutMatch(*m));
     }
+    for (id, a, l) in target.src_ranges.difference(&current.src_ranges) {
+        ops.push(Op::PutRange(*id, *a, *l));
+    }
     // 2. Slots before the slot 0 that counts them; node-local slot 0 before
     //    the frontend's slot 0 that points to it; VIP markers last.
     let puts = |pred: &dyn Fn(&SvcKey<A>) -> bool, ops: &mut Vec<Op<A>>| {
@@ -342,6 +375,9 @@ pub fn plan<A: Addr>(current: &Table<A>, target: &Table<A>) -> Vec<Op<A>> {
     dels(&|k| is_marker(k), &mut ops);
     for m in current.affinity_match.difference(&target.affinity_match) {
         ops.push(Op::DelMatch(*m));
+    }
+    for (id, a, l) in current.src_ranges.difference(&target.src_ranges) {
+        ops.push(Op::DelRange(*id, *a, *l));
     }
 
     // 4. What nothing references any more.
@@ -426,6 +462,10 @@ mod tests {
                     local_backends: bs,
                     affinity_timeout: None,
                     topology: false,
+                    external: false,
+                    ext_local: false,
+                    no_socket: false,
+                    source_ranges: Vec::new(),
                 },
             );
             d.vips.insert(vip.parse().unwrap());

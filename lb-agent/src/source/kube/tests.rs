@@ -205,7 +205,7 @@ fn names(s: &Snapshot) -> BTreeSet<String> {
 }
 
 fn backends(s: &Snapshot, vip: &str) -> Vec<String> {
-    let node = model::node_info("node-a", None, &s.nodes);
+    let node = model::node_info(&model::NodeFacts { name: "node-a", ..Default::default() }, &s.nodes);
     let d = model::compute(&s.services, &s.slices, &node);
     let key = FrontendKey { addr: vip.parse().unwrap(), port: 80, proto: Proto::Tcp };
     d.frontends.get(&key).map(|f| f.backends.iter().map(|b| b.addr.to_string()).collect()).unwrap_or_default()
@@ -222,7 +222,8 @@ async fn initial_list_then_add_modify_delete() {
     let u = h.until("initial list", |s| !s.services.is_empty()).await;
     assert_eq!(names(&u.snapshot), ["a".to_string()].into());
     assert_eq!(backends(&u.snapshot, "10.96.0.1"), ["10.0.0.1"]);
-    assert_eq!(model::node_info("node-a", None, &u.snapshot.nodes).zone.as_deref(), Some("zone-1"));
+    let facts = model::NodeFacts { name: "node-a", ..Default::default() };
+    assert_eq!(model::node_info(&facts, &u.snapshot.nodes).zone.as_deref(), Some("zone-1"));
 
     fake.event(SERVICES, "ADDED", svc("b", "10.96.0.2")).await;
     h.until("b added", |s| names(s).contains("b")).await;

@@ -1,0 +1,241 @@
+//! The agent's side of NodePort, LoadBalancer IPs and externalIPs: the
+//! node's addresses and interfaces, the NAT table's expiry, kube-proxy's
+//! health checks for externalTrafficPolicy Local, and keeping NodePorts
+//! away from local ephemeral ports.
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use aya::maps::{HashMap, MapData};
+use axum::http::{StatusCode, header};
+use lb_common::{NatEntry, NatKey, PROTO_UDP, nat_flags, nat_state};
+
+use crate::model::HealthCheck;
+
+/// The global addresses on this netns' interfaces, with the interface.
+pub fn interface_addrs() -> Vec<(String, IpAddr)> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else { return Vec::new() };
+    addrs
+        .filter_map(|ifa| {
+            let sa = ifa.address?;
+            let ip = if let Some(v4) = sa.as_sockaddr_in() {
+                IpAddr::V4(v4.ip())
+            } else if let Some(v6) = sa.as_sockaddr_in6() {
+                IpAddr::V6(v6.ip())
+            } else {
+                return None;
+            };
+            let global = match ip {
+                IpAddr::V4(a) => !a.is_loopback() && !a.is_link_local(),
+                IpAddr::V6(a) => !a.is_loopback() && !a.is_unicast_link_local(),
+            };
+            global.then_some((ifa.interface_name, ip))
+        })
+        .collect()
+}
+
+/// The interfaces that hold any of `addrs`.
+pub fn interfaces_for(addrs: &[IpAddr]) -> Vec<String> {
+    let mut v: Vec<String> = interface_addrs().into_iter().filter(|(_, a)| addrs.contains(a)).map(|(i, _)| i).collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// This network namespace's cookie (SO_NETNS_COOKIE).
+pub fn netns_cookie() -> Result<u64> {
+    use std::os::fd::AsRawFd as _;
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").or_else(|_| std::net::UdpSocket::bind("[::1]:0")).context("socket for SO_NETNS_COOKIE")?;
+    let mut cookie: u64 = 0;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: valid fd and out buffer of the right size.
+    let rc = unsafe {
+        libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NETNS_COOKIE, (&mut cookie as *mut u64).cast(), &mut len)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error()).context("getsockopt SO_NETNS_COOKIE (kernel 5.14+)");
+    }
+    Ok(cookie)
+}
+
+/// Keep the NodePort range out of the ephemeral ports the kernel hands out
+/// in this netns (ip_local_reserved_ports), so an outgoing connection never
+/// takes a NodePort. Explicit bind()s are refused by the post_bind hook.
+pub fn reserve_ports(min: u16, max: u16) -> Result<()> {
+    const PATH: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
+    let current = std::fs::read_to_string(PATH).with_context(|| format!("read {PATH}"))?;
+    let range = format!("{min}-{max}");
+    if current.split(',').any(|r| r.trim() == range) {
+        return Ok(());
+    }
+    let new = if current.trim().is_empty() { range } else { format!("{},{range}", current.trim()) };
+    std::fs::write(PATH, &new).with_context(|| format!("write {PATH}"))
+}
+
+/// How long NAT entries live.
+#[derive(Clone, Copy, Debug)]
+pub struct NatTimeouts {
+    /// An established TCP flow without packets.
+    pub tcp: Duration,
+    /// A TCP flow after FIN in both directions or a RST.
+    pub tcp_closed: Duration,
+    /// A UDP flow without packets.
+    pub udp: Duration,
+}
+
+/// Whether a flow (its original-direction entry and its reply entry, when
+/// there is one) has expired at `now_ns` (CLOCK_MONOTONIC, as bpf_ktime_get_ns).
+pub fn expired(proto: u8, fwd: &NatEntry, reply: Option<&NatEntry>, now_ns: u64, t: &NatTimeouts) -> bool {
+    let last = reply.map_or(fwd.last_seen_ns, |r| r.last_seen_ns.max(fwd.last_seen_ns));
+    let idle = Duration::from_nanos(now_ns.saturating_sub(last));
+    let timeout = if proto == PROTO_UDP {
+        t.udp
+    } else {
+        let rst = fwd.state & nat_state::RST != 0 || reply.is_some_and(|r| r.state & nat_state::RST != 0);
+        let fin_both = fwd.state & nat_state::FIN != 0 && reply.is_some_and(|r| r.state & nat_state::FIN != 0);
+        if rst || fin_both { t.tcp_closed } else { t.tcp }
+    };
+    idle > timeout
+}
+
+/// The reply-direction key of an original-direction entry.
+pub fn reply_key(k: &NatKey, e: &NatEntry) -> NatKey {
+    NatKey { saddr: e.to_daddr, daddr: e.to_saddr, sport: e.to_dport, dport: e.to_sport, proto: k.proto, _pad: [0; 3] }
+}
+
+pub fn monotonic_ns() -> u64 {
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
+    t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
+}
+
+/// Delete expired flows (both entries of each). Returns how many flows went.
+pub fn gc(nat: &mut HashMap<MapData, NatKey, NatEntry>, t: &NatTimeouts) -> Result<usize> {
+    let now = monotonic_ns();
+    let entries: BTreeMap<NatKey, NatEntry> = nat.iter().filter_map(|r| r.ok()).collect();
+    let replies: std::collections::BTreeSet<NatKey> =
+        entries.iter().filter(|(_, e)| e.flags & nat_flags::REPLY == 0).map(|(k, e)| reply_key(k, e)).collect();
+    let mut gone = 0;
+    for (k, e) in &entries {
+        if e.flags & nat_flags::REPLY != 0 {
+            // An orphaned reply entry (its original was evicted).
+            if !replies.contains(k) && expired(k.proto, e, None, now, t) {
+                let _ = nat.remove(k);
+            }
+            continue;
+        }
+        let rk = reply_key(k, e);
+        if expired(k.proto, e, entries.get(&rk), now, t) {
+            let _ = nat.remove(k);
+            let _ = nat.remove(&rk);
+            gone += 1;
+        }
+    }
+    Ok(gone)
+}
+
+/// The kube-proxy health check servers, one per healthCheckNodePort.
+#[derive(Default)]
+pub struct HealthChecks {
+    servers: BTreeMap<u16, (Arc<Mutex<HealthCheck>>, tokio::task::JoinHandle<()>)>,
+}
+
+fn hc_body(hc: &HealthCheck) -> (StatusCode, String) {
+    let body = serde_json::json!({
+        "service": {"namespace": hc.service.namespace, "name": hc.service.name},
+        "localEndpoints": hc.local_endpoints,
+        "serviceProxyHealthy": true,
+    });
+    let code = if hc.local_endpoints > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, body.to_string())
+}
+
+impl HealthChecks {
+    /// Serve exactly `want`: start, update and stop servers.
+    pub async fn reconcile(&mut self, want: &BTreeMap<u16, HealthCheck>) {
+        self.servers.retain(|port, (_, task)| {
+            let keep = want.contains_key(port);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for (port, hc) in want {
+            if let Some((state, _)) = self.servers.get(port) {
+                *state.lock().unwrap() = hc.clone();
+                continue;
+            }
+            let addr = SocketAddr::from(([0, 0, 0, 0], *port));
+            let l = match tokio::net::TcpListener::bind(addr).await {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!(service = %hc.service, "cannot serve the health check on healthCheckNodePort {port}: {e}");
+                    continue;
+                }
+            };
+            let state = Arc::new(Mutex::new(hc.clone()));
+            let s = state.clone();
+            let app = axum::Router::new().fallback(move || {
+                let s = s.clone();
+                async move {
+                    let (code, body) = hc_body(&s.lock().unwrap());
+                    (code, [(header::CONTENT_TYPE, "application/json")], body)
+                }
+            });
+            let task = tokio::spawn(async move {
+                let _ = axum::serve(l, app).await;
+            });
+            self.servers.insert(*port, (state, task));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ServiceRef;
+    use lb_common::PROTO_TCP;
+
+    const T: NatTimeouts =
+        NatTimeouts { tcp: Duration::from_secs(100), tcp_closed: Duration::from_secs(10), udp: Duration::from_secs(30) };
+    const S: u64 = 1_000_000_000;
+
+    fn entry(last: u64, state: u8) -> NatEntry {
+        NatEntry { last_seen_ns: last * S, state, ..Default::default() }
+    }
+
+    #[test]
+    fn expiry_rules() {
+        // UDP: idle timeout.
+        assert!(!expired(PROTO_UDP, &entry(100, 0), Some(&entry(100, 0)), 129 * S, &T));
+        assert!(expired(PROTO_UDP, &entry(100, 0), Some(&entry(100, 0)), 131 * S, &T));
+        // The newest of both directions counts.
+        assert!(!expired(PROTO_UDP, &entry(10, 0), Some(&entry(100, 0)), 129 * S, &T));
+        // TCP open: the long timeout; FIN one way only is still open.
+        assert!(!expired(PROTO_TCP, &entry(100, nat_state::FIN), Some(&entry(100, 0)), 150 * S, &T));
+        assert!(expired(PROTO_TCP, &entry(100, 0), Some(&entry(100, 0)), 201 * S, &T));
+        // FIN both ways, or a RST: the close grace period.
+        assert!(expired(PROTO_TCP, &entry(100, nat_state::FIN), Some(&entry(100, nat_state::FIN)), 111 * S, &T));
+        assert!(!expired(PROTO_TCP, &entry(100, nat_state::FIN), Some(&entry(100, nat_state::FIN)), 109 * S, &T));
+        assert!(expired(PROTO_TCP, &entry(100, 0), Some(&entry(100, nat_state::RST)), 111 * S, &T));
+    }
+
+    #[test]
+    fn reply_key_swaps_the_rewritten_tuple() {
+        let k = NatKey { saddr: [1, 1, 1, 1], daddr: [2, 2, 2, 2], sport: 1000, dport: 30080, proto: 6, _pad: [0; 3] };
+        let e = NatEntry { to_saddr: [3, 3, 3, 3], to_daddr: [4, 4, 4, 4], to_sport: 61000, to_dport: 8080, ..Default::default() };
+        let r = reply_key(&k, &e);
+        assert_eq!((r.saddr, r.daddr, r.sport, r.dport, r.proto), ([4, 4, 4, 4], [3, 3, 3, 3], 8080, 61000, 6));
+    }
+
+    #[test]
+    fn health_check_body_is_kube_proxys() {
+        let hc = HealthCheck { service: ServiceRef { namespace: "ns".into(), name: "web".into() }, local_endpoints: 2 };
+        let (code, body) = hc_body(&hc);
+        assert_eq!(code, StatusCode::OK);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v, serde_json::json!({"service": {"namespace": "ns", "name": "web"}, "localEndpoints": 2, "serviceProxyHealthy": true}));
+        assert_eq!(hc_body(&HealthCheck { local_endpoints: 0, ..hc }).0, StatusCode::SERVICE_UNAVAILABLE);
+    }
+}
