@@ -23,6 +23,8 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once at start: the size of the `run` variant does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Cmd {
     /// Load and attach the programs, then program the maps from a source.
     Run {

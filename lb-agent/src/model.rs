@@ -483,15 +483,15 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
 
             // NodePort, LoadBalancer IPs and externalIPs: traffic from outside.
             let mut external: Vec<(IpAddr, u16, bool, bool)> = Vec::new(); // addr, port, no_socket, lb_ip
-            if matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer")) {
-                if let Some(np) = sp.node_port {
-                    match valid_port(np) {
-                        Some(np) => {
-                            out.node_ports.insert((np, proto));
-                            external.extend(node.addresses.iter().map(|a| (*a, np, false, false)));
-                        }
-                        None => out.warnings.push(format!("Service {sref}: invalid nodePort {np}, ignored")),
+            if matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"))
+                && let Some(np) = sp.node_port
+            {
+                match valid_port(np) {
+                    Some(np) => {
+                        out.node_ports.insert((np, proto));
+                        external.extend(node.addresses.iter().map(|a| (*a, np, false, false)));
                     }
+                    None => out.warnings.push(format!("Service {sref}: invalid nodePort {np}, ignored")),
                 }
             }
             if spec.type_.as_deref() == Some("LoadBalancer") {
@@ -988,5 +988,121 @@ mod tests {
         let eps = [ep("10.0.0.1"), Ep { ready: Some(false), serving: Some(false), ..ep("10.0.0.2") }];
         let d = compute(&[s], &[slice("web", "s", "IPv4", WEB_EP, &eps)], &node());
         assert_eq!(addrs(&d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends), ["10.0.0.1:8080"]);
+    }
+
+    fn external_svc(ty: &str) -> Service {
+        let mut s = svc("web", "10.96.0.10", &[(Some("http"), 80, "TCP")]);
+        let spec = s.spec.as_mut().unwrap();
+        spec.type_ = Some(ty.into());
+        spec.ports.as_mut().unwrap()[0].node_port = Some(30080);
+        s
+    }
+
+    fn lb_status(s: &mut Service, ips: &[(&str, Option<&str>)]) {
+        use k8s_openapi::api::core::v1::{LoadBalancerIngress, LoadBalancerStatus, ServiceStatus};
+        s.status = Some(ServiceStatus {
+            load_balancer: Some(LoadBalancerStatus {
+                ingress: Some(
+                    ips.iter()
+                        .map(|(ip, mode)| LoadBalancerIngress {
+                            ip: Some(ip.to_string()),
+                            ip_mode: mode.map(Into::into),
+                            ..Default::default()
+                        })
+                        .collect(),
+                ),
+            }),
+            ..Default::default()
+        });
+    }
+
+    fn local_and_remote() -> EndpointSlice {
+        slice("web", "s", "IPv4", WEB_EP, &[Ep { node: "node-a", ..ep("10.0.0.1") }, ep("10.0.0.2")])
+    }
+
+    #[test]
+    fn node_ports_listen_on_every_node_address_with_cluster_backends() {
+        let node = NodeInfo { addresses: vec!["192.168.0.1".parse().unwrap(), "192.168.1.1".parse().unwrap()], ..node() };
+        let d = compute(&[external_svc("NodePort")], &[local_and_remote()], &node);
+        for addr in ["192.168.0.1", "192.168.1.1"] {
+            let f = &d.frontends[&fk(addr, 30080, Proto::Tcp)];
+            assert!(f.external && !f.ext_local && !f.local_only);
+            assert_eq!(addrs(&f.backends), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+            assert_eq!(addrs(&f.local_backends), ["10.0.0.1:8080"]);
+        }
+        assert!(!d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].external);
+        assert_eq!(d.node_ports, [(30080, Proto::Tcp)].into());
+        // Node addresses are not ClusterIPs: other ports on them must work.
+        assert!(!d.vips.contains(&"192.168.0.1".parse().unwrap()));
+        // A ClusterIP Service has no NodePort frontends, even with a nodePort set.
+        let d = compute(&[external_svc("ClusterIP")], &[local_and_remote()], &node);
+        assert_eq!(d.frontends.len(), 1);
+        assert!(d.node_ports.is_empty());
+    }
+
+    #[test]
+    fn load_balancer_ips_skip_proxy_mode_and_carry_source_ranges() {
+        let mut s = external_svc("LoadBalancer");
+        lb_status(&mut s, &[("203.0.113.1", None), ("203.0.113.2", Some("VIP")), ("203.0.113.3", Some("Proxy"))]);
+        s.spec.as_mut().unwrap().load_balancer_source_ranges = Some(vec!["192.168.7.9/24".into(), "bad".into()]);
+        let d = compute(&[s], &[local_and_remote()], &node());
+        let lb1 = &d.frontends[&fk("203.0.113.1", 80, Proto::Tcp)];
+        assert!(lb1.external);
+        assert_eq!(lb1.source_ranges, [("192.168.7.0".parse().unwrap(), 24)], "host bits cleared");
+        assert!(d.frontends.contains_key(&fk("203.0.113.2", 80, Proto::Tcp)));
+        assert!(!d.frontends.contains_key(&fk("203.0.113.3", 80, Proto::Tcp)), "ipMode Proxy is not short-circuited");
+        assert!(d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)].source_ranges.is_empty(), "ranges apply to LB IPs");
+        assert!(d.warnings.iter().any(|w| w.contains("\"bad\"")), "{:?}", d.warnings);
+    }
+
+    #[test]
+    fn external_ips_and_the_socket_switch() {
+        let mut s = svc("web", "10.96.0.10", WEB);
+        s.spec.as_mut().unwrap().external_ips = Some(vec!["198.51.100.7".into()]);
+        let d = compute(&[s.clone()], &[local_and_remote()], &node());
+        let f = &d.frontends[&fk("198.51.100.7", 80, Proto::Tcp)];
+        assert!(f.external && !f.no_socket);
+        let d = compute_with(&[s], &[local_and_remote()], &node(), &Options { external_ip_socket: false });
+        assert!(d.frontends[&fk("198.51.100.7", 80, Proto::Tcp)].no_socket);
+    }
+
+    #[test]
+    fn external_traffic_policy_local_and_its_health_check() {
+        let mut s = external_svc("LoadBalancer");
+        let spec = s.spec.as_mut().unwrap();
+        spec.external_traffic_policy = Some("Local".into());
+        spec.health_check_node_port = Some(32000);
+        let d = compute(&[s.clone()], &[local_and_remote()], &node());
+        let f = &d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)];
+        assert!(f.ext_local);
+        assert_eq!(addrs(&f.local_backends), ["10.0.0.1:8080"]);
+        assert_eq!(d.health_checks[&32000].local_endpoints, 1);
+        assert_eq!(d.health_checks[&32000].service.to_string(), "default/web");
+        // ClusterIP traffic is not affected by externalTrafficPolicy.
+        assert!(!d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].ext_local);
+        // Only terminating endpoints here: 0 local endpoints.
+        let term = slice("web", "s", "IPv4", WEB_EP, &[Ep { node: "node-a", ready: Some(false), serving: Some(true), terminating: Some(true), ..ep("10.0.0.1") }]);
+        let d = compute(&[s], &[term], &node());
+        assert_eq!(d.health_checks[&32000].local_endpoints, 0);
+    }
+
+    #[test]
+    fn node_addresses_from_flag_node_object_or_interfaces() {
+        use k8s_openapi::api::core::v1::{NodeAddress, NodeStatus};
+        let mut n = Node::default();
+        n.metadata.name = Some("node-a".into());
+        n.status = Some(NodeStatus {
+            addresses: Some(vec![
+                NodeAddress { type_: "InternalIP".into(), address: "192.168.5.5".into() },
+                NodeAddress { type_: "Hostname".into(), address: "node-a".into() },
+            ]),
+            ..Default::default()
+        });
+        let flag = ["10.1.1.1".parse().unwrap()];
+        let ifaces = ["172.16.0.1".parse().unwrap()];
+        let with = |ips: &[IpAddr], nodes: &[Node]| node_info(&NodeFacts { name: "node-a", zone: None, ips, interface_ips: &ifaces }, nodes).addresses;
+        assert_eq!(with(&flag, std::slice::from_ref(&n)), flag);
+        assert_eq!(with(&[], std::slice::from_ref(&n)), ["192.168.5.5".parse::<IpAddr>().unwrap()]);
+        assert_eq!(with(&[], &[]), ifaces);
     }
 }

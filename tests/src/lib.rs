@@ -284,6 +284,33 @@ impl Cluster {
         Ok(pod)
     }
 
+    /// A client outside the cluster: a netns on the fabric at 192.168.77.`host`,
+    /// with no cgroup of ours. `routes` are (destination, node) pairs: send
+    /// that destination (a LoadBalancer IP, an externalIP) to that node.
+    pub fn add_outside(&mut self, name: &str, host: u8, routes: &[(&str, usize)]) -> Result<Pod> {
+        let netns = format!("{}-o{host}", self.id);
+        let pod = Pod {
+            name: name.to_string(),
+            netns: netns.clone(),
+            ip: format!("192.168.77.{host}"),
+            ip6: format!("fd00:77::{host}"),
+            node: 0,
+            cgroup: PathBuf::new(),
+        };
+        self.pods.push(pod.clone());
+        ip(&["netns", "add", &netns])?;
+        ip(&["-n", &netns, "link", "set", "lo", "up"])?;
+        let fab_if = format!("o{host}");
+        ip(&["-n", &self.fabric, "link", "add", &fab_if, "type", "veth", "peer", "name", "eth0", "netns", &netns])?;
+        ip(&["-n", &self.fabric, "link", "set", &fab_if, "master", "br0", "up"])?;
+        ip(&["-n", &netns, "addr", "add", &format!("{}/24", pod.ip), "dev", "eth0"])?;
+        ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
+        for (dst, node) in routes {
+            ip(&["-n", &netns, "route", "add", dst, "via", &self.nodes[node - 1].ip])?;
+        }
+        Ok(pod)
+    }
+
     /// A hostNetwork "pod": processes in node `node`'s own netns and cgroup.
     pub fn host(&self, node: usize) -> Pod {
         let n = &self.nodes[node - 1];
@@ -299,7 +326,10 @@ impl Cluster {
 
     fn probe_cmd(&self, pod: &Pod) -> Command {
         let mut c = Command::new(bin("lbprobe"));
-        c.arg("--netns").arg(&pod.netns).arg("--cgroup").arg(&pod.cgroup);
+        c.arg("--netns").arg(&pod.netns);
+        if !pod.cgroup.as_os_str().is_empty() {
+            c.arg("--cgroup").arg(&pod.cgroup);
+        }
         c
     }
 
@@ -311,9 +341,19 @@ impl Cluster {
 
     /// Like `serve`, answering with `name`.
     pub fn serve_as(&self, pod: &Pod, name: &str, port: u16) -> Result<u32> {
+        self.serve_with(pod, name, port, &[])
+    }
+
+    /// A server answering "NAME CLIENT-IP": the address it saw the client at.
+    pub fn serve_reporting_peer(&self, pod: &Pod, port: u16) -> Result<u32> {
+        self.serve_with(pod, &pod.name, port, &["--report-peer"])
+    }
+
+    fn serve_with(&self, pod: &Pod, name: &str, port: u16, extra: &[&str]) -> Result<u32> {
         let mut child = self
             .probe_cmd(pod)
             .args(["serve", "--name", name, "--port", &port.to_string()])
+            .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()?;
@@ -352,9 +392,14 @@ impl Cluster {
 
     /// HTTP GET from inside node `node`'s netns (no cgroup): (status, body).
     pub fn http(&self, node: usize, addr: &str, path: &str) -> Result<(u16, String)> {
+        self.http_from(&self.nodes[node - 1].netns, addr, path)
+    }
+
+    /// HTTP GET from inside netns `netns`: (status, body).
+    pub fn http_from(&self, netns: &str, addr: &str, path: &str) -> Result<(u16, String)> {
         let out = Command::new(bin("lbprobe"))
             .arg("--netns")
-            .arg(&self.nodes[node - 1].netns)
+            .arg(netns)
             .args(["http", "--addr", addr, "--path", path])
             .output()?;
         if !out.status.success() {
@@ -407,6 +452,8 @@ impl Cluster {
             .arg(&n.cgroup)
             .arg("--bpffs")
             .arg(&n.bpffs)
+            .arg("--node-ip")
+            .arg(&n.ip)
             .args(extra)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")

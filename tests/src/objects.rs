@@ -88,3 +88,25 @@ pub fn slice_of(svc: &str, name: &str, family: &str, ports: &[(&str, u16, &str)]
 pub fn node(name: &str, zone: &str) -> String {
     format!("apiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\n  labels:\n    topology.kubernetes.io/zone: {zone}\n")
 }
+
+/// A Service port with a nodePort: (name, port, targetPort, protocol, nodePort).
+pub type NodePortSpec<'a> = (&'a str, u16, u16, &'a str, u16);
+
+/// A NodePort or LoadBalancer Service. `extra_spec` lines go under `spec:`;
+/// `lb_ips` become `status.loadBalancer.ingress`.
+pub fn service_typed(name: &str, cluster_ip: &str, ty: &str, ports: &[NodePortSpec], extra_spec: &str, lb_ips: &[&str]) -> String {
+    let mut s = format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  type: {ty}\n  clusterIP: {cluster_ip}\n  clusterIPs: [\"{cluster_ip}\"]\n  ports:\n"
+    );
+    for (pname, port, target, proto, np) in ports {
+        s += &format!("  - name: {pname}\n    port: {port}\n    targetPort: {target}\n    protocol: {proto}\n    nodePort: {np}\n");
+    }
+    s += extra_spec;
+    if !lb_ips.is_empty() {
+        s += "status:\n  loadBalancer:\n    ingress:\n";
+        for ip in lb_ips {
+            s += &format!("    - ip: {ip}\n");
+        }
+    }
+    s
+}

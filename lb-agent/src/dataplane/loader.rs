@@ -290,6 +290,14 @@ impl Tc {
                 Err(_) => tracing::warn!(iface, "TC attached with a netlink filter (no TCX); it stays attached after the agent exits"),
             }
         }
+        // A SNATed flow's packets re-enter the stack with this node's own
+        // address as their source: accept them (as Cilium does).
+        for (knob, value) in [("accept_local", "1"), ("rp_filter", "0")] {
+            let path = format!("/proc/sys/net/ipv4/conf/{iface}/{knob}");
+            if let Err(e) = fs::write(&path, value) {
+                tracing::warn!(iface, "cannot set {path} to {value}: {e}; SNATed NodePort flows may be dropped");
+            }
+        }
         self.attached.insert(iface.to_string());
         tracing::info!(iface, tcx, "NodePort programs attached");
         Ok(())

@@ -34,6 +34,28 @@ enum Cmd {
         name: String,
         #[arg(long)]
         port: u16,
+        /// Answer "NAME PEER-IP": the address the server saw the client at.
+        #[arg(long)]
+        report_peer: bool,
+    },
+    /// TCP: download N bytes of a known pattern and check every byte.
+    Bulk {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long)]
+        bytes: u64,
+    },
+    /// TCP: open N connections at once, then ask each for a reply.
+    Concurrent {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long)]
+        count: u32,
+    },
+    /// bind() a TCP and a UDP socket to 0.0.0.0:PORT; print the errno (0: bound).
+    Bind {
+        #[arg(long)]
+        port: u16,
     },
     /// TCP: connect, send a line, read the reply, close; COUNT times.
     Tcp {
@@ -128,35 +150,77 @@ fn enter(netns: Option<&str>, cgroup: Option<&str>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn serve(name: String, port: u16) -> anyhow::Result<()> {
+/// The byte at offset `i` of a bulk transfer.
+fn pattern(i: u64) -> u8 {
+    (i.wrapping_mul(2654435761) >> 7) as u8
+}
+
+fn peer_ip(a: SocketAddr) -> String {
+    match a {
+        SocketAddr::V6(v6) => v6.ip().to_ipv4_mapped().map_or(v6.ip().to_string(), |v4| v4.to_string()),
+        SocketAddr::V4(v4) => v4.ip().to_string(),
+    }
+}
+
+fn serve(name: String, port: u16, report_peer: bool) -> anyhow::Result<()> {
     // Dual-stack: [::] also takes IPv4 (net.ipv6.bindv6only is 0).
     let tcp = TcpListener::bind(("::", port))?;
     let udp = UdpSocket::bind(("::", port))?;
     println!("ready");
     std::io::stdout().flush()?;
+    let answer = move |name: &str, from: SocketAddr| if report_peer { format!("{name} {}", peer_ip(from)) } else { name.to_string() };
     let uname = name.clone();
     std::thread::spawn(move || {
         let mut buf = [0u8; 1500];
         while let Ok((_, from)) = udp.recv_from(&mut buf) {
-            let _ = udp.send_to(uname.as_bytes(), from);
+            let _ = udp.send_to(answer(&uname, from).as_bytes(), from);
         }
     });
     for conn in tcp.incoming() {
         let Ok(conn) = conn else { continue };
         let name = name.clone();
         std::thread::spawn(move || {
+            let Ok(from) = conn.peer_addr() else { return };
             let mut w = match conn.try_clone() {
                 Ok(w) => w,
                 Err(_) => return,
             };
             for line in BufReader::new(conn).lines() {
-                if line.is_err() || w.write_all(format!("{name}\n").as_bytes()).is_err() {
+                let Ok(line) = line else { break };
+                if let Some(n) = line.strip_prefix("bulk ").and_then(|n| n.trim().parse::<u64>().ok()) {
+                    let mut off = 0u64;
+                    let mut buf = vec![0u8; 65536];
+                    while off < n {
+                        let len = (n - off).min(buf.len() as u64) as usize;
+                        for (j, b) in buf[..len].iter_mut().enumerate() {
+                            *b = pattern(off + j as u64);
+                        }
+                        if w.write_all(&buf[..len]).is_err() {
+                            return;
+                        }
+                        off += len as u64;
+                    }
+                    return;
+                }
+                if w.write_all(format!("{}\n", answer(&name, from)).as_bytes()).is_err() {
                     break;
                 }
             }
         });
     }
     Ok(())
+}
+
+/// Allow many sockets (the concurrent-flows client).
+fn raise_nofile() {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain syscalls with valid pointers.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
 }
 
 fn tcp_once(addr: SocketAddr, timeout: Duration, s: &mut Summary) {
@@ -256,7 +320,84 @@ fn main() -> anyhow::Result<()> {
     enter(cli.netns.as_deref(), cli.cgroup.as_deref())?;
     let mut s = Summary::default();
     match cli.cmd {
-        Cmd::Serve { name, port } => return serve(name, port),
+        Cmd::Serve { name, port, report_peer } => {
+            raise_nofile();
+            return serve(name, port, report_peer);
+        }
+        Cmd::Bulk { addr, bytes } => {
+            s.attempts = 1;
+            let started = Instant::now();
+            let r = (|| -> std::io::Result<u64> {
+                let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+                c.set_read_timeout(Some(Duration::from_secs(10)))?;
+                c.write_all(format!("bulk {bytes}\n").as_bytes())?;
+                let mut buf = vec![0u8; 65536];
+                let mut off = 0u64;
+                loop {
+                    let n = std::io::Read::read(&mut c, &mut buf)?;
+                    if n == 0 {
+                        break;
+                    }
+                    for (j, b) in buf[..n].iter().enumerate() {
+                        if *b != pattern(off + j as u64) {
+                            return Err(std::io::Error::other(format!("byte {} differs", off + j as u64)));
+                        }
+                    }
+                    off += n as u64;
+                }
+                Ok(off)
+            })();
+            match r {
+                Ok(n) if n == bytes => {
+                    s.ok = 1;
+                    *s.replies.entry(format!("{n} bytes")).or_default() += 1;
+                }
+                Ok(n) => *s.errors.entry(format!("short: {n} of {bytes} bytes")).or_default() += 1,
+                Err(e) => s.fail(&e, started),
+            }
+        }
+        Cmd::Concurrent { addr, count } => {
+            raise_nofile();
+            let started = Instant::now();
+            let mut conns = Vec::new();
+            for _ in 0..count {
+                s.attempts += 1;
+                match TcpStream::connect_timeout(&addr, Duration::from_secs(3)) {
+                    Ok(c) => conns.push(c),
+                    Err(e) => s.fail(&e, started),
+                }
+            }
+            // All open at once; now one line each.
+            for c in &mut conns {
+                let r = c.set_read_timeout(Some(Duration::from_secs(3))).and_then(|_| c.write_all(b"hi\n")).and_then(|_| {
+                    let mut line = String::new();
+                    BufReader::new(&*c).read_line(&mut line)?;
+                    Ok(line)
+                });
+                match r {
+                    Ok(line) if !line.is_empty() => {
+                        s.ok += 1;
+                        *s.replies.entry(line.trim().to_string()).or_default() += 1;
+                    }
+                    Ok(_) => s.fail(&std::io::Error::from_raw_os_error(libc::ECONNRESET), started),
+                    Err(e) => s.fail(&e, started),
+                }
+            }
+        }
+        Cmd::Bind { port } => {
+            for tcp in [true, false] {
+                s.attempts += 1;
+                let r = if tcp {
+                    TcpListener::bind(("0.0.0.0", port)).map(drop)
+                } else {
+                    UdpSocket::bind(("0.0.0.0", port)).map(drop)
+                };
+                match r {
+                    Ok(()) => s.ok += 1,
+                    Err(e) => s.fail(&e, Instant::now()),
+                }
+            }
+        }
         Cmd::Http { addr, path } => {
             // A bare HTTP/1.1 GET is all the health and metrics checks need.
             let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;

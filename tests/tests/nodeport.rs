@@ -1,0 +1,210 @@
+//! Traffic from outside the cluster: NodePort, LoadBalancer IPs and
+//! externalIPs through the TC program, on two nodes with pods on each and
+//! an outside client on the fabric.
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use anyhow::Result;
+use lbtest::objects::{Endpoint as E, service_typed, slice_of};
+use lbtest::{Cluster, Pod, Summary};
+
+const EP: &[(&str, u16, &str)] = &[("http", 8080, "TCP"), ("dns", 8080, "UDP")];
+const LB_IP: &str = "10.100.0.10";
+const EXT_IP: &str = "10.100.0.20";
+
+/// Two nodes, pod-1 on node-1 and pod-2 on node-2 (answering with the
+/// client address they see), an outside client that routes the LB IP and
+/// the externalIP to node-1, agents on both nodes.
+struct World {
+    c: Cluster,
+    p1: Pod,
+    p2: Pod,
+    outside: Pod,
+}
+
+fn world(svc: &str, extra_agent: &[&str]) -> Result<World> {
+    let mut c = Cluster::new(2)?;
+    let p1 = c.add_pod(1, "pod-1")?;
+    let p2 = c.add_pod(2, "pod-2")?;
+    c.serve_reporting_peer(&p1, 8080)?;
+    c.serve_reporting_peer(&p2, 8080)?;
+    let outside = c.add_outside("outside", 100, &[(&format!("{LB_IP}/32"), 1), (&format!("{EXT_IP}/32"), 1)])?;
+    c.write_object("svc.yaml", svc)?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::ready(&p1.ip, "node-1"), E::ready(&p2.ip, "node-2")]))?;
+    c.start_agent_with(1, extra_agent)?;
+    c.start_agent_with(2, extra_agent)?;
+    Ok(World { c, p1, p2, outside })
+}
+
+fn web(ty: &str, extra: &str, lb_ips: &[&str]) -> String {
+    service_typed("web", "10.96.0.10", ty, &[("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)], extra, lb_ips)
+}
+
+fn tcp(c: &Cluster, pod: &Pod, addr: &str, n: u32) -> Result<Summary> {
+    c.probe(pod, &["tcp", "--addr", addr, "--count", &n.to_string(), "--timeout-ms", "1000"])
+}
+
+fn wait_nodeport(c: &Cluster, node: usize, n: usize) -> Result<()> {
+    let ip = c.nodes[node - 1].ip.clone();
+    c.wait_for(&format!("{ip}:30080 programmed with {n} backends"), Duration::from_secs(5), || {
+        Ok(c.programmed(node, &ip, 30080, "TCP")?.is_some_and(|b| b.len() == n))
+    })
+}
+
+fn keys(s: &Summary) -> BTreeSet<&str> {
+    s.replies.keys().map(String::as_str).collect()
+}
+
+#[test]
+fn cluster_policy_reaches_both_nodes_and_snats_to_the_remote_one() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]), &[])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let s = tcp(&w.c, &w.outside, "192.168.77.11:30080", 60)?;
+    assert_eq!(s.ok, 60, "{s:?}");
+    // pod-1 is local to node-1: it sees the real client. pod-2 is remote:
+    // it sees node-1, which SNATed the flow so that the reply comes back.
+    assert_eq!(keys(&s), ["pod-1 192.168.77.100", "pod-2 192.168.77.11"].into(), "{s:?}");
+    assert_eq!(s.peers.keys().collect::<Vec<_>>(), ["192.168.77.11:30080"], "replies come from the NodePort: {s:?}");
+
+    // UDP both ways: the reply's source is the NodePort.
+    let s = w.c.probe(&w.outside, &["udp", "--addr", "192.168.77.11:30080", "--count", "20"])?;
+    assert_eq!(s.ok, 20, "{s:?}");
+    assert_eq!(s.peers.keys().collect::<Vec<_>>(), ["192.168.77.11:30080"], "{s:?}");
+
+    // A pod on node-1 reaches node-2's NodePort (handled by node-2).
+    let s = tcp(&w.c, &w.p1, "192.168.77.12:30080", 20)?;
+    assert_eq!(s.ok, 20, "{s:?}");
+
+    // `lb-agent nat` lists the flows like conntrack -L.
+    let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", w.c.nodes[0].bpffs.to_str().unwrap()])?;
+    assert!(nat.contains("src=192.168.77.100 dst=192.168.77.11") && nat.contains("[SNAT]"), "{nat}");
+    assert!(nat.contains(&format!("dst={}", w.p2.ip)), "{nat}");
+    Ok(())
+}
+
+#[test]
+fn local_policy_keeps_the_client_ip_and_drops_on_nodes_without_endpoints() -> Result<()> {
+    let svc = web("LoadBalancer", "  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n", &[LB_IP]);
+    let w = world(&svc, &[])?;
+    // Only pod-1 (node-1) is an endpoint.
+    w.c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::ready(&w.p1.ip, "node-1")]))?;
+    wait_nodeport(&w.c, 1, 1)?;
+    wait_nodeport(&w.c, 2, 1)?;
+    let s = tcp(&w.c, &w.outside, "192.168.77.11:30080", 10)?;
+    assert_eq!(keys(&s), ["pod-1 192.168.77.100"].into(), "the pod sees the client's IP: {s:?}");
+    let s = tcp(&w.c, &w.outside, "192.168.77.12:30080", 2)?;
+    assert_eq!(s.ok, 0, "{s:?}");
+    assert_eq!(s.errors.get("ETIMEDOUT"), Some(&2), "node-2 has no local endpoint: dropped, as kube-proxy does: {s:?}");
+
+    // kube-proxy's health check on healthCheckNodePort.
+    let (code, body) = w.c.http_from(&w.outside.netns, "192.168.77.11:32000", "/")?;
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(v, serde_json::json!({"service": {"namespace": "default", "name": "web"}, "localEndpoints": 1, "serviceProxyHealthy": true}));
+    let (code, body) = w.c.http_from(&w.outside.netns, "192.168.77.12:32000", "/")?;
+    assert_eq!(code, 503, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(v["localEndpoints"], 0);
+
+    // Only terminating local endpoints: 503 too.
+    w.c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::terminating(&w.p1.ip, "node-1"), E::ready(&w.p2.ip, "node-2")]))?;
+    w.c.wait_for("health 503 on node-1", Duration::from_secs(5), || Ok(w.c.http_from(&w.outside.netns, "192.168.77.11:32000", "/")?.0 == 503))?;
+    Ok(())
+}
+
+#[test]
+fn load_balancer_ip_and_external_ip_work_from_outside_and_inside() -> Result<()> {
+    let svc = web("LoadBalancer", &format!("  externalIPs: [\"{EXT_IP}\"]\n"), &[LB_IP]);
+    let w = world(&svc, &[])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    for vip in [LB_IP, EXT_IP] {
+        let s = tcp(&w.c, &w.outside, &format!("{vip}:80"), 30)?;
+        assert_eq!(s.ok, 30, "{vip}: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [format!("{vip}:80").as_str()], "{s:?}");
+        // From a pod, the socket path translates them too.
+        let s = tcp(&w.c, &w.p2, &format!("{vip}:80"), 10)?;
+        assert_eq!(s.ok, 10, "{vip} from a pod: {s:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn external_ips_in_cluster_translation_can_be_turned_off() -> Result<()> {
+    let svc = web("ClusterIP", &format!("  externalIPs: [\"{EXT_IP}\"]\n"), &[]);
+    let w = world(&svc, &["--external-ip-socket-lb", "false"])?;
+    w.c.wait_programmed(EXT_IP, 80, "TCP", Some(&[&format!("{}:8080", w.p1.ip), &format!("{}:8080", w.p2.ip)]))?;
+    // From outside it is handled on arrival...
+    let s = tcp(&w.c, &w.outside, &format!("{EXT_IP}:80"), 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    // ...from a pod it is not translated (CVE-2020-8554): it goes to the network.
+    let s = tcp(&w.c, &w.p1, &format!("{EXT_IP}:80"), 1)?;
+    assert_eq!(s.ok, 0, "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn load_balancer_source_ranges_drop_other_sources() -> Result<()> {
+    let svc = web("LoadBalancer", "  loadBalancerSourceRanges: [\"192.168.77.100/32\"]\n", &[LB_IP]);
+    let mut w = world(&svc, &[])?;
+    let other = w.c.add_outside("other", 101, &[(&format!("{LB_IP}/32"), 1)])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let s = tcp(&w.c, &w.outside, &format!("{LB_IP}:80"), 10)?;
+    assert_eq!(s.ok, 10, "inside the range: {s:?}");
+    let s = tcp(&w.c, &other, &format!("{LB_IP}:80"), 2)?;
+    assert_eq!(s.errors.get("ETIMEDOUT"), Some(&2), "outside the range: dropped: {s:?}");
+    Ok(())
+}
+
+#[test]
+fn a_50_mb_transfer_arrives_byte_exact_and_1000_flows_get_distinct_snat_ports() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]), &[])?;
+    // Only pod-2 (remote from node-1): every flow through node-1 is SNATed.
+    w.c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::ready(&w.p2.ip, "node-2")]))?;
+    wait_nodeport(&w.c, 1, 1)?;
+    let s = w.c.probe(&w.outside, &["bulk", "--addr", "192.168.77.11:30080", "--bytes", "52428800"])?;
+    assert_eq!(s.ok, 1, "{s:?}");
+
+    let s = w.c.probe(&w.outside, &["concurrent", "--addr", "192.168.77.11:30080", "--count", "1000"])?;
+    assert_eq!(s.ok, 1000, "{:?}", s.errors);
+    let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--json", "--bpffs", w.c.nodes[0].bpffs.to_str().unwrap()])?;
+    let flows: Vec<serde_json::Value> = serde_json::from_str(&nat)?;
+    let snat_sports: BTreeSet<String> = flows
+        .iter()
+        .filter(|f| f["snat"] == true)
+        .map(|f| f["rewritten"].as_str().unwrap().split_whitespace().find(|p| p.starts_with("sport=")).unwrap().to_string())
+        .collect();
+    assert!(snat_sports.len() >= 1000, "{} distinct SNAT ports for {} flows", snat_sports.len(), flows.len());
+    Ok(())
+}
+
+#[test]
+fn closed_flows_leave_the_nat_table_after_their_timeout() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]), &["--nat-tcp-close-timeout", "1", "--nat-udp-timeout", "1", "--nat-gc-interval", "1"])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let bpffs = w.c.nodes[0].bpffs.to_str().unwrap().to_string();
+    let count = || -> Result<usize> {
+        let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--json", "--bpffs", &bpffs])?;
+        Ok(serde_json::from_str::<Vec<serde_json::Value>>(&nat)?.len())
+    };
+    let s = tcp(&w.c, &w.outside, "192.168.77.11:30080", 20)?;
+    assert_eq!(s.ok, 20);
+    let s = w.c.probe(&w.outside, &["udp", "--addr", "192.168.77.11:30080", "--count", "5"])?;
+    assert_eq!(s.ok, 5);
+    assert!(count()? >= 20, "the flows are tracked");
+    w.c.wait_for("the NAT table to empty", Duration::from_secs(10), || Ok(count()? == 0))?;
+    Ok(())
+}
+
+#[test]
+fn node_ports_cannot_be_taken_by_local_processes() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]), &[])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let host = w.c.host(1);
+    let s = w.c.probe(&host, &["bind", "--port", "30080"])?;
+    assert_eq!(s.errors.get("EADDRINUSE"), Some(&2), "TCP and UDP bind refused: {s:?}");
+    let s = w.c.probe(&host, &["bind", "--port", "30081"])?;
+    assert_eq!(s.ok, 2, "other ports are free: {s:?}");
+    let reserved = lbtest::run("nsenter", &[&format!("--net=/run/netns/{}", w.c.nodes[0].netns), "cat", "/proc/sys/net/ipv4/ip_local_reserved_ports"])?;
+    assert!(reserved.contains("30000-32767"), "{reserved}");
+    Ok(())
+}
