@@ -41,6 +41,8 @@ pub struct RunConfig {
     pub nat_timeouts: crate::nodeport::NatTimeouts,
     pub nat_gc_interval: Duration,
     pub model: model::Options,
+    /// Destroy connected sockets to endpoints that left their Service.
+    pub destroy_stale_sockets: bool,
 }
 
 /// What one family's maps hold, as the agent last programmed them.
@@ -65,6 +67,19 @@ struct Reconciler {
     /// What the last sync decided besides the maps.
     health_checks: std::collections::BTreeMap<u16, model::HealthCheck>,
     node_addresses: Vec<std::net::IpAddr>,
+    /// Services left out of the last sync because they could not be written.
+    not_programmed: usize,
+    /// (frontend, backend) pairs that served at the last sync.
+    alive: BTreeSet<crate::stale::Pair>,
+    destroy_stale: bool,
+    cgroup: PathBuf,
+    destroyed: u64,
+}
+
+/// A write that failed, and the Service it was for (None: a deletion).
+struct WriteFailed {
+    service: Option<model::ServiceRef>,
+    error: anyhow::Error,
 }
 
 /// Plan and apply one family. Stops at the first failed write; every
@@ -75,7 +90,7 @@ fn sync_family<A: Addr>(
     fm: &mut FamilyMaps<A>,
     shared: &mut crate::dataplane::maps::Shared<'_>,
     warnings: &mut Vec<String>,
-) -> Result<(usize, BTreeSet<u16>)>
+) -> Result<(usize, BTreeSet<u16>), WriteFailed>
 where
     lb_common::SvcKey<A>: aya::Pod,
     lb_common::Backend<A>: aya::Pod,
@@ -96,8 +111,9 @@ where
         had_affinity(&mirror.table).difference(&had_affinity(&target.table)).copied().collect();
     for op in &ops {
         if let Err(e) = fm.apply(op, shared) {
-            let who = owner_of(op, &target).unwrap_or_else(|| "a removed service".into());
-            anyhow::bail!("programming {who} failed: {e:#}");
+            let owner = owner_of(op, &target);
+            let who = owner.as_ref().map_or_else(|| "a removed service".to_string(), |(s, f)| format!("Service {s} ({f})"));
+            return Err(WriteFailed { service: owner.map(|(s, _)| s), error: e.context(format!("programming {who} failed")) });
         }
         mirror.table.apply(op);
     }
@@ -118,12 +134,33 @@ impl Reconciler {
             interface_ips: &iface_ips,
         };
         let node = model::node_info(&facts, &snap.nodes);
-        let desired = model::compute_with(&snap.services, &snap.slices, &node, &self.opts);
-        let mut warnings = desired.warnings.clone();
-        let mut shared =
-            crate::dataplane::maps::Shared { matches: &mut self.maps.affinity_match, src_range: &mut self.maps.src_range };
-        let r4 = sync_family(&desired, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings);
-        let r6 = sync_family(&desired, &mut self.v6, &mut self.maps.v6, &mut shared, &mut warnings);
+        let full = model::compute_with(&snap.services, &snap.slices, &node, &self.opts);
+        // A Service that cannot be written (a full map, say) is left out,
+        // with an error naming it, and every other one is programmed: the
+        // plan is rebuilt without it, which also removes what it had
+        // half-written. Nothing half-written stays visible.
+        let mut excluded: BTreeSet<model::ServiceRef> = BTreeSet::new();
+        let (desired, warnings, n4, stale4, n6, stale6) = loop {
+            let mut desired = full.clone();
+            desired.frontends.retain(|_, f| !excluded.contains(&f.service));
+            let owners = desired.vip_owners.clone();
+            desired.vips.retain(|v| !owners.get(v).is_some_and(|s| excluded.contains(s)));
+            let mut warnings = desired.warnings.clone();
+            let mut shared =
+                crate::dataplane::maps::Shared { matches: &mut self.maps.affinity_match, src_range: &mut self.maps.src_range };
+            let r = sync_family(&desired, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings).and_then(|(n4, s4)| {
+                sync_family(&desired, &mut self.v6, &mut self.maps.v6, &mut shared, &mut warnings).map(|(n6, s6)| (n4, s4, n6, s6))
+            });
+            match r {
+                Ok((n4, s4, n6, s6)) => break (desired, warnings, n4, s4, n6, s6),
+                Err(WriteFailed { service: Some(s), error }) if !excluded.contains(&s) => {
+                    tracing::error!(service = %s, "{error:#}; this Service is not programmed, every other one is (raise the --max-* capacity flags if a map is full)");
+                    excluded.insert(s);
+                }
+                Err(WriteFailed { error, .. }) => return Err(error),
+            }
+        };
+        self.not_programmed = excluded.len();
         let mut now_logged = HashSet::new();
         for w in warnings {
             if !self.logged.contains(&w) {
@@ -132,8 +169,6 @@ impl Reconciler {
             now_logged.insert(w);
         }
         self.logged = now_logged;
-        let (n4, stale4) = r4?;
-        let (n6, stale6) = r6?;
         self.maps.purge_affinity(lb_common::FAMILY_V4, &stale4)?;
         self.maps.purge_affinity(lb_common::FAMILY_V6, &stale6)?;
         // NodePorts that local processes may not bind, and the node's facts.
@@ -155,6 +190,16 @@ impl Reconciler {
         })?;
         self.health_checks = desired.health_checks.clone();
         self.node_addresses = node.addresses.clone();
+        // Connections to endpoints that stopped serving: destroy them.
+        let alive = full.alive_pairs();
+        if self.destroy_stale && self.alive.difference(&alive).next().is_some() {
+            match self.destroy_stale_sockets(&alive) {
+                Ok(n) if n > 0 => tracing::info!(sockets = n, "destroyed sockets connected to removed backends"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!("destroying stale sockets: {e:#}"),
+            }
+        }
+        self.alive = alive;
         if n4 + n6 > 0 {
             tracing::info!(
                 ops = n4 + n6,
@@ -168,13 +213,22 @@ impl Reconciler {
         Ok(())
     }
 
+    fn destroy_stale_sockets(&mut self, alive: &BTreeSet<crate::stale::Pair>) -> Result<usize> {
+        let entries = self.maps.sock_revnat_entries();
+        let targets = crate::stale::stale_cookies(&entries, alive);
+        let n = crate::stale::destroy(&self.cgroup, &targets)?;
+        self.maps.forget_sockets(targets.keys());
+        self.destroyed += n as u64;
+        Ok(n)
+    }
+
     fn frontends(&self) -> usize {
         self.v4.table.frontend_count() + self.v6.table.frontend_count()
     }
 }
 
 /// The Service an op belongs to, for error messages.
-fn owner_of<A: Addr>(op: &Op<A>, target: &writer::Target<A>) -> Option<String> {
+fn owner_of<A: Addr>(op: &Op<A>, target: &writer::Target<A>) -> Option<(model::ServiceRef, String)> {
     let key = match op {
         Op::PutSvc(k, _) | Op::DelSvc(k) => Some((k.addr, k.port, k.proto)),
         Op::PutBackend(id, _) => target
@@ -187,7 +241,7 @@ fn owner_of<A: Addr>(op: &Op<A>, target: &writer::Target<A>) -> Option<String> {
         _ => None,
     }?;
     let svc = target.owners.get(&key)?;
-    Some(format!("Service {svc} ({}:{}/{})", key.0.to_ip(), key.1, key.2))
+    Some((svc.clone(), format!("{}:{}/{}", key.0.to_ip(), key.1, key.2)))
 }
 
 /// Expire NAT entries in the background.
@@ -233,6 +287,8 @@ impl Reconciler {
     fn export(&self, m: &Metrics, cap: &Capacity) {
         use lb_common::maps as n;
         m.services.set(self.frontends() as i64);
+        m.not_programmed.set(self.not_programmed as i64);
+        m.sockets_destroyed.inner().store(self.destroyed, std::sync::atomic::Ordering::Relaxed);
         m.backends.set((self.v4.table.backends.len() + self.v6.table.backends.len()) as i64);
         let entries = [
             (n::SERVICES4, self.v4.table.services.len(), cap.services),
@@ -313,6 +369,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         logged: HashSet::new(),
         health_checks: Default::default(),
         node_addresses: Vec::new(),
+        not_programmed: 0,
+        alive: BTreeSet::new(),
+        destroy_stale: cfg.destroy_stale_sockets,
+        cgroup: cfg.cgroup.clone(),
+        destroyed: 0,
     };
     let mut health_checks = crate::nodeport::HealthChecks::default();
     rec.export(&metrics, &cfg.capacity);

@@ -108,6 +108,8 @@ pub struct Metrics {
     pub backends: Gauge,
     pub map_entries: Family<[(&'static str, &'static str); 1], Gauge>,
     pub map_capacity: Family<[(&'static str, &'static str); 1], Gauge>,
+    pub not_programmed: Gauge,
+    pub sockets_destroyed: Counter,
     registry: Mutex<Registry>,
 }
 
@@ -121,6 +123,8 @@ impl Metrics {
             backends: Gauge::default(),
             map_entries: Family::default(),
             map_capacity: Family::default(),
+            not_programmed: Gauge::default(),
+            sockets_destroyed: Counter::default(),
             registry: Mutex::new(Registry::default()),
         };
         {
@@ -136,6 +140,16 @@ impl Metrics {
             r.register("lb_backends", "Programmed backends", m.backends.clone());
             r.register("lb_map_entries", "Entries in each map the agent owns", m.map_entries.clone());
             r.register("lb_map_capacity", "max_entries of each map", m.map_capacity.clone());
+            r.register(
+                "lb_services_not_programmed",
+                "Services left out because they could not be written (a full map)",
+                m.not_programmed.clone(),
+            );
+            r.register(
+                "lb_sockets_destroyed",
+                "Connected sockets destroyed because their backend left the Service",
+                m.sockets_destroyed.clone(),
+            );
             r.register_collector(Box::new(DatapathCollector(datapath)));
         }
         Arc::new(m)

@@ -12,6 +12,7 @@ mod health;
 mod model;
 mod nodeport;
 mod source;
+mod stale;
 
 use dataplane::{inspect, loader, maps::Maps};
 
@@ -99,6 +100,10 @@ enum Cmd {
         /// NAT: seconds between expiry scans.
         #[arg(long, default_value_t = 5)]
         nat_gc_interval: u64,
+        /// Destroy connected sockets whose backend left its Service, so
+        /// clients fail fast instead of sending into a black hole.
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        destroy_stale_sockets: bool,
     },
     /// Print the NAT table of outside flows, like `conntrack -L`.
     Nat {
@@ -181,6 +186,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             nat_tcp_close_timeout,
             nat_udp_timeout,
             nat_gc_interval,
+            destroy_stale_sockets,
         } => {
             loader::check_root()?;
             let source: source::SourceSpec = source.parse().map_err(|e| anyhow::anyhow!("--source: {e}"))?;
@@ -221,6 +227,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 },
                 nat_gc_interval: Duration::from_secs(nat_gc_interval.max(1)),
                 model: model::Options { external_ip_socket: external_ip_socket_lb },
+                destroy_stale_sockets,
             };
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(agent::run(cfg))

@@ -172,6 +172,10 @@ pub struct Frontend {
     pub no_socket: bool,
     /// loadBalancerSourceRanges (LoadBalancer IPs only): (network, prefix length).
     pub source_ranges: Vec<(IpAddr, u8)>,
+    /// Every endpoint that still serves (ready, or serving while
+    /// terminating), whether or not it is picked: connections to the others
+    /// are stale. Sorted.
+    pub serving: Vec<(IpAddr, u16)>,
 }
 
 /// The desired dataplane state.
@@ -181,12 +185,25 @@ pub struct Desired {
     /// Every ClusterIP we serve: a connect to one on a port that is no
     /// service port is refused.
     pub vips: BTreeSet<IpAddr>,
+    /// The Service each ClusterIP belongs to.
+    pub vip_owners: BTreeMap<IpAddr, ServiceRef>,
     /// Objects we could not use, each with the reason (for the logs).
     pub warnings: Vec<String>,
     /// Health checks to serve, by healthCheckNodePort.
     pub health_checks: BTreeMap<u16, HealthCheck>,
     /// NodePorts in use: local processes may not bind them.
     pub node_ports: BTreeSet<(u16, Proto)>,
+}
+
+impl Desired {
+    /// (frontend address, port, backend address, port) for every endpoint
+    /// that still serves a frontend.
+    pub fn alive_pairs(&self) -> BTreeSet<(IpAddr, u16, IpAddr, u16)> {
+        self.frontends
+            .iter()
+            .flat_map(|(k, f)| f.serving.iter().map(move |(a, p)| (k.addr, k.port, *a, *p)))
+            .collect()
+    }
 }
 
 fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
@@ -463,21 +480,23 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
                 ext_local: false,
                 no_socket: false,
                 source_ranges: Vec::new(),
+                serving: Vec::new(),
             };
-            // (cluster set, topology applied, local set) for one family.
+            // (cluster set, topology applied, local set, serving) for one family.
             let sets = |v4: bool, topology: bool| {
                 let all = endpoints(v4);
+                let serving: Vec<(IpAddr, u16)> = all.iter().filter(|(_, c)| c.serving).map(|(b, _)| (b.addr, b.port)).collect();
                 let zone = if topology { topology_zone(&all, node) } else { None };
                 let cluster = usable(&all, zone);
                 let local: Vec<_> = all.into_iter().filter(|(b, _)| b.local).collect();
-                (cluster, zone.is_some(), usable(&local, None))
+                (cluster, zone.is_some(), usable(&local, None), serving)
             };
             for vip in &vips {
                 // Topology applies to cluster-wide traffic only.
-                let (backends, topology, local_backends) = sets(vip.is_ipv4(), !local_only);
+                let (backends, topology, local_backends, serving) = sets(vip.is_ipv4(), !local_only);
                 out.frontends.insert(
                     FrontendKey { addr: *vip, port, proto },
-                    Frontend { backends, local_only, local_backends, topology, ..base.clone() },
+                    Frontend { backends, local_only, local_backends, topology, serving, ..base.clone() },
                 );
             }
 
@@ -534,7 +553,7 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
                     out.warnings.push(format!("Service {sref}: {key} is already a frontend of another Service, ignored"));
                     continue;
                 }
-                let (backends, topology, local_backends) = sets(addr.is_ipv4(), true);
+                let (backends, topology, local_backends, serving) = sets(addr.is_ipv4(), true);
                 let source_ranges: Vec<(IpAddr, u8)> = if lb_ip {
                     ranges.iter().filter(|(a, _)| a.is_ipv4() == addr.is_ipv4()).copied().collect()
                 } else {
@@ -550,6 +569,7 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
                         ext_local,
                         no_socket,
                         source_ranges,
+                        serving,
                         ..base.clone()
                     },
                 );
@@ -567,6 +587,9 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
                 .flat_map(|ep| ep.addresses.iter().filter_map(|a| a.parse().ok()))
                 .collect();
             out.health_checks.insert(hc, HealthCheck { service: sref.clone(), local_endpoints: local.len() });
+        }
+        for v in &vips {
+            out.vip_owners.insert(*v, sref.clone());
         }
         out.vips.extend(vips);
     }
@@ -716,6 +739,10 @@ mod tests {
         let f = &d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)];
         assert_eq!(addrs(&f.backends), ["10.0.0.3:8080"]);
         assert!(f.backends[0].terminating);
+        // Serving endpoints stay alive (their connections drain); the
+        // not-serving one does not.
+        let serving: Vec<String> = f.serving.iter().map(|(a, p)| format!("{a}:{p}")).collect();
+        assert_eq!(serving, ["10.0.0.3:8080", "10.0.0.4:8080"]);
     }
 
     #[test]

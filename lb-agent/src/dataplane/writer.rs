@@ -312,6 +312,9 @@ pub fn build<A: Addr>(desired: &Desired, current: &Table<A>, cursors: &mut Curso
     cursors.revnat = revnat_alloc.next;
     for vip in &desired.vips {
         if let Some(v) = A::from_ip(*vip) {
+            if let Some(owner) = desired.vip_owners.get(vip) {
+                t.owners.insert((v, 0, 0), owner.clone());
+            }
             t.table.services.insert(
                 SvcKey::new(v, 0, 0, SCOPE_ALL, 0),
                 SvcValue { flags: svc_flags::VIP_MARKER, ..Default::default() },
@@ -466,6 +469,7 @@ mod tests {
                     ext_local: false,
                     no_socket: false,
                     source_ranges: Vec::new(),
+                    serving: Vec::new(),
                 },
             );
             d.vips.insert(vip.parse().unwrap());

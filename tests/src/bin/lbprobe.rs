@@ -74,6 +74,22 @@ enum Cmd {
         /// least 1 ms) for this long; every line is one attempt.
         #[arg(long)]
         hold_ms: Option<u64>,
+        /// Write one JSON line per attempt here: {"t_ms", "reply"|"err"}.
+        #[arg(long)]
+        trace_file: Option<std::path::PathBuf>,
+    },
+    /// UDP: one connected socket, a datagram every interval for MAX_MS; on
+    /// an error, note it, open a new socket and go on.
+    UdpStream {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long, default_value_t = 20)]
+        interval_ms: u64,
+        #[arg(long)]
+        max_ms: u64,
+        /// Write one JSON line per attempt here.
+        #[arg(long)]
+        trace_file: Option<std::path::PathBuf>,
     },
     /// HTTP GET; prints {"status": N, "body": "..."}.
     Http {
@@ -94,6 +110,8 @@ enum Cmd {
         /// Use one socket for every attempt (default: a new socket each time).
         #[arg(long)]
         one_socket: bool,
+        #[arg(long, default_value_t = 0)]
+        interval_ms: u64,
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
     },
@@ -108,6 +126,8 @@ struct Summary {
     /// UDP: the source addresses replies came from. TCP: getpeername.
     peers: BTreeMap<String, u32>,
     max_fail_ms: u64,
+    last_reply: String,
+    last_error: String,
 }
 
 impl Summary {
@@ -119,7 +139,8 @@ impl Summary {
             }
             None => format!("{:?}", e.kind()),
         };
-        *self.errors.entry(name).or_default() += 1;
+        *self.errors.entry(name.clone()).or_default() += 1;
+        self.last_error = name;
         self.max_fail_ms = self.max_fail_ms.max(started.elapsed().as_millis() as u64);
     }
 
@@ -133,6 +154,32 @@ impl Summary {
             "max_fail_ms": self.max_fail_ms,
         });
         println!("{v}");
+    }
+}
+
+fn epoch_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// Per-attempt lines, for tests that need to know when each attempt started.
+struct Trace(Option<std::io::BufWriter<std::fs::File>>);
+
+impl Trace {
+    fn open(path: Option<&std::path::Path>) -> anyhow::Result<Self> {
+        Ok(Trace(path.map(std::fs::File::create).transpose()?.map(std::io::BufWriter::new)))
+    }
+
+    /// Record the attempt that started at `t`: a reply if `s.ok` grew past
+    /// `ok_before`, else the error.
+    fn record(&mut self, t: u64, s: &Summary, ok_before: u32) {
+        let Some(w) = self.0.as_mut() else { return };
+        let line = if s.ok > ok_before {
+            serde_json::json!({"t_ms": t, "reply": s.last_reply})
+        } else {
+            serde_json::json!({"t_ms": t, "err": s.last_error})
+        };
+        let _ = writeln!(w, "{line}");
+        let _ = w.flush();
     }
 }
 
@@ -240,8 +287,9 @@ fn tcp_once(addr: SocketAddr, timeout: Duration, s: &mut Summary) {
     match r {
         Ok((reply, peer)) => {
             s.ok += 1;
-            *s.replies.entry(reply).or_default() += 1;
+            *s.replies.entry(reply.clone()).or_default() += 1;
             *s.peers.entry(peer).or_default() += 1;
+            s.last_reply = reply;
         }
         Err(e) => s.fail(&e, started),
     }
@@ -410,23 +458,59 @@ fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::json!({"status": status, "body": body}));
             return Ok(());
         }
-        Cmd::Tcp { addr, hold_ms: Some(hold), interval_ms, timeout_ms, .. } => {
+        Cmd::Tcp { addr, hold_ms: Some(hold), interval_ms, timeout_ms, trace_file: _, .. } => {
             hold_tcp(addr, Duration::from_millis(hold), Duration::from_millis(interval_ms.max(1)), Duration::from_millis(timeout_ms), &mut s);
         }
-        Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms, hold_ms: None } => {
+        Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms, hold_ms: None, trace_file } => {
             let deadline = Instant::now() + Duration::from_millis(max_ms);
+            let mut trace = Trace::open(trace_file.as_deref())?;
             for _ in 0..count {
                 if Instant::now() > deadline {
                     break;
                 }
                 s.attempts += 1;
+                let t = epoch_ms();
+                let before = s.ok;
                 tcp_once(addr, Duration::from_millis(timeout_ms), &mut s);
+                trace.record(t, &s, before);
                 if interval_ms > 0 {
                     std::thread::sleep(Duration::from_millis(interval_ms));
                 }
             }
         }
-        Cmd::Udp { addr, count, connected, one_socket, timeout_ms } => {
+        Cmd::UdpStream { addr, interval_ms, max_ms, trace_file } => {
+            let mut trace = Trace::open(trace_file.as_deref())?;
+            let deadline = Instant::now() + Duration::from_millis(max_ms);
+            let new_sock = || -> std::io::Result<UdpSocket> {
+                let u = UdpSocket::bind(if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
+                u.set_read_timeout(Some(Duration::from_millis(500)))?;
+                u.connect(addr)?;
+                Ok(u)
+            };
+            let mut sock = new_sock()?;
+            let mut buf = [0u8; 1500];
+            while Instant::now() < deadline {
+                s.attempts += 1;
+                let t = epoch_ms();
+                let before = s.ok;
+                match sock.send(b"hi").and_then(|_| sock.recv(&mut buf)) {
+                    Ok(n) => {
+                        s.ok += 1;
+                        let r = String::from_utf8_lossy(&buf[..n]).into_owned();
+                        *s.replies.entry(r.clone()).or_default() += 1;
+                        s.last_reply = r;
+                    }
+                    Err(e) => {
+                        s.fail(&e, Instant::now());
+                        // The socket is gone or stuck: a new one.
+                        sock = new_sock()?;
+                    }
+                }
+                trace.record(t, &s, before);
+                std::thread::sleep(Duration::from_millis(interval_ms));
+            }
+        }
+        Cmd::Udp { addr, count, connected, one_socket, timeout_ms, interval_ms } => {
             let new_sock = || -> anyhow::Result<UdpSocket> {
                 let u = UdpSocket::bind(if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
                 u.set_read_timeout(Some(Duration::from_millis(timeout_ms)))?;
@@ -439,6 +523,9 @@ fn main() -> anyhow::Result<()> {
                 }
                 s.attempts += 1;
                 udp_once(&sock, addr, connected, &mut s);
+                if interval_ms > 0 {
+                    std::thread::sleep(Duration::from_millis(interval_ms));
+                }
             }
         }
     }

@@ -1,0 +1,250 @@
+//! No black holes and no lost connects: stale-backend socket termination,
+//! and the dataplane under restart, churn, overload and bad input.
+use std::collections::BTreeSet;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Result;
+use lbtest::objects::{Endpoint as E, SvcPort, service_ips, slice_of};
+use lbtest::{Cluster, Pod, Summary};
+
+const SP: &[SvcPort] = &[("http", 80, 8080, "TCP"), ("dns", 53, 8080, "UDP")];
+const EP: &[(&str, u16, &str)] = &[("http", 8080, "TCP"), ("dns", 8080, "UDP")];
+const VIP: &str = "10.96.0.10";
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+fn be(p: &Pod) -> String {
+    format!("{}:8080", p.ip)
+}
+
+fn set_endpoints(c: &Cluster, pods: &[&Pod]) -> Result<()> {
+    let eps: Vec<E> = pods.iter().map(|p| E::ready(&p.ip, &format!("node-{}", p.node))).collect();
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &eps))?;
+    let want: Vec<String> = pods.iter().map(|p| be(p)).collect();
+    let want: Vec<&str> = want.iter().map(String::as_str).collect();
+    c.wait_programmed(VIP, 80, "TCP", Some(&want))
+}
+
+/// One node with backend pods `names` serving on 8080, a client, the agent.
+fn setup(names: &[&str], agent: &[&str]) -> Result<(Cluster, Vec<Pod>, Pod)> {
+    let mut c = Cluster::new(1)?;
+    let mut pods = Vec::new();
+    for n in names {
+        let p = c.add_pod(1, n)?;
+        c.serve(&p, 8080)?;
+        pods.push(p);
+    }
+    let client = c.add_pod(1, "client")?;
+    c.write_object("svc.yaml", &service_ips("web", &[VIP], SP, ""))?;
+    let eps: Vec<E> = pods.iter().map(|p| E::ready(&p.ip, "node-1")).collect();
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &eps))?;
+    c.start_agent_with(1, agent)?;
+    let want: Vec<String> = pods.iter().map(be).collect();
+    let want: Vec<&str> = want.iter().map(String::as_str).collect();
+    c.wait_programmed(VIP, 80, "TCP", Some(&want))?;
+    Ok((c, pods, client))
+}
+
+#[derive(serde::Deserialize)]
+struct Attempt {
+    t_ms: u64,
+    reply: Option<String>,
+    err: Option<String>,
+}
+
+fn trace(path: &std::path::Path) -> Vec<Attempt> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn a_connected_udp_client_is_told_when_its_pod_is_replaced_and_reconnects() -> Result<()> {
+    let (mut c, p, client) = setup(&["old"], &[])?;
+    let bg = c.probe_bg(&client, &["udp-stream", "--addr", "10.96.0.10:53", "--interval-ms", "20", "--max-ms", "3000"])?;
+    std::thread::sleep(Duration::from_millis(700));
+    // The pod is replaced by a new pod with a new IP.
+    let new = c.add_pod(1, "new")?;
+    c.serve(&new, 8080)?;
+    set_endpoints(&c, &[&new])?;
+    let s = Cluster::finish(bg)?;
+    assert!(s.replies.get("old").is_some_and(|n| *n > 5), "{s:?}");
+    assert!(s.replies.get("new").is_some_and(|n| *n > 5), "the reconnect reaches the new pod: {s:?}");
+    // The destroyed socket fails at once: ECONNABORTED, or EDESTADDRREQ
+    // when the kernel has already disconnected it before the next send.
+    assert_eq!(s.errors.values().sum::<u32>(), 1, "one error on the old socket, not silence: {s:?}");
+    assert!(s.errors.contains_key("ECONNABORTED") || s.errors.contains_key("EDESTADDRREQ"), "{s:?}");
+    drop(p);
+    Ok(())
+}
+
+#[test]
+fn a_keepalive_tcp_client_fails_fast_and_other_connections_are_untouched() -> Result<()> {
+    let (c, p, client) = setup(&["pod-a", "pod-b"], &[])?;
+    // Through the ClusterIP to pod-a, straight to pod-a's IP, and an
+    // unconnected UDP socket sending the whole time.
+    let via_vip: Vec<_> = (0..6)
+        .map(|_| c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "3000", "--interval-ms", "20"]))
+        .collect::<Result<_>>()?;
+    let direct = c.probe_bg(&client, &["tcp", "--addr", &be(&p[0]), "--hold-ms", "3000", "--interval-ms", "20"])?;
+    let udp = c.probe_bg(&client, &["udp", "--addr", "10.96.0.10:53", "--one-socket", "--count", "120", "--interval-ms", "25"])?;
+    std::thread::sleep(Duration::from_millis(600));
+    set_endpoints(&c, &[&p[1]])?;
+
+    let mut cut = 0;
+    for h in via_vip {
+        let s: Summary = Cluster::finish(h)?;
+        match s.replies.keys().next().map(String::as_str) {
+            Some("pod-a") => {
+                cut += 1;
+                assert_eq!(s.errors.keys().collect::<Vec<_>>(), ["ECONNABORTED"], "a prompt error, not a timeout: {s:?}");
+            }
+            _ => assert_eq!(s.failed(), 0, "pod-b stayed: untouched: {s:?}"),
+        }
+    }
+    assert!(cut > 0, "some held connections went to pod-a");
+    let d = Cluster::finish(direct)?;
+    assert_eq!(d.failed(), 0, "a direct connection to the pod IP is never touched: {d:?}");
+    let u = Cluster::finish(udp)?;
+    assert_eq!(u.failed(), 0, "unconnected UDP keeps working: {u:?}");
+    assert!(u.replies.contains_key("pod-b") || u.replies.len() == 1, "{u:?}");
+    let (_, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
+    assert!(m.lines().any(|l| l.starts_with("lb_sockets_destroyed_total ") && !l.ends_with(" 0")), "{m}");
+    Ok(())
+}
+
+#[test]
+fn terminating_but_serving_endpoints_keep_their_connections_and_the_flag_turns_termination_off() -> Result<()> {
+    let (c, p, client) = setup(&["pod-a"], &[])?;
+    let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "2500", "--interval-ms", "20"])?;
+    std::thread::sleep(Duration::from_millis(500));
+    let mut c = c;
+    let b = c.add_pod(1, "pod-b")?;
+    c.serve(&b, 8080)?;
+    // pod-a terminates but still serves; pod-b is ready: new connects go to
+    // pod-b, the old one drains.
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::terminating(&p[0].ip, "node-1"), E::ready(&b.ip, "node-1")]))?;
+    c.wait_programmed(VIP, 80, "TCP", Some(&[&be(&b)]))?;
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "{s:?}");
+
+    // With --destroy-stale-sockets=false nothing is destroyed.
+    c.kill_agent(1);
+    c.start_agent_with(1, &["--destroy-stale-sockets", "false"])?;
+    let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "1500", "--interval-ms", "20"])?;
+    std::thread::sleep(Duration::from_millis(400));
+    set_endpoints(&c, &[&p[0]])?;
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn ten_sigkill_restarts_lose_no_connect_and_leave_the_maps_as_desired() -> Result<()> {
+    let (mut c, p, client) = setup(&["pod-a", "pod-b", "pod-c"], &[])?;
+    let bg = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "1000000", "--max-ms", "7000"])?;
+    let all: Vec<&Pod> = p.iter().collect();
+    let started = std::time::Instant::now();
+    for i in 0..10 {
+        c.kill_agent(1);
+        // While it is down, change something: the restart must reconcile it.
+        let keep = if i % 2 == 0 { &all[..2] } else { &all[..] };
+        let eps: Vec<E> = keep.iter().map(|p| E::ready(&p.ip, "node-1")).collect();
+        c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &eps))?;
+        c.start_agent(1)?;
+        let mut want: Vec<String> = keep.iter().map(|p| be(p)).collect();
+        want.sort();
+        let mut got = c.programmed(1, VIP, 80, "TCP")?.unwrap();
+        got.sort();
+        assert_eq!(got, want, "restart {i}: the maps equal the desired state after the first sync");
+    }
+    assert!(started.elapsed() < Duration::from_millis(6500), "the loop must outlast the restarts; raise --max-ms");
+    let s = Cluster::finish(bg)?;
+    assert!(s.attempts > 500, "{s:?}");
+    assert_eq!(s.failed(), 0, "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn churn_3_0_3_and_a_roll_fail_only_with_refused_and_never_reach_a_removed_pod() -> Result<()> {
+    let (mut c, p, client) = setup(&["a1", "a2", "a3"], &[])?;
+    let trace_path = c.objects.parent().unwrap().join("trace.jsonl");
+    let bg = c.probe_bg(
+        &client,
+        &["tcp", "--addr", "10.96.0.10:80", "--count", "1000000", "--max-ms", "4500", "--timeout-ms", "1000", "--trace-file", trace_path.to_str().unwrap()],
+    )?;
+    std::thread::sleep(Duration::from_millis(300));
+    // 3 -> 0.
+    let zero_written = now_ms();
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[]))?;
+    c.wait_programmed(VIP, 80, "TCP", Some(&[]))?;
+    let zero_programmed = now_ms();
+    std::thread::sleep(Duration::from_millis(400));
+    // 0 -> 3.
+    let all: Vec<&Pod> = p.iter().collect();
+    set_endpoints(&c, &all)?;
+    let three_programmed = now_ms();
+    std::thread::sleep(Duration::from_millis(400));
+    // A roll: every pod replaced by a new pod with a new IP.
+    let mut new = Vec::new();
+    for n in ["b1", "b2", "b3"] {
+        let q = c.add_pod(1, n)?;
+        c.serve(&q, 8080)?;
+        new.push(q);
+    }
+    let refs: Vec<&Pod> = new.iter().collect();
+    set_endpoints(&c, &refs)?;
+    let rolled = now_ms();
+    let s = Cluster::finish(bg)?;
+
+    let attempts = trace(&trace_path);
+    assert!(attempts.len() > 200, "{s:?}");
+    for a in &attempts {
+        if let Some(e) = &a.err {
+            assert_eq!(e, "ECONNREFUSED", "never a timeout: {s:?}");
+            assert!(a.t_ms >= zero_written && a.t_ms <= three_programmed, "a failure while endpoints existed at {}: {s:?}", a.t_ms);
+        }
+        if let Some(r) = &a.reply {
+            assert!(!(a.t_ms > zero_programmed && a.t_ms < zero_programmed + 400), "a reply ({r}) while no endpoint was programmed");
+            if a.t_ms > rolled {
+                assert!(r.starts_with('b'), "{r} reached after its removal was programmed");
+            }
+        }
+    }
+    let refused = attempts.iter().filter(|a| a.err.is_some()).count();
+    assert!(refused > 0, "the zero-endpoint phase was seen: {s:?}");
+    let after_roll: BTreeSet<&str> = attempts.iter().filter(|a| a.t_ms > rolled).filter_map(|a| a.reply.as_deref()).collect();
+    assert!(!after_roll.is_empty());
+    Ok(())
+}
+
+#[test]
+fn a_full_services_map_leaves_every_existing_service_intact_and_names_the_one_that_did_not_fit() -> Result<()> {
+    // Room for 8 entries: web (slot 0 + 1 slot per port and proto + marker)
+    // fits; "big" with many endpoints does not.
+    let (c, p, client) = setup(&["pod-a"], &["--max-services", "8"])?;
+    let mut eps = Vec::new();
+    for i in 0..10 {
+        eps.push(E::ready(&format!("10.244.1.{}", 100 + i), "node-1"));
+    }
+    c.write_object("big.yaml", &service_ips("big", &["10.96.0.20"], &[("http", 80, 8080, "TCP")], ""))?;
+    c.write_object("big-slice.yaml", &slice_of("big", "big-1", "IPv4", &[("http", 8080, "TCP")], &eps))?;
+    let log = c.agent_log(1);
+    c.wait_for("the capacity error", Duration::from_secs(5), || {
+        Ok(std::fs::read_to_string(&log)?.lines().any(|l| l.contains("ERROR") && l.contains("default/big") && l.contains("not programmed")))
+    })?;
+    // No half-written service: "big" is absent, not partial.
+    assert_eq!(c.programmed(1, "10.96.0.20", 80, "TCP")?, None);
+    let s = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "10"])?;
+    assert_eq!(s.ok, 10, "the existing service still works: {s:?}");
+    let (_, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
+    assert!(m.lines().any(|l| l == "lb_services_not_programmed 1"), "{m}");
+    // Removing it clears the error.
+    c.remove_object("big-slice.yaml")?;
+    c.remove_object("big.yaml")?;
+    c.wait_for("the error to clear", Duration::from_secs(5), || {
+        Ok(c.http(1, "127.0.0.1:10249", "/metrics")?.1.lines().any(|l| l == "lb_services_not_programmed 0"))
+    })?;
+    drop(p);
+    Ok(())
+}
