@@ -189,6 +189,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             destroy_stale_sockets,
         } => {
             loader::check_root()?;
+            loader::check_caps()?;
             let source: source::SourceSpec = source.parse().map_err(|e| anyhow::anyhow!("--source: {e}"))?;
             let cgroup = match cgroup {
                 Some(c) => c,

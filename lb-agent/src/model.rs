@@ -206,6 +206,12 @@ impl Desired {
     }
 }
 
+/// An address that can be a frontend or a backend: not unspecified,
+/// loopback or multicast (the API server rejects those too).
+fn usable_ip(a: &IpAddr) -> bool {
+    !a.is_unspecified() && !a.is_loopback() && !a.is_multicast()
+}
+
 fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
     let (a, l) = s.split_once('/').unwrap_or((s, ""));
     let addr: IpAddr = a.trim().parse().ok()?;
@@ -388,13 +394,20 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
     // Slices in a stable order, so that the output does not depend on the
     // order in which they arrived.
     for v in by_service.values_mut() {
-        v.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+        // By name; identical names (a mistake in a directory of files) by
+        // content, so that the order of the input never matters.
+        v.sort_by_cached_key(|s| (s.metadata.name.clone(), serde_json::to_string(s).unwrap_or_default()));
     }
 
     let mut sorted: Vec<&Service> = services.iter().collect();
-    sorted.sort_by_key(|s| service_ref(s));
+    sorted.sort_by_cached_key(|s| (service_ref(s), serde_json::to_string(s).unwrap_or_default()));
+    let mut done: BTreeSet<ServiceRef> = BTreeSet::new();
     for svc in sorted {
         let sref = service_ref(svc);
+        if !done.insert(sref.clone()) {
+            out.warnings.push(format!("Service {sref} is defined more than once; one definition is used"));
+            continue;
+        }
         if let Some(reason) = skip_reason(svc) {
             tracing::debug!(service = %sref, reason, "not served");
             continue;
@@ -408,6 +421,7 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
         };
         for ip in raw {
             match ip.parse::<IpAddr>() {
+                Ok(a) if !usable_ip(&a) => out.warnings.push(format!("Service {sref}: clusterIP {ip:?} is not usable, ignored")),
                 Ok(a) if !vips.contains(&a) => vips.push(a),
                 Ok(_) => {}
                 Err(_) => out.warnings.push(format!("Service {sref}: invalid clusterIP {ip:?}, ignored")),
@@ -459,7 +473,7 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
                         let local = ep.node_name.as_deref() == Some(node.name.as_str()) && !node.name.is_empty();
                         for a in &ep.addresses {
                             let Ok(addr) = a.parse::<IpAddr>() else { continue };
-                            if addr.is_ipv4() != v4 {
+                            if addr.is_ipv4() != v4 || !usable_ip(&addr) {
                                 continue;
                             }
                             all.push((Backend { addr, port: target, local, terminating: false }, conditions(ep)));
@@ -492,6 +506,11 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
                 (cluster, zone.is_some(), usable(&local, None), serving)
             };
             for vip in &vips {
+                let key = FrontendKey { addr: *vip, port, proto };
+                if out.frontends.contains_key(&key) {
+                    out.warnings.push(format!("Service {sref}: {key} is already a frontend, ignored"));
+                    continue;
+                }
                 // Topology applies to cluster-wide traffic only.
                 let (backends, topology, local_backends, serving) = sets(vip.is_ipv4(), !local_only);
                 out.frontends.insert(
@@ -522,16 +541,16 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
                         continue;
                     }
                     match ing.ip.as_deref().map(str::parse::<IpAddr>) {
-                        Some(Ok(a)) => external.push((a, port, false, true)),
-                        Some(Err(_)) => out.warnings.push(format!("Service {sref}: invalid load balancer ingress IP {:?}", ing.ip)),
+                        Some(Ok(a)) if usable_ip(&a) => external.push((a, port, false, true)),
+                        Some(_) => out.warnings.push(format!("Service {sref}: invalid load balancer ingress IP {:?}", ing.ip)),
                         None => {}
                     }
                 }
             }
             for ip in spec.external_ips.iter().flatten() {
                 match ip.parse::<IpAddr>() {
-                    Ok(a) => external.push((a, port, !opts.external_ip_socket, false)),
-                    Err(_) => out.warnings.push(format!("Service {sref}: invalid externalIP {ip:?}, ignored")),
+                    Ok(a) if usable_ip(&a) => external.push((a, port, !opts.external_ip_socket, false)),
+                    _ => out.warnings.push(format!("Service {sref}: invalid externalIP {ip:?}, ignored")),
                 }
             }
             let ext_local = spec.external_traffic_policy.as_deref() == Some("Local");
@@ -595,6 +614,9 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
     }
     out
 }
+
+#[cfg(test)]
+mod proptests;
 
 #[cfg(test)]
 mod tests {

@@ -76,3 +76,49 @@ fn list_without_pins_says_so() {
     assert_ne!(code, 0);
     assert!(err.contains("nothing is pinned under /sys/fs/bpf/lbt-cli-nothing-here"), "{err}");
 }
+
+#[test]
+fn cgroup_v1_only() {
+    let d = tmpdir("cgv1");
+    // A cgroup v1 hierarchy (this machine mounts v1 controllers beside v2).
+    let v1 = std::fs::read_to_string("/proc/mounts")
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() > 2 && f[2] == "cgroup").then(|| f[1].to_string())
+        });
+    // No v1 mount here: make one, named, without controllers, for the test.
+    let own = v1.is_none().then(|| {
+        let m = std::env::temp_dir().join(format!("lbt-{}-cgv1mnt", std::process::id()));
+        std::fs::create_dir_all(&m).unwrap();
+        let ok = Command::new("mount").args(["-t", "cgroup", "-o", "none,name=lbtest", "lbtest"]).arg(&m).status().unwrap().success();
+        assert!(ok, "cannot mount a cgroup v1 hierarchy");
+        m
+    });
+    let v1 = v1.unwrap_or_else(|| own.as_ref().unwrap().to_string_lossy().into_owned());
+    let (code, err) = agent(&["run", "--source", &format!("dir:{}", d.display()), "--cgroup", &v1, "--bpffs", "/sys/fs/bpf/lbt-cli-never-created"]);
+    if let Some(m) = &own {
+        let _ = Command::new("umount").arg(m).status();
+        let _ = std::fs::remove_dir(m);
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+    assert_ne!(code, 0);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("lb-agent: no cgroup v2") && err.contains("cgroup v1 hierarchy"), "{err}");
+}
+
+#[test]
+fn a_missing_capability_is_named() {
+    // Root, but without CAP_NET_ADMIN in the bounding set.
+    let out = Command::new("setpriv")
+        .args(["--bounding-set", "-net_admin", "--inh-caps", "-net_admin", "--"])
+        .arg(bin("lb-agent"))
+        .args(["run", "--source", "dir:/tmp"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("lb-agent: missing capability CAP_NET_ADMIN"), "{err}");
+}

@@ -44,6 +44,8 @@ pub const TC_PROGRAMS: [(&str, TcAttachType); 2] =
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 const CGROUP2_SUPER_MAGIC: i64 = 0x63677270;
+const CGROUP_SUPER_MAGIC: i64 = 0x27e0eb;
+const TMPFS_MAGIC: i64 = 0x01021994;
 
 /// Map capacities (max_entries), overridable by flags.
 #[derive(Clone, Copy, Debug)]
@@ -97,6 +99,29 @@ pub fn check_root() -> Result<()> {
     Ok(())
 }
 
+/// The capabilities the agent needs, with what each is for.
+const CAPS: [(u32, &str, &str); 3] = [
+    (39, "CAP_BPF", "load programs and create maps"),
+    (12, "CAP_NET_ADMIN", "attach to cgroups and interfaces, destroy sockets"),
+    (21, "CAP_SYS_ADMIN", "enter network namespaces and pin to bpffs"),
+];
+
+/// One line naming the first missing capability, from /proc/self/status.
+pub fn check_caps() -> Result<()> {
+    let status = fs::read_to_string("/proc/self/status").context("read /proc/self/status")?;
+    let eff = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+        .context("no CapEff in /proc/self/status")?;
+    for (bit, name, why) in CAPS {
+        if eff & (1 << bit) == 0 {
+            bail!("missing capability {name} (needed to {why}); run lb-agent privileged, or grant CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_SYS_RESOURCE and CAP_PERFMON");
+        }
+    }
+    Ok(())
+}
+
 /// `dir` must be on a bpffs, or be a directory we can create on one.
 pub fn check_bpffs(dir: &Path) -> Result<()> {
     let probe = if dir.exists() { dir } else { dir.parent().unwrap_or(dir) };
@@ -113,6 +138,11 @@ pub fn check_bpffs(dir: &Path) -> Result<()> {
 pub fn check_cgroup(dir: &Path) -> Result<()> {
     match statfs_magic(dir) {
         Ok(CGROUP2_SUPER_MAGIC) => Ok(()),
+        Ok(m) if m == CGROUP_SUPER_MAGIC || (m == TMPFS_MAGIC && dir.starts_with("/sys/fs/cgroup")) => bail!(
+            "no cgroup v2: {} is a cgroup v1 hierarchy; lb needs cgroup v2 (boot with the unified hierarchy, or pass \
+             --cgroup with its mount, e.g. /sys/fs/cgroup/unified on a hybrid host)",
+            dir.display()
+        ),
         Ok(_) => bail!("no cgroup v2: {} is not a cgroup v2 directory", dir.display()),
         Err(e) => bail!("no cgroup v2: {}: {e}", dir.display()),
     }
