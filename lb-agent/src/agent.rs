@@ -394,6 +394,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                     };
                 }
                 let Some(upd) = rx.borrow_and_update().clone() else { continue };
+                tracing::debug!(waited_us = upd.since.elapsed().as_micros() as u64, "update received");
                 health.changed(upd.since);
                 last = Some(upd);
             }

@@ -177,7 +177,7 @@ pub struct Cluster {
 impl Cluster {
     /// A cluster of `n` nodes, with no pods and no agents yet.
     pub fn new(n: usize) -> Result<Self> {
-        assert!((1..=9).contains(&n));
+        assert!((1..=16).contains(&n));
         ensure_bpffs()?;
         reap_leftovers();
         let id = format!("{PREFIX}-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst));
@@ -311,6 +311,14 @@ impl Cluster {
         Ok(pod)
     }
 
+    /// Run a command inside `pod`'s netns (or a node's), e.g. `ip addr add`.
+    pub fn in_netns(&self, netns: &str, cmd: &[&str]) -> Result<String> {
+        let mut args = vec![format!("--net=/run/netns/{netns}"), "--".to_string()];
+        args.extend(cmd.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        run("nsenter", &args)
+    }
+
     /// A hostNetwork "pod": processes in node `node`'s own netns and cgroup.
     pub fn host(&self, node: usize) -> Pod {
         let n = &self.nodes[node - 1];
@@ -342,6 +350,11 @@ impl Cluster {
     /// Like `serve`, answering with `name`.
     pub fn serve_as(&self, pod: &Pod, name: &str, port: u16) -> Result<u32> {
         self.serve_with(pod, name, port, &[])
+    }
+
+    /// The benchmark server (1 byte in, 1 byte out), pinned to `cpu`.
+    pub fn serve_tiny(&self, pod: &Pod, port: u16, cpu: usize) -> Result<u32> {
+        self.serve_with(pod, &pod.name, port, &["--tiny", &cpu.to_string()])
     }
 
     /// A server answering "NAME CLIENT-IP": the address it saw the client at.
@@ -435,6 +448,18 @@ impl Cluster {
 
     /// `start_agent` with extra `lb-agent run` flags.
     pub fn start_agent_with(&mut self, node: usize, extra: &[&str]) -> Result<()> {
+        let dir = self.objects.clone();
+        self.start_agent_from(node, &dir, extra)
+    }
+
+    /// The agent's PID on node `node`, while it runs.
+    pub fn agent_pid(&self, node: usize) -> Option<u32> {
+        self.nodes[node - 1].agent.as_ref().map(|c| c.id())
+    }
+
+    /// `start_agent_with`, reading objects from `dir` instead of the
+    /// cluster's shared directory.
+    pub fn start_agent_from(&mut self, node: usize, dir: &Path, extra: &[&str]) -> Result<()> {
         let log = self.agent_log(node);
         let before = std::fs::read_to_string(&log).map(|s| s.matches("initial sync complete").count()).unwrap_or(0);
         let n = &self.nodes[node - 1];
@@ -445,7 +470,7 @@ impl Cluster {
             .arg(bin("lb-agent"))
             .arg("run")
             .arg("--source")
-            .arg(format!("dir:{}", self.objects.display()))
+            .arg(format!("dir:{}", dir.display()))
             .arg("--node-name")
             .arg(&n.name)
             .arg("--cgroup")
@@ -455,13 +480,13 @@ impl Cluster {
             .arg("--node-ip")
             .arg(&n.ip)
             .args(extra)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", std::env::var("LB_AGENT_RUST_LOG").unwrap_or_else(|_| "info".into()))
             .env("NO_COLOR", "1")
             .stdout(f.try_clone()?)
             .stderr(f)
             .spawn()?;
         self.nodes[node - 1].agent = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
             if text.matches("initial sync complete").count() > before {
@@ -473,9 +498,9 @@ impl Cluster {
                 bail!("lb-agent on node {node} exited with {st}:\n{text}");
             }
             if Instant::now() > deadline {
-                bail!("lb-agent on node {node} did not sync within 20s:\n{text}");
+                bail!("lb-agent on node {node} did not sync within 120s:\n{text}");
             }
-            std::thread::sleep(Duration::from_millis(20));
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 

@@ -30,6 +30,12 @@ enum Cmd {
         #[arg(long)]
         keep: bool,
     },
+    /// Benchmarks against kube-proxy's rule shapes, in one run (release build).
+    Bench {
+        /// Extra arguments for lb-bench (e.g. --rounds 3).
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
     /// Build, then run every test (unit and netns-cluster), plus clippy.
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
@@ -170,6 +176,11 @@ fn main() -> Result<()> {
             }
             setup()?;
             e2e::run(&root(), keep)
+        }
+        Cmd::Bench { args } => {
+            setup()?;
+            build_bins(true)?;
+            status(Command::new(root().join("target/release/lb-bench")).args(&args).current_dir(root()))
         }
         Cmd::Test { args } => {
             setup()?;

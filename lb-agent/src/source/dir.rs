@@ -131,6 +131,8 @@ fn signature(md: &std::fs::Metadata) -> Signature {
 
 struct Entry {
     sig: Signature,
+    /// The text the objects came from: a re-read of the same text changes nothing.
+    text: String,
     objects: FileObjects,
 }
 
@@ -183,13 +185,23 @@ impl DirState {
                 continue;
             }
             let name = path.display().to_string();
-            let result = std::fs::read_to_string(&path)
-                .map_err(|e| ParseError::Syntax { file: name.clone(), msg: e.to_string() })
-                .and_then(|t| parse(&name, &t));
-            match result {
+            let text = match std::fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::debug!("{name}: {e}");
+                    continue;
+                }
+            };
+            if let Some(e) = self.files.get_mut(&path)
+                && e.text == text
+            {
+                e.sig = sig;
+                continue;
+            }
+            match parse(&name, &text) {
                 Ok(objects) => {
                     self.failed.remove(&path);
-                    self.files.insert(path, Entry { sig, objects });
+                    self.files.insert(path, Entry { sig, text, objects });
                     changed = true;
                 }
                 Err(e) => {
@@ -232,6 +244,8 @@ fn watch(
     use notify::Watcher as _;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let mut w = notify::recommended_watcher(move |res: notify::Result<notify::Event>| match res {
+        // Reads (ours included: a rescan opens the files) change nothing.
+        Ok(ev) if matches!(ev.kind, notify::EventKind::Access(_)) => {}
         Ok(ev) => {
             let _ = tx.send(ev.paths);
         }
@@ -260,9 +274,10 @@ pub async fn run(mut state: DirState, tx: super::Publisher) -> anyhow::Result<()
         let mut touched = BTreeSet::new();
         tokio::select! {
             Some(paths) = events.recv() => {
+                // At once, with whatever else is already queued: a burst
+                // that arrives while the agent programs becomes one update
+                // (the channel keeps only the newest snapshot).
                 touched.extend(paths);
-                // Coalesce a burst of events (an editor's write + rename).
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                 while let Ok(p) = events.try_recv() {
                     touched.extend(p);
                 }
@@ -271,7 +286,10 @@ pub async fn run(mut state: DirState, tx: super::Publisher) -> anyhow::Result<()
         }
         let since = std::time::Instant::now();
         match state.rescan(&touched) {
-            Ok(true) => publish(&state, since),
+            Ok(true) => {
+                tracing::debug!(rescan_us = since.elapsed().as_micros() as u64, "dir source: changed");
+                publish(&state, since);
+            }
             Ok(false) => {}
             Err(e) => tracing::error!("{e:#}"),
         }

@@ -37,6 +37,20 @@ enum Cmd {
         /// Answer "NAME PEER-IP": the address the server saw the client at.
         #[arg(long)]
         report_peer: bool,
+        /// Benchmark server: for each connection read 1 byte, write 1 byte,
+        /// close; one thread, pinned to CPU `tiny`.
+        #[arg(long)]
+        tiny: Option<usize>,
+    },
+    /// Benchmark client: connect, 1-byte request, 1-byte response, close,
+    /// as fast as possible for SECS seconds, pinned to CPU `cpu`.
+    Rate {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long)]
+        secs: f64,
+        #[arg(long, default_value_t = 0)]
+        cpu: usize,
     },
     /// TCP: download N bytes of a known pattern and check every byte.
     Bulk {
@@ -258,6 +272,31 @@ fn serve(name: String, port: u16, report_peer: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn pin(cpu: usize) {
+    let mut set = nix::sched::CpuSet::new();
+    if set.set(cpu).is_ok() {
+        let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set);
+    }
+}
+
+/// The benchmark server: 1 byte in, 1 byte out, close (the server closes
+/// first, so TIME_WAIT stays here and the client never runs out of ports).
+fn serve_tiny(port: u16, cpu: usize) -> anyhow::Result<()> {
+    pin(cpu);
+    let tcp = TcpListener::bind(("::", port))?;
+    println!("ready");
+    std::io::stdout().flush()?;
+    let mut buf = [0u8; 1];
+    for conn in tcp.incoming() {
+        let Ok(mut c) = conn else { continue };
+        let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
+        if std::io::Read::read_exact(&mut c, &mut buf).is_ok() {
+            let _ = c.write_all(&buf);
+        }
+    }
+    Ok(())
+}
+
 /// Allow many sockets (the concurrent-flows client).
 fn raise_nofile() {
     let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
@@ -368,9 +407,33 @@ fn main() -> anyhow::Result<()> {
     enter(cli.netns.as_deref(), cli.cgroup.as_deref())?;
     let mut s = Summary::default();
     match cli.cmd {
-        Cmd::Serve { name, port, report_peer } => {
+        Cmd::Serve { port, tiny: Some(cpu), .. } => return serve_tiny(port, cpu),
+        Cmd::Serve { name, port, report_peer, tiny: None } => {
             raise_nofile();
             return serve(name, port, report_peer);
+        }
+        Cmd::Rate { addr, secs, cpu } => {
+            pin(cpu);
+            let end = Instant::now() + Duration::from_secs_f64(secs);
+            let started = Instant::now();
+            let mut buf = [0u8; 1];
+            while Instant::now() < end {
+                s.attempts += 1;
+                let r = (|| -> std::io::Result<()> {
+                    let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
+                    c.set_read_timeout(Some(Duration::from_secs(1)))?;
+                    c.write_all(b"x")?;
+                    std::io::Read::read_exact(&mut c, &mut buf)?;
+                    Ok(())
+                })();
+                match r {
+                    Ok(()) => s.ok += 1,
+                    Err(e) => s.fail(&e, Instant::now()),
+                }
+            }
+            let el = started.elapsed().as_secs_f64();
+            println!("{}", serde_json::json!({"attempts": s.attempts, "ok": s.ok, "errors": s.errors, "secs": el, "rate": s.ok as f64 / el}));
+            return Ok(());
         }
         Cmd::Bulk { addr, bytes } => {
             s.attempts = 1;

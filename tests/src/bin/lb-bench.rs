@@ -1,0 +1,430 @@
+//! `cargo xtask bench`: lb against kube-proxy's iptables and nftables rule
+//! shapes, side by side in one run, in network namespaces only.
+//!
+//! Every client pod sits on a node netns of its own; node 2 holds the
+//! server pod (10 addresses, the 10 endpoints of the tested Service). The
+//! rule sets are loaded once per node; the rounds interleave the cases
+//! (A B C ... A B C ...), and each ratio is taken within its round.
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use clap::Parser;
+use lbtest::{Cluster, Pod, bin};
+
+#[derive(Parser)]
+struct Args {
+    /// Rounds of every datapath case.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Seconds per datapath measurement.
+    #[arg(long, default_value_t = 1.5)]
+    secs: f64,
+    /// The large scale: services (x 10 endpoints).
+    #[arg(long, default_value_t = 10_000)]
+    services: usize,
+    /// Endpoint changes for the latency measurement.
+    #[arg(long, default_value_t = 1000)]
+    changes: usize,
+    /// Bytes for the throughput measurement.
+    #[arg(long, default_value_t = 200 << 20)]
+    bulk_bytes: u64,
+    /// Where the JSON results go.
+    #[arg(long, default_value = "target/bench/results.json")]
+    out: PathBuf,
+}
+
+const VIP_NET: &str = "10.96";
+const POD_CIDR: &str = "10.244.0.0/16";
+
+/// The i-th service's ClusterIP; the tested one is the last.
+fn vip(i: usize) -> String {
+    format!("{VIP_NET}.{}.{}", 1 + i / 250, 1 + i % 250)
+}
+
+/// The endpoints of service i: the tested (last) one gets the server's 10
+/// addresses, the others addresses nobody answers (never used).
+fn endpoints(i: usize, n: usize, server: &[String]) -> Vec<String> {
+    if i == n - 1 {
+        server.to_vec()
+    } else {
+        (0..10).map(|k| format!("10.250.{}.{}", (i * 10 + k) / 250, 1 + (i * 10 + k) % 250)).collect()
+    }
+}
+
+fn iptables_rules(n: usize, server: &[String]) -> String {
+    let mut s = String::from("*nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-POSTROUTING - [0:0]\n");
+    for i in 0..n {
+        let _ = writeln!(s, ":KUBE-SVC-{i} - [0:0]");
+        for k in 0..10 {
+            let _ = writeln!(s, ":KUBE-SEP-{i}-{k} - [0:0]");
+        }
+    }
+    s += "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n";
+    s += "-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n";
+    s += "-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n";
+    s += "-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n";
+    s += "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n";
+    s += "-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0\n";
+    s += "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n";
+    // The tested service last in KUBE-SERVICES: the worst case.
+    for i in 0..n {
+        let v = vip(i);
+        let _ = writeln!(s, "-A KUBE-SERVICES -d {v}/32 -p tcp -m comment --comment \"default/svc-{i}:http cluster IP\" -m tcp --dport 80 -j KUBE-SVC-{i}");
+    }
+    for i in 0..n {
+        let v = vip(i);
+        let eps = endpoints(i, n, server);
+        let _ = writeln!(s, "-A KUBE-SVC-{i} ! -s {POD_CIDR} -d {v}/32 -p tcp -m tcp --dport 80 -j KUBE-MARK-MASQ");
+        for (k, _) in eps.iter().enumerate() {
+            let rest = eps.len() - k;
+            if rest > 1 {
+                let _ = writeln!(s, "-A KUBE-SVC-{i} -m statistic --mode random --probability {:.11} -j KUBE-SEP-{i}-{k}", 1.0 / rest as f64);
+            } else {
+                let _ = writeln!(s, "-A KUBE-SVC-{i} -j KUBE-SEP-{i}-{k}");
+            }
+        }
+        for (k, ep) in eps.iter().enumerate() {
+            let _ = writeln!(s, "-A KUBE-SEP-{i}-{k} -s {ep}/32 -j KUBE-MARK-MASQ");
+            let _ = writeln!(s, "-A KUBE-SEP-{i}-{k} -p tcp -m tcp -j DNAT --to-destination {ep}:8080");
+        }
+    }
+    s += "COMMIT\n";
+    s
+}
+
+fn nft_rules(n: usize, server: &[String]) -> String {
+    let mut s = String::from("table ip kube-proxy {\n");
+    s += "  chain mark-for-masquerade { mark set mark or 0x4000; }\n";
+    s += "  chain masquerading { meta mark & 0x4000 == 0 return; meta mark set mark xor 0x4000; masquerade fully-random; }\n";
+    for i in 0..n {
+        let eps = endpoints(i, n, server);
+        for (k, ep) in eps.iter().enumerate() {
+            let _ = writeln!(s, "  chain endpoint-{i}-{k} {{ ip saddr {ep} jump mark-for-masquerade; meta l4proto tcp dnat to {ep}:8080; }}");
+        }
+        let arms: Vec<String> = (0..eps.len()).map(|k| format!("{k} : goto endpoint-{i}-{k}")).collect();
+        let _ = writeln!(
+            s,
+            "  chain service-{i} {{ ip daddr {} tcp dport 80 ip saddr != {POD_CIDR} jump mark-for-masquerade; numgen random mod {} vmap {{ {} }}; }}",
+            vip(i),
+            eps.len(),
+            arms.join(", ")
+        );
+    }
+    s += "  map service-ips {\n    type ipv4_addr . inet_proto . inet_service : verdict\n    elements = {\n";
+    let elems: Vec<String> = (0..n).map(|i| format!("      {} . tcp . 80 : goto service-{i}", vip(i))).collect();
+    s += &elems.join(",\n");
+    s += "\n    }\n  }\n";
+    s += "  chain services { ip daddr . meta l4proto . th dport vmap @service-ips; }\n";
+    s += "  chain nat-prerouting { type nat hook prerouting priority -100; policy accept; jump services; }\n";
+    s += "  chain nat-output { type nat hook output priority -100; policy accept; jump services; }\n";
+    s += "  chain nat-postrouting { type nat hook postrouting priority 100; policy accept; jump masquerading; }\n";
+    s += "}\n";
+    s
+}
+
+/// Services and EndpointSlices for the dir source, in files of 1,000, plus
+/// the tested service in its own file (the one the latency run edits).
+fn write_objects(dir: &Path, n: usize, server: &[String]) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut chunk = String::new();
+    let mut file = 0;
+    for i in 0..n {
+        let doc = objects(i, &endpoints(i, n, server));
+        if i == n - 1 {
+            std::fs::write(dir.join("tested.yaml"), &doc)?;
+            continue;
+        }
+        chunk += &doc;
+        if chunk.len() > 0 && (i + 1) % 1000 == 0 {
+            std::fs::write(dir.join(format!("svc-{file:03}.yaml")), &chunk)?;
+            chunk.clear();
+            file += 1;
+        }
+    }
+    if !chunk.is_empty() {
+        std::fs::write(dir.join(format!("svc-{file:03}.yaml")), &chunk)?;
+    }
+    Ok(())
+}
+
+fn objects(i: usize, eps: &[String]) -> String {
+    let mut s = lbtest::objects::service(&format!("svc-{i}"), &vip(i), &[("http", 80, 8080, "TCP")]);
+    s += "---\n";
+    let e: Vec<(&str, &str, bool)> = eps.iter().map(|ip| (ip.as_str(), "node-2", true)).collect();
+    s += &lbtest::objects::slice(&format!("svc-{i}"), &format!("svc-{i}-1"), &[("http", 8080, "TCP")], &e);
+    s += "---\n";
+    s
+}
+
+fn timed(netns: &str, cmd: &str, args: &[&str], input: &Path) -> Result<f64> {
+    let t = Instant::now();
+    let st = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{netns}"))
+        .arg("--")
+        .arg(cmd)
+        .args(args)
+        .stdin(std::fs::File::open(input)?)
+        .status()?;
+    if !st.success() {
+        bail!("{cmd} {args:?} failed in {netns}");
+    }
+    Ok(t.elapsed().as_secs_f64())
+}
+
+fn rate(c: &Cluster, client: &Pod, addr: &str, secs: f64) -> Result<f64> {
+    let out = Command::new(bin("lbprobe"))
+        .args(["--netns", &client.netns, "--cgroup"])
+        .arg(&client.cgroup)
+        .args(["rate", "--addr", addr, "--secs", &secs.to_string(), "--cpu", "0"])
+        .output()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| String::from_utf8_lossy(&out.stderr).into_owned())?;
+    let _ = c;
+    if v["ok"].as_u64().unwrap_or(0) == 0 {
+        bail!("no connection through {addr}: {v}");
+    }
+    Ok(v["rate"].as_f64().unwrap_or(0.0))
+}
+
+fn bulk_rate(c: &Cluster, client: &Pod, addr: &str, bytes: u64) -> Result<f64> {
+    let t = Instant::now();
+    let s = c.probe(client, &["bulk", "--addr", addr, "--bytes", &bytes.to_string()])?;
+    if s.ok != 1 {
+        bail!("bulk through {addr}: {s:?}");
+    }
+    Ok(bytes as f64 / t.elapsed().as_secs_f64() / 1e6)
+}
+
+#[derive(Default, serde::Serialize)]
+struct Series {
+    values: Vec<f64>,
+    ratios: Vec<f64>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+}
+
+fn minmax(v: &[f64]) -> (f64, f64) {
+    v.iter().fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(*x), b.max(*x)))
+}
+
+fn percentile(v: &[f64], p: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    if v.is_empty() { 0.0 } else { v[((v.len() as f64 - 1.0) * p).round() as usize] }
+}
+
+fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("VmRSS:").map(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())).flatten())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Fill a fresh BPF hash map (the services map's shape) with `n` entries
+/// through aya, the baseline for our map writing.
+fn raw_map_fill(n: usize) -> Result<f64> {
+    let pin = format!("/sys/fs/bpf/lbt-{}-mapfill", std::process::id());
+    let ok = Command::new("bpftool")
+        .args(["map", "create", &pin, "type", "hash", "key", "12", "value", "16", "entries", &(n + 1024).to_string(), "name", "mapfill"])
+        .status()?
+        .success();
+    if !ok {
+        bail!("bpftool map create failed");
+    }
+    let r = (|| -> Result<f64> {
+        let data = aya::maps::MapData::from_pin(&pin)?;
+        let mut m: aya::maps::HashMap<_, [u8; 12], [u8; 16]> = aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data))?;
+        let t = Instant::now();
+        for i in 0..n as u32 {
+            let mut k = [0u8; 12];
+            k[..4].copy_from_slice(&i.to_ne_bytes());
+            m.insert(k, [1u8; 16], 0)?;
+        }
+        Ok(t.elapsed().as_secs_f64())
+    })();
+    let _ = std::fs::remove_file(&pin);
+    r
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    let n = a.services.max(11);
+    let small = 10;
+    let t0 = Instant::now();
+    eprintln!("bench: building the namespaces");
+    // 1 direct, 2 server, 3 lb-10, 4 lb-large, 5/6 iptables-legacy, 7/8 iptables-nft, 9/10 nftables.
+    let mut c = Cluster::new(10)?;
+    let server = c.add_pod(2, "server")?;
+    let mut server_ips = vec![server.ip.clone()];
+    for k in 1..10 {
+        let extra = format!("10.244.2.{}", 100 + k);
+        c.in_netns(&server.netns, &["ip", "addr", "add", &format!("{extra}/24"), "dev", "eth0"])?;
+        server_ips.push(extra);
+    }
+    c.serve_tiny(&server, 8080, 1)?;
+    // The throughput server (bulk transfers) on 9090.
+    c.serve(&server, 9090)?;
+    let mut clients = BTreeMap::new();
+    for node in [1usize, 3, 4, 5, 6, 7, 8, 9, 10] {
+        let p = c.add_pod(node, &format!("client-{node}"))?;
+        c.in_netns(&p.netns, &["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])?;
+        clients.insert(node, p);
+    }
+    let work = c.objects.parent().unwrap().to_path_buf();
+
+    // Control plane: load the kube-proxy rule sets (timed) and lb's maps.
+    let mut cp: BTreeMap<String, f64> = BTreeMap::new();
+    for (size, suffix) in [(small, "10"), (n, "large")] {
+        let ipt = work.join(format!("ipt-{suffix}.rules"));
+        std::fs::write(&ipt, iptables_rules(size, &server_ips))?;
+        let nft = work.join(format!("nft-{suffix}.nft"));
+        std::fs::write(&nft, nft_rules(size, &server_ips))?;
+        let (legacy, ipnft, nftn) = if size == small { (5, 7, 9) } else { (6, 8, 10) };
+        eprintln!("bench: loading kube-proxy rules for {size} services");
+        cp.insert(format!("iptables-legacy-restore {size}"), timed(&c.nodes[legacy - 1].netns, "iptables-legacy-restore", &[], &ipt)?);
+        cp.insert(format!("iptables-nft-restore {size}"), timed(&c.nodes[ipnft - 1].netns, "iptables-nft-restore", &[], &ipt)?);
+        cp.insert(format!("nft -f {size}"), timed(&c.nodes[nftn - 1].netns, "nft", &["-f", "-"], &nft)?);
+    }
+    let small_dir = work.join("objects-10");
+    write_objects(&small_dir, small, &server_ips)?;
+    let large_dir = work.join("objects-large");
+    write_objects(&large_dir, n, &server_ips)?;
+    const BULK_VIP: &str = "10.96.255.250";
+    let mut bulk = lbtest::objects::service("bulk", BULK_VIP, &[("http", 80, 9090, "TCP")]);
+    bulk += "---\n";
+    bulk += &lbtest::objects::slice("bulk", "bulk-1", &[("http", 9090, "TCP")], &[(server.ip.as_str(), "node-2", true)]);
+    std::fs::write(large_dir.join("bulk.yaml"), bulk)?;
+    c.start_agent_from(3, &small_dir, &[])?;
+    eprintln!("bench: lb-agent cold start with {n} services x 10 endpoints");
+    let t = Instant::now();
+    c.start_agent_from(4, &large_dir, &[])?;
+    cp.insert(format!("lb-agent cold start {n}"), t.elapsed().as_secs_f64());
+    let log = std::fs::read_to_string(c.agent_log(4))?;
+    if let Some(us) = log.lines().find(|l| l.contains("maps programmed")).and_then(|l| l.split("elapsed_us=").nth(1)).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse::<f64>().ok()) {
+        cp.insert(format!("lb-agent first sync {n}"), us / 1e6);
+    }
+    let rss = c.agent_pid(4).map_or(0.0, rss_mib);
+    let entries = n * (10 + 2);
+    cp.insert(format!("raw BPF map fill {entries}"), raw_map_fill(entries)?);
+
+    // Datapath: interleaved rounds of short connections.
+    let tested = format!("{}:80", vip(n - 1));
+    let tested_small = format!("{}:80", vip(small - 1));
+    let cases: Vec<(String, usize, String)> = vec![
+        ("direct (pod IP)".into(), 1, format!("{}:8080", server.ip)),
+        (format!("lb, {small} services"), 3, tested_small.clone()),
+        (format!("lb, {n} services"), 4, tested.clone()),
+        (format!("iptables-legacy, {small} services"), 5, tested_small.clone()),
+        (format!("iptables-legacy, {n} services"), 6, tested.clone()),
+        (format!("iptables-nft, {small} services"), 7, tested_small.clone()),
+        (format!("iptables-nft, {n} services"), 8, tested.clone()),
+        (format!("nftables, {small} services"), 9, tested_small),
+        (format!("nftables, {n} services"), 10, tested.clone()),
+    ];
+    let mut series: BTreeMap<String, Series> = BTreeMap::new();
+    for round in 0..a.rounds {
+        eprintln!("bench: round {} of {}", round + 1, a.rounds);
+        let mut direct = 0.0;
+        for (name, node, addr) in &cases {
+            let r = rate(&c, &clients[node], addr, a.secs)?;
+            if *node == 1 {
+                direct = r;
+            }
+            let s = series.entry(name.clone()).or_default();
+            s.values.push(r);
+            s.ratios.push(r / direct);
+        }
+    }
+    // Throughput of one established stream.
+    let mut tput: BTreeMap<String, Series> = BTreeMap::new();
+    for _ in 0..a.rounds.min(3) {
+        let d = bulk_rate(&c, &clients[&1], &format!("{}:9090", server.ip), a.bulk_bytes)?;
+        let l = bulk_rate(&c, &clients[&4], &format!("{BULK_VIP}:80"), a.bulk_bytes)?;
+        for (k, v) in [("direct (pod IP)", d), ("lb, ClusterIP", l)] {
+            let s = tput.entry(k.to_string()).or_default();
+            s.values.push(v);
+            s.ratios.push(v / d);
+        }
+    }
+
+    // One endpoint change at a time, with the large set loaded: from the
+    // file write to the maps holding it.
+    eprintln!("bench: {} endpoint changes", a.changes);
+    let maps = PathBuf::from(&c.nodes[3].bpffs).join(lb_common::maps::SERVICES4);
+    let mut lat = Vec::new();
+    let data = aya::maps::MapData::from_pin(&maps)?;
+    let svc: aya::maps::HashMap<_, [u8; 12], [u8; 16]> = aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data))?;
+    let vipb: Vec<u8> = vip(n - 1).split('.').map(|p| p.parse().unwrap()).collect();
+    let mut key = [0u8; 12];
+    key[..4].copy_from_slice(&vipb);
+    key[4..6].copy_from_slice(&80u16.to_ne_bytes());
+    key[6] = 6;
+    let count = |svc: &aya::maps::HashMap<aya::maps::MapData, [u8; 12], [u8; 16]>| svc.get(&key, 0).map(|v| u16::from_ne_bytes([v[4], v[5]])).unwrap_or(0);
+    for i in 0..a.changes {
+        let want = if i % 2 == 0 { 9 } else { 10 };
+        let doc = objects(n - 1, &server_ips[..want]);
+        let t = Instant::now();
+        std::fs::write(large_dir.join("tested.yaml"), doc)?;
+        loop {
+            if count(&svc) as usize == want {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(5) {
+                bail!("change {i} not programmed within 5 s");
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        lat.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+
+    // Report.
+    let mut md = String::new();
+    let _ = writeln!(md, "Short connections (connect + 1-byte request/response + close), {} rounds of {} s, interleaved:\n", a.rounds, a.secs);
+    let _ = writeln!(md, "| case | conn/s (median) | min–max | ratio to direct (median) |\n|---|---|---|---|");
+    for (name, _, _) in &cases {
+        let s = &series[name];
+        let (lo, hi) = minmax(&s.values);
+        let _ = writeln!(md, "| {name} | {:.0} | {:.0}–{:.0} | {:.2} |", median(&s.values), lo, hi, median(&s.ratios));
+    }
+    let _ = writeln!(md, "\nOne established TCP stream ({} MB):\n\n| case | MB/s (median) | ratio |\n|---|---|---|", a.bulk_bytes >> 20);
+    for (k, s) in &tput {
+        let _ = writeln!(md, "| {k} | {:.0} | {:.2} |", median(&s.values), median(&s.ratios));
+    }
+    let _ = writeln!(md, "\nControl plane ({n} services x 10 endpoints unless noted):\n\n| step | seconds |\n|---|---|");
+    for (k, v) in &cp {
+        let _ = writeln!(md, "| {k} | {v:.3} |");
+    }
+    let _ = writeln!(
+        md,
+        "\nOne endpoint change, file write to programmed maps, {} changes with {n} services loaded: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms.\n\nlb-agent resident memory after the full sync: {rss:.1} MiB.",
+        lat.len(),
+        percentile(&lat, 0.5),
+        percentile(&lat, 0.99),
+        lat.iter().cloned().fold(0.0, f64::max)
+    );
+    let _ = writeln!(md, "\nTotal bench time {:.0} s.", t0.elapsed().as_secs_f64());
+    print!("{md}");
+    let json = serde_json::json!({
+        "rounds": a.rounds, "secs": a.secs, "services": n,
+        "datapath": series, "throughput": tput, "control_plane": cp,
+        "change_latency_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "samples": lat},
+        "agent_rss_mib": rss,
+    });
+    if let Some(d) = a.out.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    std::fs::write(&a.out, serde_json::to_string_pretty(&json)?)?;
+    eprintln!("bench: results in {}", a.out.display());
+    if std::env::var_os("LB_BENCH_AGENT_LOG").is_some() {
+        eprintln!("{}", std::fs::read_to_string(c.agent_log(4)).unwrap_or_default());
+    }
+    drop(c);
+    Ok(())
+}

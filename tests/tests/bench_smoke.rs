@@ -1,0 +1,24 @@
+//! A small smoke run of every bench case, so that the bench code cannot rot.
+//! Not a benchmark: no number is checked, only that every case ran.
+use lbtest::bin;
+
+#[test]
+fn every_bench_case_runs() {
+    let out_json = std::env::temp_dir().join(format!("lbt-{}-bench.json", std::process::id()));
+    let out = std::process::Command::new(bin("lb-bench"))
+        .args(["--rounds", "1", "--secs", "0.2", "--services", "30", "--changes", "5", "--bulk-bytes", "1000000", "--out"])
+        .arg(&out_json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out_json).unwrap()).unwrap();
+    std::fs::remove_file(&out_json).unwrap();
+    let dp = v["datapath"].as_object().unwrap();
+    assert_eq!(dp.len(), 9, "{stdout}");
+    for (case, s) in dp {
+        assert!(s["values"][0].as_f64().unwrap() > 0.0, "{case}: {stdout}");
+    }
+    assert_eq!(v["change_latency_ms"]["samples"].as_array().unwrap().len(), 5);
+    assert!(stdout.contains("| lb, 30 services |"), "{stdout}");
+}
