@@ -1,5 +1,5 @@
 //! `lb-agent run`: watch a source, compute the model, program the maps.
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -60,6 +60,7 @@ struct Reconciler {
     zone: Option<String>,
     node_ips: Vec<std::net::IpAddr>,
     opts: model::Options,
+    capacity: Capacity,
     nodeports: BTreeSet<lb_common::NodePortKey>,
     snat_ports: (u16, u16),
     netns_cookie: u64,
@@ -80,6 +81,57 @@ struct Reconciler {
 struct WriteFailed {
     service: Option<model::ServiceRef>,
     error: anyhow::Error,
+    /// The map would be over capacity: these Services (not programmed yet)
+    /// are left out, all at once.
+    too_many: Vec<model::ServiceRef>,
+}
+
+/// Services not programmed yet to leave out so that `target` fits the
+/// capacities, newest (by name) last in, first out. Empty when it fits.
+fn over_capacity<A: Addr>(target: &writer::Target<A>, current: &Table<A>, cap: &Capacity) -> Vec<model::ServiceRef> {
+    let fits = |svc: usize, be: usize| svc <= cap.services as usize && be <= cap.backends as usize;
+    let (mut svc_n, mut be_n) = (target.table.services.len(), target.table.backends.len());
+    if fits(svc_n, be_n) {
+        return Vec::new();
+    }
+    // Entries and backends of each Service, and who else uses a backend.
+    let mut per: BTreeMap<model::ServiceRef, (usize, BTreeSet<u32>)> = BTreeMap::new();
+    let mut users: BTreeMap<u32, usize> = BTreeMap::new();
+    for (k, v) in &target.table.services {
+        let owner = target.owners.get(&(k.addr, k.port, k.proto)).or_else(|| target.owners.get(&(k.addr, 0, 0)));
+        let Some(owner) = owner else { continue };
+        let e = per.entry(owner.clone()).or_default();
+        e.0 += 1;
+        if k.slot != 0 && e.1.insert(v.backend_id) {
+            *users.entry(v.backend_id).or_default() += 1;
+        }
+    }
+    let programmed: BTreeSet<model::ServiceRef> = current
+        .services
+        .keys()
+        .filter(|k| k.slot == 0)
+        .filter_map(|k| target.owners.get(&(k.addr, k.port, k.proto)))
+        .cloned()
+        .collect();
+    let mut out = Vec::new();
+    for (svc, (entries, backends)) in per.iter().rev() {
+        if fits(svc_n, be_n) {
+            break;
+        }
+        if programmed.contains(svc) {
+            continue;
+        }
+        svc_n -= entries;
+        for b in backends {
+            let u = users.get_mut(b).unwrap();
+            *u -= 1;
+            if *u == 0 {
+                be_n -= 1;
+            }
+        }
+        out.push(svc.clone());
+    }
+    out
 }
 
 /// Plan and apply one family. Stops at the first failed write; every
@@ -90,6 +142,7 @@ fn sync_family<A: Addr>(
     fm: &mut FamilyMaps<A>,
     shared: &mut crate::dataplane::maps::Shared<'_>,
     warnings: &mut Vec<String>,
+    cap: &Capacity,
 ) -> Result<(usize, BTreeSet<u16>), WriteFailed>
 where
     lb_common::SvcKey<A>: aya::Pod,
@@ -97,6 +150,14 @@ where
     lb_common::RevNat<A>: aya::Pod,
 {
     let target = writer::build(desired, &mirror.table, &mut mirror.cursors);
+    let too_many = over_capacity(&target, &mirror.table, cap);
+    if !too_many.is_empty() {
+        return Err(WriteFailed {
+            service: None,
+            error: anyhow::anyhow!("{} Services do not fit the maps", too_many.len()),
+            too_many,
+        });
+    }
     warnings.extend(target.skipped.iter().cloned());
     let ops = writer::plan(&mirror.table, &target.table);
     // Frontends whose affinity state must go: affinity switched off, or gone.
@@ -113,7 +174,11 @@ where
         if let Err(e) = fm.apply(op, shared) {
             let owner = owner_of(op, &target);
             let who = owner.as_ref().map_or_else(|| "a removed service".to_string(), |(s, f)| format!("Service {s} ({f})"));
-            return Err(WriteFailed { service: owner.map(|(s, _)| s), error: e.context(format!("programming {who} failed")) });
+            return Err(WriteFailed {
+                service: owner.map(|(s, _)| s),
+                error: e.context(format!("programming {who} failed")),
+                too_many: Vec::new(),
+            });
         }
         mirror.table.apply(op);
     }
@@ -148,12 +213,19 @@ impl Reconciler {
             let mut warnings = desired.warnings.clone();
             let mut shared =
                 crate::dataplane::maps::Shared { matches: &mut self.maps.affinity_match, src_range: &mut self.maps.src_range };
-            let r = sync_family(&desired, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings).and_then(|(n4, s4)| {
-                sync_family(&desired, &mut self.v6, &mut self.maps.v6, &mut shared, &mut warnings).map(|(n6, s6)| (n4, s4, n6, s6))
+            let cap = self.capacity;
+            let r = sync_family(&desired, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings, &cap).and_then(|(n4, s4)| {
+                sync_family(&desired, &mut self.v6, &mut self.maps.v6, &mut shared, &mut warnings, &cap).map(|(n6, s6)| (n4, s4, n6, s6))
             });
             match r {
                 Ok((n4, s4, n6, s6)) => break (desired, warnings, n4, s4, n6, s6),
-                Err(WriteFailed { service: Some(s), error }) if !excluded.contains(&s) => {
+                Err(WriteFailed { too_many, .. }) if !too_many.is_empty() => {
+                    for s in &too_many {
+                        tracing::error!(service = %s, "Service not programmed: the maps are full (raise --max-services / --max-backends)");
+                    }
+                    excluded.extend(too_many);
+                }
+                Err(WriteFailed { service: Some(s), error, .. }) if !excluded.contains(&s) => {
                     tracing::error!(service = %s, "{error:#}; this Service is not programmed, every other one is (raise the --max-* capacity flags if a map is full)");
                     excluded.insert(s);
                 }
@@ -297,7 +369,7 @@ impl Reconciler {
             (n::SERVICES6, self.v6.table.services.len(), cap.services),
             (n::BACKENDS6, self.v6.table.backends.len(), cap.backends),
             (n::REVNAT6, self.v6.table.revnat.len(), cap.services.min(u16::MAX as u32)),
-            (n::AFFINITY_MATCH, self.v4.table.affinity_match.len() + self.v6.table.affinity_match.len(), cap.backends.saturating_mul(2)),
+            (n::AFFINITY_MATCH, self.v4.table.affinity_match.len() + self.v6.table.affinity_match.len(), cap.backends),
         ];
         for (map, len, max) in entries {
             m.map_entries.get_or_create(&[("map", map)]).set(len as i64);
@@ -363,6 +435,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         zone: cfg.zone.clone(),
         node_ips: cfg.node_ips.clone(),
         opts: cfg.model.clone(),
+        capacity: cfg.capacity,
         nodeports,
         snat_ports: cfg.snat_ports,
         netns_cookie,

@@ -315,9 +315,10 @@ pub mod maps {
 
 /// Default map capacities; the agent can override them.
 pub mod capacity {
-    pub const SERVICES: u32 = 65536;
-    pub const BACKENDS: u32 = 65536;
-    pub const REVNAT: u32 = 65536;
+    /// Frontend and slot entries: 10,000 Services x 10 endpoints need 120,000.
+    pub const SERVICES: u32 = 262144;
+    pub const BACKENDS: u32 = 262144;
+    pub const REVNAT: u32 = 65535;
     pub const SOCK_REVNAT: u32 = 262144;
     pub const AFFINITY: u32 = 65536;
     pub const NAT: u32 = 262144;

@@ -19,22 +19,27 @@ use lb_common::{
 type A4 = [u8; 4];
 type A6 = [u8; 16];
 
+/// Hash maps the agent writes are not preallocated: memory follows use,
+/// and a deleted element is freed only after an RCU grace period, so a
+/// program that still reads it sees the old value, never a reused one.
+const NO_PREALLOC: usize = aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize;
+
 #[btf_map]
-static LB4_SERVICES: HashMap<SvcKey<A4>, SvcValue, { capacity::SERVICES as usize }> = HashMap::new();
+static LB4_SERVICES: HashMap<SvcKey<A4>, SvcValue, { capacity::SERVICES as usize }, NO_PREALLOC> = HashMap::new();
 #[btf_map]
-static LB4_BACKENDS: HashMap<u32, Backend<A4>, { capacity::BACKENDS as usize }> = HashMap::new();
+static LB4_BACKENDS: HashMap<u32, Backend<A4>, { capacity::BACKENDS as usize }, NO_PREALLOC> = HashMap::new();
 #[btf_map]
-static LB4_REVNAT: HashMap<u16, RevNat<A4>, { capacity::REVNAT as usize }> = HashMap::new();
+static LB4_REVNAT: HashMap<u16, RevNat<A4>, { capacity::REVNAT as usize }, NO_PREALLOC> = HashMap::new();
 #[btf_map]
 static LB4_SOCK_REVNAT: LruHashMap<SockRevNat4Key, SockRevNatValue<A4>, { capacity::SOCK_REVNAT as usize }> =
     LruHashMap::new();
 
 #[btf_map]
-static LB6_SERVICES: HashMap<SvcKey<A6>, SvcValue, { capacity::SERVICES as usize }> = HashMap::new();
+static LB6_SERVICES: HashMap<SvcKey<A6>, SvcValue, { capacity::SERVICES as usize }, NO_PREALLOC> = HashMap::new();
 #[btf_map]
-static LB6_BACKENDS: HashMap<u32, Backend<A6>, { capacity::BACKENDS as usize }> = HashMap::new();
+static LB6_BACKENDS: HashMap<u32, Backend<A6>, { capacity::BACKENDS as usize }, NO_PREALLOC> = HashMap::new();
 #[btf_map]
-static LB6_REVNAT: HashMap<u16, RevNat<A6>, { capacity::REVNAT as usize }> = HashMap::new();
+static LB6_REVNAT: HashMap<u16, RevNat<A6>, { capacity::REVNAT as usize }, NO_PREALLOC> = HashMap::new();
 #[btf_map]
 static LB6_SOCK_REVNAT: LruHashMap<SockRevNat6Key, SockRevNatValue<A6>, { capacity::SOCK_REVNAT as usize }> =
     LruHashMap::new();
@@ -42,7 +47,7 @@ static LB6_SOCK_REVNAT: LruHashMap<SockRevNat6Key, SockRevNatValue<A6>, { capaci
 #[btf_map]
 static LB_AFFINITY: LruHashMap<AffinityKey, AffinityValue, { capacity::AFFINITY as usize }> = LruHashMap::new();
 #[btf_map]
-static LB_AFFINITY_MATCH: HashMap<AffinityMatchKey, u8, { capacity::BACKENDS as usize }> = HashMap::new();
+static LB_AFFINITY_MATCH: HashMap<AffinityMatchKey, u8, { capacity::BACKENDS as usize }, NO_PREALLOC> = HashMap::new();
 
 #[btf_map]
 static LB_STATS: PerCpuArray<u64, { stats::COUNT as usize }> = PerCpuArray::new();

@@ -21,7 +21,8 @@ use lb_common::{NodePortKey, PROTO_TCP, PROTO_UDP, capacity, stats};
 /// The NodePorts in use: processes in the node's network namespace may not
 /// bind() them.
 #[btf_map]
-static LB_NODEPORTS: HashMap<NodePortKey, u8, { capacity::NODEPORTS as usize }> = HashMap::new();
+static LB_NODEPORTS: HashMap<NodePortKey, u8, { capacity::NODEPORTS as usize }, { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize }> =
+    HashMap::new();
 
 const EADDRINUSE: i32 = 98;
 

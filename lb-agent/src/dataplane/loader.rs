@@ -240,7 +240,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
         .map_max_entries(maps::BACKENDS6, cap.backends)
         .map_max_entries(maps::REVNAT6, revnat)
         .map_max_entries(maps::SOCK_REVNAT6, cap.sock_revnat)
-        .map_max_entries(maps::AFFINITY_MATCH, cap.backends.saturating_mul(2))
+        .map_max_entries(maps::AFFINITY_MATCH, cap.backends)
         .map_max_entries(maps::NAT4, cap.nat);
     let mut ebpf = loader.load(OBJ).context("load the BPF object")?;
 

@@ -51,7 +51,12 @@ fn endpoints(i: usize, n: usize, server: &[String]) -> Vec<String> {
     if i == n - 1 {
         server.to_vec()
     } else {
-        (0..10).map(|k| format!("10.250.{}.{}", (i * 10 + k) / 250, 1 + (i * 10 + k) % 250)).collect()
+        (0..10)
+            .map(|k| {
+                let q = i * 10 + k;
+                format!("10.{}.{}.{}", 128 + q / 62_500, (q / 250) % 250, 1 + q % 250)
+            })
+            .collect()
     }
 }
 
