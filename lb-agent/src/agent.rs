@@ -70,11 +70,9 @@ struct Reconciler {
     node_addresses: Vec<std::net::IpAddr>,
     /// Services left out of the last sync because they could not be written.
     not_programmed: usize,
-    /// (frontend, backend) pairs that served at the last sync.
-    alive: BTreeSet<crate::stale::Pair>,
-    destroy_stale: bool,
-    cgroup: PathBuf,
-    destroyed: u64,
+    /// Connections to endpoints that stopped serving are destroyed by it,
+    /// off the programming path.
+    destroyer: Option<crate::stale::Destroyer>,
 }
 
 /// A write that failed, and the Service it was for (None: a deletion).
@@ -205,17 +203,23 @@ impl Reconciler {
         // plan is rebuilt without it, which also removes what it had
         // half-written. Nothing half-written stays visible.
         let mut excluded: BTreeSet<model::ServiceRef> = BTreeSet::new();
+        let mut filtered;
         let (desired, warnings, n4, stale4, n6, stale6) = loop {
-            let mut desired = full.clone();
-            desired.frontends.retain(|_, f| !excluded.contains(&f.service));
-            let owners = desired.vip_owners.clone();
-            desired.vips.retain(|v| !owners.get(v).is_some_and(|s| excluded.contains(s)));
+            let desired: &model::Desired = if excluded.is_empty() {
+                &full
+            } else {
+                filtered = full.clone();
+                filtered.frontends.retain(|_, f| !excluded.contains(&f.service));
+                let owners = filtered.vip_owners.clone();
+                filtered.vips.retain(|v| !owners.get(v).is_some_and(|s| excluded.contains(s)));
+                &filtered
+            };
             let mut warnings = desired.warnings.clone();
             let mut shared =
                 crate::dataplane::maps::Shared { matches: &mut self.maps.affinity_match, src_range: &mut self.maps.src_range };
             let cap = self.capacity;
-            let r = sync_family(&desired, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings, &cap).and_then(|(n4, s4)| {
-                sync_family(&desired, &mut self.v6, &mut self.maps.v6, &mut shared, &mut warnings, &cap).map(|(n6, s6)| (n4, s4, n6, s6))
+            let r = sync_family(desired, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings, &cap).and_then(|(n4, s4)| {
+                sync_family(desired, &mut self.v6, &mut self.maps.v6, &mut shared, &mut warnings, &cap).map(|(n6, s6)| (n4, s4, n6, s6))
             });
             match r {
                 Ok((n4, s4, n6, s6)) => break (desired, warnings, n4, s4, n6, s6),
@@ -262,16 +266,7 @@ impl Reconciler {
         })?;
         self.health_checks = desired.health_checks.clone();
         self.node_addresses = node.addresses.clone();
-        // Connections to endpoints that stopped serving: destroy them.
-        let alive = full.alive_pairs();
-        if self.destroy_stale && self.alive.difference(&alive).next().is_some() {
-            match self.destroy_stale_sockets(&alive) {
-                Ok(n) if n > 0 => tracing::info!(sockets = n, "destroyed sockets connected to removed backends"),
-                Ok(_) => {}
-                Err(e) => tracing::warn!("destroying stale sockets: {e:#}"),
-            }
-        }
-        self.alive = alive;
+        let _ = desired;
         if n4 + n6 > 0 {
             tracing::info!(
                 ops = n4 + n6,
@@ -282,16 +277,12 @@ impl Reconciler {
                 "maps programmed"
             );
         }
+        // The maps are programmed: now connections to endpoints that
+        // stopped serving can go, in the background.
+        if let Some(d) = &self.destroyer {
+            d.update(Arc::new(full));
+        }
         Ok(())
-    }
-
-    fn destroy_stale_sockets(&mut self, alive: &BTreeSet<crate::stale::Pair>) -> Result<usize> {
-        let entries = self.maps.sock_revnat_entries();
-        let targets = crate::stale::stale_cookies(&entries, alive);
-        let n = crate::stale::destroy(&self.cgroup, &targets)?;
-        self.maps.forget_sockets(targets.keys());
-        self.destroyed += n as u64;
-        Ok(n)
     }
 
     fn frontends(&self) -> usize {
@@ -360,7 +351,6 @@ impl Reconciler {
         use lb_common::maps as n;
         m.services.set(self.frontends() as i64);
         m.not_programmed.set(self.not_programmed as i64);
-        m.sockets_destroyed.inner().store(self.destroyed, std::sync::atomic::Ordering::Relaxed);
         m.backends.set((self.v4.table.backends.len() + self.v6.table.backends.len()) as i64);
         let entries = [
             (n::SERVICES4, self.v4.table.services.len(), cap.services),
@@ -443,10 +433,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         health_checks: Default::default(),
         node_addresses: Vec::new(),
         not_programmed: 0,
-        alive: BTreeSet::new(),
-        destroy_stale: cfg.destroy_stale_sockets,
-        cgroup: cfg.cgroup.clone(),
-        destroyed: 0,
+        destroyer: if cfg.destroy_stale_sockets {
+            Some(crate::stale::Destroyer::spawn(&cfg.bpffs, cfg.cgroup.clone(), metrics.sockets_destroyed.clone())?)
+        } else {
+            None
+        },
     };
     let mut health_checks = crate::nodeport::HealthChecks::default();
     rec.export(&metrics, &cfg.capacity);

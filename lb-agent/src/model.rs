@@ -47,8 +47,8 @@ pub struct NodeFacts<'a> {
 /// `topology.kubernetes.io/zone` label of the Node object named `name`. The
 /// addresses come from `--node-ip`, else the Node's InternalIP and ExternalIP
 /// addresses, else the interfaces.
-pub fn node_info(facts: &NodeFacts, nodes: &[Node]) -> NodeInfo {
-    let this = nodes.iter().find(|n| n.metadata.name.as_deref() == Some(facts.name));
+pub fn node_info<N: std::borrow::Borrow<Node>>(facts: &NodeFacts, nodes: &[N]) -> NodeInfo {
+    let this = nodes.iter().map(|n| n.borrow()).find(|n| n.metadata.name.as_deref() == Some(facts.name));
     let zone = facts
         .zone
         .map(str::to_string)
@@ -373,11 +373,15 @@ pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) 
 
 /// Compute the desired state. Pure: same input, same output, whatever the
 /// order of the inputs.
-pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo, opts: &Options) -> Desired {
+pub fn compute_with<S, E>(services: &[S], slices: &[E], node: &NodeInfo, opts: &Options) -> Desired
+where
+    S: std::borrow::Borrow<Service>,
+    E: std::borrow::Borrow<EndpointSlice>,
+{
     let mut out = Desired::default();
 
     let mut by_service: BTreeMap<ServiceRef, Vec<&EndpointSlice>> = BTreeMap::new();
-    for slice in slices {
+    for slice in slices.iter().map(|s| s.borrow()) {
         let slice_name = slice.metadata.name.as_deref().unwrap_or("<unnamed>");
         if slice.address_type == "FQDN" {
             continue;
@@ -396,14 +400,22 @@ pub fn compute_with(services: &[Service], slices: &[EndpointSlice], node: &NodeI
     for v in by_service.values_mut() {
         // By name; identical names (a mistake in a directory of files) by
         // content, so that the order of the input never matters.
-        v.sort_by_cached_key(|s| (s.metadata.name.clone(), serde_json::to_string(s).unwrap_or_default()));
+        v.sort_by(|a, b| {
+            a.metadata.name.cmp(&b.metadata.name).then_with(|| {
+                serde_json::to_string(a).unwrap_or_default().cmp(&serde_json::to_string(b).unwrap_or_default())
+            })
+        });
     }
 
-    let mut sorted: Vec<&Service> = services.iter().collect();
-    sorted.sort_by_cached_key(|s| (service_ref(s), serde_json::to_string(s).unwrap_or_default()));
+    let mut sorted: Vec<(ServiceRef, &Service)> = services.iter().map(|s| (service_ref(s.borrow()), s.borrow())).collect();
+    // By reference; duplicates (a mistake in a directory of files) by
+    // content, so that the order of the input never matters. Serialising
+    // only on ties keeps this cheap.
+    sorted.sort_by(|(ra, a), (rb, b)| {
+        ra.cmp(rb).then_with(|| serde_json::to_string(a).unwrap_or_default().cmp(&serde_json::to_string(b).unwrap_or_default()))
+    });
     let mut done: BTreeSet<ServiceRef> = BTreeSet::new();
-    for svc in sorted {
-        let sref = service_ref(svc);
+    for (sref, svc) in sorted {
         if !done.insert(sref.clone()) {
             out.warnings.push(format!("Service {sref} is defined more than once; one definition is used"));
             continue;

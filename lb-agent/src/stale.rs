@@ -190,3 +190,77 @@ mod tests {
         assert_eq!(stale[&1], (ip("10.0.0.1"), 8080));
     }
 }
+
+/// Destroys stale sockets on a thread of its own, off the path that
+/// programs the maps: a sync hands it the new desired state and goes on.
+pub struct Destroyer {
+    tx: std::sync::mpsc::Sender<std::sync::Arc<crate::model::Desired>>,
+}
+
+type SockMap<K, V> = aya::maps::HashMap<aya::maps::MapData, K, V>;
+
+fn open_lru<K: aya::Pod, V: aya::Pod>(bpffs: &Path, name: &str) -> Result<SockMap<K, V>> {
+    let data = aya::maps::MapData::from_pin(bpffs.join(name)).with_context(|| format!("open pinned map {name}"))?;
+    Ok(aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?)
+}
+
+impl Destroyer {
+    /// `destroyed` counts the sockets (the `lb_sockets_destroyed` metric).
+    pub fn spawn(bpffs: &Path, cgroup: std::path::PathBuf, destroyed: prometheus_client::metrics::counter::Counter) -> Result<Self> {
+        use lb_common::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, maps};
+        let mut s4: SockMap<SockRevNat4Key, SockRevNat4Value> = open_lru(bpffs, maps::SOCK_REVNAT4)?;
+        let mut s6: SockMap<SockRevNat6Key, SockRevNat6Value> = open_lru(bpffs, maps::SOCK_REVNAT6)?;
+        let (tx, rx) = std::sync::mpsc::channel::<std::sync::Arc<crate::model::Desired>>();
+        let counter = destroyed;
+        std::thread::Builder::new().name("stale-sockets".into()).spawn(move || {
+            let mut alive: Option<BTreeSet<Pair>> = None;
+            while let Ok(mut d) = rx.recv() {
+                // Only the newest state matters.
+                while let Ok(newer) = rx.try_recv() {
+                    d = newer;
+                }
+                let now = d.alive_pairs();
+                let shrank = alive.as_ref().is_some_and(|old| old.difference(&now).next().is_some());
+                alive = Some(now);
+                if !shrank {
+                    continue;
+                }
+                let now = alive.as_ref().unwrap();
+                let entries: Vec<(u64, IpAddr, u16, IpAddr, u16)> = s4
+                    .iter()
+                    .filter_map(|r| r.ok())
+                    .map(|(k, v)| (k.cookie, k.addr.into(), k.port, v.addr.into(), v.port))
+                    .chain(s6.iter().filter_map(|r| r.ok()).map(|(k, v)| (k.cookie, k.addr.into(), k.port, v.addr.into(), v.port)))
+                    .collect();
+                let targets = stale_cookies(&entries, now);
+                if targets.is_empty() {
+                    continue;
+                }
+                match destroy(&cgroup, &targets) {
+                    Ok(n) => {
+                        counter.inc_by(n as u64);
+                        if n > 0 {
+                            tracing::info!(sockets = n, "destroyed sockets connected to removed backends");
+                        }
+                    }
+                    Err(e) => tracing::warn!("destroying stale sockets: {e:#}"),
+                }
+                // These sockets are gone (or were never connected): forget them.
+                let k4: Vec<_> = s4.keys().filter_map(|k| k.ok()).filter(|k| targets.contains_key(&k.cookie)).collect();
+                for k in k4 {
+                    let _ = s4.remove(&k);
+                }
+                let k6: Vec<_> = s6.keys().filter_map(|k| k.ok()).filter(|k| targets.contains_key(&k.cookie)).collect();
+                for k in k6 {
+                    let _ = s6.remove(&k);
+                }
+            }
+        })?;
+        Ok(Self { tx })
+    }
+
+    /// Hand over the newest desired state.
+    pub fn update(&self, desired: std::sync::Arc<crate::model::Desired>) {
+        let _ = self.tx.send(desired);
+    }
+}

@@ -35,8 +35,6 @@ pub struct Maps {
     pub nodeports: HashMap<MapData, NodePortKey, u8>,
     pub node_config: Array<MapData, NodeConfig>,
     pub nat: HashMap<MapData, NatKey, NatEntry>,
-    pub sock4: HashMap<MapData, lb_common::SockRevNat4Key, lb_common::SockRevNat4Value>,
-    pub sock6: HashMap<MapData, lb_common::SockRevNat6Key, lb_common::SockRevNat6Value>,
     pub stats: PerCpuArray<MapData, u64>,
 }
 
@@ -156,8 +154,6 @@ impl Maps {
             nodeports: hash(dir, maps::NODEPORTS)?,
             node_config: Array::try_from(Map::Array(open_pinned(dir, maps::NODE_CONFIG)?))?,
             nat: HashMap::try_from(Map::LruHashMap(open_pinned(dir, maps::NAT4)?))?,
-            sock4: HashMap::try_from(Map::LruHashMap(open_pinned(dir, maps::SOCK_REVNAT4)?))?,
-            sock6: HashMap::try_from(Map::LruHashMap(open_pinned(dir, maps::SOCK_REVNAT6)?))?,
             stats: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(dir, maps::STATS)?))?,
         })
     }
@@ -207,27 +203,6 @@ impl Maps {
             current.remove(k);
         }
         Ok(())
-    }
-
-    /// The socket rev-NAT entries: (cookie, backend, backend port,
-    /// frontend, frontend port).
-    pub fn sock_revnat_entries(&self) -> Vec<(u64, std::net::IpAddr, u16, std::net::IpAddr, u16)> {
-        let v4 = self.sock4.iter().filter_map(|r| r.ok()).map(|(k, v)| (k.cookie, k.addr.into(), k.port, v.addr.into(), v.port));
-        let v6 = self.sock6.iter().filter_map(|r| r.ok()).map(|(k, v)| (k.cookie, k.addr.into(), k.port, v.addr.into(), v.port));
-        v4.chain(v6).collect()
-    }
-
-    /// Drop the socket rev-NAT entries of these sockets.
-    pub fn forget_sockets<'a>(&mut self, cookies: impl Iterator<Item = &'a u64>) {
-        let cookies: std::collections::BTreeSet<u64> = cookies.copied().collect();
-        let k4: Vec<_> = self.sock4.keys().filter_map(|k| k.ok()).filter(|k| cookies.contains(&k.cookie)).collect();
-        for k in k4 {
-            let _ = self.sock4.remove(&k);
-        }
-        let k6: Vec<_> = self.sock6.keys().filter_map(|k| k.ok()).filter(|k| cookies.contains(&k.cookie)).collect();
-        for k in k6 {
-            let _ = self.sock6.remove(&k);
-        }
     }
 
     pub fn set_node_config(&mut self, cfg: &NodeConfig) -> Result<()> {

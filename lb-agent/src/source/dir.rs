@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -131,9 +132,19 @@ fn signature(md: &std::fs::Metadata) -> Signature {
 
 struct Entry {
     sig: Signature,
-    /// The text the objects came from: a re-read of the same text changes nothing.
-    text: String,
-    objects: FileObjects,
+    /// A hash of the text the objects came from: a re-read of the same text
+    /// changes nothing.
+    text_hash: u64,
+    services: Vec<Arc<Service>>,
+    slices: Vec<Arc<EndpointSlice>>,
+    nodes: Vec<Arc<Node>>,
+}
+
+fn hash_text(t: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    t.hash(&mut h);
+    h.finish()
 }
 
 /// The state of the directory: the last good objects of every file.
@@ -192,16 +203,24 @@ impl DirState {
                     continue;
                 }
             };
+            let text_hash = hash_text(&text);
             if let Some(e) = self.files.get_mut(&path)
-                && e.text == text
+                && e.text_hash == text_hash
             {
                 e.sig = sig;
                 continue;
             }
             match parse(&name, &text) {
-                Ok(objects) => {
+                Ok(o) => {
                     self.failed.remove(&path);
-                    self.files.insert(path, Entry { sig, text, objects });
+                    let entry = Entry {
+                        sig,
+                        text_hash,
+                        services: o.services.into_iter().map(Arc::new).collect(),
+                        slices: o.slices.into_iter().map(Arc::new).collect(),
+                        nodes: o.nodes.into_iter().map(Arc::new).collect(),
+                    };
+                    self.files.insert(path, entry);
                     changed = true;
                 }
                 Err(e) => {
@@ -228,9 +247,9 @@ impl DirState {
     pub fn snapshot(&self) -> Snapshot {
         let mut snap = Snapshot::default();
         for e in self.files.values() {
-            snap.services.extend(e.objects.services.iter().cloned());
-            snap.slices.extend(e.objects.slices.iter().cloned());
-            snap.nodes.extend(e.objects.nodes.iter().cloned());
+            snap.services.extend(e.services.iter().cloned());
+            snap.slices.extend(e.slices.iter().cloned());
+            snap.nodes.extend(e.nodes.iter().cloned());
         }
         snap
     }

@@ -93,12 +93,12 @@ where
     });
 }
 
-fn cloned<K>(store: &Store<K>) -> Vec<K>
+fn cloned<K>(store: &Store<K>) -> Vec<Arc<K>>
 where
     K: Resource + Clone + 'static,
     K::DynamicType: Eq + Hash + Clone,
 {
-    store.state().iter().map(|o| (**o).clone()).collect()
+    store.state()
 }
 
 /// Watch the API server and publish snapshots until the watchers end.

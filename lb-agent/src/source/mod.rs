@@ -11,12 +11,14 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 pub mod dir;
 pub mod kube;
 
-/// A full snapshot of the objects a source knows.
+/// A full snapshot of the objects a source knows. Objects are shared, not
+/// copied: an unchanged object is the same allocation from one snapshot to
+/// the next.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
-    pub services: Vec<Service>,
-    pub slices: Vec<EndpointSlice>,
-    pub nodes: Vec<Node>,
+    pub services: Vec<Arc<Service>>,
+    pub slices: Vec<Arc<EndpointSlice>>,
+    pub nodes: Vec<Arc<Node>>,
 }
 
 /// What a source publishes: a snapshot, and when the first change that it

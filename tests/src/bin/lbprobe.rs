@@ -279,8 +279,8 @@ fn pin(cpu: usize) {
     }
 }
 
-/// The benchmark server: 1 byte in, 1 byte out, close (the server closes
-/// first, so TIME_WAIT stays here and the client never runs out of ports).
+/// The benchmark server: 1 byte in, 1 byte out, then wait for the client's
+/// close (a RST: no TIME_WAIT anywhere).
 fn serve_tiny(port: u16, cpu: usize) -> anyhow::Result<()> {
     pin(cpu);
     let tcp = TcpListener::bind(("::", port))?;
@@ -290,8 +290,8 @@ fn serve_tiny(port: u16, cpu: usize) -> anyhow::Result<()> {
     for conn in tcp.incoming() {
         let Ok(mut c) = conn else { continue };
         let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
-        if std::io::Read::read_exact(&mut c, &mut buf).is_ok() {
-            let _ = c.write_all(&buf);
+        if std::io::Read::read_exact(&mut c, &mut buf).is_ok() && c.write_all(&buf).is_ok() {
+            let _ = std::io::Read::read(&mut c, &mut buf);
         }
     }
     Ok(())
@@ -424,6 +424,10 @@ fn main() -> anyhow::Result<()> {
                     c.set_read_timeout(Some(Duration::from_secs(1)))?;
                     c.write_all(b"x")?;
                     std::io::Read::read_exact(&mut c, &mut buf)?;
+                    // Close with a RST: no TIME_WAIT on either side, so the
+                    // same 4-tuple can come back in a later round at once.
+                    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+                    nix::sys::socket::setsockopt(&c, nix::sys::socket::sockopt::Linger, &linger).map_err(std::io::Error::from)?;
                     Ok(())
                 })();
                 match r {

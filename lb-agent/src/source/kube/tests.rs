@@ -206,7 +206,7 @@ fn names(s: &Snapshot) -> BTreeSet<String> {
 
 fn backends(s: &Snapshot, vip: &str) -> Vec<String> {
     let node = model::node_info(&model::NodeFacts { name: "node-a", ..Default::default() }, &s.nodes);
-    let d = model::compute(&s.services, &s.slices, &node);
+    let d = model::compute_with(&s.services, &s.slices, &node, &model::Options::default());
     let key = FrontendKey { addr: vip.parse().unwrap(), port: 80, proto: Proto::Tcp };
     d.frontends.get(&key).map(|f| f.backends.iter().map(|b| b.addr.to_string()).collect()).unwrap_or_default()
 }
