@@ -147,7 +147,9 @@ where
     lb_common::Backend<A>: aya::Pod,
     lb_common::RevNat<A>: aya::Pod,
 {
+    let t_build = Instant::now();
     let target = writer::build(desired, &mirror.table, &mut mirror.cursors);
+    tracing::debug!(family = A::NAME, us = t_build.elapsed().as_micros() as u64, "sync: build");
     let too_many = over_capacity(&target, &mirror.table, cap);
     if !too_many.is_empty() {
         return Err(WriteFailed {
@@ -157,7 +159,9 @@ where
         });
     }
     warnings.extend(target.skipped.iter().cloned());
+    let t_plan = Instant::now();
     let ops = writer::plan(&mirror.table, &target.table);
+    tracing::debug!(family = A::NAME, us = t_plan.elapsed().as_micros() as u64, ops = ops.len(), "sync: plan");
     // Frontends whose affinity state must go: affinity switched off, or gone.
     let had_affinity = |t: &Table<A>| -> BTreeSet<u16> {
         t.services
@@ -197,7 +201,9 @@ impl Reconciler {
             interface_ips: &iface_ips,
         };
         let node = model::node_info(&facts, &snap.nodes);
+        let t_model = Instant::now();
         let full = model::compute_with(&snap.services, &snap.slices, &node, &self.opts);
+        tracing::debug!(us = t_model.elapsed().as_micros() as u64, frontends = full.frontends.len(), "sync: model");
         // A Service that cannot be written (a full map, say) is left out,
         // with an error naming it, and every other one is programmed: the
         // plan is rebuilt without it, which also removes what it had

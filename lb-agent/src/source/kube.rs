@@ -28,7 +28,7 @@ use super::{Publisher, Snapshot, Update};
 
 
 /// How long to wait after a change for more changes before publishing.
-pub const DEBOUNCE: Duration = Duration::from_millis(30);
+pub const DEBOUNCE: Duration = Duration::from_millis(5);
 
 /// A client from `--kubeconfig`, else `KUBECONFIG` / `~/.kube/config`, else
 /// the in-cluster config (`KUBERNETES_SERVICE_HOST`/`_PORT` and the

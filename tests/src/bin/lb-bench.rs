@@ -32,6 +32,10 @@ struct Args {
     /// Bytes for the throughput measurement.
     #[arg(long, default_value_t = 200 << 20)]
     bulk_bytes: u64,
+    /// Only lb's control plane (cold start, change latency, memory): for
+    /// profiling; the full run needs the rest.
+    #[arg(long)]
+    lb_only: bool,
     /// Where the JSON results go.
     #[arg(long, default_value = "target/bench/results.json")]
     out: PathBuf,
@@ -144,7 +148,7 @@ fn write_objects(dir: &Path, n: usize, server: &[String]) -> Result<()> {
             continue;
         }
         chunk += &doc;
-        if chunk.len() > 0 && (i + 1) % 1000 == 0 {
+        if !chunk.is_empty() && (i + 1) % 1000 == 0 {
             std::fs::write(dir.join(format!("svc-{file:03}.yaml")), &chunk)?;
             chunk.clear();
             file += 1;
@@ -287,6 +291,9 @@ fn main() -> Result<()> {
     // Control plane: load the kube-proxy rule sets (timed) and lb's maps.
     let mut cp: BTreeMap<String, f64> = BTreeMap::new();
     for (size, suffix) in [(small, "10"), (n, "large")] {
+        if a.lb_only {
+            break;
+        }
         let ipt = work.join(format!("ipt-{suffix}.rules"));
         std::fs::write(&ipt, iptables_rules(size, &server_ips))?;
         let nft = work.join(format!("nft-{suffix}.nft"));
@@ -334,7 +341,9 @@ fn main() -> Result<()> {
         (format!("nftables, {n} services"), 10, tested.clone()),
     ];
     let mut series: BTreeMap<String, Series> = BTreeMap::new();
-    for round in 0..a.rounds {
+    let rounds = if a.lb_only { 0 } else { a.rounds };
+    let cases: Vec<_> = if a.lb_only { Vec::new() } else { cases };
+    for round in 0..rounds {
         eprintln!("bench: round {} of {}", round + 1, a.rounds);
         let mut direct = 0.0;
         for (name, node, addr) in &cases {
@@ -349,7 +358,7 @@ fn main() -> Result<()> {
     }
     // Throughput of one established stream.
     let mut tput: BTreeMap<String, Series> = BTreeMap::new();
-    for _ in 0..a.rounds.min(3) {
+    for _ in 0..rounds.min(3) {
         let d = bulk_rate(&c, &clients[&1], &format!("{}:9090", server.ip), a.bulk_bytes)?;
         let l = bulk_rate(&c, &clients[&4], &format!("{BULK_VIP}:80"), a.bulk_bytes)?;
         for (k, v) in [("direct (pod IP)", d), ("lb, ClusterIP", l)] {
