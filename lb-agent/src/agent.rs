@@ -68,6 +68,8 @@ struct Reconciler {
     /// What the last sync decided besides the maps.
     health_checks: std::collections::BTreeMap<u16, model::HealthCheck>,
     node_addresses: Vec<std::net::IpAddr>,
+    /// Some frontend takes traffic from outside (NodePort, LB IP, externalIP).
+    has_external: bool,
     /// Services left out of the last sync because they could not be written.
     not_programmed: usize,
     /// Connections to endpoints that stopped serving are destroyed by it,
@@ -272,6 +274,7 @@ impl Reconciler {
         })?;
         self.health_checks = desired.health_checks.clone();
         self.node_addresses = node.addresses.clone();
+        self.has_external = desired.frontends.values().any(|f| f.external);
         let _ = desired;
         if n4 + n6 > 0 {
             tracing::info!(
@@ -438,6 +441,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         logged: HashSet::new(),
         health_checks: Default::default(),
         node_addresses: Vec::new(),
+        has_external: false,
         not_programmed: 0,
         destroyer: if cfg.destroy_stale_sockets {
             Some(crate::stale::Destroyer::spawn(&cfg.bpffs, cfg.cgroup.clone(), metrics.sockets_destroyed.clone())?)
@@ -489,8 +493,10 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         }
         rec.export(&metrics, &cfg.capacity);
         health_checks.reconcile(&rec.health_checks).await;
-        // The TC programs go where the node's addresses are, unless told.
-        if cfg.nodeport_interfaces.is_empty() {
+        // The TC programs go where the node's addresses are, unless told,
+        // once some Service takes traffic from outside: until then there is
+        // no per-packet work at all.
+        if cfg.nodeport_interfaces.is_empty() && rec.has_external {
             for iface in crate::nodeport::interfaces_for(&rec.node_addresses) {
                 if let Err(e) = tc.attach_tc(&iface) {
                     tracing::error!("{e:#}");
