@@ -171,26 +171,6 @@ pub fn destroy(cgroup: &Path, targets: &BTreeMap<u64, (IpAddr, u16)>) -> Result<
     Ok(total)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_sockets_to_pairs_that_left_are_stale() {
-        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
-        let vip = ip("10.96.0.10");
-        let entries = [
-            (1, ip("10.0.0.1"), 8080, vip, 80), // backend left
-            (2, ip("10.0.0.2"), 8080, vip, 80), // still serving
-            (3, ip("10.0.0.2"), 8080, ip("10.96.0.11"), 80), // same backend, other frontend that dropped it
-        ];
-        let alive: BTreeSet<Pair> = [(vip, 80, ip("10.0.0.2"), 8080)].into();
-        let stale = stale_cookies(&entries, &alive);
-        assert_eq!(stale.keys().copied().collect::<Vec<_>>(), [1, 3]);
-        assert_eq!(stale[&1], (ip("10.0.0.1"), 8080));
-    }
-}
-
 /// Destroys stale sockets on a thread of its own, off the path that
 /// programs the maps: a sync hands it the new desired state and goes on.
 pub struct Destroyer {
@@ -262,5 +242,25 @@ impl Destroyer {
     /// Hand over the newest desired state.
     pub fn update(&self, desired: std::sync::Arc<crate::model::Desired>) {
         let _ = self.tx.send(desired);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_sockets_to_pairs_that_left_are_stale() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let vip = ip("10.96.0.10");
+        let entries = [
+            (1, ip("10.0.0.1"), 8080, vip, 80), // backend left
+            (2, ip("10.0.0.2"), 8080, vip, 80), // still serving
+            (3, ip("10.0.0.2"), 8080, ip("10.96.0.11"), 80), // same backend, other frontend that dropped it
+        ];
+        let alive: BTreeSet<Pair> = [(vip, 80, ip("10.0.0.2"), 8080)].into();
+        let stale = stale_cookies(&entries, &alive);
+        assert_eq!(stale.keys().copied().collect::<Vec<_>>(), [1, 3]);
+        assert_eq!(stale[&1], (ip("10.0.0.1"), 8080));
     }
 }
