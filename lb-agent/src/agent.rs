@@ -160,7 +160,7 @@ where
             too_many,
         });
     }
-    warnings.extend(target.skipped.iter().cloned());
+    warnings.extend(target.left_out.iter().cloned());
     let t_plan = Instant::now();
     let ops = writer::plan(&mirror.table, &target.table);
     tracing::debug!(family = A::NAME, us = t_plan.elapsed().as_micros() as u64, ops = ops.len(), "sync: plan");

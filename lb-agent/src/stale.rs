@@ -6,7 +6,7 @@
 //! - Only sockets our translation made: their cookie is in the socket
 //!   rev-NAT map with that backend. A direct connection to a pod IP has no
 //!   entry and is never touched.
-//! - Only connected sockets: unconnected UDP sockets are skipped
+//! - Only connected sockets: unconnected UDP sockets are left alone
 //!   (cilium#48564); their next sendto picks a live backend.
 //! - In every network namespace that has processes in the attached cgroup
 //!   (the node's and each pod's, found through /proc/PID/ns/net), with

@@ -145,7 +145,7 @@ pub struct Target<A> {
     /// `(addr, port, proto)` of each frontend -> the Service it belongs to.
     pub owners: HashMap<(A, u16, u8), ServiceRef>,
     /// Frontends left out, with the reason.
-    pub skipped: Vec<String>,
+    pub left_out: Vec<String>,
 }
 
 /// Where id allocation goes on from, kept across syncs so that a freed id
@@ -190,7 +190,7 @@ impl IdAlloc {
 /// Build the map contents of family `A` for `desired`, reusing the ids of
 /// `current` wherever the same backend or frontend already has one.
 pub fn build<A: Addr>(desired: &Desired, current: &Table<A>, cursors: &mut Cursors) -> Target<A> {
-    let mut t = Target { table: Table::default(), owners: HashMap::new(), skipped: Vec::new() };
+    let mut t = Target { table: Table::default(), owners: HashMap::new(), left_out: Vec::new() };
 
     // Backend identity is (addr, port, proto); flags may change in place.
     let mut backend_ids: HashMap<(A, u16, u8), u32> = current
@@ -213,7 +213,7 @@ pub fn build<A: Addr>(desired: &Desired, current: &Table<A>, cursors: &mut Curso
             Some(id) => *id,
             None => {
                 let Some(id) = revnat_alloc.take() else {
-                    t.skipped.push(format!("Service {}: {key}: no free rev_nat id", front.service));
+                    t.left_out.push(format!("Service {}: {key}: no free rev_nat id", front.service));
                     continue;
                 };
                 revnat_ids.insert((addr, key.port), id as u16);
