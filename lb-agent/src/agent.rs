@@ -275,7 +275,6 @@ impl Reconciler {
         self.health_checks = desired.health_checks.clone();
         self.node_addresses = node.addresses.clone();
         self.has_external = desired.frontends.values().any(|f| f.external);
-        let _ = desired;
         if n4 + n6 > 0 {
             tracing::info!(
                 ops = n4 + n6,

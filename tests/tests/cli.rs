@@ -55,19 +55,20 @@ fn no_cgroup_v2() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
-#[test]
-fn not_root() {
-    // Run as nobody through setpriv (util-linux).
-    let out = Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-        .arg(bin("lb-agent"))
-        .args(["run", "--source", "dir:/tmp"])
-        .output()
-        .unwrap();
+/// `lb-agent run` under setpriv (util-linux) with `privs`: one line that
+/// starts with `want`, and a non-zero exit.
+fn assert_setpriv_error(privs: &[&str], want: &str) {
+    let out = Command::new("setpriv").args(privs).arg(bin("lb-agent")).args(["run", "--source", "dir:/tmp"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.starts_with("lb-agent: not root"), "{err}");
+    assert!(err.starts_with(want), "{err}");
+}
+
+#[test]
+fn not_root() {
+    // Run as nobody.
+    assert_setpriv_error(&["--reuid=65534", "--regid=65534", "--clear-groups"], "lb-agent: not root");
 }
 
 #[test]
@@ -111,14 +112,8 @@ fn cgroup_v1_only() {
 #[test]
 fn a_missing_capability_is_named() {
     // Root, but without CAP_NET_ADMIN in the bounding set.
-    let out = Command::new("setpriv")
-        .args(["--bounding-set", "-net_admin", "--inh-caps", "-net_admin", "--"])
-        .arg(bin("lb-agent"))
-        .args(["run", "--source", "dir:/tmp"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.starts_with("lb-agent: missing capability CAP_NET_ADMIN"), "{err}");
+    assert_setpriv_error(
+        &["--bounding-set", "-net_admin", "--inh-caps", "-net_admin", "--"],
+        "lb-agent: missing capability CAP_NET_ADMIN",
+    );
 }
