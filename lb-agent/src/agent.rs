@@ -46,9 +46,99 @@ pub struct RunConfig {
 }
 
 /// What one family's maps hold, as the agent last programmed them.
-struct Mirror<A> {
+struct Mirror<A: Addr> {
     table: Table<A>,
+    index: writer::Index<A>,
     cursors: Cursors,
+}
+
+impl<A: Addr> Mirror<A> {
+    fn new(table: Table<A>) -> Self {
+        Self { index: writer::Index::of(&table), table, cursors: Cursors::default() }
+    }
+
+    /// Follow a write that reached the map.
+    fn apply(&mut self, op: &Op<A>) {
+        self.index.apply(&self.table, op);
+        self.table.apply(op);
+    }
+}
+
+/// Frontends whose affinity state must go: affinity switched off, or gone.
+fn affinity_gone<A: Addr>(before: &Table<A>, after: &Table<A>) -> BTreeSet<u16> {
+    let had = |t: &Table<A>| -> BTreeSet<u16> {
+        t.services
+            .iter()
+            .filter(|(k, v)| k.slot == 0 && v.flags & lb_common::svc_flags::AFFINITY != 0)
+            .map(|(_, v)| v.rev_nat_id)
+            .collect()
+    };
+    had(before).difference(&had(after)).copied().collect()
+}
+
+/// Apply `ops` in order, stopping at the first failed write.
+fn apply_ops<A: Addr>(
+    ops: &[Op<A>],
+    target: &writer::Target<A>,
+    mirror: &mut Mirror<A>,
+    fm: &mut FamilyMaps<A>,
+    shared: &mut crate::dataplane::maps::Shared<'_>,
+) -> Result<(), WriteFailed>
+where
+    lb_common::SvcKey<A>: aya::Pod,
+    lb_common::Backend<A>: aya::Pod,
+    lb_common::RevNat<A>: aya::Pod,
+{
+    for op in ops {
+        if let Err(e) = fm.apply(op, shared) {
+            let owner = owner_of(op, target);
+            let who = owner.as_ref().map_or_else(|| "a removed service".to_string(), |(s, f)| format!("Service {s} ({f})"));
+            return Err(WriteFailed {
+                service: owner.map(|(s, _)| s),
+                error: e.context(format!("programming {who} failed")),
+                too_many: Vec::new(),
+            });
+        }
+        mirror.apply(op);
+    }
+    Ok(())
+}
+
+/// Program only what `ch` names: the frontends that changed (with the
+/// other protocol on the same address and port, which shares their
+/// rev-NAT entry) and the ClusterIPs that came or went. None: it does not
+/// fit the maps; a full sync decides what is left out.
+fn sync_changes<A: Addr>(
+    desired: &model::Desired,
+    ch: &model::Changes,
+    mirror: &mut Mirror<A>,
+    fm: &mut FamilyMaps<A>,
+    shared: &mut crate::dataplane::maps::Shared<'_>,
+    warnings: &mut Vec<String>,
+    cap: &Capacity,
+) -> Result<Option<(usize, BTreeSet<u16>)>, WriteFailed>
+where
+    lb_common::SvcKey<A>: aya::Pod,
+    lb_common::Backend<A>: aya::Pod,
+    lb_common::RevNat<A>: aya::Pod,
+{
+    let units: BTreeSet<(A, u16)> = ch.frontends.iter().filter_map(|k| A::from_ip(k.addr).map(|a| (a, k.port))).collect();
+    let vips: BTreeSet<A> = ch.vips.iter().filter_map(|v| A::from_ip(*v)).collect();
+    if units.is_empty() && vips.is_empty() {
+        return Ok(Some((0, BTreeSet::new())));
+    }
+    let current = writer::extract(&mirror.table, &mirror.index, &units, &vips);
+    let target = writer::build_part(desired, &units, &vips, &mirror.table, &mirror.index, &mut mirror.cursors);
+    let ops = writer::plan_part(&mirror.table, &mirror.index, &current, &target.table);
+    let services = mirror.table.services.len() + target.table.services.len() - current.services.len();
+    let new_backends = ops.iter().filter(|o| matches!(o, Op::PutBackend(id, _) if !mirror.table.backends.contains_key(id))).count();
+    if services > cap.services as usize || mirror.table.backends.len() + new_backends > cap.backends as usize {
+        return Ok(None);
+    }
+    warnings.extend(target.left_out.iter().cloned());
+    let stale = affinity_gone(&current, &target.table);
+    apply_ops(&ops, &target, mirror, fm, shared)?;
+    Ok(Some((ops.len(), stale)))
 }
 
 /// Reconciles a snapshot into the maps, remembering what it programmed.
@@ -72,6 +162,13 @@ struct Reconciler {
     has_external: bool,
     /// Services left out of the last sync because they could not be written.
     not_programmed: usize,
+    /// The model, updated one Service at a time.
+    model: model::Incremental,
+    /// The next sync must program everything (the first, or one after a
+    /// failure or with Services left out).
+    full_needed: bool,
+    /// Pairs that stopped serving, for the destroyer once the maps hold it.
+    pending_left: BTreeSet<model::Pair>,
     /// Connections to endpoints that stopped serving are destroyed by it,
     /// off the programming path.
     destroyer: Option<crate::stale::Destroyer>,
@@ -150,7 +247,7 @@ where
     lb_common::RevNat<A>: aya::Pod,
 {
     let t_build = Instant::now();
-    let target = writer::build(desired, &mirror.table, &mut mirror.cursors);
+    let target = writer::build_with(desired, &mirror.table, &mirror.index, &mut mirror.cursors);
     tracing::debug!(family = A::NAME, us = t_build.elapsed().as_micros() as u64, "sync: build");
     let too_many = over_capacity(&target, &mirror.table, cap);
     if !too_many.is_empty() {
@@ -164,35 +261,17 @@ where
     let t_plan = Instant::now();
     let ops = writer::plan(&mirror.table, &target.table);
     tracing::debug!(family = A::NAME, us = t_plan.elapsed().as_micros() as u64, ops = ops.len(), "sync: plan");
-    // Frontends whose affinity state must go: affinity switched off, or gone.
-    let had_affinity = |t: &Table<A>| -> BTreeSet<u16> {
-        t.services
-            .iter()
-            .filter(|(k, v)| k.slot == 0 && v.flags & lb_common::svc_flags::AFFINITY != 0)
-            .map(|(_, v)| v.rev_nat_id)
-            .collect()
-    };
-    let stale: BTreeSet<u16> =
-        had_affinity(&mirror.table).difference(&had_affinity(&target.table)).copied().collect();
-    for op in &ops {
-        if let Err(e) = fm.apply(op, shared) {
-            let owner = owner_of(op, &target);
-            let who = owner.as_ref().map_or_else(|| "a removed service".to_string(), |(s, f)| format!("Service {s} ({f})"));
-            return Err(WriteFailed {
-                service: owner.map(|(s, _)| s),
-                error: e.context(format!("programming {who} failed")),
-                too_many: Vec::new(),
-            });
-        }
-        mirror.table.apply(op);
-    }
+    let stale = affinity_gone(&mirror.table, &target.table);
+    apply_ops(&ops, &target, mirror, fm, shared)?;
     Ok((ops.len(), stale))
 }
 
 impl Reconciler {
-    /// Bring the maps to the state `snap` asks for. On a write error the
-    /// maps stay consistent and the error names the Service; the next call
-    /// retries.
+    /// Bring the maps to the state `snap` asks for. Only what changed since
+    /// the last sync is recomputed and written; everything is, at first,
+    /// when the node's facts change, and after a failure. On a write error
+    /// the maps stay consistent and the error names the Service; the next
+    /// call retries.
     fn sync(&mut self, snap: &Snapshot) -> Result<()> {
         let started = Instant::now();
         let iface_ips: Vec<std::net::IpAddr> = crate::nodeport::interface_addrs().into_iter().map(|(_, a)| a).collect();
@@ -204,17 +283,132 @@ impl Reconciler {
         };
         let node = model::node_info(&facts, &snap.nodes);
         let t_model = Instant::now();
-        let full = model::compute_with(&snap.services, &snap.slices, &node, &self.opts);
-        tracing::debug!(us = t_model.elapsed().as_micros() as u64, frontends = full.frontends.len(), "sync: model");
-        // A Service that cannot be written (a full map, say) is left out,
-        // with an error naming it, and every other one is programmed: the
-        // plan is rebuilt without it, which also removes what it had
-        // half-written. Nothing half-written stays visible.
+        let ch = self.model.update(&snap.services, &snap.slices, &node, &self.opts);
+        tracing::debug!(
+            us = t_model.elapsed().as_micros() as u64,
+            changed = ch.frontends.len(),
+            full = ch.full,
+            "sync: model"
+        );
+        self.pending_left.extend(ch.left.iter().copied());
+        let full = ch.full || self.full_needed;
+        let mut ops = None;
+        if !full {
+            match self.sync_changes(&ch) {
+                Ok(n) => ops = n,
+                Err(WriteFailed { error, .. }) => {
+                    tracing::debug!("{error:#}; falling back to a full sync");
+                }
+            }
+        }
+        let ops = match ops {
+            Some(n) => n,
+            None => {
+                self.full_needed = true;
+                let n = self.sync_full()?;
+                self.full_needed = self.not_programmed > 0;
+                n
+            }
+        };
+        let desired = self.model.desired();
+        if full || ch.node_ports {
+            // NodePorts that local processes may not bind.
+            let want: BTreeSet<lb_common::NodePortKey> = desired
+                .node_ports
+                .iter()
+                .map(|(p, proto)| lb_common::NodePortKey { port: *p, proto: writer::proto_num(*proto), _pad: 0 })
+                .collect();
+            self.maps.set_nodeports(&mut self.nodeports, &want)?;
+        }
+        if full {
+            let snat_addr = node.addresses.iter().find_map(|a| match a {
+                std::net::IpAddr::V4(v4) => Some(v4.octets()),
+                _ => None,
+            });
+            self.maps.set_node_config(&lb_common::NodeConfig {
+                netns_cookie: self.netns_cookie,
+                snat_addr: snat_addr.unwrap_or_default(),
+                snat_port_min: self.snat_ports.0,
+                snat_port_max: self.snat_ports.1,
+            })?;
+            self.node_addresses = node.addresses.clone();
+        }
+        if full || ch.health_checks {
+            self.health_checks = desired.health_checks.clone();
+        }
+        if full || !ch.frontends.is_empty() {
+            self.has_external = desired.frontends.values().any(|f| f.external);
+        }
+        if ops > 0 {
+            tracing::info!(
+                ops,
+                frontends = self.frontends(),
+                backends = self.v4.table.backends.len() + self.v6.table.backends.len(),
+                zone = node.zone.as_deref().unwrap_or(""),
+                elapsed_us = started.elapsed().as_micros() as u64,
+                "maps programmed"
+            );
+        }
+        // The maps are programmed: now connections to endpoints that
+        // stopped serving can go, in the background.
+        if !self.pending_left.is_empty() {
+            let left = std::mem::take(&mut self.pending_left);
+            if let Some(d) = &self.destroyer {
+                d.update(left);
+            }
+        }
+        Ok(())
+    }
+
+    /// Log each warning once, for as long as it holds.
+    fn log_warnings(&mut self, warnings: Vec<String>) {
+        let mut now_logged = HashSet::new();
+        for w in warnings {
+            if !self.logged.contains(&w) {
+                tracing::warn!("{w}");
+            }
+            now_logged.insert(w);
+        }
+        self.logged = now_logged;
+    }
+
+    /// Program what changed. None: it takes a full sync.
+    fn sync_changes(&mut self, ch: &model::Changes) -> Result<Option<usize>, WriteFailed> {
+        let desired = self.model.desired();
+        let mut warnings = desired.warnings.clone();
+        let cap = self.capacity;
+        let mut shared = crate::dataplane::maps::Shared { matches: &mut self.maps.affinity_match, src_range: &mut self.maps.src_range };
+        let t = Instant::now();
+        let Some((n4, stale4)) = sync_changes(desired, ch, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings, &cap)? else {
+            return Ok(None);
+        };
+        let Some((n6, stale6)) = sync_changes(desired, ch, &mut self.v6, &mut self.maps.v6, &mut shared, &mut warnings, &cap)? else {
+            return Ok(None);
+        };
+        tracing::debug!(us = t.elapsed().as_micros() as u64, ops = n4 + n6, "sync: changes written");
+        let purged = self
+            .maps
+            .purge_affinity(lb_common::FAMILY_V4, &stale4)
+            .and_then(|_| self.maps.purge_affinity(lb_common::FAMILY_V6, &stale6));
+        if let Err(error) = purged {
+            return Err(WriteFailed { service: None, error, too_many: Vec::new() });
+        }
+        self.log_warnings(warnings);
+        Ok(Some(n4 + n6))
+    }
+
+    /// Program everything the model holds. A Service that cannot be
+    /// written (a full map, say) is left out, with an error naming it, and
+    /// every other one is programmed: the plan is rebuilt without it, which
+    /// also removes what it had half-written. Nothing half-written stays
+    /// visible.
+    fn sync_full(&mut self) -> Result<usize> {
+        let full = self.model.desired();
         let mut excluded: BTreeSet<model::ServiceRef> = BTreeSet::new();
         let mut filtered;
-        let (desired, warnings, n4, stale4, n6, stale6) = loop {
+        let (warnings, n4, stale4, n6, stale6) = loop {
             let desired: &model::Desired = if excluded.is_empty() {
-                &full
+                full
             } else {
                 filtered = full.clone();
                 filtered.frontends.retain(|_, f| !excluded.contains(&f.service));
@@ -230,7 +424,7 @@ impl Reconciler {
                 sync_family(desired, &mut self.v6, &mut self.maps.v6, &mut shared, &mut warnings, &cap).map(|(n6, s6)| (n4, s4, n6, s6))
             });
             match r {
-                Ok((n4, s4, n6, s6)) => break (desired, warnings, n4, s4, n6, s6),
+                Ok((n4, s4, n6, s6)) => break (warnings, n4, s4, n6, s6),
                 Err(WriteFailed { too_many, .. }) if !too_many.is_empty() => {
                     for s in &too_many {
                         tracing::error!(service = %s, "Service not programmed: the maps are full (raise --max-services / --max-backends)");
@@ -245,56 +439,14 @@ impl Reconciler {
             }
         };
         self.not_programmed = excluded.len();
-        let mut now_logged = HashSet::new();
-        for w in warnings {
-            if !self.logged.contains(&w) {
-                tracing::warn!("{w}");
-            }
-            now_logged.insert(w);
-        }
-        self.logged = now_logged;
+        self.log_warnings(warnings);
         self.maps.purge_affinity(lb_common::FAMILY_V4, &stale4)?;
         self.maps.purge_affinity(lb_common::FAMILY_V6, &stale6)?;
-        // NodePorts that local processes may not bind, and the node's facts.
-        let want: BTreeSet<lb_common::NodePortKey> = desired
-            .node_ports
-            .iter()
-            .map(|(p, proto)| lb_common::NodePortKey { port: *p, proto: writer::proto_num(*proto), _pad: 0 })
-            .collect();
-        self.maps.set_nodeports(&mut self.nodeports, &want)?;
-        let snat_addr = node.addresses.iter().find_map(|a| match a {
-            std::net::IpAddr::V4(v4) => Some(v4.octets()),
-            _ => None,
-        });
-        self.maps.set_node_config(&lb_common::NodeConfig {
-            netns_cookie: self.netns_cookie,
-            snat_addr: snat_addr.unwrap_or_default(),
-            snat_port_min: self.snat_ports.0,
-            snat_port_max: self.snat_ports.1,
-        })?;
-        self.health_checks = desired.health_checks.clone();
-        self.node_addresses = node.addresses.clone();
-        self.has_external = desired.frontends.values().any(|f| f.external);
-        if n4 + n6 > 0 {
-            tracing::info!(
-                ops = n4 + n6,
-                frontends = self.v4.table.frontend_count() + self.v6.table.frontend_count(),
-                backends = self.v4.table.backends.len() + self.v6.table.backends.len(),
-                zone = node.zone.as_deref().unwrap_or(""),
-                elapsed_us = started.elapsed().as_micros() as u64,
-                "maps programmed"
-            );
-        }
-        // The maps are programmed: now connections to endpoints that
-        // stopped serving can go, in the background.
-        if let Some(d) = &self.destroyer {
-            d.update(Arc::new(full));
-        }
-        Ok(())
+        Ok(n4 + n6)
     }
 
     fn frontends(&self) -> usize {
-        self.v4.table.frontend_count() + self.v6.table.frontend_count()
+        self.v4.index.frontends() + self.v6.index.frontends()
     }
 }
 
@@ -392,8 +544,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
 
     let dp = loader::load(&cfg.bpffs, &cfg.cgroup, cfg.capacity)?;
     let loader::Dataplane { maps, mut tc, adopted } = dp;
-    let v4 = Mirror { table: maps.v4.read_table(&maps.affinity_match, &maps.src_range)?, cursors: Cursors::default() };
-    let v6 = Mirror { table: maps.v6.read_table(&maps.affinity_match, &maps.src_range)?, cursors: Cursors::default() };
+    let v4 = Mirror::new(maps.v4.read_table(&maps.affinity_match, &maps.src_range)?);
+    let v6 = Mirror::new(maps.v6.read_table(&maps.affinity_match, &maps.src_range)?);
     let nodeports = maps.read_nodeports()?;
     if let Err(e) = crate::nodeport::reserve_ports(cfg.nodeport_range.0, cfg.nodeport_range.1) {
         tracing::warn!("cannot reserve the NodePort range for local ports: {e:#}");
@@ -404,7 +556,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     spawn_nat_gc(&cfg)?;
     if adopted {
         tracing::info!(
-            frontends = v4.table.frontend_count() + v6.table.frontend_count(),
+            frontends = v4.index.frontends() + v6.index.frontends(),
             backends = v4.table.backends.len() + v6.table.backends.len(),
             "adopted pinned state; programs replaced without a gap; it stays as it is until the source's first full sync"
         );
@@ -442,6 +594,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         node_addresses: Vec::new(),
         has_external: false,
         not_programmed: 0,
+        model: model::Incremental::new(),
+        full_needed: true,
+        pending_left: BTreeSet::new(),
         destroyer: if cfg.destroy_stale_sockets {
             Some(crate::stale::Destroyer::spawn(&cfg.bpffs, cfg.cgroup.clone(), metrics.sockets_destroyed.clone())?)
         } else {

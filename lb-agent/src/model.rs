@@ -6,6 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, Service, ServicePort};
 use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
@@ -71,7 +72,7 @@ pub fn node_info<N: std::borrow::Borrow<Node>>(facts: &NodeFacts, nodes: &[N]) -
 }
 
 /// Choices the operator makes that change what the model emits.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Options {
     /// Translate in-cluster connects to externalIPs too, as kube-proxy does.
     /// Off: only traffic arriving from outside is translated (CVE-2020-8554).
@@ -181,7 +182,7 @@ pub struct Frontend {
 /// The desired dataplane state.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Desired {
-    pub frontends: BTreeMap<FrontendKey, Frontend>,
+    pub frontends: BTreeMap<FrontendKey, Arc<Frontend>>,
     /// Every ClusterIP we serve: a connect to one on a port that is no
     /// service port is refused.
     pub vips: BTreeSet<IpAddr>,
@@ -371,261 +372,324 @@ pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) 
     compute_with(services, slices, node, &Options::default())
 }
 
+/// What one Service contributes to the desired state, before conflicts
+/// with other Services are settled.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ServiceOut {
+    /// Frontends in the order the Service claims them, each key once, and
+    /// whether the claim is external (NodePort, LB IP, externalIP).
+    pub frontends: Vec<(FrontendKey, Arc<Frontend>, bool)>,
+    /// The ClusterIPs it serves (empty: the Service is not served).
+    pub vips: Vec<IpAddr>,
+    pub node_ports: BTreeSet<(u16, Proto)>,
+    pub health_check: Option<(u16, HealthCheck)>,
+    pub warnings: Vec<String>,
+}
+
+/// The warning for a frontend that an earlier Service already has.
+fn lost_warning(sref: &ServiceRef, key: &FrontendKey, external: bool) -> String {
+    if external {
+        format!("Service {sref}: {key} is already a frontend of another Service, ignored")
+    } else {
+        format!("Service {sref}: {key} is already a frontend, ignored")
+    }
+}
+
+/// Sort objects of one name by content, so that duplicates (a mistake in a
+/// directory of files) resolve the same way whatever the input order.
+fn by_content<T: serde::Serialize>(a: &T, b: &T) -> std::cmp::Ordering {
+    serde_json::to_string(a).unwrap_or_default().cmp(&serde_json::to_string(b).unwrap_or_default())
+}
+
+/// The contribution of the Service `sref`: `services` are its definitions
+/// (more than one is a mistake; one is used), `slices` the EndpointSlices
+/// labelled with it (FQDN slices already left out). Any order.
+pub fn compute_service<S, E>(sref: &ServiceRef, services: &[S], slices: &[E], node: &NodeInfo, opts: &Options) -> ServiceOut
+where
+    S: std::borrow::Borrow<Service>,
+    E: std::borrow::Borrow<EndpointSlice>,
+{
+    let mut out = ServiceOut::default();
+    let mut defs: Vec<&Service> = services.iter().map(|s| s.borrow()).collect();
+    if defs.len() > 1 {
+        defs.sort_by(|a, b| by_content(*a, *b));
+        for _ in 1..defs.len() {
+            out.warnings.push(format!("Service {sref} is defined more than once; one definition is used"));
+        }
+    }
+    let Some(svc) = defs.first().copied() else { return out };
+    if let Some(reason) = skip_reason(svc) {
+        tracing::debug!(service = %sref, reason, "not served");
+        return out;
+    }
+    // Slices in a stable order: by name, identical names by content.
+    let mut svc_slices: Vec<&EndpointSlice> = slices.iter().map(|s| s.borrow()).collect();
+    svc_slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name).then_with(|| by_content(*a, *b)));
+    let svc_slices = svc_slices.as_slice();
+    let mut claimed: BTreeSet<FrontendKey> = BTreeSet::new();
+    let Some(spec) = svc.spec.as_ref() else { return out };
+
+    let mut vips: Vec<IpAddr> = Vec::new();
+    let raw: Vec<&String> = match spec.cluster_ips.as_ref().filter(|v| !v.is_empty()) {
+        Some(ips) => ips.iter().collect(),
+        None => spec.cluster_ip.iter().collect(),
+    };
+    for ip in raw {
+        match ip.parse::<IpAddr>() {
+            Ok(a) if !usable_ip(&a) => out.warnings.push(format!("Service {sref}: clusterIP {ip:?} is not usable, ignored")),
+            Ok(a) if !vips.contains(&a) => vips.push(a),
+            Ok(_) => {}
+            Err(_) => out.warnings.push(format!("Service {sref}: invalid clusterIP {ip:?}, ignored")),
+        }
+    }
+    if vips.is_empty() {
+        return out;
+    }
+
+    let local_only = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let affinity_timeout = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
+        spec.session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds)
+            .and_then(|t| u32::try_from(t).ok())
+            .filter(|t| *t > 0)
+            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT)
+    });
+
+    for sp in spec.ports.iter().flatten() {
+        let Some(proto) = parse_proto(sp.protocol.as_deref()) else {
+            out.warnings.push(format!(
+                "Service {sref}: port {} protocol {} is not supported, ignored",
+                sp.port,
+                sp.protocol.as_deref().unwrap_or("")
+            ));
+            continue;
+        };
+        let Some(port) = valid_port(sp.port) else {
+            out.warnings.push(format!("Service {sref}: invalid port {}, ignored", sp.port));
+            continue;
+        };
+        // The endpoints of this port, per family.
+        let endpoints = |v4: bool| -> Vec<(Backend, Conditions)> {
+            let mut all = Vec::new();
+            for slice in svc_slices {
+                let family_ok = match slice.address_type.as_str() {
+                    "IPv4" => v4,
+                    "IPv6" => !v4,
+                    _ => false,
+                };
+                if !family_ok {
+                    continue;
+                }
+                let Some(target) = slice_port(slice, sp, proto) else { continue };
+                for ep in &slice.endpoints {
+                    let local = ep.node_name.as_deref() == Some(node.name.as_str()) && !node.name.is_empty();
+                    for a in &ep.addresses {
+                        let Ok(addr) = a.parse::<IpAddr>() else { continue };
+                        if addr.is_ipv4() != v4 || !usable_ip(&addr) {
+                            continue;
+                        }
+                        all.push((Backend { addr, port: target, local, terminating: false }, conditions(ep)));
+                    }
+                }
+            }
+            dedup(all)
+        };
+        let base = Frontend {
+            service: sref.clone(),
+            port_name: sp.name.clone().unwrap_or_default(),
+            backends: Vec::new(),
+            local_only: false,
+            local_backends: Vec::new(),
+            affinity_timeout,
+            topology: false,
+            external: false,
+            ext_local: false,
+            no_socket: false,
+            source_ranges: Vec::new(),
+            serving: Vec::new(),
+        };
+        // (cluster set, topology applied, local set, serving) for one family.
+        let sets = |v4: bool, topology: bool| {
+            let all = endpoints(v4);
+            let serving: Vec<(IpAddr, u16)> = all.iter().filter(|(_, c)| c.serving).map(|(b, _)| (b.addr, b.port)).collect();
+            let zone = if topology { topology_zone(&all, node) } else { None };
+            let cluster = usable(&all, zone);
+            let local: Vec<_> = all.into_iter().filter(|(b, _)| b.local).collect();
+            (cluster, zone.is_some(), usable(&local, None), serving)
+        };
+        for vip in &vips {
+            let key = FrontendKey { addr: *vip, port, proto };
+            if !claimed.insert(key) {
+                out.warnings.push(lost_warning(sref, &key, false));
+                continue;
+            }
+            // Topology applies to cluster-wide traffic only.
+            let (backends, topology, local_backends, serving) = sets(vip.is_ipv4(), !local_only);
+            out.frontends.push((
+                key,
+                Arc::new(Frontend { backends, local_only, local_backends, topology, serving, ..base.clone() }),
+                false,
+            ));
+        }
+
+        // NodePort, LoadBalancer IPs and externalIPs: traffic from outside.
+        let mut external: Vec<(IpAddr, u16, bool, bool)> = Vec::new(); // addr, port, no_socket, lb_ip
+        if matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"))
+            && let Some(np) = sp.node_port
+        {
+            match valid_port(np) {
+                Some(np) => {
+                    out.node_ports.insert((np, proto));
+                    external.extend(node.addresses.iter().map(|a| (*a, np, false, false)));
+                }
+                None => out.warnings.push(format!("Service {sref}: invalid nodePort {np}, ignored")),
+            }
+        }
+        if spec.type_.as_deref() == Some("LoadBalancer") {
+            let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
+            for ing in ingress.into_iter().flatten() {
+                // ipMode Proxy: the load balancer proxies to the nodes;
+                // its IP is not short-circuited.
+                if ing.ip_mode.as_deref() == Some("Proxy") {
+                    continue;
+                }
+                match ing.ip.as_deref().map(str::parse::<IpAddr>) {
+                    Some(Ok(a)) if usable_ip(&a) => external.push((a, port, false, true)),
+                    Some(_) => out.warnings.push(format!("Service {sref}: invalid load balancer ingress IP {:?}", ing.ip)),
+                    None => {}
+                }
+            }
+        }
+        for ip in spec.external_ips.iter().flatten() {
+            match ip.parse::<IpAddr>() {
+                Ok(a) if usable_ip(&a) => external.push((a, port, !opts.external_ip_socket, false)),
+                _ => out.warnings.push(format!("Service {sref}: invalid externalIP {ip:?}, ignored")),
+            }
+        }
+        let ext_local = spec.external_traffic_policy.as_deref() == Some("Local");
+        let ranges: Vec<(IpAddr, u8)> = spec
+            .load_balancer_source_ranges
+            .iter()
+            .flatten()
+            .filter_map(|r| {
+                let c = parse_cidr(r);
+                if c.is_none() {
+                    out.warnings.push(format!("Service {sref}: invalid loadBalancerSourceRange {r:?}, ignored"));
+                }
+                c
+            })
+            .collect();
+        for (addr, eport, no_socket, lb_ip) in external {
+            let key = FrontendKey { addr, port: eport, proto };
+            if !claimed.insert(key) {
+                out.warnings.push(lost_warning(sref, &key, true));
+                continue;
+            }
+            let (backends, topology, local_backends, serving) = sets(addr.is_ipv4(), true);
+            let source_ranges: Vec<(IpAddr, u8)> = if lb_ip {
+                ranges.iter().filter(|(a, _)| a.is_ipv4() == addr.is_ipv4()).copied().collect()
+            } else {
+                Vec::new()
+            };
+            out.frontends.push((
+                key,
+                Arc::new(Frontend {
+                    backends,
+                    local_backends,
+                    topology,
+                    external: true,
+                    ext_local,
+                    no_socket,
+                    source_ranges,
+                    serving,
+                    ..base.clone()
+                }),
+                true,
+            ));
+        }
+    }
+    // kube-proxy's health check for externalTrafficPolicy Local.
+    if spec.external_traffic_policy.as_deref() == Some("Local")
+        && spec.type_.as_deref() == Some("LoadBalancer")
+        && let Some(hc) = spec.health_check_node_port.and_then(valid_port)
+    {
+        let local: BTreeSet<IpAddr> = svc_slices
+            .iter()
+            .flat_map(|s| s.endpoints.iter())
+            .filter(|ep| ep.node_name.as_deref() == Some(node.name.as_str()) && conditions(ep).ready)
+            .flat_map(|ep| ep.addresses.iter().filter_map(|a| a.parse().ok()))
+            .collect();
+        out.health_check = Some((hc, HealthCheck { service: sref.clone(), local_endpoints: local.len() }));
+    }
+    out.vips = vips;
+    out
+}
+
+/// The Service an EndpointSlice belongs to: Err(warning) when it has no
+/// owner label, Ok(None) when it is ignored (FQDN).
+fn slice_group(slice: &EndpointSlice) -> Result<Option<ServiceRef>, String> {
+    if slice.address_type == "FQDN" {
+        return Ok(None);
+    }
+    slice_owner(slice).map(Some).ok_or_else(|| {
+        format!(
+            "EndpointSlice {}/{}: no {LABEL_SERVICE_NAME} label, ignored",
+            slice.metadata.namespace.as_deref().unwrap_or("default"),
+            slice.metadata.name.as_deref().unwrap_or("<unnamed>"),
+        )
+    })
+}
+
 /// Compute the desired state. Pure: same input, same output, whatever the
-/// order of the inputs.
+/// order of the inputs. Services are settled in order of reference: of two
+/// that claim one frontend, the first keeps it. The agent keeps the same
+/// result up to date with `Incremental`; this is the reference it is
+/// tested against.
+#[cfg(test)]
 pub fn compute_with<S, E>(services: &[S], slices: &[E], node: &NodeInfo, opts: &Options) -> Desired
 where
     S: std::borrow::Borrow<Service>,
     E: std::borrow::Borrow<EndpointSlice>,
 {
     let mut out = Desired::default();
-
-    let mut by_service: BTreeMap<ServiceRef, Vec<&EndpointSlice>> = BTreeMap::new();
+    let mut groups: BTreeMap<ServiceRef, (Vec<&Service>, Vec<&EndpointSlice>)> = BTreeMap::new();
     for slice in slices.iter().map(|s| s.borrow()) {
-        let slice_name = slice.metadata.name.as_deref().unwrap_or("<unnamed>");
-        if slice.address_type == "FQDN" {
-            continue;
+        match slice_group(slice) {
+            Ok(Some(owner)) => groups.entry(owner).or_default().1.push(slice),
+            Ok(None) => {}
+            Err(w) => out.warnings.push(w),
         }
-        let Some(owner) = slice_owner(slice) else {
-            out.warnings.push(format!(
-                "EndpointSlice {}/{slice_name}: no {LABEL_SERVICE_NAME} label, ignored",
-                slice.metadata.namespace.as_deref().unwrap_or("default"),
-            ));
-            continue;
-        };
-        by_service.entry(owner).or_default().push(slice);
     }
-    // Slices in a stable order, so that the output does not depend on the
-    // order in which they arrived.
-    for v in by_service.values_mut() {
-        // By name; identical names (a mistake in a directory of files) by
-        // content, so that the order of the input never matters.
-        v.sort_by(|a, b| {
-            a.metadata.name.cmp(&b.metadata.name).then_with(|| {
-                serde_json::to_string(a).unwrap_or_default().cmp(&serde_json::to_string(b).unwrap_or_default())
-            })
-        });
+    for svc in services.iter().map(|s| s.borrow()) {
+        groups.entry(service_ref(svc)).or_default().0.push(svc);
     }
-
-    let mut sorted: Vec<(ServiceRef, &Service)> = services.iter().map(|s| (service_ref(s.borrow()), s.borrow())).collect();
-    // By reference; duplicates (a mistake in a directory of files) by
-    // content, so that the order of the input never matters. Serialising
-    // only on ties keeps this cheap.
-    sorted.sort_by(|(ra, a), (rb, b)| {
-        ra.cmp(rb).then_with(|| serde_json::to_string(a).unwrap_or_default().cmp(&serde_json::to_string(b).unwrap_or_default()))
-    });
-    let mut done: BTreeSet<ServiceRef> = BTreeSet::new();
-    for (sref, svc) in sorted {
-        if !done.insert(sref.clone()) {
-            out.warnings.push(format!("Service {sref} is defined more than once; one definition is used"));
-            continue;
-        }
-        if let Some(reason) = skip_reason(svc) {
-            tracing::debug!(service = %sref, reason, "not served");
-            continue;
-        }
-        let Some(spec) = svc.spec.as_ref() else { continue };
-
-        let mut vips: Vec<IpAddr> = Vec::new();
-        let raw: Vec<&String> = match spec.cluster_ips.as_ref().filter(|v| !v.is_empty()) {
-            Some(ips) => ips.iter().collect(),
-            None => spec.cluster_ip.iter().collect(),
-        };
-        for ip in raw {
-            match ip.parse::<IpAddr>() {
-                Ok(a) if !usable_ip(&a) => out.warnings.push(format!("Service {sref}: clusterIP {ip:?} is not usable, ignored")),
-                Ok(a) if !vips.contains(&a) => vips.push(a),
-                Ok(_) => {}
-                Err(_) => out.warnings.push(format!("Service {sref}: invalid clusterIP {ip:?}, ignored")),
-            }
-        }
-        if vips.is_empty() {
-            continue;
-        }
-
-        let local_only = spec.internal_traffic_policy.as_deref() == Some("Local");
-        let affinity_timeout = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
-            spec.session_affinity_config
-                .as_ref()
-                .and_then(|c| c.client_ip.as_ref())
-                .and_then(|c| c.timeout_seconds)
-                .and_then(|t| u32::try_from(t).ok())
-                .filter(|t| *t > 0)
-                .unwrap_or(DEFAULT_AFFINITY_TIMEOUT)
-        });
-        let svc_slices = by_service.get(&sref).map(Vec::as_slice).unwrap_or(&[]);
-
-        for sp in spec.ports.iter().flatten() {
-            let Some(proto) = parse_proto(sp.protocol.as_deref()) else {
-                out.warnings.push(format!(
-                    "Service {sref}: port {} protocol {} is not supported, ignored",
-                    sp.port,
-                    sp.protocol.as_deref().unwrap_or("")
-                ));
-                continue;
-            };
-            let Some(port) = valid_port(sp.port) else {
-                out.warnings.push(format!("Service {sref}: invalid port {}, ignored", sp.port));
-                continue;
-            };
-            // The endpoints of this port, per family.
-            let endpoints = |v4: bool| -> Vec<(Backend, Conditions)> {
-                let mut all = Vec::new();
-                for slice in svc_slices {
-                    let family_ok = match slice.address_type.as_str() {
-                        "IPv4" => v4,
-                        "IPv6" => !v4,
-                        _ => false,
-                    };
-                    if !family_ok {
-                        continue;
-                    }
-                    let Some(target) = slice_port(slice, sp, proto) else { continue };
-                    for ep in &slice.endpoints {
-                        let local = ep.node_name.as_deref() == Some(node.name.as_str()) && !node.name.is_empty();
-                        for a in &ep.addresses {
-                            let Ok(addr) = a.parse::<IpAddr>() else { continue };
-                            if addr.is_ipv4() != v4 || !usable_ip(&addr) {
-                                continue;
-                            }
-                            all.push((Backend { addr, port: target, local, terminating: false }, conditions(ep)));
-                        }
-                    }
-                }
-                dedup(all)
-            };
-            let base = Frontend {
-                service: sref.clone(),
-                port_name: sp.name.clone().unwrap_or_default(),
-                backends: Vec::new(),
-                local_only: false,
-                local_backends: Vec::new(),
-                affinity_timeout,
-                topology: false,
-                external: false,
-                ext_local: false,
-                no_socket: false,
-                source_ranges: Vec::new(),
-                serving: Vec::new(),
-            };
-            // (cluster set, topology applied, local set, serving) for one family.
-            let sets = |v4: bool, topology: bool| {
-                let all = endpoints(v4);
-                let serving: Vec<(IpAddr, u16)> = all.iter().filter(|(_, c)| c.serving).map(|(b, _)| (b.addr, b.port)).collect();
-                let zone = if topology { topology_zone(&all, node) } else { None };
-                let cluster = usable(&all, zone);
-                let local: Vec<_> = all.into_iter().filter(|(b, _)| b.local).collect();
-                (cluster, zone.is_some(), usable(&local, None), serving)
-            };
-            for vip in &vips {
-                let key = FrontendKey { addr: *vip, port, proto };
-                if out.frontends.contains_key(&key) {
-                    out.warnings.push(format!("Service {sref}: {key} is already a frontend, ignored"));
-                    continue;
-                }
-                // Topology applies to cluster-wide traffic only.
-                let (backends, topology, local_backends, serving) = sets(vip.is_ipv4(), !local_only);
-                out.frontends.insert(
-                    FrontendKey { addr: *vip, port, proto },
-                    Frontend { backends, local_only, local_backends, topology, serving, ..base.clone() },
-                );
-            }
-
-            // NodePort, LoadBalancer IPs and externalIPs: traffic from outside.
-            let mut external: Vec<(IpAddr, u16, bool, bool)> = Vec::new(); // addr, port, no_socket, lb_ip
-            if matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"))
-                && let Some(np) = sp.node_port
-            {
-                match valid_port(np) {
-                    Some(np) => {
-                        out.node_ports.insert((np, proto));
-                        external.extend(node.addresses.iter().map(|a| (*a, np, false, false)));
-                    }
-                    None => out.warnings.push(format!("Service {sref}: invalid nodePort {np}, ignored")),
+    for (sref, (defs, slices)) in &groups {
+        let o = compute_service(sref, defs, slices, node, opts);
+        out.warnings.extend(o.warnings);
+        for (key, f, external) in o.frontends {
+            match out.frontends.entry(key) {
+                std::collections::btree_map::Entry::Occupied(_) => out.warnings.push(lost_warning(sref, &key, external)),
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(f);
                 }
             }
-            if spec.type_.as_deref() == Some("LoadBalancer") {
-                let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
-                for ing in ingress.into_iter().flatten() {
-                    // ipMode Proxy: the load balancer proxies to the nodes;
-                    // its IP is not short-circuited.
-                    if ing.ip_mode.as_deref() == Some("Proxy") {
-                        continue;
-                    }
-                    match ing.ip.as_deref().map(str::parse::<IpAddr>) {
-                        Some(Ok(a)) if usable_ip(&a) => external.push((a, port, false, true)),
-                        Some(_) => out.warnings.push(format!("Service {sref}: invalid load balancer ingress IP {:?}", ing.ip)),
-                        None => {}
-                    }
-                }
-            }
-            for ip in spec.external_ips.iter().flatten() {
-                match ip.parse::<IpAddr>() {
-                    Ok(a) if usable_ip(&a) => external.push((a, port, !opts.external_ip_socket, false)),
-                    _ => out.warnings.push(format!("Service {sref}: invalid externalIP {ip:?}, ignored")),
-                }
-            }
-            let ext_local = spec.external_traffic_policy.as_deref() == Some("Local");
-            let ranges: Vec<(IpAddr, u8)> = spec
-                .load_balancer_source_ranges
-                .iter()
-                .flatten()
-                .filter_map(|r| {
-                    let c = parse_cidr(r);
-                    if c.is_none() {
-                        out.warnings.push(format!("Service {sref}: invalid loadBalancerSourceRange {r:?}, ignored"));
-                    }
-                    c
-                })
-                .collect();
-            for (addr, eport, no_socket, lb_ip) in external {
-                let key = FrontendKey { addr, port: eport, proto };
-                if out.frontends.contains_key(&key) {
-                    out.warnings.push(format!("Service {sref}: {key} is already a frontend of another Service, ignored"));
-                    continue;
-                }
-                let (backends, topology, local_backends, serving) = sets(addr.is_ipv4(), true);
-                let source_ranges: Vec<(IpAddr, u8)> = if lb_ip {
-                    ranges.iter().filter(|(a, _)| a.is_ipv4() == addr.is_ipv4()).copied().collect()
-                } else {
-                    Vec::new()
-                };
-                out.frontends.insert(
-                    key,
-                    Frontend {
-                        backends,
-                        local_backends,
-                        topology,
-                        external: true,
-                        ext_local,
-                        no_socket,
-                        source_ranges,
-                        serving,
-                        ..base.clone()
-                    },
-                );
-            }
         }
-        // kube-proxy's health check for externalTrafficPolicy Local.
-        if spec.external_traffic_policy.as_deref() == Some("Local")
-            && spec.type_.as_deref() == Some("LoadBalancer")
-            && let Some(hc) = spec.health_check_node_port.and_then(valid_port)
-        {
-            let local: BTreeSet<IpAddr> = svc_slices
-                .iter()
-                .flat_map(|s| s.endpoints.iter())
-                .filter(|ep| ep.node_name.as_deref() == Some(node.name.as_str()) && conditions(ep).ready)
-                .flat_map(|ep| ep.addresses.iter().filter_map(|a| a.parse().ok()))
-                .collect();
-            out.health_checks.insert(hc, HealthCheck { service: sref.clone(), local_endpoints: local.len() });
+        out.node_ports.extend(o.node_ports);
+        if let Some((port, hc)) = o.health_check {
+            out.health_checks.insert(port, hc);
         }
-        for v in &vips {
+        for v in &o.vips {
             out.vip_owners.insert(*v, sref.clone());
         }
-        out.vips.extend(vips);
+        out.vips.extend(o.vips);
     }
     out
 }
+
+mod incremental;
+pub use incremental::{Changes, Incremental, Pair};
 
 #[cfg(test)]
 mod proptests;
@@ -968,7 +1032,7 @@ mod tests {
             s.spec.as_mut().unwrap().internal_traffic_policy = Some("Local".into());
         }
         let d = compute(&[s], &[slice("web", "s", "IPv4", WEB_EP, eps)], node);
-        d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].clone()
+        (*d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)]).clone()
     }
 
     #[test]

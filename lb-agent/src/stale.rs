@@ -26,13 +26,13 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 /// A (frontend, backend) pair: `vip:vport` translated to `backend:bport`.
 pub type Pair = (IpAddr, u16, IpAddr, u16);
 
-/// The socket cookies to destroy: sockets translated to a pair that is no
-/// longer alive. `entries` are the socket rev-NAT map's (cookie, backend,
-/// bport, vip, vport); `alive` the pairs whose backend still serves.
-pub fn stale_cookies(entries: &[(u64, IpAddr, u16, IpAddr, u16)], alive: &BTreeSet<Pair>) -> BTreeMap<u64, (IpAddr, u16)> {
+/// The socket cookies to destroy: sockets translated to a pair that
+/// stopped serving. `entries` are the socket rev-NAT map's (cookie,
+/// backend, bport, vip, vport); `left` the pairs whose backend left.
+pub fn stale_cookies(entries: &[(u64, IpAddr, u16, IpAddr, u16)], left: &BTreeSet<Pair>) -> BTreeMap<u64, (IpAddr, u16)> {
     entries
         .iter()
-        .filter(|(_, b, bp, v, vp)| !alive.contains(&(*v, *vp, *b, *bp)))
+        .filter(|(_, b, bp, v, vp)| left.contains(&(*v, *vp, *b, *bp)))
         .map(|(c, b, bp, _, _)| (*c, (*b, *bp)))
         .collect()
 }
@@ -172,9 +172,10 @@ pub fn destroy(cgroup: &Path, targets: &BTreeMap<u64, (IpAddr, u16)>) -> Result<
 }
 
 /// Destroys stale sockets on a thread of its own, off the path that
-/// programs the maps: a sync hands it the new desired state and goes on.
+/// programs the maps: a sync hands it the pairs that stopped serving and
+/// goes on.
 pub struct Destroyer {
-    tx: std::sync::mpsc::Sender<std::sync::Arc<crate::model::Desired>>,
+    tx: std::sync::mpsc::Sender<BTreeSet<Pair>>,
 }
 
 type SockMap<K, V> = aya::maps::HashMap<aya::maps::MapData, K, V>;
@@ -190,29 +191,21 @@ impl Destroyer {
         use lb_common::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, maps};
         let mut s4: SockMap<SockRevNat4Key, SockRevNat4Value> = open_lru(bpffs, maps::SOCK_REVNAT4)?;
         let mut s6: SockMap<SockRevNat6Key, SockRevNat6Value> = open_lru(bpffs, maps::SOCK_REVNAT6)?;
-        let (tx, rx) = std::sync::mpsc::channel::<std::sync::Arc<crate::model::Desired>>();
+        let (tx, rx) = std::sync::mpsc::channel::<BTreeSet<Pair>>();
         let counter = destroyed;
         std::thread::Builder::new().name("stale-sockets".into()).spawn(move || {
-            let mut alive: Option<BTreeSet<Pair>> = None;
-            while let Ok(mut d) = rx.recv() {
-                // Only the newest state matters.
-                while let Ok(newer) = rx.try_recv() {
-                    d = newer;
+            while let Ok(mut left) = rx.recv() {
+                // Everything queued, at once.
+                while let Ok(more) = rx.try_recv() {
+                    left.extend(more);
                 }
-                let now = d.alive_pairs();
-                let shrank = alive.as_ref().is_some_and(|old| old.difference(&now).next().is_some());
-                alive = Some(now);
-                if !shrank {
-                    continue;
-                }
-                let now = alive.as_ref().unwrap();
                 let entries: Vec<(u64, IpAddr, u16, IpAddr, u16)> = s4
                     .iter()
                     .filter_map(|r| r.ok())
                     .map(|(k, v)| (k.cookie, k.addr.into(), k.port, v.addr.into(), v.port))
                     .chain(s6.iter().filter_map(|r| r.ok()).map(|(k, v)| (k.cookie, k.addr.into(), k.port, v.addr.into(), v.port)))
                     .collect();
-                let targets = stale_cookies(&entries, now);
+                let targets = stale_cookies(&entries, &left);
                 if targets.is_empty() {
                     continue;
                 }
@@ -239,9 +232,9 @@ impl Destroyer {
         Ok(Self { tx })
     }
 
-    /// Hand over the newest desired state.
-    pub fn update(&self, desired: std::sync::Arc<crate::model::Desired>) {
-        let _ = self.tx.send(desired);
+    /// Hand over pairs that stopped serving.
+    pub fn update(&self, left: BTreeSet<Pair>) {
+        let _ = self.tx.send(left);
     }
 }
 
@@ -258,8 +251,8 @@ mod tests {
             (2, ip("10.0.0.2"), 8080, vip, 80), // still serving
             (3, ip("10.0.0.2"), 8080, ip("10.96.0.11"), 80), // same backend, other frontend that dropped it
         ];
-        let alive: BTreeSet<Pair> = [(vip, 80, ip("10.0.0.2"), 8080)].into();
-        let stale = stale_cookies(&entries, &alive);
+        let left: BTreeSet<Pair> = [(vip, 80, ip("10.0.0.1"), 8080), (ip("10.96.0.11"), 80, ip("10.0.0.2"), 8080)].into();
+        let stale = stale_cookies(&entries, &left);
         assert_eq!(stale.keys().copied().collect::<Vec<_>>(), [1, 3]);
         assert_eq!(stale[&1], (ip("10.0.0.1"), 8080));
     }

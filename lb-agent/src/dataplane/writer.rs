@@ -123,6 +123,7 @@ impl<A: Addr> Table<A> {
     }
 
     /// Number of frontends (slot-0 entries of scope "all", without VIP markers).
+    #[cfg(test)]
     pub fn frontend_count(&self) -> usize {
         self.services
             .iter()
@@ -156,31 +157,179 @@ pub struct Cursors {
     pub revnat: u32,
 }
 
-/// Hands out ids that are not in use, going round from a cursor.
-struct IdAlloc {
-    used: BTreeSet<u32>,
-    next: u32,
-    max: u32,
+/// A backend's identity: the same address, port, protocol and flags share
+/// one id, whatever the frontends that use it.
+type BackendIdent<A> = (A, u16, u8, u8);
+
+/// Reverse indexes over a table, kept in step with it op by op, so that a
+/// change of a few frontends needs no scan of the whole table.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Index<A: Addr> {
+    backend_ids: HashMap<BackendIdent<A>, u32>,
+    revnat_ids: HashMap<(A, u16), u16>,
+    /// How many slots point at each backend.
+    backend_refs: HashMap<u32, u32>,
+    frontends: usize,
 }
 
-impl IdAlloc {
-    fn new(used: impl IntoIterator<Item = u32>, cursor: u32, max: u32) -> Self {
-        let used: BTreeSet<u32> = used.into_iter().collect();
-        let after_max = used.last().map_or(1, |m| m.wrapping_add(1));
-        Self { used, next: cursor.max(after_max), max }
+fn is_frontend<A>(k: &SvcKey<A>, v: &SvcValue) -> bool {
+    k.slot == 0 && k.scope == SCOPE_ALL && v.flags & svc_flags::VIP_MARKER == 0
+}
+
+impl<A: Addr> Index<A> {
+    pub fn of(t: &Table<A>) -> Self {
+        let mut ix = Index::default();
+        for (id, b) in &t.backends {
+            ix.backend_ids.insert((b.addr, b.port, b.proto, b.flags), *id);
+        }
+        for (id, r) in &t.revnat {
+            ix.revnat_ids.insert((r.addr, r.port), *id);
+        }
+        for (k, v) in &t.services {
+            if k.slot != 0 {
+                *ix.backend_refs.entry(v.backend_id).or_default() += 1;
+            } else if is_frontend(k, v) {
+                ix.frontends += 1;
+            }
+        }
+        ix
     }
 
-    fn take(&mut self) -> Option<u32> {
-        if self.used.len() as u64 >= self.max as u64 {
+    /// Frontends in the table (slot 0 of scope "all", VIP markers aside).
+    pub fn frontends(&self) -> usize {
+        self.frontends
+    }
+
+    /// Slots that point at backend `id`.
+    fn refs(&self, id: u32) -> u32 {
+        self.backend_refs.get(&id).copied().unwrap_or(0)
+    }
+
+    fn unref(&mut self, id: u32) {
+        if let Some(n) = self.backend_refs.get_mut(&id) {
+            *n -= 1;
+            if *n == 0 {
+                self.backend_refs.remove(&id);
+            }
+        }
+    }
+
+    /// Follow `op`; call it before `t.apply(op)`.
+    pub fn apply(&mut self, t: &Table<A>, op: &Op<A>) {
+        match *op {
+            Op::PutBackend(id, b) => {
+                if let Some(old) = t.backends.get(&id) {
+                    self.backend_ids.remove(&(old.addr, old.port, old.proto, old.flags));
+                }
+                self.backend_ids.insert((b.addr, b.port, b.proto, b.flags), id);
+            }
+            Op::DelBackend(id) => {
+                if let Some(old) = t.backends.get(&id) {
+                    self.backend_ids.remove(&(old.addr, old.port, old.proto, old.flags));
+                }
+            }
+            Op::PutRevNat(id, r) => {
+                if let Some(old) = t.revnat.get(&id) {
+                    self.revnat_ids.remove(&(old.addr, old.port));
+                }
+                self.revnat_ids.insert((r.addr, r.port), id);
+            }
+            Op::DelRevNat(id) => {
+                if let Some(old) = t.revnat.get(&id) {
+                    self.revnat_ids.remove(&(old.addr, old.port));
+                }
+            }
+            Op::PutSvc(k, v) => {
+                let old = t.services.get(&k);
+                if k.slot != 0 {
+                    if let Some(o) = old {
+                        self.unref(o.backend_id);
+                    }
+                    *self.backend_refs.entry(v.backend_id).or_default() += 1;
+                } else {
+                    self.frontends -= old.is_some_and(|o| is_frontend(&k, o)) as usize;
+                    self.frontends += is_frontend(&k, &v) as usize;
+                }
+            }
+            Op::DelSvc(k) => {
+                if let Some(o) = t.services.get(&k) {
+                    if k.slot != 0 {
+                        self.unref(o.backend_id);
+                    } else {
+                        self.frontends -= is_frontend(&k, o) as usize;
+                    }
+                }
+            }
+            Op::PutMatch(_) | Op::DelMatch(_) | Op::PutRange(..) | Op::DelRange(..) => {}
+        }
+    }
+}
+
+/// Hands out ids: the one a backend or frontend already has, else one that
+/// is not in use, going round from a cursor.
+struct Ids<'a, A: Addr> {
+    current: &'a Table<A>,
+    index: &'a Index<A>,
+    backends: HashMap<BackendIdent<A>, u32>,
+    revnats: HashMap<(A, u16), u16>,
+    taken_backends: BTreeSet<u32>,
+    taken_revnats: BTreeSet<u16>,
+    cursors: &'a mut Cursors,
+}
+
+impl<'a, A: Addr> Ids<'a, A> {
+    fn new(current: &'a Table<A>, index: &'a Index<A>, cursors: &'a mut Cursors) -> Self {
+        // A fresh cursor starts after the highest id in use.
+        if cursors.backend == 0 {
+            cursors.backend = current.backends.keys().next_back().map_or(1, |m| m.wrapping_add(1));
+        }
+        if cursors.revnat == 0 {
+            cursors.revnat = current.revnat.keys().next_back().map_or(1, |m| *m as u32 + 1);
+        }
+        Self {
+            current,
+            index,
+            backends: HashMap::new(),
+            revnats: HashMap::new(),
+            taken_backends: BTreeSet::new(),
+            taken_revnats: BTreeSet::new(),
+            cursors,
+        }
+    }
+
+    fn backend(&mut self, ident: BackendIdent<A>) -> u32 {
+        if let Some(id) = self.index.backend_ids.get(&ident).or_else(|| self.backends.get(&ident)) {
+            return *id;
+        }
+        // u32 ids do not run out: the maps hold far fewer.
+        loop {
+            if self.cursors.backend == 0 {
+                self.cursors.backend = 1;
+            }
+            let id = self.cursors.backend;
+            self.cursors.backend = id.wrapping_add(1);
+            if !self.current.backends.contains_key(&id) && self.taken_backends.insert(id) {
+                self.backends.insert(ident, id);
+                return id;
+            }
+        }
+    }
+
+    fn revnat(&mut self, addr: A, port: u16) -> Option<u16> {
+        if let Some(id) = self.index.revnat_ids.get(&(addr, port)).or_else(|| self.revnats.get(&(addr, port))) {
+            return Some(*id);
+        }
+        if self.current.revnat.len() + self.taken_revnats.len() >= u16::MAX as usize {
             return None;
         }
         loop {
-            if self.next == 0 || self.next > self.max {
-                self.next = 1;
+            if self.cursors.revnat == 0 || self.cursors.revnat > u16::MAX as u32 {
+                self.cursors.revnat = 1;
             }
-            let id = self.next;
-            self.next += 1;
-            if self.used.insert(id) {
+            let id = self.cursors.revnat as u16;
+            self.cursors.revnat += 1;
+            if !self.current.revnat.contains_key(&id) && self.taken_revnats.insert(id) {
+                self.revnats.insert((addr, port), id);
                 return Some(id);
             }
         }
@@ -189,139 +338,213 @@ impl IdAlloc {
 
 /// Build the map contents of family `A` for `desired`, reusing the ids of
 /// `current` wherever the same backend or frontend already has one.
+#[cfg(test)]
 pub fn build<A: Addr>(desired: &Desired, current: &Table<A>, cursors: &mut Cursors) -> Target<A> {
-    let mut t = Target { table: Table::default(), owners: HashMap::new(), left_out: Vec::new() };
+    build_with(desired, current, &Index::of(current), cursors)
+}
 
-    // Backend identity is (addr, port, proto); flags may change in place.
-    let mut backend_ids: HashMap<(A, u16, u8), u32> = current
-        .backends
-        .iter()
-        .map(|(id, b)| ((b.addr, b.port, b.proto), *id))
-        .collect();
-    let mut revnat_ids: HashMap<(A, u16), u16> =
-        current.revnat.iter().map(|(id, r)| ((r.addr, r.port), *id)).collect();
-    let mut backend_alloc = IdAlloc::new(current.backends.keys().copied(), cursors.backend, u32::MAX);
-    let mut revnat_alloc =
-        IdAlloc::new(current.revnat.keys().map(|k| *k as u32), cursors.revnat, u16::MAX as u32);
-
+/// `build`, with the indexes of `current` at hand.
+pub fn build_with<A: Addr>(desired: &Desired, current: &Table<A>, index: &Index<A>, cursors: &mut Cursors) -> Target<A> {
+    let mut t = Target::default();
+    let mut ids = Ids::new(current, index, cursors);
     for (key, front) in &desired.frontends {
-        let Some(addr) = A::from_ip(key.addr) else { continue };
-        let proto = proto_num(key.proto);
-        t.owners.insert((addr, key.port, proto), front.service.clone());
-
-        let rev_nat_id = match revnat_ids.get(&(addr, key.port)) {
-            Some(id) => *id,
-            None => {
-                let Some(id) = revnat_alloc.take() else {
-                    t.left_out.push(format!("Service {}: {key}: no free rev_nat id", front.service));
-                    continue;
-                };
-                revnat_ids.insert((addr, key.port), id as u16);
-                id as u16
-            }
-        };
-        t.table.revnat.insert(rev_nat_id, RevNat { addr, port: key.port, _pad: 0 });
-
-        let affinity = front.affinity_timeout.is_some();
-        let mut slots_for = |backends: &[model::Backend], scope: u8, t: &mut Target<A>| -> u16 {
-            let mut n = 0u16;
-            for b in backends {
-                let Some(baddr) = A::from_ip(b.addr) else { continue };
-                let ident = (baddr, b.port, proto);
-                let id = match backend_ids.get(&ident) {
-                    Some(id) => *id,
-                    None => {
-                        let id = backend_alloc.take().expect("u32 ids do not run out");
-                        backend_ids.insert(ident, id);
-                        id
-                    }
-                };
-                let mut flags = 0;
-                if b.local {
-                    flags |= backend_flags::LOCAL;
-                }
-                if b.terminating {
-                    flags |= backend_flags::TERMINATING;
-                }
-                t.table.backends.insert(id, Backend { addr: baddr, port: b.port, proto, flags });
-                if affinity {
-                    t.table.affinity_match.insert(AffinityMatchKey {
-                        backend_id: id,
-                        rev_nat_id,
-                        family: A::FAMILY,
-                        _pad: 0,
-                    });
-                }
-                n += 1;
-                t.table.services.insert(
-                    SvcKey::new(addr, key.port, proto, scope, n),
-                    SvcValue { backend_id: id, rev_nat_id, ..Default::default() },
-                );
-            }
-            n
-        };
-
-        let count = slots_for(&front.backends, SCOPE_ALL, &mut t);
-        let mut flags = 0;
-        if front.local_only {
-            flags |= svc_flags::LOCAL_ONLY;
-        }
-        if front.external {
-            flags |= svc_flags::EXTERNAL;
-        }
-        if front.ext_local {
-            flags |= svc_flags::EXT_LOCAL;
-        }
-        if front.no_socket {
-            flags |= svc_flags::NO_SOCKET;
-        }
-        if !front.source_ranges.is_empty() && A::FAMILY == FAMILY_V4 {
-            flags |= svc_flags::SRC_RANGE;
-            for (net, len) in &front.source_ranges {
-                if let Some(a) = A::from_ip(*net) {
-                    t.table.src_ranges.insert((rev_nat_id, a, *len));
-                }
-            }
-        }
-        if front.local_only || front.ext_local {
-            let n = slots_for(&front.local_backends, SCOPE_LOCAL, &mut t);
-            t.table.services.insert(
-                SvcKey::new(addr, key.port, proto, SCOPE_LOCAL, 0),
-                SvcValue { count: n, rev_nat_id, ..Default::default() },
-            );
-        }
-        if affinity {
-            flags |= svc_flags::AFFINITY;
-        }
-        if front.topology {
-            flags |= svc_flags::TOPOLOGY;
-        }
-        t.table.services.insert(
-            SvcKey::new(addr, key.port, proto, SCOPE_ALL, 0),
-            SvcValue {
-                backend_id: 0,
-                count,
-                rev_nat_id,
-                flags,
-                _pad: 0,
-                affinity_timeout: front.affinity_timeout.unwrap_or(0),
-            },
-        );
+        add_frontend(&mut t, key, front, &mut ids);
     }
-    cursors.backend = backend_alloc.next;
-    cursors.revnat = revnat_alloc.next;
     for vip in &desired.vips {
-        if let Some(v) = A::from_ip(*vip) {
-            if let Some(owner) = desired.vip_owners.get(vip) {
-                t.owners.insert((v, 0, 0), owner.clone());
+        add_marker(&mut t, desired, *vip);
+    }
+    t
+}
+
+/// The map contents of the frontends on `units` (address and port: the
+/// rev-NAT identity, which TCP and UDP share) and of the VIP markers of
+/// `vips`, as `desired` wants them.
+pub fn build_part<A: Addr>(
+    desired: &Desired,
+    units: &BTreeSet<(A, u16)>,
+    vips: &BTreeSet<A>,
+    current: &Table<A>,
+    index: &Index<A>,
+    cursors: &mut Cursors,
+) -> Target<A> {
+    let mut t = Target::default();
+    let mut ids = Ids::new(current, index, cursors);
+    for (addr, port) in units {
+        for proto in [Proto::Tcp, Proto::Udp] {
+            let key = model::FrontendKey { addr: addr.to_ip(), port: *port, proto };
+            if let Some(front) = desired.frontends.get(&key) {
+                add_frontend(&mut t, &key, front, &mut ids);
             }
-            t.table.services.insert(
-                SvcKey::new(v, 0, 0, SCOPE_ALL, 0),
-                SvcValue { flags: svc_flags::VIP_MARKER, ..Default::default() },
-            );
+        }
+    }
+    for vip in vips {
+        if desired.vips.contains(&vip.to_ip()) {
+            add_marker(&mut t, desired, vip.to_ip());
         }
     }
     t
+}
+
+/// What `table` holds for the frontends on `units` and the VIP markers of
+/// `vips`: the other side of `build_part`.
+pub fn extract<A: Addr>(table: &Table<A>, index: &Index<A>, units: &BTreeSet<(A, u16)>, vips: &BTreeSet<A>) -> Table<A> {
+    let mut part = Table::default();
+    for (addr, port) in units {
+        let Some(rev_nat_id) = index.revnat_ids.get(&(*addr, *port)).copied() else { continue };
+        if let Some(r) = table.revnat.get(&rev_nat_id) {
+            part.revnat.insert(rev_nat_id, *r);
+        }
+        for proto in [PROTO_TCP, PROTO_UDP] {
+            for scope in [SCOPE_ALL, SCOPE_LOCAL] {
+                let k0 = SvcKey::new(*addr, *port, proto, scope, 0);
+                let Some(v0) = table.services.get(&k0) else { continue };
+                part.services.insert(k0, *v0);
+                for slot in 1..=v0.count {
+                    let k = SvcKey::new(*addr, *port, proto, scope, slot);
+                    if let Some(v) = table.services.get(&k) {
+                        part.services.insert(k, *v);
+                        if let Some(b) = table.backends.get(&v.backend_id) {
+                            part.backends.insert(v.backend_id, *b);
+                        }
+                    }
+                }
+            }
+        }
+        // Affinity matches and source ranges belong to the rev-NAT id.
+        let slots: Vec<u32> = part
+            .services
+            .iter()
+            .filter(|(k, _)| k.addr == *addr && k.port == *port && k.slot != 0)
+            .map(|(_, v)| v.backend_id)
+            .collect();
+        for backend_id in slots {
+            let m = AffinityMatchKey { backend_id, rev_nat_id, family: A::FAMILY, _pad: 0 };
+            if table.affinity_match.contains(&m) {
+                part.affinity_match.insert(m);
+            }
+        }
+        for r in table.src_ranges.range((rev_nat_id, A::default(), 0)..) {
+            if r.0 != rev_nat_id {
+                break;
+            }
+            part.src_ranges.insert(*r);
+        }
+    }
+    for vip in vips {
+        let k = SvcKey::new(*vip, 0, 0, SCOPE_ALL, 0);
+        if let Some(v) = table.services.get(&k) {
+            part.services.insert(k, *v);
+        }
+    }
+    part
+}
+
+/// The ops that turn the part `current` of `table` into `target`, in the
+/// safe order, without the writes the rest of the table makes needless:
+/// a backend another frontend also uses is neither written again nor
+/// deleted.
+pub fn plan_part<A: Addr>(table: &Table<A>, index: &Index<A>, current: &Table<A>, target: &Table<A>) -> Vec<Op<A>> {
+    let mut part_refs: HashMap<u32, u32> = HashMap::new();
+    for (k, v) in &current.services {
+        if k.slot != 0 {
+            *part_refs.entry(v.backend_id).or_default() += 1;
+        }
+    }
+    let mut ops = plan(current, target);
+    ops.retain(|op| match op {
+        Op::PutBackend(id, b) => table.backends.get(id) != Some(b),
+        Op::DelBackend(id) => index.refs(*id) <= part_refs.get(id).copied().unwrap_or(0),
+        _ => true,
+    });
+    ops
+}
+
+fn add_frontend<A: Addr>(t: &mut Target<A>, key: &model::FrontendKey, front: &model::Frontend, ids: &mut Ids<'_, A>) {
+    let Some(addr) = A::from_ip(key.addr) else { return };
+    let proto = proto_num(key.proto);
+    t.owners.insert((addr, key.port, proto), front.service.clone());
+
+    let Some(rev_nat_id) = ids.revnat(addr, key.port) else {
+        t.left_out.push(format!("Service {}: {key}: no free rev_nat id", front.service));
+        return;
+    };
+    t.table.revnat.insert(rev_nat_id, RevNat { addr, port: key.port, _pad: 0 });
+
+    let affinity = front.affinity_timeout.is_some();
+    let slots_for = |backends: &[model::Backend], scope: u8, t: &mut Target<A>, ids: &mut Ids<'_, A>| -> u16 {
+        let mut n = 0u16;
+        for b in backends {
+            let Some(baddr) = A::from_ip(b.addr) else { continue };
+            let mut flags = 0;
+            if b.local {
+                flags |= backend_flags::LOCAL;
+            }
+            if b.terminating {
+                flags |= backend_flags::TERMINATING;
+            }
+            let id = ids.backend((baddr, b.port, proto, flags));
+            t.table.backends.insert(id, Backend { addr: baddr, port: b.port, proto, flags });
+            if affinity {
+                t.table.affinity_match.insert(AffinityMatchKey { backend_id: id, rev_nat_id, family: A::FAMILY, _pad: 0 });
+            }
+            n += 1;
+            t.table.services.insert(
+                SvcKey::new(addr, key.port, proto, scope, n),
+                SvcValue { backend_id: id, rev_nat_id, ..Default::default() },
+            );
+        }
+        n
+    };
+
+    let count = slots_for(&front.backends, SCOPE_ALL, t, ids);
+    let mut flags = 0;
+    if front.local_only {
+        flags |= svc_flags::LOCAL_ONLY;
+    }
+    if front.external {
+        flags |= svc_flags::EXTERNAL;
+    }
+    if front.ext_local {
+        flags |= svc_flags::EXT_LOCAL;
+    }
+    if front.no_socket {
+        flags |= svc_flags::NO_SOCKET;
+    }
+    if !front.source_ranges.is_empty() && A::FAMILY == FAMILY_V4 {
+        flags |= svc_flags::SRC_RANGE;
+        for (net, len) in &front.source_ranges {
+            if let Some(a) = A::from_ip(*net) {
+                t.table.src_ranges.insert((rev_nat_id, a, *len));
+            }
+        }
+    }
+    if front.local_only || front.ext_local {
+        let n = slots_for(&front.local_backends, SCOPE_LOCAL, t, ids);
+        t.table.services.insert(
+            SvcKey::new(addr, key.port, proto, SCOPE_LOCAL, 0),
+            SvcValue { count: n, rev_nat_id, ..Default::default() },
+        );
+    }
+    if affinity {
+        flags |= svc_flags::AFFINITY;
+    }
+    if front.topology {
+        flags |= svc_flags::TOPOLOGY;
+    }
+    t.table.services.insert(
+        SvcKey::new(addr, key.port, proto, SCOPE_ALL, 0),
+        SvcValue { backend_id: 0, count, rev_nat_id, flags, _pad: 0, affinity_timeout: front.affinity_timeout.unwrap_or(0) },
+    );
+}
+
+/// The marker of a ClusterIP: a connect to it on a port that is no service
+/// port is refused.
+fn add_marker<A: Addr>(t: &mut Target<A>, desired: &Desired, vip: IpAddr) {
+    let Some(v) = A::from_ip(vip) else { return };
+    if let Some(owner) = desired.vip_owners.get(&vip) {
+        t.owners.insert((v, 0, 0), owner.clone());
+    }
+    t.table.services.insert(SvcKey::new(v, 0, 0, SCOPE_ALL, 0), SvcValue { flags: svc_flags::VIP_MARKER, ..Default::default() });
 }
 
 fn is_marker<A>(k: &SvcKey<A>) -> bool {
@@ -457,7 +680,7 @@ mod tests {
                 .collect();
             d.frontends.insert(
                 FrontendKey { addr: vip.parse().unwrap(), port: *port, proto: Proto::Tcp },
-                Frontend {
+                std::sync::Arc::new(Frontend {
                     service: ServiceRef { namespace: "default".into(), name: vip.to_string() },
                     port_name: String::new(),
                     backends: bs.clone(),
@@ -470,7 +693,7 @@ mod tests {
                     no_socket: false,
                     source_ranges: Vec::new(),
                     serving: Vec::new(),
-                },
+                }),
             );
             d.vips.insert(vip.parse().unwrap());
         }
@@ -478,11 +701,42 @@ mod tests {
     }
 
     /// Apply every step of the plan from `a` to `b` and check, in every
-    /// intermediate state, what a connect to each frontend would see.
+    /// intermediate state, what a connect to each frontend would see. The
+    /// plan for the changed frontends alone must be as safe and reach the
+    /// same table.
     fn check_transition(a: &Desired, b: &Desired) -> Table<[u8; 4]> {
         let start = build::<[u8; 4]>(a, &Table::default(), &mut Cursors::default()).table;
         let target = build(b, &start, &mut Cursors::default());
         let ops = plan(&start, &target.table);
+        let t = walk(&start, &ops, a, b);
+        assert_eq!(t, target.table, "the plan reaches the target");
+
+        let index = Index::of(&start);
+        let units: BTreeSet<([u8; 4], u16)> = a
+            .frontends
+            .keys()
+            .chain(b.frontends.keys())
+            .filter(|k| a.frontends.get(*k) != b.frontends.get(*k))
+            .map(|k| (v4(&k.addr.to_string()), k.port))
+            .collect();
+        let vips: BTreeSet<[u8; 4]> = a.vips.symmetric_difference(&b.vips).map(|v| v4(&v.to_string())).collect();
+        let cur = extract(&start, &index, &units, &vips);
+        let part = build_part(b, &units, &vips, &start, &index, &mut Cursors::default());
+        let part_ops = plan_part(&start, &index, &cur, &part.table);
+        let mut ix = index.clone();
+        let mut t2 = start.clone();
+        for op in &part_ops {
+            ix.apply(&t2, op);
+            t2.apply(op);
+        }
+        assert_eq!(walk(&start, &part_ops, a, b), t2);
+        assert_eq!(t2, target.table, "the partial plan reaches the same table");
+        assert!(part_ops.len() <= ops.len(), "{part_ops:?} vs {ops:?}");
+        assert_eq!(ix, Index::of(&t2), "the index follows the ops");
+        t
+    }
+
+    fn walk(start: &Table<[u8; 4]>, ops: &[Op<[u8; 4]>], a: &Desired, b: &Desired) -> Table<[u8; 4]> {
         let fronts: BTreeSet<([u8; 4], u16)> = a
             .frontends
             .keys()
@@ -523,11 +777,42 @@ mod tests {
                 }
             }
         }
-        assert_eq!(t, target.table, "the plan reaches the target");
         // Nothing is left that no slot references.
         let referenced: BTreeSet<u32> = t.services.iter().filter(|(k, _)| k.slot != 0).map(|(_, v)| v.backend_id).collect();
         assert_eq!(referenced, t.backends.keys().copied().collect());
         t
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(3000))]
+        /// Random transitions between small sets of frontends that share
+        /// backends, with sessionAffinity and node-local sets.
+        #[test]
+        fn random_transitions_are_safe(
+            a in proptest::collection::vec((0usize..3, proptest::bool::ANY, proptest::collection::vec(0usize..4, 0..4), proptest::bool::ANY), 0..4),
+            b in proptest::collection::vec((0usize..3, proptest::bool::ANY, proptest::collection::vec(0usize..4, 0..4), proptest::bool::ANY), 0..4),
+        ) {
+            let make = |spec: &[(usize, bool, Vec<usize>, bool)]| {
+                let vips = ["10.96.0.1", "10.96.0.2", "10.96.0.3"];
+                let bes = [A, B, C, D];
+                let mut d = Desired::default();
+                for (vip, local, backends, affinity) in spec {
+                    let list: Vec<&str> = backends.iter().map(|i| bes[*i]).collect();
+                    let mut one = desired(&[(vips[*vip], 80, &list, *local)]);
+                    if *affinity {
+                        for f in one.frontends.values_mut() {
+                            std::sync::Arc::make_mut(f).affinity_timeout = Some(30);
+                        }
+                    }
+                    for (k, f) in one.frontends {
+                        d.frontends.entry(k).or_insert(f);
+                    }
+                    d.vips.extend(one.vips);
+                }
+                d
+            };
+            check_transition(&make(&a), &make(&b));
+        }
     }
 
     const A: &str = "10.0.0.1";
@@ -549,6 +834,10 @@ mod tests {
             (desired(&[("10.96.0.1", 80, &[A, B], true)]), desired(&[("10.96.0.1", 80, &[C], false)])),
             (desired(&[("10.96.0.1", 80, &[A], true)]), desired(&[("10.96.0.1", 80, &[A, B, C], true)])),
             (desired(&[("10.96.0.1", 80, &[A, B, C], true)]), desired(&[("10.96.0.1", 80, &[D], true)])),
+            (
+                desired(&[("10.96.0.1", 80, &[A, B], false), ("10.96.0.2", 80, &[A], false)]),
+                desired(&[("10.96.0.1", 80, &[B], false), ("10.96.0.2", 80, &[A], false)]),
+            ),
             (
                 desired(&[("10.96.0.1", 80, &[A, B], false), ("10.96.0.2", 53, &[A], false)]),
                 desired(&[("10.96.0.2", 53, &[C, D], false), ("10.96.0.3", 80, &[B], false)]),
@@ -589,7 +878,7 @@ mod tests {
     #[test]
     fn layout_of_one_service() {
         let mut d = desired(&[("10.96.0.10", 80, &[A, B], false)]);
-        d.frontends.values_mut().next().unwrap().affinity_timeout = Some(60);
+        std::sync::Arc::make_mut(d.frontends.values_mut().next().unwrap()).affinity_timeout = Some(60);
         let t = build::<[u8; 4]>(&d, &Table::default(), &mut Cursors::default()).table;
         let s0 = t.services[&SvcKey::new(v4("10.96.0.10"), 80, PROTO_TCP, SCOPE_ALL, 0)];
         assert_eq!(s0.count, 2);
@@ -621,9 +910,9 @@ mod tests {
     #[test]
     fn affinity_match_entries_follow_the_backends() {
         let mut a = desired(&[("10.96.0.1", 80, &[A, B], false)]);
-        a.frontends.values_mut().next().unwrap().affinity_timeout = Some(30);
+        std::sync::Arc::make_mut(a.frontends.values_mut().next().unwrap()).affinity_timeout = Some(30);
         let mut b = desired(&[("10.96.0.1", 80, &[B, C], false)]);
-        b.frontends.values_mut().next().unwrap().affinity_timeout = Some(30);
+        std::sync::Arc::make_mut(b.frontends.values_mut().next().unwrap()).affinity_timeout = Some(30);
         let c = &mut Cursors::default();
         let ta = build::<[u8; 4]>(&a, &Table::default(), c).table;
         assert_eq!(ta.affinity_match.len(), 2);

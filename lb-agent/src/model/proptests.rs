@@ -40,7 +40,7 @@ fn opt_bool() -> impl Strategy<Value = Option<bool>> {
     prop_oneof![Just(None), Just(Some(true)), Just(Some(false))]
 }
 
-fn service() -> impl Strategy<Value = Service> {
+pub(crate) fn service() -> impl Strategy<Value = Service> {
     (
         prop_oneof![Just("a"), Just("b"), Just("c")],
         prop_oneof![Just(None), Just(Some("ClusterIP")), Just(Some("NodePort")), Just(Some("LoadBalancer")), Just(Some("ExternalName"))],
@@ -96,7 +96,7 @@ fn endpoint() -> impl Strategy<Value = Endpoint> {
         })
 }
 
-fn slice(max_eps: usize) -> impl Strategy<Value = EndpointSlice> {
+pub(crate) fn slice(max_eps: usize) -> impl Strategy<Value = EndpointSlice> {
     (
         prop_oneof![1 => Just(None), 3 => Just(Some("a")), 3 => Just(Some("b")), 3 => Just(Some("c"))],
         0u32..1000,
@@ -117,7 +117,7 @@ fn slice(max_eps: usize) -> impl Strategy<Value = EndpointSlice> {
         })
 }
 
-fn node() -> NodeInfo {
+pub(crate) fn node() -> NodeInfo {
     NodeInfo { name: "node-a".into(), zone: Some("zone-a".into()), addresses: vec!["192.168.0.1".parse().unwrap(), "fd00:1::1".parse().unwrap()] }
 }
 

@@ -416,3 +416,61 @@ endpoints:
         assert!(e.contains("/nonexistent/lb"), "{e}");
     }
 }
+
+/// Where memory goes at 10,000 Services x 10 endpoints (run by hand:
+/// `cargo test --release -p lb-agent memprobe -- --ignored --nocapture`).
+#[cfg(test)]
+mod memprobe {
+    use std::sync::Arc;
+
+    fn rss() -> f64 {
+        let s = std::fs::read_to_string("/proc/self/status").unwrap();
+        s.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap().trim().trim_end_matches("kB").trim().parse::<f64>().unwrap() / 1024.0
+    }
+
+    #[test]
+    #[ignore]
+    fn memprobe() {
+        let mut text = String::new();
+        for i in 0..10_000 {
+            text += &format!("apiVersion: v1\nkind: Service\nmetadata:\n  name: svc-{i}\n  namespace: default\nspec:\n  type: ClusterIP\n  clusterIP: 10.96.{}.{}\n  clusterIPs: [\"10.96.{}.{}\"]\n  ports:\n  - name: http\n    port: 80\n    targetPort: 8080\n    protocol: TCP\n---\n", i / 250, 1 + i % 250, i / 250, 1 + i % 250);
+            text += &format!("apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: svc-{i}-1\n  namespace: default\n  labels:\n    kubernetes.io/service-name: svc-{i}\naddressType: IPv4\nports:\n- name: http\n  port: 8080\n  protocol: TCP\nendpoints:\n");
+            for k in 0..10 {
+                let q = i * 10 + k;
+                text += &format!("- addresses: [\"10.{}.{}.{}\"]\n  conditions: {{ready: true, serving: true, terminating: false}}\n  nodeName: node-2\n", 128 + q / 62_500, (q / 250) % 250, 1 + q % 250);
+            }
+            text += "---\n";
+        }
+        let r0 = rss();
+        let t = std::time::Instant::now();
+        let chunks: Vec<&str> = text.split_inclusive("---\n").collect();
+        let mut svcs = Vec::new();
+        let mut slices = Vec::new();
+        for c in chunks.chunks(2000) {
+            let o = super::parse("x.yaml", &c.concat()).unwrap();
+            svcs.extend(o.services.into_iter().map(Arc::new));
+            slices.extend(o.slices.into_iter().map(Arc::new));
+        }
+        let parse_s = t.elapsed().as_secs_f64();
+        drop(chunks);
+        let r1 = rss();
+        let node = crate::model::NodeInfo { name: "node-1".into(), ..Default::default() };
+        let mut inc = crate::model::Incremental::new();
+        let t = std::time::Instant::now();
+        inc.update(&svcs, &slices, &node, &Default::default());
+        let model_s = t.elapsed().as_secs_f64();
+        let r2 = rss();
+        let t = std::time::Instant::now();
+        let table = crate::dataplane::writer::Table::<[u8; 4]>::default();
+        let index = crate::dataplane::writer::Index::of(&table);
+        let target = crate::dataplane::writer::build_with(inc.desired(), &table, &index, &mut Default::default());
+        let build_s = t.elapsed().as_secs_f64();
+        let r3 = rss();
+        let index = crate::dataplane::writer::Index::of(&target.table);
+        let r4 = rss();
+        println!("text {:.1} MiB; parse {parse_s:.3}s +{:.1} MiB; model {model_s:.3}s +{:.1} MiB; build {build_s:.3}s +{:.1} MiB; index +{:.1} MiB",
+            text.len() as f64 / 1048576.0, r1 - r0, r2 - r1, r3 - r2, r4 - r3);
+        println!("sizes: Service {} EndpointSlice {} Endpoint {} Frontend {}", size_of::<k8s_openapi::api::core::v1::Service>(), size_of::<k8s_openapi::api::discovery::v1::EndpointSlice>(), size_of::<k8s_openapi::api::discovery::v1::Endpoint>(), size_of::<crate::model::Frontend>());
+        drop(index);
+    }
+}

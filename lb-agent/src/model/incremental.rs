@@ -1,0 +1,361 @@
+//! The model, kept up to date one Service at a time.
+//!
+//! `compute_with` recomputes everything; at 10,000 Services that takes
+//! about 100 ms, far too slow for a change of one endpoint. `Incremental`
+//! gives the same result (a property test holds it to that) but recomputes
+//! only the Services whose objects changed. Sources share objects between
+//! snapshots (`Arc`): an unchanged object is the same allocation, so a
+//! changed one is found by pointer, without looking inside.
+//!
+//! Conflicts between Services are settled as `compute_with` settles them:
+//! of the Services that claim a frontend, the first by reference keeps it;
+//! a ClusterIP and a health check port belong to the last.
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use super::{
+    Desired, FrontendKey, NodeInfo, Options, Proto, ServiceOut, ServiceRef, compute_service, lost_warning, service_ref,
+    slice_group,
+};
+
+/// A frontend address and port, with a backend address and port it
+/// translates to.
+pub type Pair = (IpAddr, u16, IpAddr, u16);
+
+/// What one update changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Anything may have changed: the first update, or the node's facts or
+    /// the options changed.
+    pub full: bool,
+    /// Frontends added, removed or changed.
+    pub frontends: BTreeSet<FrontendKey>,
+    /// ClusterIPs that appeared or went.
+    pub vips: BTreeSet<IpAddr>,
+    /// The set of NodePorts changed.
+    pub node_ports: bool,
+    /// The health checks changed.
+    pub health_checks: bool,
+    /// (frontend, backend) pairs that stopped serving: connections
+    /// translated to them are stale.
+    pub left: BTreeSet<Pair>,
+}
+
+impl Changes {
+    #[cfg(test)]
+    pub fn is_empty(&self) -> bool {
+        !self.full && self.frontends.is_empty() && self.vips.is_empty() && !self.node_ports && !self.health_checks
+    }
+}
+
+/// The objects of one Service reference, and what they contribute.
+#[derive(Default)]
+struct Group {
+    services: Vec<Arc<Service>>,
+    slices: Vec<Arc<EndpointSlice>>,
+    out: ServiceOut,
+}
+
+/// The desired state, updated from snapshot to snapshot.
+#[derive(Default)]
+pub struct Incremental {
+    primed: bool,
+    node: NodeInfo,
+    opts: Options,
+    /// The last snapshot's objects: holding them keeps their addresses
+    /// from being reused by new objects.
+    services: Vec<Arc<Service>>,
+    slices: Vec<Arc<EndpointSlice>>,
+    groups: HashMap<ServiceRef, Group>,
+    /// EndpointSlices without an owner label, with their warning.
+    unowned: Vec<(Arc<EndpointSlice>, String)>,
+    /// The Services that claim each frontend; the first has it.
+    claims: HashMap<FrontendKey, BTreeSet<ServiceRef>>,
+    /// Frontends claimed by more than one Service.
+    contested: BTreeSet<FrontendKey>,
+    vip_claims: HashMap<IpAddr, BTreeSet<ServiceRef>>,
+    node_port_claims: HashMap<(u16, Proto), usize>,
+    health_check_claims: HashMap<u16, BTreeSet<ServiceRef>>,
+    /// Services with warnings of their own.
+    warned: BTreeSet<ServiceRef>,
+    desired: Desired,
+}
+
+/// The objects of `old` that are not in `new`, and those of `new` that are
+/// not in `old`, by identity. Linear, and cheap when the order is kept.
+fn diff<T>(old: &[Arc<T>], new: &[Arc<T>]) -> (Vec<Arc<T>>, Vec<Arc<T>>) {
+    let (mut gone, mut added) = (Vec::new(), Vec::new());
+    for i in 0..old.len().max(new.len()) {
+        match (old.get(i), new.get(i)) {
+            (Some(a), Some(b)) if Arc::ptr_eq(a, b) => {}
+            (a, b) => {
+                gone.extend(a.cloned());
+                added.extend(b.cloned());
+            }
+        }
+    }
+    if !gone.is_empty() && !added.is_empty() {
+        // Objects that only moved.
+        let g: HashSet<*const T> = gone.iter().map(Arc::as_ptr).collect();
+        let a: HashSet<*const T> = added.iter().map(Arc::as_ptr).collect();
+        gone.retain(|x| !a.contains(&Arc::as_ptr(x)));
+        added.retain(|x| !g.contains(&Arc::as_ptr(x)));
+    }
+    (gone, added)
+}
+
+impl Incremental {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The desired state for the last snapshot, warnings included.
+    pub fn desired(&self) -> &Desired {
+        &self.desired
+    }
+
+    /// Bring the desired state to `services` and `slices` (each object
+    /// once) on `node`, and say what changed.
+    pub fn update(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], node: &NodeInfo, opts: &Options) -> Changes {
+        let mut ch = Changes::default();
+        if !self.primed || self.node != *node || self.opts != *opts {
+            let before = self.primed.then(|| self.desired.alive_pairs());
+            *self = Incremental { primed: true, node: node.clone(), opts: opts.clone(), ..Default::default() };
+            ch.full = true;
+            self.apply(services, slices, &mut ch);
+            if let Some(before) = before {
+                ch.left = before.difference(&self.desired.alive_pairs()).copied().collect();
+            }
+        } else {
+            self.apply(services, slices, &mut ch);
+        }
+        ch
+    }
+
+    fn apply(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], ch: &mut Changes) {
+        let (gone_svcs, new_svcs) = diff(&self.services, services);
+        let (gone_slices, new_slices) = diff(&self.slices, slices);
+        self.services = services.to_vec();
+        self.slices = slices.to_vec();
+        let mut affected: BTreeSet<ServiceRef> = BTreeSet::new();
+        for s in gone_svcs {
+            let r = service_ref(&s);
+            if let Some(g) = self.groups.get_mut(&r) {
+                g.services.retain(|x| !Arc::ptr_eq(x, &s));
+            }
+            affected.insert(r);
+        }
+        for s in new_svcs {
+            let r = service_ref(&s);
+            self.groups.entry(r.clone()).or_default().services.push(s);
+            affected.insert(r);
+        }
+        let mut unowned_changed = false;
+        for e in gone_slices {
+            match slice_group(&e) {
+                Ok(Some(r)) => {
+                    if let Some(g) = self.groups.get_mut(&r) {
+                        g.slices.retain(|x| !Arc::ptr_eq(x, &e));
+                    }
+                    affected.insert(r);
+                }
+                Ok(None) => {}
+                Err(_) => {
+                    self.unowned.retain(|(x, _)| !Arc::ptr_eq(x, &e));
+                    unowned_changed = true;
+                }
+            }
+        }
+        for e in new_slices {
+            match slice_group(&e) {
+                Ok(Some(r)) => {
+                    self.groups.entry(r.clone()).or_default().slices.push(e);
+                    affected.insert(r);
+                }
+                Ok(None) => {}
+                Err(w) => {
+                    self.unowned.push((e, w));
+                    unowned_changed = true;
+                }
+            }
+        }
+
+        // Recompute the affected Services and move their claims.
+        let (mut keys, mut vips, mut ports) = (BTreeSet::new(), BTreeSet::new(), BTreeSet::new());
+        let mut warnings_changed = unowned_changed;
+        // Whether each NodePort touched was in use before.
+        let mut node_ports_before: std::collections::BTreeMap<(u16, Proto), bool> = Default::default();
+        for r in &affected {
+            let Some(g) = self.groups.get_mut(r) else { continue };
+            let out = if g.services.is_empty() {
+                ServiceOut::default()
+            } else {
+                compute_service(r, &g.services, &g.slices, &self.node, &self.opts)
+            };
+            let old = std::mem::replace(&mut g.out, out);
+            let new = &g.out;
+            for (k, _, _) in &old.frontends {
+                if let Some(c) = self.claims.get_mut(k) {
+                    c.remove(r);
+                }
+                keys.insert(*k);
+            }
+            for (k, _, _) in &new.frontends {
+                self.claims.entry(*k).or_default().insert(r.clone());
+                keys.insert(*k);
+            }
+            for v in &old.vips {
+                if let Some(c) = self.vip_claims.get_mut(v) {
+                    c.remove(r);
+                }
+                vips.insert(*v);
+            }
+            for v in &new.vips {
+                self.vip_claims.entry(*v).or_default().insert(r.clone());
+                vips.insert(*v);
+            }
+            for np in old.node_ports.difference(&new.node_ports) {
+                node_ports_before.entry(*np).or_insert(true);
+                let n = self.node_port_claims.get_mut(np).expect("claimed before");
+                *n -= 1;
+                if *n == 0 {
+                    self.node_port_claims.remove(np);
+                    self.desired.node_ports.remove(np);
+                }
+            }
+            for np in new.node_ports.difference(&old.node_ports) {
+                let n = self.node_port_claims.entry(*np).or_default();
+                node_ports_before.entry(*np).or_insert(*n > 0);
+                *n += 1;
+                if *n == 1 {
+                    self.desired.node_ports.insert(*np);
+                }
+            }
+            if old.health_check != new.health_check {
+                if let Some((p, _)) = &old.health_check {
+                    if let Some(c) = self.health_check_claims.get_mut(p) {
+                        c.remove(r);
+                    }
+                    ports.insert(*p);
+                }
+                if let Some((p, _)) = &new.health_check {
+                    self.health_check_claims.entry(*p).or_default().insert(r.clone());
+                    ports.insert(*p);
+                }
+            }
+            if old.warnings != new.warnings {
+                warnings_changed = true;
+            }
+            if new.warnings.is_empty() {
+                self.warned.remove(r);
+            } else {
+                self.warned.insert(r.clone());
+            }
+            if g.services.is_empty() && g.slices.is_empty() {
+                self.groups.remove(r);
+            }
+        }
+
+        ch.node_ports |= node_ports_before.iter().any(|(np, was)| self.desired.node_ports.contains(np) != *was);
+
+        // Settle the frontends, ClusterIPs and health checks they touched.
+        let mut left = Vec::new();
+        for k in keys {
+            let claimants = self.claims.get(&k);
+            let winner = claimants.and_then(|c| c.first());
+            let now = winner.map(|r| {
+                let f = self.groups[r].out.frontends.iter().find(|(x, _, _)| *x == k).expect("the claimant has it");
+                f.1.clone()
+            });
+            let n = claimants.map_or(0, BTreeSet::len);
+            if n > 1 {
+                warnings_changed |= self.contested.insert(k);
+            } else {
+                warnings_changed |= self.contested.remove(&k);
+            }
+            if n == 0 {
+                self.claims.remove(&k);
+            }
+            let before = match &now {
+                Some(f) => self.desired.frontends.insert(k, f.clone()),
+                None => self.desired.frontends.remove(&k),
+            };
+            if before != now {
+                ch.frontends.insert(k);
+                if let Some(b) = before {
+                    for (a, p) in &b.serving {
+                        if !now.as_ref().is_some_and(|f| f.serving.contains(&(*a, *p))) {
+                            left.push((k, *a, *p));
+                        }
+                    }
+                }
+            }
+        }
+        // A pair still serves through the frontend of the other protocol.
+        for (k, a, p) in left {
+            let still = [Proto::Tcp, Proto::Udp].iter().any(|proto| {
+                self.desired.frontends.get(&FrontendKey { proto: *proto, ..k }).is_some_and(|f| f.serving.contains(&(a, p)))
+            });
+            if !still {
+                ch.left.insert((k.addr, k.port, a, p));
+            }
+        }
+        for v in vips {
+            match self.vip_claims.get(&v).and_then(|c| c.last()) {
+                Some(owner) => {
+                    if self.desired.vips.insert(v) {
+                        ch.vips.insert(v);
+                    }
+                    self.desired.vip_owners.insert(v, owner.clone());
+                }
+                None => {
+                    self.vip_claims.remove(&v);
+                    if self.desired.vips.remove(&v) {
+                        ch.vips.insert(v);
+                    }
+                    self.desired.vip_owners.remove(&v);
+                }
+            }
+        }
+        for p in ports {
+            let now = self
+                .health_check_claims
+                .get(&p)
+                .and_then(|c| c.last())
+                .and_then(|r| self.groups[r].out.health_check.as_ref())
+                .map(|(_, hc)| hc.clone());
+            let before = match now.clone() {
+                Some(hc) => self.desired.health_checks.insert(p, hc),
+                None => {
+                    self.health_check_claims.remove(&p);
+                    self.desired.health_checks.remove(&p)
+                }
+            };
+            ch.health_checks |= before != now;
+        }
+        if warnings_changed || ch.full {
+            self.desired.warnings = self.warnings();
+        }
+    }
+
+    fn warnings(&self) -> Vec<String> {
+        let mut w: Vec<String> = self.unowned.iter().map(|(_, w)| w.clone()).collect();
+        for r in &self.warned {
+            w.extend(self.groups[r].out.warnings.iter().cloned());
+        }
+        for k in &self.contested {
+            for r in self.claims[k].iter().skip(1) {
+                let external = self.groups[r].out.frontends.iter().find(|(x, _, _)| x == k).is_some_and(|f| f.2);
+                w.push(lost_warning(r, k, external));
+            }
+        }
+        w
+    }
+}
+
+#[cfg(test)]
+mod tests;

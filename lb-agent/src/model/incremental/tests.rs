@@ -1,0 +1,129 @@
+//! The incremental model against the full computation: after every step of
+//! a random history of edits, it must hold exactly what `compute_with`
+//! computes from scratch.
+use proptest::prelude::*;
+
+use super::super::proptests::{node, service, slice};
+use super::super::{NodeInfo, Options, compute_with};
+use super::*;
+
+/// One edit of the snapshot.
+#[derive(Clone, Debug)]
+enum Edit {
+    /// Replace the i-th Service with a new object.
+    Service(usize, Service),
+    Slice(usize, EndpointSlice),
+    AddService(Service),
+    AddSlice(EndpointSlice),
+    DropService(usize),
+    DropSlice(usize),
+    /// Reverse the order of everything (objects only move).
+    Reverse,
+    /// Another zone for the node: everything is recomputed.
+    Zone,
+    /// Publish: compare with the full computation.
+    Check,
+}
+
+fn edit() -> impl Strategy<Value = Edit> {
+    prop_oneof![
+        3 => (any::<usize>(), service()).prop_map(|(i, s)| Edit::Service(i, s)),
+        4 => (any::<usize>(), slice(8)).prop_map(|(i, s)| Edit::Slice(i, s)),
+        2 => service().prop_map(Edit::AddService),
+        2 => slice(8).prop_map(Edit::AddSlice),
+        1 => any::<usize>().prop_map(Edit::DropService),
+        1 => any::<usize>().prop_map(Edit::DropSlice),
+        1 => Just(Edit::Reverse),
+        1 => Just(Edit::Zone),
+        4 => Just(Edit::Check),
+    ]
+}
+
+fn sorted(mut d: Desired) -> Desired {
+    d.warnings.sort();
+    d
+}
+
+fn run(services: Vec<Service>, slices: Vec<EndpointSlice>, edits: Vec<Edit>) -> Result<(), TestCaseError> {
+    let opts = Options::default();
+    let mut node: NodeInfo = node();
+    let mut svcs: Vec<Arc<Service>> = services.into_iter().map(Arc::new).collect();
+    let mut eps: Vec<Arc<EndpointSlice>> = slices.into_iter().map(Arc::new).collect();
+    let mut inc = Incremental::new();
+    let ch = inc.update(&svcs, &eps, &node, &opts);
+    prop_assert!(ch.full);
+    let mut last = compute_with(&svcs, &eps, &node, &opts);
+    for e in edits.into_iter().chain([Edit::Check]) {
+        match e {
+            Edit::Service(i, s) if !svcs.is_empty() => {
+                let n = svcs.len();
+                svcs[i % n] = Arc::new(s);
+            }
+            Edit::Slice(i, s) if !eps.is_empty() => {
+                let n = eps.len();
+                eps[i % n] = Arc::new(s);
+            }
+            Edit::Service(_, s) | Edit::AddService(s) => svcs.push(Arc::new(s)),
+            Edit::Slice(_, s) | Edit::AddSlice(s) => eps.push(Arc::new(s)),
+            Edit::DropService(i) if !svcs.is_empty() => {
+                let n = svcs.len();
+                svcs.remove(i % n);
+            }
+            Edit::DropSlice(i) if !eps.is_empty() => {
+                let n = eps.len();
+                eps.remove(i % n);
+            }
+            Edit::DropService(_) | Edit::DropSlice(_) => {}
+            Edit::Reverse => {
+                svcs.reverse();
+                eps.reverse();
+            }
+            Edit::Zone => {
+                node.zone = if node.zone.as_deref() == Some("zone-a") { Some("zone-b".into()) } else { Some("zone-a".into()) };
+            }
+            Edit::Check => {
+                let ch = inc.update(&svcs, &eps, &node, &opts);
+                let want = compute_with(&svcs, &eps, &node, &opts);
+                prop_assert_eq!(sorted(inc.desired().clone()), sorted(want.clone()));
+                // The changes name exactly what differs from the last state.
+                if !ch.full {
+                    let keys: BTreeSet<FrontendKey> = last.frontends.keys().chain(want.frontends.keys()).copied().collect();
+                    let differ: BTreeSet<FrontendKey> =
+                        keys.into_iter().filter(|k| last.frontends.get(k) != want.frontends.get(k)).collect();
+                    prop_assert_eq!(&ch.frontends, &differ);
+                    let vips: BTreeSet<IpAddr> = last.vips.symmetric_difference(&want.vips).copied().collect();
+                    prop_assert_eq!(&ch.vips, &vips);
+                    prop_assert_eq!(ch.node_ports, last.node_ports != want.node_ports);
+                    prop_assert_eq!(ch.health_checks, last.health_checks != want.health_checks);
+                }
+                let gone: BTreeSet<Pair> = last.alive_pairs().difference(&want.alive_pairs()).copied().collect();
+                prop_assert_eq!(&ch.left, &gone);
+                last = want;
+            }
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+    #[test]
+    fn incremental_equals_full(
+        services in proptest::collection::vec(service(), 0..5),
+        slices in proptest::collection::vec(slice(8), 0..6),
+        edits in proptest::collection::vec(edit(), 0..30),
+    ) {
+        run(services, slices, edits)?;
+    }
+}
+
+/// An update with nothing new is free and says so.
+#[test]
+fn nothing_changed_is_empty() {
+    let opts = Options::default();
+    let svcs: Vec<Arc<Service>> = Vec::new();
+    let eps: Vec<Arc<EndpointSlice>> = Vec::new();
+    let mut inc = Incremental::new();
+    assert!(inc.update(&svcs, &eps, &node(), &opts).full);
+    assert!(inc.update(&svcs, &eps, &node(), &opts).is_empty());
+}
