@@ -64,6 +64,17 @@ impl<A: Addr> Mirror<A> {
     }
 }
 
+/// Hand memory freed by a full sync (its temporary tables, a source's
+/// parse buffers) back to the system, so that the resident size is what
+/// the agent keeps, not what it once needed.
+fn release_free_memory() {
+    // SAFETY: malloc_trim only walks glibc's own free lists.
+    #[cfg(target_env = "gnu")]
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Frontends whose affinity state must go: affinity switched off, or gone.
 fn affinity_gone<A: Addr>(before: &Table<A>, after: &Table<A>) -> BTreeSet<u16> {
     let had = |t: &Table<A>| -> BTreeSet<u16> {
@@ -89,7 +100,21 @@ where
     lb_common::Backend<A>: aya::Pod,
     lb_common::RevNat<A>: aya::Pod,
 {
-    for op in ops {
+    let mut i = 0;
+    while i < ops.len() {
+        // Runs of one kind of write go in one system call each.
+        let run = FamilyMaps::<A>::batchable(&ops[i..]);
+        if run > 1 {
+            let done = fm.apply_batch(&ops[i..i + run]);
+            for op in &ops[i..i + done] {
+                mirror.apply(op);
+            }
+            i += done;
+            if done == run {
+                continue;
+            }
+        }
+        let op = &ops[i];
         if let Err(e) = fm.apply(op, shared) {
             let owner = owner_of(op, target);
             let who = owner.as_ref().map_or_else(|| "a removed service".to_string(), |(s, f)| format!("Service {s} ({f})"));
@@ -100,6 +125,7 @@ where
             });
         }
         mirror.apply(op);
+        i += 1;
     }
     Ok(())
 }
@@ -262,7 +288,11 @@ where
     let ops = writer::plan(&mirror.table, &target.table);
     tracing::debug!(family = A::NAME, us = t_plan.elapsed().as_micros() as u64, ops = ops.len(), "sync: plan");
     let stale = affinity_gone(&mirror.table, &target.table);
+    let t_write = Instant::now();
     apply_ops(&ops, &target, mirror, fm, shared)?;
+    if !ops.is_empty() {
+        tracing::info!(family = A::NAME, write_us = t_write.elapsed().as_micros() as u64, ops = ops.len(), "maps written in full");
+    }
     Ok((ops.len(), stale))
 }
 
@@ -307,6 +337,7 @@ impl Reconciler {
                 self.full_needed = true;
                 let n = self.sync_full()?;
                 self.full_needed = self.not_programmed > 0;
+                release_free_memory();
                 n
             }
         };

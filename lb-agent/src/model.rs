@@ -8,8 +8,10 @@ use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, Service, ServicePort};
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointSlice};
+use k8s_openapi::api::core::v1::{Node, ServicePort};
+
+pub mod objects;
+pub use objects::{Endpoint, EndpointSlice, Service};
 
 /// Label that ties an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
@@ -108,11 +110,11 @@ impl fmt::Display for Proto {
     }
 }
 
-/// `namespace/name` of a Service.
+/// `namespace/name` of a Service. Cheap to clone: the names are shared.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct ServiceRef {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl fmt::Display for ServiceRef {
@@ -231,17 +233,14 @@ fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
 
 fn service_ref(svc: &Service) -> ServiceRef {
     ServiceRef {
-        namespace: svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
-        name: svc.metadata.name.clone().unwrap_or_default(),
+        namespace: svc.metadata.namespace.as_deref().unwrap_or("default").into(),
+        name: svc.metadata.name.as_deref().unwrap_or_default().into(),
     }
 }
 
 fn slice_owner(slice: &EndpointSlice) -> Option<ServiceRef> {
-    let name = slice.metadata.labels.as_ref()?.get(LABEL_SERVICE_NAME)?;
-    Some(ServiceRef {
-        namespace: slice.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
-        name: name.clone(),
-    })
+    let name = slice.metadata.labels.service_name.as_ref()?;
+    Some(ServiceRef { namespace: slice.metadata.namespace.as_deref().unwrap_or("default").into(), name: name.as_str().into() })
 }
 
 fn parse_proto(p: Option<&str>) -> Option<Proto> {
@@ -262,7 +261,7 @@ fn skip_reason(svc: &Service) -> Option<&'static str> {
     if spec.type_.as_deref() == Some("ExternalName") {
         return Some("type ExternalName");
     }
-    if svc.metadata.labels.as_ref().is_some_and(|l| l.contains_key(LABEL_SERVICE_PROXY_NAME)) {
+    if svc.metadata.labels.proxy_name.is_some() {
         return Some("labelled service.kubernetes.io/service-proxy-name");
     }
     match spec.cluster_ip.as_deref() {
@@ -366,10 +365,17 @@ fn slice_port(slice: &EndpointSlice, sp: &ServicePort, proto: Proto) -> Option<u
     })
 }
 
-/// Compute the desired state with the default options.
+/// Compute the desired state of k8s-openapi objects with the default
+/// options.
 #[cfg(test)]
-pub fn compute(services: &[Service], slices: &[EndpointSlice], node: &NodeInfo) -> Desired {
-    compute_with(services, slices, node, &Options::default())
+pub fn compute(
+    services: &[k8s_openapi::api::core::v1::Service],
+    slices: &[k8s_openapi::api::discovery::v1::EndpointSlice],
+    node: &NodeInfo,
+) -> Desired {
+    let services: Vec<Service> = services.iter().map(Service::from).collect();
+    let slices: Vec<EndpointSlice> = slices.iter().map(EndpointSlice::from).collect();
+    compute_with(&services, &slices, node, &Options::default())
 }
 
 /// What one Service contributes to the desired state, before conflicts
@@ -485,8 +491,7 @@ where
                 let Some(target) = slice_port(slice, sp, proto) else { continue };
                 for ep in &slice.endpoints {
                     let local = ep.node_name.as_deref() == Some(node.name.as_str()) && !node.name.is_empty();
-                    for a in &ep.addresses {
-                        let Ok(addr) = a.parse::<IpAddr>() else { continue };
+                    for addr in ep.addresses.iter().copied() {
                         if addr.is_ipv4() != v4 || !usable_ip(&addr) {
                             continue;
                         }
@@ -619,7 +624,7 @@ where
             .iter()
             .flat_map(|s| s.endpoints.iter())
             .filter(|ep| ep.node_name.as_deref() == Some(node.name.as_str()) && conditions(ep).ready)
-            .flat_map(|ep| ep.addresses.iter().filter_map(|a| a.parse().ok()))
+            .flat_map(|ep| ep.addresses.iter().copied())
             .collect();
         out.health_check = Some((hc, HealthCheck { service: sref.clone(), local_endpoints: local.len() }));
     }
@@ -697,8 +702,8 @@ mod proptests;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::core::v1::{ClientIPConfig, ServiceSpec, SessionAffinityConfig};
-    use k8s_openapi::api::discovery::v1::{EndpointConditions, EndpointHints, EndpointPort, ForZone};
+    use k8s_openapi::api::core::v1::{ClientIPConfig, Service, ServiceSpec, SessionAffinityConfig};
+    use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointHints, EndpointPort, EndpointSlice, ForZone};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     fn node() -> NodeInfo {
@@ -1187,7 +1192,12 @@ mod tests {
         let d = compute(&[s.clone()], &[local_and_remote()], &node());
         let f = &d.frontends[&fk("198.51.100.7", 80, Proto::Tcp)];
         assert!(f.external && !f.no_socket);
-        let d = compute_with(&[s], &[local_and_remote()], &node(), &Options { external_ip_socket: false });
+        let d = compute_with(
+            &[objects::Service::from(&s)],
+            &[objects::EndpointSlice::from(&local_and_remote())],
+            &node(),
+            &Options { external_ip_socket: false },
+        );
         assert!(d.frontends[&fk("198.51.100.7", 80, Proto::Tcp)].no_socket);
     }
 

@@ -19,6 +19,15 @@ fn every_bench_case_runs() {
     for (case, s) in dp {
         assert!(s["values"][0].as_f64().unwrap() > 0.0, "{case}: {stdout}");
     }
+    let np = v["nodeport"].as_object().unwrap();
+    assert_eq!(np.len(), 3, "{stdout}");
+    for (case, s) in np {
+        assert!(s["values"][0].as_f64().unwrap() > 0.0, "NodePort {case}: {stdout}");
+    }
+    let tput = v["nodeport_throughput"].as_object().unwrap();
+    assert_eq!(tput.len(), 3, "{stdout}");
+    assert!(v["control_plane"].as_object().unwrap().keys().any(|k| k.contains("(YAML)")), "{stdout}");
+    assert!(v["map_write_ratio_to_raw"].as_f64().is_some_and(|r| r > 0.0), "{stdout}");
     assert_eq!(v["change_latency_ms"]["samples"].as_array().unwrap().len(), 5);
     assert!(stdout.contains("| lb, 30 services |"), "{stdout}");
 }

@@ -23,6 +23,69 @@ where
     pub services: HashMap<MapData, SvcKey<A>, SvcValue>,
     pub backends: HashMap<MapData, u32, Backend<A>>,
     pub revnat: HashMap<MapData, u16, RevNat<A>>,
+    /// The same three maps, for batch writes (aya has none).
+    raw: [MapData; 3],
+}
+
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+
+/// The `batch` member of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// BPF_MAP_UPDATE_BATCH (with `values`) or BPF_MAP_DELETE_BATCH (without):
+/// the kernel writes the entries in order, as that many single writes
+/// would, in one system call. Returns how many were written before a
+/// failure, and the failure.
+fn batch<K: Pod, V: Pod>(map: &MapData, keys: &[K], values: Option<&[V]>) -> (usize, std::io::Result<()>) {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let mut attr = BatchAttr {
+        keys: keys.as_ptr() as u64,
+        values: values.map_or(0, |v| v.as_ptr() as u64),
+        count: keys.len() as u32,
+        map_fd: map.fd().as_fd().as_raw_fd() as u32,
+        ..Default::default()
+    };
+    let cmd = if values.is_some() { BPF_MAP_UPDATE_BATCH } else { BPF_MAP_DELETE_BATCH };
+    // SAFETY: `attr` points at `count` keys (and values) of the map's sizes,
+    // which live until the call returns.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, &mut attr as *mut BatchAttr, std::mem::size_of::<BatchAttr>()) };
+    if r < 0 {
+        // The kernel reports how far it got in `count`.
+        (attr.count as usize, Err(std::io::Error::last_os_error()))
+    } else {
+        (keys.len(), Ok(()))
+    }
+}
+
+/// Which of a family's maps an op writes, and how, for batching.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RunKind {
+    PutSvc,
+    DelSvc,
+    PutBackend,
+    DelBackend,
+}
+
+fn run_kind<A>(op: &Op<A>) -> Option<RunKind> {
+    match op {
+        Op::PutSvc(..) => Some(RunKind::PutSvc),
+        Op::DelSvc(_) => Some(RunKind::DelSvc),
+        Op::PutBackend(..) => Some(RunKind::PutBackend),
+        Op::DelBackend(_) => Some(RunKind::DelBackend),
+        _ => None,
+    }
 }
 
 /// Every map the agent reads or writes.
@@ -73,7 +136,13 @@ where
     RevNat<A>: Pod,
 {
     fn open(dir: &Path, names: [&'static str; 3]) -> Result<Self> {
-        Ok(Self { names, services: hash(dir, names[0])?, backends: hash(dir, names[1])?, revnat: hash(dir, names[2])? })
+        Ok(Self {
+            names,
+            services: hash(dir, names[0])?,
+            backends: hash(dir, names[1])?,
+            revnat: hash(dir, names[2])?,
+            raw: [open_pinned(dir, names[0])?, open_pinned(dir, names[1])?, open_pinned(dir, names[2])?],
+        })
     }
 
     /// Read the full contents (the affinity-match and source-range entries
@@ -111,6 +180,44 @@ where
             }
         }
         Ok(t)
+    }
+
+    /// How many ops from the start of `ops` one batch can write: a run of
+    /// the same kind of write to the same map.
+    pub fn batchable(ops: &[Op<A>]) -> usize {
+        let Some(kind) = ops.first().and_then(run_kind) else { return 0 };
+        ops.iter().take_while(|o| run_kind(o) == Some(kind)).count()
+    }
+
+    /// Write a run of `batchable` ops in one system call. Returns how many
+    /// were written; on a failure the rest are left to single writes,
+    /// which name the failing entry (and skip a deletion of a missing one).
+    pub fn apply_batch(&mut self, ops: &[Op<A>]) -> usize {
+        let (done, result) = match ops.first().and_then(run_kind) {
+            Some(RunKind::PutSvc) => {
+                let (k, v): (Vec<SvcKey<A>>, Vec<SvcValue>) =
+                    ops.iter().filter_map(|o| if let Op::PutSvc(k, v) = o { Some((*k, *v)) } else { None }).unzip();
+                batch(&self.raw[0], &k, Some(&v))
+            }
+            Some(RunKind::DelSvc) => {
+                let k: Vec<SvcKey<A>> = ops.iter().filter_map(|o| if let Op::DelSvc(k) = o { Some(*k) } else { None }).collect();
+                batch::<_, SvcValue>(&self.raw[0], &k, None)
+            }
+            Some(RunKind::PutBackend) => {
+                let (k, v): (Vec<u32>, Vec<Backend<A>>) =
+                    ops.iter().filter_map(|o| if let Op::PutBackend(k, v) = o { Some((*k, *v)) } else { None }).unzip();
+                batch(&self.raw[1], &k, Some(&v))
+            }
+            Some(RunKind::DelBackend) => {
+                let k: Vec<u32> = ops.iter().filter_map(|o| if let Op::DelBackend(k) = o { Some(*k) } else { None }).collect();
+                batch::<_, Backend<A>>(&self.raw[1], &k, None)
+            }
+            None => (0, Ok(())),
+        };
+        if let Err(e) = result {
+            tracing::debug!(written = done, of = ops.len(), "batch write stopped: {e}");
+        }
+        done.min(ops.len())
     }
 
     /// Apply one op to the kernel maps.

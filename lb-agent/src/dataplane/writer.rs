@@ -681,7 +681,7 @@ mod tests {
             d.frontends.insert(
                 FrontendKey { addr: vip.parse().unwrap(), port: *port, proto: Proto::Tcp },
                 std::sync::Arc::new(Frontend {
-                    service: ServiceRef { namespace: "default".into(), name: vip.to_string() },
+                    service: ServiceRef { namespace: "default".into(), name: (*vip).into() },
                     port_name: String::new(),
                     backends: bs.clone(),
                     local_only: *local_only,

@@ -14,11 +14,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-
 use super::{
-    Desired, FrontendKey, NodeInfo, Options, Proto, ServiceOut, ServiceRef, compute_service, lost_warning, service_ref,
+    Desired, EndpointSlice, Service, FrontendKey, NodeInfo, Options, Proto, ServiceOut, ServiceRef, compute_service, lost_warning, service_ref,
     slice_group,
 };
 
@@ -73,16 +70,32 @@ pub struct Incremental {
     groups: HashMap<ServiceRef, Group>,
     /// EndpointSlices without an owner label, with their warning.
     unowned: Vec<(Arc<EndpointSlice>, String)>,
-    /// The Services that claim each frontend; the first has it.
-    claims: HashMap<FrontendKey, BTreeSet<ServiceRef>>,
+    /// The Services that claim each frontend, sorted; the first has it.
+    claims: HashMap<FrontendKey, Claims>,
     /// Frontends claimed by more than one Service.
     contested: BTreeSet<FrontendKey>,
-    vip_claims: HashMap<IpAddr, BTreeSet<ServiceRef>>,
+    /// The Services that serve each ClusterIP, sorted; the last owns it.
+    vip_claims: HashMap<IpAddr, Claims>,
     node_port_claims: HashMap<(u16, Proto), usize>,
     health_check_claims: HashMap<u16, BTreeSet<ServiceRef>>,
     /// Services with warnings of their own.
     warned: BTreeSet<ServiceRef>,
     desired: Desired,
+}
+
+/// Services that claim one thing, sorted: nearly always one, kept inline.
+type Claims = smallvec::SmallVec<[ServiceRef; 1]>;
+
+fn claim(c: &mut Claims, r: &ServiceRef) {
+    if let Err(i) = c.binary_search(r) {
+        c.insert(i, r.clone());
+    }
+}
+
+fn unclaim(c: &mut Claims, r: &ServiceRef) {
+    if let Ok(i) = c.binary_search(r) {
+        c.remove(i);
+    }
 }
 
 /// The objects of `old` that are not in `new`, and those of `new` that are
@@ -200,22 +213,22 @@ impl Incremental {
             let new = &g.out;
             for (k, _, _) in &old.frontends {
                 if let Some(c) = self.claims.get_mut(k) {
-                    c.remove(r);
+                    unclaim(c, r);
                 }
                 keys.insert(*k);
             }
             for (k, _, _) in &new.frontends {
-                self.claims.entry(*k).or_default().insert(r.clone());
+                claim(self.claims.entry(*k).or_default(), r);
                 keys.insert(*k);
             }
             for v in &old.vips {
                 if let Some(c) = self.vip_claims.get_mut(v) {
-                    c.remove(r);
+                    unclaim(c, r);
                 }
                 vips.insert(*v);
             }
             for v in &new.vips {
-                self.vip_claims.entry(*v).or_default().insert(r.clone());
+                claim(self.vip_claims.entry(*v).or_default(), r);
                 vips.insert(*v);
             }
             for np in old.node_ports.difference(&new.node_ports) {
@@ -271,7 +284,7 @@ impl Incremental {
                 let f = self.groups[r].out.frontends.iter().find(|(x, _, _)| *x == k).expect("the claimant has it");
                 f.1.clone()
             });
-            let n = claimants.map_or(0, BTreeSet::len);
+            let n = claimants.map_or(0, |c| c.len());
             if n > 1 {
                 warnings_changed |= self.contested.insert(k);
             } else {

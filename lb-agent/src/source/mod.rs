@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::core::v1::Node;
+
+use crate::model::{EndpointSlice, Service};
 
 pub mod dir;
 pub mod kube;

@@ -42,6 +42,10 @@ struct Args {
 }
 
 const VIP_NET: &str = "10.96";
+/// The NodePort Service of the NodePort cases.
+const NP_VIP: &str = "10.96.250.1";
+const NP_HTTP: u16 = 30080;
+const NP_BULK: u16 = 30090;
 const POD_CIDR: &str = "10.244.0.0/16";
 
 /// The i-th service's ClusterIP; the tested one is the last.
@@ -135,12 +139,35 @@ fn nft_rules(n: usize, server: &[String]) -> String {
     s
 }
 
-/// Services and EndpointSlices for the dir source, in files of 1,000, plus
-/// the tested service in its own file (the one the latency run edits).
-fn write_objects(dir: &Path, n: usize, server: &[String]) -> Result<()> {
+/// Services and EndpointSlices for the dir source, in files of 1,000 (YAML
+/// as `kubectl get -o yaml` prints them, or JSON lists as `-o json` and the
+/// API server give them), plus the tested service in a YAML file of its own
+/// (the one the latency run edits).
+fn write_objects(dir: &Path, n: usize, server: &[String], json: bool) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut chunk = String::new();
     let mut file = 0;
+    let flush = |chunk: &mut String, file: &mut usize| -> Result<()> {
+        if chunk.is_empty() {
+            return Ok(());
+        }
+        if json {
+            let mut items = Vec::new();
+            for de in serde_yaml::Deserializer::from_str(chunk) {
+                let v = <serde_json::Value as serde::Deserialize>::deserialize(de)?;
+                if !v.is_null() {
+                    items.push(v);
+                }
+            }
+            let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
+            std::fs::write(dir.join(format!("svc-{file:03}.json")), list.to_string())?;
+        } else {
+            std::fs::write(dir.join(format!("svc-{file:03}.yaml")), &*chunk)?;
+        }
+        chunk.clear();
+        *file += 1;
+        Ok(())
+    };
     for i in 0..n {
         let doc = objects(i, &endpoints(i, n, server));
         if i == n - 1 {
@@ -148,16 +175,50 @@ fn write_objects(dir: &Path, n: usize, server: &[String]) -> Result<()> {
             continue;
         }
         chunk += &doc;
-        if !chunk.is_empty() && (i + 1) % 1000 == 0 {
-            std::fs::write(dir.join(format!("svc-{file:03}.yaml")), &chunk)?;
-            chunk.clear();
-            file += 1;
+        if (i + 1) % 1000 == 0 {
+            flush(&mut chunk, &mut file)?;
         }
     }
-    if !chunk.is_empty() {
-        std::fs::write(dir.join(format!("svc-{file:03}.yaml")), &chunk)?;
+    flush(&mut chunk, &mut file)
+}
+
+/// kube-proxy's iptables rules for one NodePort Service (externalTrafficPolicy
+/// Cluster) with `eps` endpoints on (port, nodePort, targetPort) pairs.
+fn nodeport_rules(ports: &[(u16, u16, u16)], vip: &str, eps: &[String]) -> String {
+    let mut s = String::from("*nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-NODEPORTS - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-POSTROUTING - [0:0]\n");
+    for (p, _, _) in ports {
+        let _ = writeln!(s, ":KUBE-SVC-{p} - [0:0]\n:KUBE-EXT-{p} - [0:0]");
+        for k in 0..eps.len() {
+            let _ = writeln!(s, ":KUBE-SEP-{p}-{k} - [0:0]");
+        }
     }
-    Ok(())
+    s += "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n";
+    s += "-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n";
+    s += "-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n";
+    s += "-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n";
+    s += "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n";
+    s += "-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0\n";
+    s += "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n";
+    for (p, np, target) in ports {
+        let _ = writeln!(s, "-A KUBE-SERVICES -d {vip}/32 -p tcp -m comment --comment \"default/np:{p} cluster IP\" -m tcp --dport {p} -j KUBE-SVC-{p}");
+        let _ = writeln!(s, "-A KUBE-NODEPORTS -p tcp -m comment --comment \"default/np:{p}\" -m tcp --dport {np} -j KUBE-EXT-{p}");
+        let _ = writeln!(s, "-A KUBE-EXT-{p} -m comment --comment \"masquerade traffic for default/np:{p} external destinations\" -j KUBE-MARK-MASQ");
+        let _ = writeln!(s, "-A KUBE-EXT-{p} -j KUBE-SVC-{p}");
+        let _ = writeln!(s, "-A KUBE-SVC-{p} ! -s {POD_CIDR} -d {vip}/32 -p tcp -m tcp --dport {p} -j KUBE-MARK-MASQ");
+        for (k, ep) in eps.iter().enumerate() {
+            let rest = eps.len() - k;
+            if rest > 1 {
+                let _ = writeln!(s, "-A KUBE-SVC-{p} -m statistic --mode random --probability {:.11} -j KUBE-SEP-{p}-{k}", 1.0 / rest as f64);
+            } else {
+                let _ = writeln!(s, "-A KUBE-SVC-{p} -j KUBE-SEP-{p}-{k}");
+            }
+            let _ = writeln!(s, "-A KUBE-SEP-{p}-{k} -s {ep}/32 -j KUBE-MARK-MASQ");
+            let _ = writeln!(s, "-A KUBE-SEP-{p}-{k} -p tcp -m tcp -j DNAT --to-destination {ep}:{target}");
+        }
+    }
+    s += "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n";
+    s += "COMMIT\n";
+    s
 }
 
 fn objects(i: usize, eps: &[String]) -> String {
@@ -185,11 +246,12 @@ fn timed(netns: &str, cmd: &str, args: &[&str], input: &Path) -> Result<f64> {
 }
 
 fn rate(c: &Cluster, client: &Pod, addr: &str, secs: f64) -> Result<f64> {
-    let out = Command::new(bin("lbprobe"))
-        .args(["--netns", &client.netns, "--cgroup"])
-        .arg(&client.cgroup)
-        .args(["rate", "--addr", addr, "--secs", &secs.to_string(), "--cpu", "0"])
-        .output()?;
+    let mut cmd = Command::new(bin("lbprobe"));
+    cmd.args(["--netns", &client.netns]);
+    if !client.cgroup.as_os_str().is_empty() {
+        cmd.arg("--cgroup").arg(&client.cgroup);
+    }
+    let out = cmd.args(["rate", "--addr", addr, "--secs", &secs.to_string(), "--cpu", "0"]).output()?;
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| String::from_utf8_lossy(&out.stderr).into_owned())?;
     let _ = c;
     if v["ok"].as_u64().unwrap_or(0) == 0 {
@@ -268,8 +330,10 @@ fn main() -> Result<()> {
     let small = 10;
     let t0 = Instant::now();
     eprintln!("bench: building the namespaces");
-    // 1 direct, 2 server, 3 lb-10, 4 lb-large, 5/6 iptables-legacy, 7/8 iptables-nft, 9/10 nftables.
-    let mut c = Cluster::new(10)?;
+    // 1 direct, 2 server, 3 lb-10, 4 lb-large, 5/6 iptables-legacy,
+    // 7/8 iptables-nft, 9/10 nftables, 11 lb NodePort, 12 iptables NodePort,
+    // 13 lb-large from YAML (cold start only).
+    let mut c = Cluster::new(13)?;
     let server = c.add_pod(2, "server")?;
     let mut server_ips = vec![server.ip.clone()];
     for k in 1..10 {
@@ -305,26 +369,41 @@ fn main() -> Result<()> {
         cp.insert(format!("nft -f {size}"), timed(&c.nodes[nftn - 1].netns, "nft", &["-f", "-"], &nft)?);
     }
     let small_dir = work.join("objects-10");
-    write_objects(&small_dir, small, &server_ips)?;
+    write_objects(&small_dir, small, &server_ips, false)?;
     let large_dir = work.join("objects-large");
-    write_objects(&large_dir, n, &server_ips)?;
+    write_objects(&large_dir, n, &server_ips, true)?;
+    let yaml_dir = work.join("objects-large-yaml");
+    write_objects(&yaml_dir, n, &server_ips, false)?;
     const BULK_VIP: &str = "10.96.255.250";
     let mut bulk = lbtest::objects::service("bulk", BULK_VIP, &[("http", 80, 9090, "TCP")]);
     bulk += "---\n";
     bulk += &lbtest::objects::slice("bulk", "bulk-1", &[("http", 9090, "TCP")], &[(server.ip.as_str(), "node-2", true)]);
     std::fs::write(large_dir.join("bulk.yaml"), bulk)?;
     c.start_agent_from(3, &small_dir, &[])?;
+    let rss_small = c.agent_pid(3).map_or(0.0, rss_mib);
     eprintln!("bench: lb-agent cold start with {n} services x 10 endpoints");
     let t = Instant::now();
     c.start_agent_from(4, &large_dir, &[])?;
-    cp.insert(format!("lb-agent cold start {n}"), t.elapsed().as_secs_f64());
+    cp.insert(format!("lb-agent cold start {n} (JSON)"), t.elapsed().as_secs_f64());
     let log = std::fs::read_to_string(c.agent_log(4))?;
-    if let Some(us) = log.lines().find(|l| l.contains("maps programmed")).and_then(|l| l.split("elapsed_us=").nth(1)).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse::<f64>().ok()) {
+    let field = |line: &str, name: &str| -> Option<f64> { line.split(&format!("{name}=")).nth(1)?.split_whitespace().next()?.parse().ok() };
+    if let Some(us) = log.lines().find(|l| l.contains("maps programmed")).and_then(|l| field(l, "elapsed_us")) {
         cp.insert(format!("lb-agent first sync {n}"), us / 1e6);
     }
+    let written = log.lines().find(|l| l.contains("maps written in full")).and_then(|l| Some((field(l, "write_us")?, field(l, "ops")?)));
     let rss = c.agent_pid(4).map_or(0.0, rss_mib);
+    let t = Instant::now();
+    c.start_agent_from(13, &yaml_dir, &[])?;
+    cp.insert(format!("lb-agent cold start {n} (YAML)"), t.elapsed().as_secs_f64());
+    c.kill_agent(13);
     let entries = n * (10 + 2);
-    cp.insert(format!("raw BPF map fill {entries}"), raw_map_fill(entries)?);
+    let raw = raw_map_fill(entries)?;
+    cp.insert(format!("raw BPF map fill {entries}"), raw);
+    // Our map writing against the raw fill, per entry.
+    let write_ratio = written.map(|(us, ops)| (us / 1e6 / ops) / (raw / entries as f64));
+    if let Some((us, ops)) = written {
+        cp.insert(format!("lb-agent map writing, {ops} entries"), us / 1e6);
+    }
 
     // Datapath: interleaved rounds of short connections.
     let tested = format!("{}:80", vip(n - 1));
@@ -368,8 +447,59 @@ fn main() -> Result<()> {
         }
     }
 
+    // NodePort from outside: lb's TC path (node 11) against kube-proxy's
+    // iptables NodePort rules (node 12) and direct to the pod.
+    let mut np_series: BTreeMap<String, Series> = BTreeMap::new();
+    let mut np_tput: BTreeMap<String, Series> = BTreeMap::new();
+    let np_cases: Vec<(String, String)> = vec![
+        ("direct (pod IP)".into(), format!("{}:8080", server.ip)),
+        ("lb (TC), nodeIP:nodePort".into(), format!("{}:{NP_HTTP}", c.nodes[10].ip)),
+        ("iptables-legacy, nodeIP:nodePort".into(), format!("{}:{NP_HTTP}", c.nodes[11].ip)),
+    ];
+    if rounds > 0 {
+        eprintln!("bench: NodePort");
+        let np_dir = work.join("objects-np");
+        std::fs::create_dir_all(&np_dir)?;
+        let mut doc = lbtest::objects::service_typed("np", NP_VIP, "NodePort", &[("http", 80, 8080, "TCP", NP_HTTP), ("bulk", 90, 9090, "TCP", NP_BULK)], "", &[]);
+        doc += "---\n";
+        let e: Vec<(&str, &str, bool)> = server_ips.iter().map(|ip| (ip.as_str(), "node-2", true)).collect();
+        doc += &lbtest::objects::slice("np", "np-1", &[("http", 8080, "TCP"), ("bulk", 9090, "TCP")], &e);
+        std::fs::write(np_dir.join("np.yaml"), doc)?;
+        c.start_agent_from(11, &np_dir, &[])?;
+        let rules = work.join("ipt-np.rules");
+        std::fs::write(&rules, nodeport_rules(&[(80, NP_HTTP, 8080), (90, NP_BULK, 9090)], NP_VIP, &server_ips))?;
+        timed(&c.nodes[11].netns, "iptables-legacy-restore", &[], &rules)?;
+        let outside = c.add_outside("outside", 100, &[("10.244.2.0/24", 2)])?;
+        c.in_netns(&outside.netns, &["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])?;
+        for round in 0..rounds {
+            eprintln!("bench: NodePort round {} of {rounds}", round + 1);
+            let mut direct = 0.0;
+            for (i, (name, addr)) in np_cases.iter().enumerate() {
+                let r = rate(&c, &outside, addr, a.secs)?;
+                if i == 0 {
+                    direct = r;
+                }
+                let s = np_series.entry(name.clone()).or_default();
+                s.values.push(r);
+                s.ratios.push(r / direct);
+            }
+        }
+        for _ in 0..rounds.min(3) {
+            let d = bulk_rate(&c, &outside, &format!("{}:9090", server.ip), a.bulk_bytes)?;
+            let l = bulk_rate(&c, &outside, &format!("{}:{NP_BULK}", c.nodes[10].ip), a.bulk_bytes)?;
+            let i = bulk_rate(&c, &outside, &format!("{}:{NP_BULK}", c.nodes[11].ip), a.bulk_bytes)?;
+            for ((k, _), v) in np_cases.iter().zip([d, l, i]) {
+                let s = np_tput.entry(k.clone()).or_default();
+                s.values.push(v);
+                s.ratios.push(v / d);
+            }
+        }
+    }
+
     // One endpoint change at a time, with the large set loaded: from the
-    // file write to the maps holding it.
+    // file write to the maps holding it. Files are replaced the way a
+    // writer should (write aside, rename over), so that the agent never
+    // reads one half-written.
     eprintln!("bench: {} endpoint changes", a.changes);
     let maps = PathBuf::from(&c.nodes[3].bpffs).join(lb_common::maps::SERVICES4);
     let mut lat = Vec::new();
@@ -384,8 +514,10 @@ fn main() -> Result<()> {
     for i in 0..a.changes {
         let want = if i % 2 == 0 { 9 } else { 10 };
         let doc = objects(n - 1, &server_ips[..want]);
+        let tmp = large_dir.join(".tested.yaml.tmp");
+        std::fs::write(&tmp, doc)?;
         let t = Instant::now();
-        std::fs::write(large_dir.join("tested.yaml"), doc)?;
+        std::fs::rename(&tmp, large_dir.join("tested.yaml"))?;
         loop {
             if count(&svc) as usize == want {
                 break;
@@ -411,25 +543,47 @@ fn main() -> Result<()> {
     for (k, s) in &tput {
         let _ = writeln!(md, "| {k} | {:.0} | {:.2} |", median(&s.values), median(&s.ratios));
     }
+    let _ = writeln!(md, "\nNodePort from an outside client, {} rounds of {} s, interleaved:\n", a.rounds, a.secs);
+    let _ = writeln!(md, "| case | conn/s (median) | min–max | ratio to direct (median) | MB/s, one stream (median) | ratio |\n|---|---|---|---|---|---|");
+    for (name, _) in &np_cases {
+        let Some(s) = np_series.get(name) else { continue };
+        let (lo, hi) = minmax(&s.values);
+        let t = np_tput.get(name);
+        let _ = writeln!(
+            md,
+            "| {name} | {:.0} | {:.0}–{:.0} | {:.2} | {:.0} | {:.2} |",
+            median(&s.values),
+            lo,
+            hi,
+            median(&s.ratios),
+            t.map_or(0.0, |t| median(&t.values)),
+            t.map_or(0.0, |t| median(&t.ratios))
+        );
+    }
     let _ = writeln!(md, "\nControl plane ({n} services x 10 endpoints unless noted):\n\n| step | seconds |\n|---|---|");
     for (k, v) in &cp {
         let _ = writeln!(md, "| {k} | {v:.3} |");
     }
     let _ = writeln!(
         md,
-        "\nOne endpoint change, file write to programmed maps, {} changes with {n} services loaded: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms.\n\nlb-agent resident memory after the full sync: {rss:.1} MiB.",
+        "\nOne endpoint change, file write to programmed maps, {} changes with {n} services loaded: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms.\n\nlb-agent resident memory after the full sync: {rss:.1} MiB ({rss_small:.1} MiB with {small} services).",
         lat.len(),
         percentile(&lat, 0.5),
         percentile(&lat, 0.99),
         lat.iter().cloned().fold(0.0, f64::max)
     );
+    if let Some(r) = write_ratio {
+        let _ = writeln!(md, "\nlb-agent map writing per entry: {r:.2} of the raw single-insert fill's.");
+    }
     let _ = writeln!(md, "\nTotal bench time {:.0} s.", t0.elapsed().as_secs_f64());
     print!("{md}");
     let json = serde_json::json!({
         "rounds": a.rounds, "secs": a.secs, "services": n,
         "datapath": series, "throughput": tput, "control_plane": cp,
+        "nodeport": np_series, "nodeport_throughput": np_tput, "map_write_ratio_to_raw": write_ratio,
         "change_latency_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "samples": lat},
         "agent_rss_mib": rss,
+        "agent_rss_mib_small": rss_small,
     });
     if let Some(d) = a.out.parent() {
         std::fs::create_dir_all(d)?;

@@ -7,14 +7,17 @@ use super::super::proptests::{node, service, slice};
 use super::super::{NodeInfo, Options, compute_with};
 use super::*;
 
+type K8sService = k8s_openapi::api::core::v1::Service;
+type K8sSlice = k8s_openapi::api::discovery::v1::EndpointSlice;
+
 /// One edit of the snapshot.
 #[derive(Clone, Debug)]
 enum Edit {
     /// Replace the i-th Service with a new object.
-    Service(usize, Service),
-    Slice(usize, EndpointSlice),
-    AddService(Service),
-    AddSlice(EndpointSlice),
+    Service(usize, K8sService),
+    Slice(usize, K8sSlice),
+    AddService(K8sService),
+    AddSlice(K8sSlice),
     DropService(usize),
     DropSlice(usize),
     /// Reverse the order of everything (objects only move).
@@ -44,11 +47,11 @@ fn sorted(mut d: Desired) -> Desired {
     d
 }
 
-fn run(services: Vec<Service>, slices: Vec<EndpointSlice>, edits: Vec<Edit>) -> Result<(), TestCaseError> {
+fn run(services: Vec<K8sService>, slices: Vec<K8sSlice>, edits: Vec<Edit>) -> Result<(), TestCaseError> {
     let opts = Options::default();
     let mut node: NodeInfo = node();
-    let mut svcs: Vec<Arc<Service>> = services.into_iter().map(Arc::new).collect();
-    let mut eps: Vec<Arc<EndpointSlice>> = slices.into_iter().map(Arc::new).collect();
+    let mut svcs: Vec<Arc<Service>> = services.iter().map(|s| Arc::new(Service::from(s))).collect();
+    let mut eps: Vec<Arc<EndpointSlice>> = slices.iter().map(|s| Arc::new(EndpointSlice::from(s))).collect();
     let mut inc = Incremental::new();
     let ch = inc.update(&svcs, &eps, &node, &opts);
     prop_assert!(ch.full);
@@ -57,14 +60,14 @@ fn run(services: Vec<Service>, slices: Vec<EndpointSlice>, edits: Vec<Edit>) -> 
         match e {
             Edit::Service(i, s) if !svcs.is_empty() => {
                 let n = svcs.len();
-                svcs[i % n] = Arc::new(s);
+                svcs[i % n] = Arc::new(Service::from(&s));
             }
             Edit::Slice(i, s) if !eps.is_empty() => {
                 let n = eps.len();
-                eps[i % n] = Arc::new(s);
+                eps[i % n] = Arc::new(EndpointSlice::from(&s));
             }
-            Edit::Service(_, s) | Edit::AddService(s) => svcs.push(Arc::new(s)),
-            Edit::Slice(_, s) | Edit::AddSlice(s) => eps.push(Arc::new(s)),
+            Edit::Service(_, s) | Edit::AddService(s) => svcs.push(Arc::new(Service::from(&s))),
+            Edit::Slice(_, s) | Edit::AddSlice(s) => eps.push(Arc::new(EndpointSlice::from(&s))),
             Edit::DropService(i) if !svcs.is_empty() => {
                 let n = svcs.len();
                 svcs.remove(i % n);
