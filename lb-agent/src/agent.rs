@@ -57,6 +57,14 @@ impl<A: Addr> Mirror<A> {
         Self { index: writer::Index::of(&table), table, cursors: Cursors::default() }
     }
 
+    /// The maps hold `table` now.
+    fn replace(&mut self, table: Table<A>) {
+        self.table = Table::default();
+        self.index = writer::Index::default();
+        self.table = table.compacted();
+        self.index = writer::Index::of(&self.table);
+    }
+
     /// Follow a write that reached the map.
     fn apply(&mut self, op: &Op<A>) {
         self.index.apply(&self.table, op);
@@ -68,10 +76,12 @@ impl<A: Addr> Mirror<A> {
 /// parse buffers) back to the system, so that the resident size is what
 /// the agent keeps, not what it once needed.
 fn release_free_memory() {
-    // SAFETY: malloc_trim only walks glibc's own free lists.
+    // SAFETY: malloc_trim and mallinfo2 only walk glibc's own lists.
     #[cfg(target_env = "gnu")]
     unsafe {
         libc::malloc_trim(0);
+        let m = libc::mallinfo2();
+        tracing::debug!(in_use = m.uordblks, mmapped = m.hblkhd, free = m.fordblks, arena = m.arena, "heap after a full sync");
     }
 }
 
@@ -87,7 +97,42 @@ fn affinity_gone<A: Addr>(before: &Table<A>, after: &Table<A>) -> BTreeSet<u16> 
     had(before).difference(&had(after)).copied().collect()
 }
 
-/// Apply `ops` in order, stopping at the first failed write.
+/// Write `ops` to the kernel maps in order, stopping at the first failed
+/// write: how many were written, and the failure.
+fn write_ops<A: Addr>(ops: &[Op<A>], fm: &mut FamilyMaps<A>, shared: &mut crate::dataplane::maps::Shared<'_>) -> (usize, Option<anyhow::Error>)
+where
+    lb_common::SvcKey<A>: aya::Pod,
+    lb_common::Backend<A>: aya::Pod,
+    lb_common::RevNat<A>: aya::Pod,
+{
+    let mut i = 0;
+    while i < ops.len() {
+        // Runs of one kind of write go in one system call each.
+        let run = FamilyMaps::<A>::batchable(&ops[i..]);
+        if run > 1 {
+            let done = fm.apply_batch(&ops[i..i + run]);
+            i += done;
+            if done == run {
+                continue;
+            }
+        }
+        if let Err(e) = fm.apply(&ops[i], shared) {
+            return (i, Some(e));
+        }
+        i += 1;
+    }
+    (i, None)
+}
+
+/// The error for a failed write of `op`, naming its Service.
+fn write_failed<A: Addr>(op: &Op<A>, target: &writer::Target<A>, e: anyhow::Error) -> WriteFailed {
+    let owner = owner_of(op, target);
+    let who = owner.as_ref().map_or_else(|| "a removed service".to_string(), |(s, f)| format!("Service {s} ({f})"));
+    WriteFailed { service: owner.map(|(s, _)| s), error: e.context(format!("programming {who} failed")), too_many: Vec::new() }
+}
+
+/// Apply `ops` in order, stopping at the first failed write; the mirror
+/// follows every write that reached the maps.
 fn apply_ops<A: Addr>(
     ops: &[Op<A>],
     target: &writer::Target<A>,
@@ -100,34 +145,14 @@ where
     lb_common::Backend<A>: aya::Pod,
     lb_common::RevNat<A>: aya::Pod,
 {
-    let mut i = 0;
-    while i < ops.len() {
-        // Runs of one kind of write go in one system call each.
-        let run = FamilyMaps::<A>::batchable(&ops[i..]);
-        if run > 1 {
-            let done = fm.apply_batch(&ops[i..i + run]);
-            for op in &ops[i..i + done] {
-                mirror.apply(op);
-            }
-            i += done;
-            if done == run {
-                continue;
-            }
-        }
-        let op = &ops[i];
-        if let Err(e) = fm.apply(op, shared) {
-            let owner = owner_of(op, target);
-            let who = owner.as_ref().map_or_else(|| "a removed service".to_string(), |(s, f)| format!("Service {s} ({f})"));
-            return Err(WriteFailed {
-                service: owner.map(|(s, _)| s),
-                error: e.context(format!("programming {who} failed")),
-                too_many: Vec::new(),
-            });
-        }
+    let (done, err) = write_ops(ops, fm, shared);
+    for op in &ops[..done] {
         mirror.apply(op);
-        i += 1;
     }
-    Ok(())
+    match err {
+        Some(e) => Err(write_failed(&ops[done], target, e)),
+        None => Ok(()),
+    }
 }
 
 /// Program only what `ch` names: the frontends that changed (with the
@@ -289,10 +314,18 @@ where
     tracing::debug!(family = A::NAME, us = t_plan.elapsed().as_micros() as u64, ops = ops.len(), "sync: plan");
     let stale = affinity_gone(&mirror.table, &target.table);
     let t_write = Instant::now();
-    apply_ops(&ops, &target, mirror, fm, shared)?;
+    let (done, err) = write_ops(&ops, fm, shared);
+    if let Some(e) = err {
+        for op in &ops[..done] {
+            mirror.apply(op);
+        }
+        return Err(write_failed(&ops[done], &target, e));
+    }
     if !ops.is_empty() {
         tracing::info!(family = A::NAME, write_us = t_write.elapsed().as_micros() as u64, ops = ops.len(), "maps written in full");
     }
+    // The maps now hold exactly the target: it becomes the mirror.
+    mirror.replace(target.table);
     Ok((ops.len(), stale))
 }
 

@@ -144,6 +144,15 @@ fn hostname() -> String {
 }
 
 fn main() -> ExitCode {
+    // Large temporary buffers (a file's text, a full sync's list of writes)
+    // come from mmap and go back to the system when freed. glibc otherwise
+    // raises this threshold after the first such free, and later ones land
+    // between long-lived objects, which keeps the heap large for good.
+    // SAFETY: mallopt only sets a glibc tunable, before any thread starts.
+    #[cfg(target_env = "gnu")]
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),

@@ -175,10 +175,31 @@ pub struct Frontend {
     pub no_socket: bool,
     /// loadBalancerSourceRanges (LoadBalancer IPs only): (network, prefix length).
     pub source_ranges: Vec<(IpAddr, u8)>,
-    /// Every endpoint that still serves (ready, or serving while
-    /// terminating), whether or not it is picked: connections to the others
-    /// are stale. Sorted.
-    pub serving: Vec<(IpAddr, u16)>,
+    /// Endpoints that still serve (ready, or serving while terminating)
+    /// but are in neither backend set: not picked, yet not stale either.
+    /// Sorted; usually empty. See `serving`.
+    pub extra_serving: Vec<(IpAddr, u16)>,
+}
+
+impl Frontend {
+    /// Every endpoint that still serves, picked or not: connections to the
+    /// others are stale. Sorted.
+    pub fn serving(&self) -> Vec<(IpAddr, u16)> {
+        let all: BTreeSet<(IpAddr, u16)> = self
+            .backends
+            .iter()
+            .chain(&self.local_backends)
+            .map(|b| (b.addr, b.port))
+            .chain(self.extra_serving.iter().copied())
+            .collect();
+        all.into_iter().collect()
+    }
+
+    /// Whether `addr:port` still serves this frontend.
+    pub fn serves(&self, addr: IpAddr, port: u16) -> bool {
+        self.backends.iter().chain(&self.local_backends).any(|b| b.addr == addr && b.port == port)
+            || self.extra_serving.contains(&(addr, port))
+    }
 }
 
 /// The desired dataplane state.
@@ -204,7 +225,7 @@ impl Desired {
     pub fn alive_pairs(&self) -> BTreeSet<(IpAddr, u16, IpAddr, u16)> {
         self.frontends
             .iter()
-            .flat_map(|(k, f)| f.serving.iter().map(move |(a, p)| (k.addr, k.port, *a, *p)))
+            .flat_map(|(k, f)| f.serving().into_iter().map(move |(a, p)| (k.addr, k.port, a, p)))
             .collect()
     }
 }
@@ -513,16 +534,19 @@ where
             ext_local: false,
             no_socket: false,
             source_ranges: Vec::new(),
-            serving: Vec::new(),
+            extra_serving: Vec::new(),
         };
-        // (cluster set, topology applied, local set, serving) for one family.
+        // (cluster set, topology applied, local set, other serving) for one family.
         let sets = |v4: bool, topology: bool| {
             let all = endpoints(v4);
-            let serving: Vec<(IpAddr, u16)> = all.iter().filter(|(_, c)| c.serving).map(|(b, _)| (b.addr, b.port)).collect();
             let zone = if topology { topology_zone(&all, node) } else { None };
             let cluster = usable(&all, zone);
-            let local: Vec<_> = all.into_iter().filter(|(b, _)| b.local).collect();
-            (cluster, zone.is_some(), usable(&local, None), serving)
+            let local_candidates: Vec<_> = all.iter().filter(|(b, _)| b.local).cloned().collect();
+            let local = usable(&local_candidates, None);
+            let picked = |a: IpAddr, p: u16| cluster.iter().chain(&local).any(|b| b.addr == a && b.port == p);
+            let extra: Vec<(IpAddr, u16)> =
+                all.iter().filter(|(b, c)| c.serving && !picked(b.addr, b.port)).map(|(b, _)| (b.addr, b.port)).collect();
+            (cluster, zone.is_some(), local, extra)
         };
         for vip in &vips {
             let key = FrontendKey { addr: *vip, port, proto };
@@ -534,7 +558,7 @@ where
             let (backends, topology, local_backends, serving) = sets(vip.is_ipv4(), !local_only);
             out.frontends.push((
                 key,
-                Arc::new(Frontend { backends, local_only, local_backends, topology, serving, ..base.clone() }),
+                Arc::new(Frontend { backends, local_only, local_backends, topology, extra_serving: serving, ..base.clone() }),
                 false,
             ));
         }
@@ -608,7 +632,7 @@ where
                     ext_local,
                     no_socket,
                     source_ranges,
-                    serving,
+                    extra_serving: serving,
                     ..base.clone()
                 }),
                 true,
@@ -844,7 +868,7 @@ mod tests {
         assert!(f.backends[0].terminating);
         // Serving endpoints stay alive (their connections drain); the
         // not-serving one does not.
-        let serving: Vec<String> = f.serving.iter().map(|(a, p)| format!("{a}:{p}")).collect();
+        let serving: Vec<String> = f.serving().iter().map(|(a, p)| format!("{a}:{p}")).collect();
         assert_eq!(serving, ["10.0.0.3:8080", "10.0.0.4:8080"]);
     }
 

@@ -52,8 +52,9 @@ impl Changes {
 /// The objects of one Service reference, and what they contribute.
 #[derive(Default)]
 struct Group {
-    services: Vec<Arc<Service>>,
-    slices: Vec<Arc<EndpointSlice>>,
+    /// Nearly always one definition and one slice: kept inline.
+    services: smallvec::SmallVec<[Arc<Service>; 1]>,
+    slices: smallvec::SmallVec<[Arc<EndpointSlice>; 1]>,
     out: ServiceOut,
 }
 
@@ -300,9 +301,9 @@ impl Incremental {
             if before != now {
                 ch.frontends.insert(k);
                 if let Some(b) = before {
-                    for (a, p) in &b.serving {
-                        if !now.as_ref().is_some_and(|f| f.serving.contains(&(*a, *p))) {
-                            left.push((k, *a, *p));
+                    for (a, p) in b.serving() {
+                        if !now.as_ref().is_some_and(|f| f.serves(a, p)) {
+                            left.push((k, a, p));
                         }
                     }
                 }
@@ -311,7 +312,7 @@ impl Incremental {
         // A pair still serves through the frontend of the other protocol.
         for (k, a, p) in left {
             let still = [Proto::Tcp, Proto::Udp].iter().any(|proto| {
-                self.desired.frontends.get(&FrontendKey { proto: *proto, ..k }).is_some_and(|f| f.serving.contains(&(a, p)))
+                self.desired.frontends.get(&FrontendKey { proto: *proto, ..k }).is_some_and(|f| f.serves(a, p))
             });
             if !still {
                 ch.left.insert((k.addr, k.port, a, p));
