@@ -57,11 +57,9 @@ impl<A: Addr> Mirror<A> {
         Self { index: writer::Index::of(&table), table, cursors: Cursors::default() }
     }
 
-    /// The maps hold `table` now.
+    /// The maps hold `table` now (a built one: its nodes are full).
     fn replace(&mut self, table: Table<A>) {
-        self.table = Table::default();
-        self.index = writer::Index::default();
-        self.table = table.compacted();
+        self.table = table;
         self.index = writer::Index::of(&self.table);
     }
 
@@ -109,17 +107,22 @@ where
     while i < ops.len() {
         // Runs of one kind of write go in one system call each.
         let run = FamilyMaps::<A>::batchable(&ops[i..]);
+        let mut single = 1;
         if run > 1 {
             let done = fm.apply_batch(&ops[i..i + run]);
             i += done;
             if done == run {
                 continue;
             }
+            // The rest of the run one by one: the failing write is named.
+            single = run - done;
         }
-        if let Err(e) = fm.apply(&ops[i], shared) {
-            return (i, Some(e));
+        for _ in 0..single {
+            if let Err(e) = fm.apply(&ops[i], shared) {
+                return (i, Some(e));
+            }
+            i += 1;
         }
-        i += 1;
     }
     (i, None)
 }

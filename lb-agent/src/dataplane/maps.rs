@@ -48,13 +48,12 @@ struct BatchAttr {
 /// the kernel writes the entries in order, as that many single writes
 /// would, in one system call. Returns how many were written before a
 /// failure, and the failure.
-fn batch<K: Pod, V: Pod>(map: &MapData, keys: &[K], values: Option<&[V]>) -> (usize, std::io::Result<()>) {
-    use std::os::fd::{AsFd as _, AsRawFd as _};
+fn batch<K: Pod, V: Pod>(map_fd: std::os::fd::RawFd, keys: &[K], values: Option<&[V]>) -> (usize, std::io::Result<()>) {
     let mut attr = BatchAttr {
         keys: keys.as_ptr() as u64,
         values: values.map_or(0, |v| v.as_ptr() as u64),
         count: keys.len() as u32,
-        map_fd: map.fd().as_fd().as_raw_fd() as u32,
+        map_fd: map_fd as u32,
         ..Default::default()
     };
     let cmd = if values.is_some() { BPF_MAP_UPDATE_BATCH } else { BPF_MAP_DELETE_BATCH };
@@ -66,6 +65,41 @@ fn batch<K: Pod, V: Pod>(map: &MapData, keys: &[K], values: Option<&[V]>) -> (us
         (attr.count as usize, Err(std::io::Error::last_os_error()))
     } else {
         (keys.len(), Ok(()))
+    }
+}
+
+/// Runs at least this long are written by two threads, half each: the
+/// kernel's hash maps take concurrent writers, and a cold start writes
+/// hundreds of thousands of entries.
+const PARALLEL_RUN: usize = 16_384;
+
+/// `batch`, split over two threads for long runs. The entries of one run
+/// may be written in any order (the plan orders runs, not entries within
+/// one). On a failure it says nothing was written: the caller writes the
+/// run again one by one (puts and deletions are idempotent).
+fn batch_run<K: Pod + Sync, V: Pod + Sync>(map: &MapData, keys: &[K], values: Option<&[V]>) -> (usize, std::io::Result<()>) {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let fd = map.fd().as_fd().as_raw_fd();
+    if keys.len() < PARALLEL_RUN {
+        return batch(fd, keys, values);
+    }
+    let mid = keys.len() / 2;
+    let (k1, k2) = keys.split_at(mid);
+    let (v1, v2) = match values {
+        Some(v) => {
+            let (a, b) = v.split_at(mid);
+            (Some(a), Some(b))
+        }
+        None => (None, None),
+    };
+    let (r1, r2) = std::thread::scope(|s| {
+        let other = s.spawn(|| batch(fd, k2, v2));
+        let r1 = batch(fd, k1, v1);
+        (r1, other.join().unwrap_or_else(|_| (0, Err(std::io::Error::other("batch writer panicked")))))
+    });
+    match (r1, r2) {
+        ((_, Ok(())), (_, Ok(()))) => (keys.len(), Ok(())),
+        ((_, Err(e)), _) | (_, (_, Err(e))) => (0, Err(e)),
     }
 }
 
@@ -197,20 +231,20 @@ where
             Some(RunKind::PutSvc) => {
                 let (k, v): (Vec<SvcKey<A>>, Vec<SvcValue>) =
                     ops.iter().filter_map(|o| if let Op::PutSvc(k, v) = o { Some((*k, *v)) } else { None }).unzip();
-                batch(&self.raw[0], &k, Some(&v))
+                batch_run(&self.raw[0], &k, Some(&v))
             }
             Some(RunKind::DelSvc) => {
                 let k: Vec<SvcKey<A>> = ops.iter().filter_map(|o| if let Op::DelSvc(k) = o { Some(*k) } else { None }).collect();
-                batch::<_, SvcValue>(&self.raw[0], &k, None)
+                batch_run::<_, SvcValue>(&self.raw[0], &k, None)
             }
             Some(RunKind::PutBackend) => {
                 let (k, v): (Vec<u32>, Vec<Backend<A>>) =
                     ops.iter().filter_map(|o| if let Op::PutBackend(k, v) = o { Some((*k, *v)) } else { None }).unzip();
-                batch(&self.raw[1], &k, Some(&v))
+                batch_run(&self.raw[1], &k, Some(&v))
             }
             Some(RunKind::DelBackend) => {
                 let k: Vec<u32> = ops.iter().filter_map(|o| if let Op::DelBackend(k) = o { Some(*k) } else { None }).collect();
-                batch::<_, Backend<A>>(&self.raw[1], &k, None)
+                batch_run::<_, Backend<A>>(&self.raw[1], &k, None)
             }
             None => (0, Ok(())),
         };

@@ -86,18 +86,6 @@ pub enum Op<A> {
 }
 
 impl<A: Addr> Table<A> {
-    /// The same table in full B-tree nodes: one built by inserting keys in
-    /// order keeps its nodes half empty, nearly twice the memory.
-    pub fn compacted(self) -> Self {
-        Table {
-            services: self.services.into_iter().collect(),
-            backends: self.backends.into_iter().collect(),
-            revnat: self.revnat.into_iter().collect(),
-            affinity_match: self.affinity_match.into_iter().collect(),
-            src_ranges: self.src_ranges.into_iter().collect(),
-        }
-    }
-
     /// Apply one op to this in-memory mirror.
     pub fn apply(&mut self, op: &Op<A>) {
         match *op {
@@ -353,6 +341,47 @@ impl<'a, A: Addr> Ids<'a, A> {
     }
 }
 
+/// A target table being built: entries collected in vectors and turned
+/// into maps at once, which is several times faster than inserting them one
+/// by one and leaves the maps' nodes full.
+struct Builder<A: Addr> {
+    services: Vec<(SvcKey<A>, SvcValue)>,
+    backends: Vec<(u32, Backend<A>)>,
+    revnat: Vec<(u16, RevNat<A>)>,
+    affinity_match: Vec<AffinityMatchKey>,
+    src_ranges: Vec<(u16, A, u8)>,
+    owners: HashMap<(A, u16, u8), ServiceRef>,
+    left_out: Vec<String>,
+}
+
+impl<A: Addr> Builder<A> {
+    fn new() -> Self {
+        Self {
+            services: Vec::new(),
+            backends: Vec::new(),
+            revnat: Vec::new(),
+            affinity_match: Vec::new(),
+            src_ranges: Vec::new(),
+            owners: HashMap::new(),
+            left_out: Vec::new(),
+        }
+    }
+
+    fn finish(self) -> Target<A> {
+        Target {
+            table: Table {
+                services: self.services.into_iter().collect(),
+                backends: self.backends.into_iter().collect(),
+                revnat: self.revnat.into_iter().collect(),
+                affinity_match: self.affinity_match.into_iter().collect(),
+                src_ranges: self.src_ranges.into_iter().collect(),
+            },
+            owners: self.owners,
+            left_out: self.left_out,
+        }
+    }
+}
+
 /// Build the map contents of family `A` for `desired`, reusing the ids of
 /// `current` wherever the same backend or frontend already has one.
 #[cfg(test)]
@@ -362,7 +391,7 @@ pub fn build<A: Addr>(desired: &Desired, current: &Table<A>, cursors: &mut Curso
 
 /// `build`, with the indexes of `current` at hand.
 pub fn build_with<A: Addr>(desired: &Desired, current: &Table<A>, index: &Index<A>, cursors: &mut Cursors) -> Target<A> {
-    let mut t = Target::default();
+    let mut t = Builder::new();
     let mut ids = Ids::new(current, index, cursors);
     for (key, front) in &desired.frontends {
         add_frontend(&mut t, key, front, &mut ids);
@@ -370,7 +399,7 @@ pub fn build_with<A: Addr>(desired: &Desired, current: &Table<A>, index: &Index<
     for vip in &desired.vips {
         add_marker(&mut t, desired, *vip);
     }
-    t
+    t.finish()
 }
 
 /// The map contents of the frontends on `units` (address and port: the
@@ -384,7 +413,7 @@ pub fn build_part<A: Addr>(
     index: &Index<A>,
     cursors: &mut Cursors,
 ) -> Target<A> {
-    let mut t = Target::default();
+    let mut t = Builder::new();
     let mut ids = Ids::new(current, index, cursors);
     for (addr, port) in units {
         for proto in [Proto::Tcp, Proto::Udp] {
@@ -399,7 +428,7 @@ pub fn build_part<A: Addr>(
             add_marker(&mut t, desired, vip.to_ip());
         }
     }
-    t
+    t.finish()
 }
 
 /// What `table` holds for the frontends on `units` and the VIP markers of
@@ -476,7 +505,7 @@ pub fn plan_part<A: Addr>(table: &Table<A>, index: &Index<A>, current: &Table<A>
     ops
 }
 
-fn add_frontend<A: Addr>(t: &mut Target<A>, key: &model::FrontendKey, front: &model::Frontend, ids: &mut Ids<'_, A>) {
+fn add_frontend<A: Addr>(t: &mut Builder<A>, key: &model::FrontendKey, front: &model::Frontend, ids: &mut Ids<'_, A>) {
     let Some(addr) = A::from_ip(key.addr) else { return };
     let proto = proto_num(key.proto);
     t.owners.insert((addr, key.port, proto), front.service.clone());
@@ -485,10 +514,10 @@ fn add_frontend<A: Addr>(t: &mut Target<A>, key: &model::FrontendKey, front: &mo
         t.left_out.push(format!("Service {}: {key}: no free rev_nat id", front.service));
         return;
     };
-    t.table.revnat.insert(rev_nat_id, RevNat { addr, port: key.port, _pad: 0 });
+    t.revnat.push((rev_nat_id, RevNat { addr, port: key.port, _pad: 0 }));
 
     let affinity = front.affinity_timeout.is_some();
-    let slots_for = |backends: &[model::Backend], scope: u8, t: &mut Target<A>, ids: &mut Ids<'_, A>| -> u16 {
+    let slots_for = |backends: &[model::Backend], scope: u8, t: &mut Builder<A>, ids: &mut Ids<'_, A>| -> u16 {
         let mut n = 0u16;
         for b in backends {
             let Some(baddr) = A::from_ip(b.addr) else { continue };
@@ -500,15 +529,12 @@ fn add_frontend<A: Addr>(t: &mut Target<A>, key: &model::FrontendKey, front: &mo
                 flags |= backend_flags::TERMINATING;
             }
             let id = ids.backend((baddr, b.port, proto, flags));
-            t.table.backends.insert(id, Backend { addr: baddr, port: b.port, proto, flags });
+            t.backends.push((id, Backend { addr: baddr, port: b.port, proto, flags }));
             if affinity {
-                t.table.affinity_match.insert(AffinityMatchKey { backend_id: id, rev_nat_id, family: A::FAMILY, _pad: 0 });
+                t.affinity_match.push(AffinityMatchKey { backend_id: id, rev_nat_id, family: A::FAMILY, _pad: 0 });
             }
             n += 1;
-            t.table.services.insert(
-                SvcKey::new(addr, key.port, proto, scope, n),
-                SvcValue { backend_id: id, rev_nat_id, ..Default::default() },
-            );
+            t.services.push((SvcKey::new(addr, key.port, proto, scope, n), SvcValue { backend_id: id, rev_nat_id, ..Default::default() }));
         }
         n
     };
@@ -531,16 +557,13 @@ fn add_frontend<A: Addr>(t: &mut Target<A>, key: &model::FrontendKey, front: &mo
         flags |= svc_flags::SRC_RANGE;
         for (net, len) in &front.source_ranges {
             if let Some(a) = A::from_ip(*net) {
-                t.table.src_ranges.insert((rev_nat_id, a, *len));
+                t.src_ranges.push((rev_nat_id, a, *len));
             }
         }
     }
     if front.local_only || front.ext_local {
         let n = slots_for(&front.local_backends, SCOPE_LOCAL, t, ids);
-        t.table.services.insert(
-            SvcKey::new(addr, key.port, proto, SCOPE_LOCAL, 0),
-            SvcValue { count: n, rev_nat_id, ..Default::default() },
-        );
+        t.services.push((SvcKey::new(addr, key.port, proto, SCOPE_LOCAL, 0), SvcValue { count: n, rev_nat_id, ..Default::default() }));
     }
     if affinity {
         flags |= svc_flags::AFFINITY;
@@ -548,20 +571,20 @@ fn add_frontend<A: Addr>(t: &mut Target<A>, key: &model::FrontendKey, front: &mo
     if front.topology {
         flags |= svc_flags::TOPOLOGY;
     }
-    t.table.services.insert(
+    t.services.push((
         SvcKey::new(addr, key.port, proto, SCOPE_ALL, 0),
         SvcValue { backend_id: 0, count, rev_nat_id, flags, _pad: 0, affinity_timeout: front.affinity_timeout.unwrap_or(0) },
-    );
+    ));
 }
 
 /// The marker of a ClusterIP: a connect to it on a port that is no service
 /// port is refused.
-fn add_marker<A: Addr>(t: &mut Target<A>, desired: &Desired, vip: IpAddr) {
+fn add_marker<A: Addr>(t: &mut Builder<A>, desired: &Desired, vip: IpAddr) {
     let Some(v) = A::from_ip(vip) else { return };
     if let Some(owner) = desired.vip_owners.get(&vip) {
         t.owners.insert((v, 0, 0), owner.clone());
     }
-    t.table.services.insert(SvcKey::new(v, 0, 0, SCOPE_ALL, 0), SvcValue { flags: svc_flags::VIP_MARKER, ..Default::default() });
+    t.services.push((SvcKey::new(v, 0, 0, SCOPE_ALL, 0), SvcValue { flags: svc_flags::VIP_MARKER, ..Default::default() }));
 }
 
 fn is_marker<A>(k: &SvcKey<A>) -> bool {
