@@ -122,6 +122,26 @@ fn diff<T>(old: &[Arc<T>], new: &[Arc<T>]) -> (Vec<Arc<T>>, Vec<Arc<T>>) {
     (gone, added)
 }
 
+/// The contributions of the Services `refs` (empty for a reference with
+/// objects but no Service). Many at once (a first sync) are spread over the
+/// cores: each Service is computed on its own.
+fn compute_all(refs: &BTreeSet<ServiceRef>, groups: &HashMap<ServiceRef, Group>, node: &NodeInfo, opts: &Options) -> Vec<ServiceOut> {
+    let one = |r: &ServiceRef| match groups.get(r) {
+        Some(g) if !g.services.is_empty() => compute_service(r, &g.services, &g.slices, node, opts),
+        _ => ServiceOut::default(),
+    };
+    let refs: Vec<&ServiceRef> = refs.iter().collect();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if refs.len() < 512 || threads < 2 {
+        return refs.into_iter().map(one).collect();
+    }
+    let chunk = refs.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = refs.chunks(chunk).map(|part| s.spawn(move || part.iter().map(|r| one(r)).collect::<Vec<_>>())).collect();
+        parts.into_iter().flat_map(|p| p.join().expect("a model thread panicked")).collect()
+    })
+}
+
 impl Incremental {
     pub fn new() -> Self {
         Self::default()
@@ -203,13 +223,9 @@ impl Incremental {
         let mut warnings_changed = unowned_changed;
         // Whether each NodePort touched was in use before.
         let mut node_ports_before: std::collections::BTreeMap<(u16, Proto), bool> = Default::default();
-        for r in &affected {
+        let outs = compute_all(&affected, &self.groups, &self.node, &self.opts);
+        for (r, out) in affected.iter().zip(outs) {
             let Some(g) = self.groups.get_mut(r) else { continue };
-            let out = if g.services.is_empty() {
-                ServiceOut::default()
-            } else {
-                compute_service(r, &g.services, &g.slices, &self.node, &self.opts)
-            };
             let old = std::mem::replace(&mut g.out, out);
             let new = &g.out;
             for (k, _, _) in &old.frontends {

@@ -130,3 +130,32 @@ fn nothing_changed_is_empty() {
     assert!(inc.update(&svcs, &eps, &node(), &opts).full);
     assert!(inc.update(&svcs, &eps, &node(), &opts).is_empty());
 }
+
+/// A first sync of many Services (computed on several threads) gives what
+/// the full computation gives.
+#[test]
+fn many_services_at_once_equal_full() {
+    let opts = Options::default();
+    let mut svcs = Vec::new();
+    let mut eps = Vec::new();
+    for i in 0..1500u32 {
+        let svc: Service = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("s{i}"), "namespace": "default"},
+            "spec": {"clusterIP": format!("10.96.{}.{}", i / 250, 1 + i % 250), "ports": [{"name": "http", "port": 80}]}
+        }))
+        .unwrap();
+        let slice: EndpointSlice = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": format!("s{i}-1"), "namespace": "default", "labels": {"kubernetes.io/service-name": format!("s{i}")}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080}],
+            "endpoints": [{"addresses": [format!("10.1.{}.{}", i / 250, 1 + i % 250)]}, {"addresses": ["10.2.0.1"], "nodeName": "node-a"}]
+        }))
+        .unwrap();
+        svcs.push(Arc::new(svc));
+        eps.push(Arc::new(slice));
+    }
+    let mut inc = Incremental::new();
+    assert!(inc.update(&svcs, &eps, &node(), &opts).full);
+    assert_eq!(inc.desired().frontends.len(), 1500);
+    assert_eq!(sorted(inc.desired().clone()), sorted(compute_with(&svcs, &eps, &node(), &opts)));
+}
