@@ -11,7 +11,10 @@
 //! - In every network namespace that has processes in the attached cgroup
 //!   (the node's and each pod's, found through /proc/PID/ns/net), with
 //!   netlink sock_diag SOCK_DESTROY.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+//! - Cheap whatever the traffic: the kernel lists only connected sockets
+//!   (not the TIME_WAIT ones a busy client leaves by the thousand), and the
+//!   socket rev-NAT map is looked up per candidate, never walked.
+use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
@@ -26,14 +29,15 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 /// A (frontend, backend) pair: `vip:vport` translated to `backend:bport`.
 pub type Pair = (IpAddr, u16, IpAddr, u16);
 
-/// The socket cookies to destroy: sockets translated to a pair that
-/// stopped serving. `entries` are the socket rev-NAT map's (cookie,
-/// backend, bport, vip, vport); `left` the pairs whose backend left.
-pub fn stale_cookies(entries: &[(u64, IpAddr, u16, IpAddr, u16)], left: &BTreeSet<Pair>) -> BTreeMap<u64, (IpAddr, u16)> {
-    entries
+/// The candidates to destroy: connected sockets whose peer is a backend
+/// that left, with the frontend our hook translated them from (None: the
+/// socket-LB did not make this connection). Only those translated from a
+/// frontend that this backend left are stale.
+pub fn stale<T: Copy>(candidates: &[(T, IpAddr, u16, Option<(IpAddr, u16)>)], left: &BTreeSet<Pair>) -> Vec<T> {
+    candidates
         .iter()
-        .filter(|(_, b, bp, v, vp)| left.contains(&(*v, *vp, *b, *bp)))
-        .map(|(c, b, bp, _, _)| (*c, (*b, *bp)))
+        .filter(|(_, b, bp, from)| from.is_some_and(|(v, vp)| left.contains(&(v, vp, *b, *bp))))
+        .map(|(t, ..)| *t)
         .collect()
 }
 
@@ -70,12 +74,32 @@ fn send<T: netlink_packet_core::NetlinkSerializable + std::fmt::Debug>(sock: &So
     Ok(())
 }
 
-/// Connected TCP and UDP sockets whose cookie is in `targets`, in this netns.
-fn find(sock: &Socket, targets: &BTreeMap<u64, (IpAddr, u16)>) -> Result<Vec<InetRequest>> {
+/// A connected socket, as sock_diag names it.
+struct Conn {
+    req: InetRequest,
+    cookie: u64,
+    /// The peer, an IPv4-mapped address as IPv4.
+    peer: IpAddr,
+    port: u16,
+}
+
+/// The connected TCP and UDP sockets of `sock`'s netns whose peer is in
+/// `peers`. The kernel leaves out listening, TIME_WAIT and closed sockets
+/// (for UDP: unconnected ones, which are CLOSE, and never touched).
+fn connected_to(sock: &Socket, peers: &BTreeSet<(IpAddr, u16)>) -> Result<Vec<Conn>> {
+    let tcp = StateFlags::ESTABLISHED
+        | StateFlags::SYN_SENT
+        | StateFlags::SYN_RECV
+        | StateFlags::FIN_WAIT1
+        | StateFlags::FIN_WAIT2
+        | StateFlags::CLOSE_WAIT
+        | StateFlags::LAST_ACK
+        | StateFlags::CLOSING;
     let mut found = Vec::new();
     for (family, proto) in [(AF_INET, IPPROTO_TCP), (AF_INET6, IPPROTO_TCP), (AF_INET, IPPROTO_UDP), (AF_INET6, IPPROTO_UDP)] {
         let id = if family == AF_INET { SocketId::new_v4() } else { SocketId::new_v6() };
-        let req = InetRequest { family, protocol: proto, extensions: ExtensionFlags::empty(), states: StateFlags::all(), socket_id: id };
+        let states = if proto == IPPROTO_TCP { StateFlags::from_bits_truncate(tcp.bits()) } else { StateFlags::ESTABLISHED };
+        let req = InetRequest { family, protocol: proto, extensions: ExtensionFlags::empty(), states, socket_id: id };
         send(sock, NLM_F_REQUEST | NLM_F_DUMP, SockDiagMessage::InetRequest(req))?;
         let mut buf = vec![0u8; 65536];
         'recv: loop {
@@ -87,25 +111,23 @@ fn find(sock: &Socket, targets: &BTreeMap<u64, (IpAddr, u16)>) -> Result<Vec<Ine
                 match msg.payload {
                     NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
                         let h = &r.header;
-                        let cookie = u64::from_ne_bytes(h.socket_id.cookie);
-                        // UDP: connected sockets are ESTABLISHED (1);
-                        // unconnected ones are CLOSE (7) and never touched.
-                        // TCP: not LISTEN, TIME_WAIT or CLOSE.
-                        let connected = if proto == IPPROTO_TCP { matches!(h.state, 1..=5 | 8 | 9 | 11) } else { h.state == 1 };
-                        let dst_matches = targets.get(&cookie).is_some_and(|(b, bp)| {
-                            let dst = match h.socket_id.destination_address {
-                                IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
-                                a => a,
-                            };
-                            dst == *b && h.socket_id.destination_port == *bp
-                        });
-                        if connected && dst_matches {
-                            found.push(InetRequest {
-                                family,
-                                protocol: proto,
-                                extensions: ExtensionFlags::empty(),
-                                states: StateFlags::all(),
-                                socket_id: h.socket_id.clone(),
+                        let peer = match h.socket_id.destination_address {
+                            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+                            a => a,
+                        };
+                        let port = h.socket_id.destination_port;
+                        if peers.contains(&(peer, port)) {
+                            found.push(Conn {
+                                req: InetRequest {
+                                    family,
+                                    protocol: proto,
+                                    extensions: ExtensionFlags::empty(),
+                                    states: StateFlags::all(),
+                                    socket_id: h.socket_id.clone(),
+                                },
+                                cookie: u64::from_ne_bytes(h.socket_id.cookie),
+                                peer,
+                                port,
                             });
                         }
                     }
@@ -123,52 +145,44 @@ fn find(sock: &Socket, targets: &BTreeMap<u64, (IpAddr, u16)>) -> Result<Vec<Ine
     Ok(found)
 }
 
-/// Destroy the sockets in this thread's netns; returns how many went.
-fn destroy_here(targets: &BTreeMap<u64, (IpAddr, u16)>) -> Result<usize> {
-    let mut sock = Socket::new(NETLINK_SOCK_DIAG).context("netlink sock_diag socket")?;
-    sock.bind_auto()?;
-    sock.connect(&SocketAddr::new(0, 0))?;
-    let found = find(&sock, targets)?;
-    let mut n = 0;
-    for req in found {
-        send(&sock, NLM_F_REQUEST | NLM_F_ACK, SockDiagDestroy::new(SockDiagMessage::InetRequest(req)))?;
-        let mut buf = vec![0u8; 4096];
-        let len = sock.recv(&mut &mut buf[..], 0)?;
-        let msg = NetlinkMessage::<SockDiagMessage>::deserialize(&buf[..len]).context("sock_diag ack")?;
-        match msg.payload {
-            NetlinkPayload::Error(e) if e.code.is_some() => {
-                // ENOENT: it closed meanwhile.
-                tracing::debug!("SOCK_DESTROY: {e:?}");
-            }
-            _ => n += 1,
+/// Destroy one socket; false when it had closed meanwhile.
+fn destroy_one(sock: &Socket, req: InetRequest) -> Result<bool> {
+    send(sock, NLM_F_REQUEST | NLM_F_ACK, SockDiagDestroy::new(SockDiagMessage::InetRequest(req)))?;
+    let mut buf = vec![0u8; 4096];
+    let len = sock.recv(&mut &mut buf[..], 0)?;
+    let msg = NetlinkMessage::<SockDiagMessage>::deserialize(&buf[..len]).context("sock_diag ack")?;
+    match msg.payload {
+        NetlinkPayload::Error(e) if e.code.is_some() => {
+            // ENOENT: it closed meanwhile.
+            tracing::debug!("SOCK_DESTROY: {e:?}");
+            Ok(false)
         }
+        _ => Ok(true),
     }
-    Ok(n)
 }
 
-/// Destroy the target sockets in every netns with processes in `cgroup`.
-/// Each netns is entered on a thread of its own, which is then dropped.
-pub fn destroy(cgroup: &Path, targets: &BTreeMap<u64, (IpAddr, u16)>) -> Result<usize> {
-    if targets.is_empty() {
-        return Ok(0);
-    }
-    let mut total = 0;
+/// A sock_diag socket in every netns with processes in `cgroup`: a netlink
+/// socket stays in the netns it was made in, so each is made on a thread
+/// that enters the netns and is then dropped.
+fn netns_sockets(cgroup: &Path) -> Vec<(u32, Socket)> {
+    let mut out = Vec::new();
     for pid in netns_pids(cgroup) {
-        let path = format!("/proc/{pid}/ns/net");
-        let Ok(ns) = std::fs::File::open(&path) else { continue };
-        let t = targets.clone();
-        let r = std::thread::spawn(move || -> Result<usize> {
+        let Ok(ns) = std::fs::File::open(format!("/proc/{pid}/ns/net")) else { continue };
+        let made = std::thread::spawn(move || -> Result<Socket> {
             nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).context("setns")?;
-            destroy_here(&t)
+            let mut sock = Socket::new(NETLINK_SOCK_DIAG).context("netlink sock_diag socket")?;
+            sock.bind_auto()?;
+            sock.connect(&SocketAddr::new(0, 0))?;
+            Ok(sock)
         })
-        .join()
-        .map_err(|_| anyhow::anyhow!("socket destroy thread panicked"))?;
-        match r {
-            Ok(n) => total += n,
-            Err(e) => tracing::warn!("destroying stale sockets in the netns of pid {pid}: {e:#}"),
+        .join();
+        match made {
+            Ok(Ok(sock)) => out.push((pid, sock)),
+            Ok(Err(e)) => tracing::warn!("stale sockets: the netns of pid {pid}: {e:#}"),
+            Err(_) => tracing::warn!("stale sockets: the netns of pid {pid}: thread panicked"),
         }
     }
-    Ok(total)
+    out
 }
 
 /// Destroys stale sockets on a thread of its own, off the path that
@@ -199,33 +213,56 @@ impl Destroyer {
                 while let Ok(more) = rx.try_recv() {
                     left.extend(more);
                 }
-                let entries: Vec<(u64, IpAddr, u16, IpAddr, u16)> = s4
-                    .iter()
-                    .filter_map(|r| r.ok())
-                    .map(|(k, v)| (k.cookie, k.addr.into(), k.port, v.addr.into(), v.port))
-                    .chain(s6.iter().filter_map(|r| r.ok()).map(|(k, v)| (k.cookie, k.addr.into(), k.port, v.addr.into(), v.port)))
-                    .collect();
-                let targets = stale_cookies(&entries, &left);
-                if targets.is_empty() {
-                    continue;
-                }
-                match destroy(&cgroup, &targets) {
-                    Ok(n) => {
-                        counter.inc_by(n as u64);
-                        if n > 0 {
-                            tracing::info!(sockets = n, "destroyed sockets connected to removed backends");
+                let peers: BTreeSet<(IpAddr, u16)> = left.iter().map(|(_, _, b, bp)| (*b, *bp)).collect();
+                let mut n = 0;
+                for (pid, sock) in netns_sockets(&cgroup) {
+                    let conns = match connected_to(&sock, &peers) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::warn!("stale sockets: the netns of pid {pid}: {e:#}");
+                            continue;
                         }
+                    };
+                    // Which frontend our hook translated each from, by cookie.
+                    let from = |c: &Conn| -> Option<(IpAddr, u16)> {
+                        match c.peer {
+                            IpAddr::V4(a) => {
+                                let k = SockRevNat4Key { cookie: c.cookie, addr: a.octets(), port: c.port, _pad: 0 };
+                                if let Ok(v) = s4.get(&k, 0) {
+                                    return Some((IpAddr::from(v.addr), v.port));
+                                }
+                                let k = SockRevNat6Key { cookie: c.cookie, addr: a.to_ipv6_mapped().octets(), port: c.port, _pad: 0, _pad2: 0 };
+                                s6.get(&k, 0).ok().map(|v| (IpAddr::from(v.addr), v.port))
+                            }
+                            IpAddr::V6(a) => {
+                                let k = SockRevNat6Key { cookie: c.cookie, addr: a.octets(), port: c.port, _pad: 0, _pad2: 0 };
+                                s6.get(&k, 0).ok().map(|v| (IpAddr::from(v.addr), v.port))
+                            }
+                        }
+                    };
+                    let candidates: Vec<(usize, IpAddr, u16, Option<(IpAddr, u16)>)> =
+                        conns.iter().enumerate().map(|(i, c)| (i, c.peer, c.port, from(c))).collect();
+                    for i in stale(&candidates, &left) {
+                        let c = &conns[i];
+                        match destroy_one(&sock, c.req.clone()) {
+                            Ok(true) => n += 1,
+                            Ok(false) => {}
+                            Err(e) => tracing::warn!("destroying a stale socket in the netns of pid {pid}: {e:#}"),
+                        }
+                        // Gone (or closing): forget its translation.
+                        if let IpAddr::V4(a) = c.peer {
+                            let _ = s4.remove(&SockRevNat4Key { cookie: c.cookie, addr: a.octets(), port: c.port, _pad: 0 });
+                        }
+                        let a6 = match c.peer {
+                            IpAddr::V4(a) => a.to_ipv6_mapped(),
+                            IpAddr::V6(a) => a,
+                        };
+                        let _ = s6.remove(&SockRevNat6Key { cookie: c.cookie, addr: a6.octets(), port: c.port, _pad: 0, _pad2: 0 });
                     }
-                    Err(e) => tracing::warn!("destroying stale sockets: {e:#}"),
                 }
-                // These sockets are gone (or were never connected): forget them.
-                let k4: Vec<_> = s4.keys().filter_map(|k| k.ok()).filter(|k| targets.contains_key(&k.cookie)).collect();
-                for k in k4 {
-                    let _ = s4.remove(&k);
-                }
-                let k6: Vec<_> = s6.keys().filter_map(|k| k.ok()).filter(|k| targets.contains_key(&k.cookie)).collect();
-                for k in k6 {
-                    let _ = s6.remove(&k);
+                counter.inc_by(n as u64);
+                if n > 0 {
+                    tracing::info!(sockets = n, "destroyed sockets connected to removed backends");
                 }
             }
         })?;
@@ -247,13 +284,13 @@ mod tests {
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
         let vip = ip("10.96.0.10");
         let entries = [
-            (1, ip("10.0.0.1"), 8080, vip, 80), // backend left
-            (2, ip("10.0.0.2"), 8080, vip, 80), // still serving
-            (3, ip("10.0.0.2"), 8080, ip("10.96.0.11"), 80), // same backend, other frontend that dropped it
+            (1, ip("10.0.0.1"), 8080, Some((vip, 80))), // backend left
+            (2, ip("10.0.0.2"), 8080, Some((vip, 80))), // still serving
+            (3, ip("10.0.0.2"), 8080, Some((ip("10.96.0.11"), 80))), // same backend, other frontend that dropped it
         ];
         let left: BTreeSet<Pair> = [(vip, 80, ip("10.0.0.1"), 8080), (ip("10.96.0.11"), 80, ip("10.0.0.2"), 8080)].into();
-        let stale = stale_cookies(&entries, &left);
-        assert_eq!(stale.keys().copied().collect::<Vec<_>>(), [1, 3]);
-        assert_eq!(stale[&1], (ip("10.0.0.1"), 8080));
+        assert_eq!(stale(&entries, &left), [1, 3]);
+        // A connection the socket-LB did not make is never stale.
+        assert!(stale(&[(4, ip("10.0.0.1"), 8080, None)], &left).is_empty());
     }
 }

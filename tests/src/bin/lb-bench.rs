@@ -18,7 +18,7 @@ use lbtest::{Cluster, Pod, bin};
 #[derive(Parser)]
 struct Args {
     /// Rounds of every datapath case.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 7)]
     rounds: usize,
     /// Seconds per datapath measurement.
     #[arg(long, default_value_t = 1.5)]
