@@ -11,7 +11,11 @@
 //! Every prefix of a plan is a consistent state, so a plan that stops half
 //! way (a full map, say) leaves every frontend either old or new, never
 //! broken. The planning is pure and tested without a kernel.
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
+
+// foldhash: these maps are keyed by small fixed-size ids and addresses,
+// hashed hundreds of thousands of times in a first sync.
+use foldhash::{HashMap, HashMapExt as _};
 use std::net::IpAddr;
 
 use lb_common::{

@@ -10,7 +10,9 @@
 //! Conflicts between Services are settled as `compute_with` settles them:
 //! of the Services that claim a frontend, the first by reference keeps it;
 //! a ClusterIP and a health check port belong to the last.
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::BTreeSet;
+
+use foldhash::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
