@@ -29,11 +29,15 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 /// A (frontend, backend) pair: `vip:vport` translated to `backend:bport`.
 pub type Pair = (IpAddr, u16, IpAddr, u16);
 
+/// A connected socket (named by `T`), its peer address and port, and the
+/// frontend our hook translated it from (None: not ours).
+pub type Candidate<T> = (T, IpAddr, u16, Option<(IpAddr, u16)>);
+
 /// The candidates to destroy: connected sockets whose peer is a backend
 /// that left, with the frontend our hook translated them from (None: the
 /// socket-LB did not make this connection). Only those translated from a
 /// frontend that this backend left are stale.
-pub fn stale<T: Copy>(candidates: &[(T, IpAddr, u16, Option<(IpAddr, u16)>)], left: &BTreeSet<Pair>) -> Vec<T> {
+pub fn stale<T: Copy>(candidates: &[Candidate<T>], left: &BTreeSet<Pair>) -> Vec<T> {
     candidates
         .iter()
         .filter(|(_, b, bp, from)| from.is_some_and(|(v, vp)| left.contains(&(v, vp, *b, *bp))))
@@ -240,7 +244,7 @@ impl Destroyer {
                             }
                         }
                     };
-                    let candidates: Vec<(usize, IpAddr, u16, Option<(IpAddr, u16)>)> =
+                    let candidates: Vec<Candidate<usize>> =
                         conns.iter().enumerate().map(|(i, c)| (i, c.peer, c.port, from(c))).collect();
                     for i in stale(&candidates, &left) {
                         let c = &conns[i];
