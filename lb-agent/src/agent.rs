@@ -596,6 +596,7 @@ impl Reconciler {
 }
 
 pub async fn run(cfg: RunConfig) -> Result<()> {
+    tracing::debug!("starting");
     // Check the source before touching the kernel: bad input fails first.
     let (tx, mut rx): (crate::source::Publisher, crate::source::Subscriber) = tokio::sync::watch::channel(None);
     let mut source: tokio::task::JoinHandle<Result<()>> = match &cfg.source {

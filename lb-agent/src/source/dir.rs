@@ -291,16 +291,11 @@ impl DirState {
             match parsed {
                 Ok(o) => {
                     self.failed.remove(&path);
-                    // Kept as exact copies: what the parser built has
-                    // room to spare (vectors grown by doubling), and
-                    // copying them all at once, then freeing the parser's,
-                    // leaves the long-lived objects together rather than
-                    // among holes.
                     let entry = Entry {
                         sig,
                         text_hash,
-                        services: o.services.iter().map(|s| Arc::new(s.clone())).collect(),
-                        slices: o.slices.iter().map(|s| Arc::new(s.clone())).collect(),
+                        services: o.services.into_iter().map(Arc::new).collect(),
+                        slices: o.slices.into_iter().map(Arc::new).collect(),
                         nodes: o.nodes.into_iter().map(Arc::new).collect(),
                     };
                     self.files.insert(path, entry);
@@ -343,7 +338,16 @@ impl DirState {
             if self.files.get(path).is_some_and(|e| e.text_hash == text_hash) {
                 return Read::Same;
             }
-            Read::Parsed(text_hash, parse(&name, &text))
+            // Kept as exact copies: what the parser built has room to
+            // spare (vectors grown by doubling); copying a whole file's
+            // objects at once, then freeing the parser's, leaves the
+            // long-lived ones together rather than among holes.
+            let exact = |o: FileObjects| FileObjects {
+                services: o.services.iter().cloned().collect(),
+                slices: o.slices.iter().cloned().collect(),
+                nodes: o.nodes,
+            };
+            Read::Parsed(text_hash, parse(&name, &text).map(exact))
         };
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(files.len());
         if threads <= 1 {

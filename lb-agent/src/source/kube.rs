@@ -9,7 +9,7 @@
 //!   vanished while the watch was down are gone after the swap.
 //! - Nothing is published before all three stores have their first full
 //!   list, so an agent that restarts never removes inherited state early.
-//! - Changes are debounced: a burst of changes is published as one snapshot.
+//! - A lone change is published at once; a burst, as one snapshot per 5 ms.
 use std::fmt::Debug;
 use std::hash::Hash;
 use std::path::Path;
@@ -37,7 +37,8 @@ mod k8s {
 }
 
 
-/// How long to wait after a change for more changes before publishing.
+/// The shortest time between two snapshots: a burst of changes goes out as
+/// one snapshot per this much time, a lone change at once.
 pub const DEBOUNCE: Duration = Duration::from_millis(5);
 
 /// A client from `--kubeconfig`, else `KUBECONFIG` / `~/.kube/config`, else
@@ -209,8 +210,14 @@ pub async fn run_with(
         if !publish(Arc::new(Update { snapshot, since })) {
             return Ok(());
         }
+        let published = Instant::now();
         since = changed.recv().await.context("the watchers ended")?;
-        tokio::time::sleep(DEBOUNCE).await;
+        // A change after a quiet spell goes out at once; in a burst, at
+        // most one snapshot goes out per DEBOUNCE.
+        let quiet = published.elapsed();
+        if quiet < DEBOUNCE {
+            tokio::time::sleep(DEBOUNCE - quiet).await;
+        }
         while changed.try_recv().is_ok() {}
     }
 }
