@@ -343,8 +343,8 @@ impl DirState {
             // objects at once, then freeing the parser's, leaves the
             // long-lived ones together rather than among holes.
             let exact = |o: FileObjects| FileObjects {
-                services: o.services.iter().cloned().collect(),
-                slices: o.slices.iter().cloned().collect(),
+                services: o.services.to_vec(),
+                slices: o.slices.to_vec(),
                 nodes: o.nodes,
             };
             Read::Parsed(text_hash, parse(&name, &text).map(exact))
