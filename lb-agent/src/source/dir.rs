@@ -59,20 +59,32 @@ fn classify(kind: &str, api: &str) -> Result<Kind, String> {
     }
 }
 
-/// Deserialize one object of kind `kind` with `de` and add it.
-fn add_typed<E: std::fmt::Display>(
-    out: &mut FileObjects,
-    kind: Kind,
-    de: impl FnOnce(&mut FileObjects) -> Result<Option<&str>, (&'static str, E)>,
-) -> Result<(), String> {
-    match de(out) {
-        Ok(Some("")) => Err(match kind {
-            Kind::Service => "Service without metadata.name".into(),
-            _ => "EndpointSlice without metadata.name".into(),
-        }),
-        Ok(_) => Ok(()),
-        Err((what, e)) => Err(format!("{what}: {e}")),
+/// Deserialize one object of kind `kind` from `d` and add it. A Service or
+/// an EndpointSlice needs a name.
+fn push<'de, D>(out: &mut FileObjects, kind: &Kind, d: D) -> Result<(), String>
+where
+    D: serde::Deserializer<'de>,
+    D::Error: std::fmt::Display,
+{
+    let named = |what: &str, name: &Option<String>| match name.as_deref() {
+        None | Some("") => Err(format!("{what} without metadata.name")),
+        Some(_) => Ok(()),
+    };
+    match kind {
+        Kind::Service => {
+            let s = Service::deserialize(d).map_err(|e| format!("Service: {e}"))?;
+            named("Service", &s.metadata.name)?;
+            out.services.push(s);
+        }
+        Kind::EndpointSlice => {
+            let s = EndpointSlice::deserialize(d).map_err(|e| format!("EndpointSlice: {e}"))?;
+            named("EndpointSlice", &s.metadata.name)?;
+            out.slices.push(s);
+        }
+        Kind::Node => out.nodes.push(Node::deserialize(d).map_err(|e| format!("Node: {e}"))?),
+        Kind::List | Kind::Other => {}
     }
+    Ok(())
 }
 
 /// One YAML document, as a value.
@@ -83,8 +95,7 @@ fn add_object(out: &mut FileObjects, mut v: serde_json::Value, file: &str, doc: 
     }
     let kind = v.get("kind").and_then(|k| k.as_str()).unwrap_or("").to_string();
     let api = v.get("apiVersion").and_then(|k| k.as_str()).unwrap_or("").to_string();
-    let k = classify(&kind, &api).map_err(err)?;
-    let r = match k {
+    match classify(&kind, &api).map_err(err)? {
         Kind::List => {
             let items = match v.get_mut("items").map(serde_json::Value::take) {
                 Some(serde_json::Value::Array(a)) => a,
@@ -94,26 +105,14 @@ fn add_object(out: &mut FileObjects, mut v: serde_json::Value, file: &str, doc: 
             for item in items {
                 add_object(out, item, file, doc)?;
             }
-            return Ok(());
+            Ok(())
         }
-        Kind::Service => add_typed(out, k, |out| {
-            out.services.push(serde_json::from_value(v).map_err(|e| ("Service", e))?);
-            Ok(out.services.last().map(|s| s.metadata.name.as_deref().unwrap_or("")))
-        }),
-        Kind::EndpointSlice => add_typed(out, k, |out| {
-            out.slices.push(serde_json::from_value(v).map_err(|e| ("EndpointSlice", e))?);
-            Ok(out.slices.last().map(|s| s.metadata.name.as_deref().unwrap_or("")))
-        }),
-        Kind::Node => add_typed(out, k, |out| {
-            out.nodes.push(serde_json::from_value(v).map_err(|e| ("Node", e))?);
-            Ok(None)
-        }),
         Kind::Other => {
             tracing::debug!(file, doc, kind, "ignoring object of another kind");
             Ok(())
         }
-    };
-    r.map_err(err)
+        k => push(out, &k, v).map_err(err),
+    }
 }
 
 /// The kind and apiVersion of a JSON object (and the items of a list),
@@ -136,32 +135,19 @@ fn add_json(out: &mut FileObjects, text: &str, file: &str) -> Result<(), ParseEr
     }
     let head: Head = serde_json::from_str(text).map_err(|e| err(format!("not an object: {e}")))?;
     let kind = head.kind.as_deref().unwrap_or("");
-    let k = classify(kind, head.api_version.as_deref().unwrap_or("")).map_err(err)?;
-    let r = match k {
+    match classify(kind, head.api_version.as_deref().unwrap_or("")).map_err(err)? {
         Kind::List => {
             for item in head.items.iter().flatten() {
                 add_json(out, item.get(), file)?;
             }
-            return Ok(());
+            Ok(())
         }
-        Kind::Service => add_typed(out, k, |out| {
-            out.services.push(serde_json::from_str(text).map_err(|e| ("Service", e))?);
-            Ok(out.services.last().map(|s| s.metadata.name.as_deref().unwrap_or("")))
-        }),
-        Kind::EndpointSlice => add_typed(out, k, |out| {
-            out.slices.push(serde_json::from_str(text).map_err(|e| ("EndpointSlice", e))?);
-            Ok(out.slices.last().map(|s| s.metadata.name.as_deref().unwrap_or("")))
-        }),
-        Kind::Node => add_typed(out, k, |out| {
-            out.nodes.push(serde_json::from_str(text).map_err(|e| ("Node", e))?);
-            Ok(None)
-        }),
         Kind::Other => {
             tracing::debug!(file, kind, "ignoring object of another kind");
             Ok(())
         }
-    };
-    r.map_err(err)
+        k => push(out, &k, &mut serde_json::Deserializer::from_str(text)).map_err(err),
+    }
 }
 
 /// Parse one file's text. `name` is used in errors. The whole file fails if
@@ -504,6 +490,17 @@ endpoints:
         assert!(e.contains("without metadata.name"), "{e}");
         let e = parse("k.yaml", "foo: bar\n").unwrap_err().to_string();
         assert!(e.contains("no kind"), "{e}");
+        // The same from JSON, which is read straight into the model's types.
+        let e = parse("n.json", r#"{"apiVersion": "v1", "kind": "Service", "spec": {}}"#).unwrap_err().to_string();
+        assert!(e.starts_with("n.json:") && e.contains("without metadata.name"), "{e}");
+        let e = parse("t.json", r#"{"apiVersion": "v1", "kind": "List", "items": [{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "y"}, "spec": {"ports": 3}}]}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("Service: invalid type"), "{e}");
+        let e = parse("v.json", r#"{"apiVersion": "v2", "kind": "EndpointSlice"}"#).unwrap_err().to_string();
+        assert!(e.contains("want discovery.k8s.io/v1"), "{e}");
+        let e = parse("s.json", r#"{"kind": "Service""#).unwrap_err().to_string();
+        assert!(e.starts_with("s.json:"), "{e}");
     }
 
     #[test]

@@ -68,14 +68,11 @@ fn endpoints(i: usize, n: usize, server: &[String]) -> Vec<String> {
     }
 }
 
-fn iptables_rules(n: usize, server: &[String]) -> String {
+/// The start of kube-proxy's nat table: its own chains (and `chains`), the
+/// jumps from the built-in chains, and the masquerade marking.
+fn nat_table(chains: &str) -> String {
     let mut s = String::from("*nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-POSTROUTING - [0:0]\n");
-    for i in 0..n {
-        let _ = writeln!(s, ":KUBE-SVC-{i} - [0:0]");
-        for k in 0..10 {
-            let _ = writeln!(s, ":KUBE-SEP-{i}-{k} - [0:0]");
-        }
-    }
+    s += chains;
     s += "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n";
     s += "-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n";
     s += "-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n";
@@ -83,27 +80,41 @@ fn iptables_rules(n: usize, server: &[String]) -> String {
     s += "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n";
     s += "-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0\n";
     s += "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n";
+    s
+}
+
+/// A `KUBE-SVC-{svc}` chain: masquerade from outside the pod CIDR, then one
+/// endpoint at random (`-m statistic`), each in its `KUBE-SEP-{svc}-{k}`.
+fn service_chain(s: &mut String, svc: &str, vip: &str, port: u16, eps: &[String], target: u16) {
+    let _ = writeln!(s, "-A KUBE-SVC-{svc} ! -s {POD_CIDR} -d {vip}/32 -p tcp -m tcp --dport {port} -j KUBE-MARK-MASQ");
+    for (k, ep) in eps.iter().enumerate() {
+        let rest = eps.len() - k;
+        if rest > 1 {
+            let _ = writeln!(s, "-A KUBE-SVC-{svc} -m statistic --mode random --probability {:.11} -j KUBE-SEP-{svc}-{k}", 1.0 / rest as f64);
+        } else {
+            let _ = writeln!(s, "-A KUBE-SVC-{svc} -j KUBE-SEP-{svc}-{k}");
+        }
+        let _ = writeln!(s, "-A KUBE-SEP-{svc}-{k} -s {ep}/32 -j KUBE-MARK-MASQ");
+        let _ = writeln!(s, "-A KUBE-SEP-{svc}-{k} -p tcp -m tcp -j DNAT --to-destination {ep}:{target}");
+    }
+}
+
+fn iptables_rules(n: usize, server: &[String]) -> String {
+    let mut chains = String::new();
+    for i in 0..n {
+        let _ = writeln!(chains, ":KUBE-SVC-{i} - [0:0]");
+        for k in 0..10 {
+            let _ = writeln!(chains, ":KUBE-SEP-{i}-{k} - [0:0]");
+        }
+    }
+    let mut s = nat_table(&chains);
     // The tested service last in KUBE-SERVICES: the worst case.
     for i in 0..n {
         let v = vip(i);
         let _ = writeln!(s, "-A KUBE-SERVICES -d {v}/32 -p tcp -m comment --comment \"default/svc-{i}:http cluster IP\" -m tcp --dport 80 -j KUBE-SVC-{i}");
     }
     for i in 0..n {
-        let v = vip(i);
-        let eps = endpoints(i, n, server);
-        let _ = writeln!(s, "-A KUBE-SVC-{i} ! -s {POD_CIDR} -d {v}/32 -p tcp -m tcp --dport 80 -j KUBE-MARK-MASQ");
-        for (k, _) in eps.iter().enumerate() {
-            let rest = eps.len() - k;
-            if rest > 1 {
-                let _ = writeln!(s, "-A KUBE-SVC-{i} -m statistic --mode random --probability {:.11} -j KUBE-SEP-{i}-{k}", 1.0 / rest as f64);
-            } else {
-                let _ = writeln!(s, "-A KUBE-SVC-{i} -j KUBE-SEP-{i}-{k}");
-            }
-        }
-        for (k, ep) in eps.iter().enumerate() {
-            let _ = writeln!(s, "-A KUBE-SEP-{i}-{k} -s {ep}/32 -j KUBE-MARK-MASQ");
-            let _ = writeln!(s, "-A KUBE-SEP-{i}-{k} -p tcp -m tcp -j DNAT --to-destination {ep}:8080");
-        }
+        service_chain(&mut s, &i.to_string(), &vip(i), 80, &endpoints(i, n, server), 8080);
     }
     s += "COMMIT\n";
     s
@@ -185,36 +196,20 @@ fn write_objects(dir: &Path, n: usize, server: &[String], json: bool) -> Result<
 /// kube-proxy's iptables rules for one NodePort Service (externalTrafficPolicy
 /// Cluster) with `eps` endpoints on (port, nodePort, targetPort) pairs.
 fn nodeport_rules(ports: &[(u16, u16, u16)], vip: &str, eps: &[String]) -> String {
-    let mut s = String::from("*nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-NODEPORTS - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-POSTROUTING - [0:0]\n");
+    let mut chains = String::from(":KUBE-NODEPORTS - [0:0]\n");
     for (p, _, _) in ports {
-        let _ = writeln!(s, ":KUBE-SVC-{p} - [0:0]\n:KUBE-EXT-{p} - [0:0]");
+        let _ = writeln!(chains, ":KUBE-SVC-{p} - [0:0]\n:KUBE-EXT-{p} - [0:0]");
         for k in 0..eps.len() {
-            let _ = writeln!(s, ":KUBE-SEP-{p}-{k} - [0:0]");
+            let _ = writeln!(chains, ":KUBE-SEP-{p}-{k} - [0:0]");
         }
     }
-    s += "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n";
-    s += "-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n";
-    s += "-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n";
-    s += "-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n";
-    s += "-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n";
-    s += "-A KUBE-POSTROUTING -j MARK --set-xmark 0x4000/0x0\n";
-    s += "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully\n";
+    let mut s = nat_table(&chains);
     for (p, np, target) in ports {
         let _ = writeln!(s, "-A KUBE-SERVICES -d {vip}/32 -p tcp -m comment --comment \"default/np:{p} cluster IP\" -m tcp --dport {p} -j KUBE-SVC-{p}");
         let _ = writeln!(s, "-A KUBE-NODEPORTS -p tcp -m comment --comment \"default/np:{p}\" -m tcp --dport {np} -j KUBE-EXT-{p}");
         let _ = writeln!(s, "-A KUBE-EXT-{p} -m comment --comment \"masquerade traffic for default/np:{p} external destinations\" -j KUBE-MARK-MASQ");
         let _ = writeln!(s, "-A KUBE-EXT-{p} -j KUBE-SVC-{p}");
-        let _ = writeln!(s, "-A KUBE-SVC-{p} ! -s {POD_CIDR} -d {vip}/32 -p tcp -m tcp --dport {p} -j KUBE-MARK-MASQ");
-        for (k, ep) in eps.iter().enumerate() {
-            let rest = eps.len() - k;
-            if rest > 1 {
-                let _ = writeln!(s, "-A KUBE-SVC-{p} -m statistic --mode random --probability {:.11} -j KUBE-SEP-{p}-{k}", 1.0 / rest as f64);
-            } else {
-                let _ = writeln!(s, "-A KUBE-SVC-{p} -j KUBE-SEP-{p}-{k}");
-            }
-            let _ = writeln!(s, "-A KUBE-SEP-{p}-{k} -s {ep}/32 -j KUBE-MARK-MASQ");
-            let _ = writeln!(s, "-A KUBE-SEP-{p}-{k} -p tcp -m tcp -j DNAT --to-destination {ep}:{target}");
-        }
+        service_chain(&mut s, &p.to_string(), vip, *p, eps, *target);
     }
     s += "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n";
     s += "COMMIT\n";
