@@ -417,7 +417,12 @@ impl Reconciler {
             );
         }
         // The maps are programmed: now connections to endpoints that
-        // stopped serving can go, in the background.
+        // stopped serving can go, in the background. After a full sync the
+        // destroyer also looks for sockets to pairs that went while no
+        // agent watched.
+        if full && let Some(d) = &self.destroyer {
+            d.sweep(desired.frontends.iter().map(|(k, f)| (k.addr, k.port, f.clone())).collect());
+        }
         if !self.pending_left.is_empty() {
             let left = std::mem::take(&mut self.pending_left);
             if let Some(d) = &self.destroyer {

@@ -193,7 +193,17 @@ fn netns_sockets(cgroup: &Path) -> Vec<(u32, Socket)> {
 /// programs the maps: a sync hands it the pairs that stopped serving and
 /// goes on.
 pub struct Destroyer {
-    tx: std::sync::mpsc::Sender<BTreeSet<Pair>>,
+    tx: std::sync::mpsc::Sender<Work>,
+}
+
+/// What the destroyer is handed.
+enum Work {
+    /// Pairs that stopped serving.
+    Left(BTreeSet<Pair>),
+    /// Every frontend after a full sync: any translated socket to a pair
+    /// none of them serves is stale (an endpoint removed while no agent
+    /// ran, say). This one walk of the socket rev-NAT map is the only one.
+    Sweep(Vec<(IpAddr, u16, std::sync::Arc<crate::model::Frontend>)>),
 }
 
 type SockMap<K, V> = aya::maps::HashMap<aya::maps::MapData, K, V>;
@@ -209,13 +219,31 @@ impl Destroyer {
         use lb_common::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, maps};
         let mut s4: SockMap<SockRevNat4Key, SockRevNat4Value> = open_lru(bpffs, maps::SOCK_REVNAT4)?;
         let mut s6: SockMap<SockRevNat6Key, SockRevNat6Value> = open_lru(bpffs, maps::SOCK_REVNAT6)?;
-        let (tx, rx) = std::sync::mpsc::channel::<BTreeSet<Pair>>();
+        let (tx, rx) = std::sync::mpsc::channel::<Work>();
         let counter = destroyed;
         std::thread::Builder::new().name("stale-sockets".into()).spawn(move || {
-            while let Ok(mut left) = rx.recv() {
+            while let Ok(first) = rx.recv() {
                 // Everything queued, at once.
-                while let Ok(more) = rx.try_recv() {
-                    left.extend(more);
+                let mut left = BTreeSet::new();
+                let mut sweep = None;
+                for w in std::iter::once(first).chain(rx.try_iter()) {
+                    match w {
+                        Work::Left(l) => left.extend(l),
+                        Work::Sweep(f) => sweep = Some(f),
+                    }
+                }
+                if let Some(fronts) = sweep {
+                    let alive: BTreeSet<Pair> =
+                        fronts.iter().flat_map(|(a, p, f)| f.serving().into_iter().map(move |(b, bp)| (*a, *p, b, bp))).collect();
+                    let entries = s4
+                        .iter()
+                        .filter_map(|r| r.ok())
+                        .map(|(k, v)| (IpAddr::from(v.addr), v.port, IpAddr::from(k.addr), k.port))
+                        .chain(s6.iter().filter_map(|r| r.ok()).map(|(k, v)| (IpAddr::from(v.addr), v.port, IpAddr::from(k.addr), k.port)));
+                    left.extend(entries.filter(|pair| !alive.contains(pair)));
+                }
+                if left.is_empty() {
+                    continue;
                 }
                 let peers: BTreeSet<(IpAddr, u16)> = left.iter().map(|(_, _, b, bp)| (*b, *bp)).collect();
                 let mut n = 0;
@@ -275,7 +303,12 @@ impl Destroyer {
 
     /// Hand over pairs that stopped serving.
     pub fn update(&self, left: BTreeSet<Pair>) {
-        let _ = self.tx.send(left);
+        let _ = self.tx.send(Work::Left(left));
+    }
+
+    /// Hand over every frontend after a full sync.
+    pub fn sweep(&self, fronts: Vec<(IpAddr, u16, std::sync::Arc<crate::model::Frontend>)>) {
+        let _ = self.tx.send(Work::Sweep(fronts));
     }
 }
 

@@ -114,6 +114,25 @@ fn a_keepalive_tcp_client_fails_fast_and_other_connections_are_untouched() -> Re
 }
 
 #[test]
+fn a_connection_to_an_endpoint_removed_while_no_agent_ran_is_destroyed_after_the_restart() -> Result<()> {
+    let (mut c, p, client) = setup(&["pod-a"], &[])?;
+    let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "4000", "--interval-ms", "20"])?;
+    std::thread::sleep(Duration::from_millis(500));
+    // No agent: pod-a leaves the Service (it still answers).
+    c.kill_agent(1);
+    let b = c.add_pod(1, "pod-b")?;
+    c.serve(&b, 8080)?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::ready(&b.ip, "node-1")]))?;
+    c.start_agent(1)?;
+    c.wait_programmed(VIP, 80, "TCP", Some(&[&be(&b)]))?;
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.replies.keys().collect::<Vec<_>>(), ["pod-a"], "{s:?}");
+    assert_eq!(s.errors.keys().collect::<Vec<_>>(), ["ECONNABORTED"], "the new agent cut it: {s:?}");
+    drop(p);
+    Ok(())
+}
+
+#[test]
 fn terminating_but_serving_endpoints_keep_their_connections_and_the_flag_turns_termination_off() -> Result<()> {
     let (c, p, client) = setup(&["pod-a"], &[])?;
     let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "2500", "--interval-ms", "20"])?;
