@@ -304,11 +304,10 @@ impl Incremental {
                 f.1.clone()
             });
             let n = claimants.map_or(0, |c| c.len());
-            if n > 1 {
-                warnings_changed |= self.contested.insert(k);
-            } else {
-                warnings_changed |= self.contested.remove(&k);
-            }
+            // Who loses a contested frontend may change without the set
+            // of contested frontends changing.
+            let was_contested = if n > 1 { !self.contested.insert(k) } else { self.contested.remove(&k) };
+            warnings_changed |= n > 1 || was_contested;
             if n == 0 {
                 self.claims.remove(&k);
             }

@@ -109,7 +109,7 @@ fn run(services: Vec<K8sService>, slices: Vec<K8sSlice>, edits: Vec<Edit>) -> Re
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(400))]
+    #![proptest_config(ProptestConfig::with_cases(1000))]
     #[test]
     fn incremental_equals_full(
         services in proptest::collection::vec(service(), 0..5),
