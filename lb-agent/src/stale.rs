@@ -233,14 +233,18 @@ impl Destroyer {
                     }
                 }
                 if let Some(fronts) = sweep {
-                    let alive: BTreeSet<Pair> =
-                        fronts.iter().flat_map(|(a, p, f)| f.serving().into_iter().map(move |(b, bp)| (*a, *p, b, bp))).collect();
+                    // By frontend address and port (TCP and UDP share them).
+                    let mut by_addr: HashMap<(IpAddr, u16), Vec<std::sync::Arc<crate::model::Frontend>>> = HashMap::new();
+                    for (a, p, f) in fronts {
+                        by_addr.entry((a, p)).or_default().push(f);
+                    }
+                    let alive = |(v, vp, b, bp): &Pair| by_addr.get(&(*v, *vp)).is_some_and(|fs| fs.iter().any(|f| f.serves(*b, *bp)));
                     let entries = s4
                         .iter()
                         .filter_map(|r| r.ok())
                         .map(|(k, v)| (IpAddr::from(v.addr), v.port, IpAddr::from(k.addr), k.port))
                         .chain(s6.iter().filter_map(|r| r.ok()).map(|(k, v)| (IpAddr::from(v.addr), v.port, IpAddr::from(k.addr), k.port)));
-                    left.extend(entries.filter(|pair| !alive.contains(pair)));
+                    left.extend(entries.filter(|pair| !alive(pair)));
                 }
                 if left.is_empty() {
                     continue;
