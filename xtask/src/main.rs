@@ -84,31 +84,63 @@ fn cargo_bin(name: &str) -> Option<PathBuf> {
     p.is_file().then_some(p)
 }
 
+/// toolchain.env: the one place toolchains and tools are pinned.
+struct Pins {
+    bpf_nightly: &'static str,
+    llvm: &'static str,
+    bpf_linker: &'static str,
+}
+
+impl Pins {
+    fn load() -> Result<Self> {
+        Self::parse(include_str!("../../toolchain.env"))
+    }
+
+    fn parse(text: &'static str) -> Result<Self> {
+        let get = |key: &str| {
+            text.lines()
+                .filter_map(|l| l.trim().split_once('='))
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| v)
+                .with_context(|| format!("toolchain.env has no {key}="))
+        };
+        Ok(Self { bpf_nightly: get("BPF_NIGHTLY")?, llvm: get("LLVM_MAJOR")?, bpf_linker: get("BPF_LINKER_VERSION")? })
+    }
+}
+
 fn setup() -> Result<()> {
     // SAFETY: trivial syscall.
     if unsafe { libc::geteuid() } != 0 {
         bail!("xtask setup needs root (apt-get, bpffs, netns)");
     }
-    let missing_pkg = !Path::new("/usr/lib/llvm-22/bin/llvm-config").exists()
+    let missing_pkg = !Path::new(&format!("/usr/lib/llvm-{}/bin/llvm-config", Pins::load()?.llvm)).exists()
         || !Path::new("/usr/include/zstd.h").exists()
         || ["bpftool", "ip", "iptables", "nft", "nsenter"].iter().any(|c| !has(c));
     if missing_pkg {
         status(Command::new("apt-get").arg("update"))?;
         status(Command::new("apt-get").args(["install", "-y", "--no-install-recommends"]).args(APT_PACKAGES).env("DEBIAN_FRONTEND", "noninteractive"))?;
     }
+    let pins = Pins::load()?;
     let toolchains = Command::new("rustup").args(["toolchain", "list"]).output().context("rustup")?;
-    if !String::from_utf8_lossy(&toolchains.stdout).lines().any(|l| l.starts_with("nightly")) {
-        status(Command::new("rustup").args(["toolchain", "install", "nightly", "--profile", "minimal"]))?;
+    if !String::from_utf8_lossy(&toolchains.stdout).lines().any(|l| l.starts_with(pins.bpf_nightly)) {
+        status(Command::new("rustup").args(["toolchain", "install", pins.bpf_nightly, "--profile", "minimal"]))?;
     }
-    let comps = Command::new("rustup").args(["component", "list", "--installed", "--toolchain", "nightly"]).output()?;
+    let comps = Command::new("rustup").args(["component", "list", "--installed", "--toolchain", pins.bpf_nightly]).output()?;
     if !String::from_utf8_lossy(&comps.stdout).lines().any(|l| l.starts_with("rust-src")) {
-        status(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+        status(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", pins.bpf_nightly]))?;
     }
-    if cargo_bin("bpf-linker").is_none() {
-        let path = format!("/usr/lib/llvm-22/bin:{}", std::env::var("PATH").unwrap_or_default());
+    let linker_ok = cargo_bin("bpf-linker").is_some_and(|p| {
+        Command::new(p).arg("--version").output().is_ok_and(|o| {
+            String::from_utf8_lossy(&o.stdout).split_whitespace().any(|w| w == pins.bpf_linker)
+        })
+    });
+    if !linker_ok {
+        let llvm = format!("/usr/lib/llvm-{}/bin", pins.llvm);
+        let path = format!("{llvm}:{}", std::env::var("PATH").unwrap_or_default());
         status(
             Command::new("cargo")
-                .args(["install", "bpf-linker", "--locked", "--no-default-features", "--features", "llvm-22"])
+                .args(["install", "bpf-linker", "--locked", "--force", "--version", pins.bpf_linker])
+                .args(["--no-default-features", "--features", &format!("llvm-{}", pins.llvm)])
                 .env("PATH", path),
         )?;
     }
@@ -194,6 +226,19 @@ fn main() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pins_name_a_dated_nightly_and_agree_with_the_apt_packages() {
+        let pins = Pins::load().unwrap();
+        // A floating `nightly` changes LLVM under bpf-linker: only a dated one.
+        let date = pins.bpf_nightly.strip_prefix("nightly-").expect("BPF_NIGHTLY is nightly-YYYY-MM-DD");
+        assert_eq!(date.len(), 10, "{date}");
+        assert!(APT_PACKAGES.contains(&format!("llvm-{}-dev", pins.llvm).as_str()));
+        assert!(Pins::parse("BPF_NIGHTLY=x\n").is_err());
+        let dockerfile = std::fs::read_to_string(root().join("deploy/Dockerfile")).unwrap();
+        assert!(dockerfile.contains("toolchain.env"), "the Dockerfile must read the pins");
+        assert!(!dockerfile.contains("install nightly"), "the Dockerfile must not install a floating nightly");
+    }
 
     #[test]
     fn e2e_preflight_names_what_is_missing_in_one_line() {
