@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::dataplane::loader::{self, Capacity};
@@ -223,6 +223,8 @@ struct Reconciler {
     full_needed: bool,
     /// Pairs that stopped serving, for the destroyer once the maps hold it.
     pending_left: BTreeSet<model::Pair>,
+    /// The NAT thread, told of pairs that left so it ends their flows.
+    nat_left: std::sync::mpsc::Sender<BTreeSet<model::Pair>>,
     /// Connections to endpoints that stopped serving are destroyed by it,
     /// off the programming path.
     destroyer: Option<crate::stale::Destroyer>,
@@ -392,11 +394,16 @@ impl Reconciler {
                 std::net::IpAddr::V4(v4) => Some(v4.octets()),
                 _ => None,
             });
+            let snat_addr6 = node.addresses.iter().find_map(|a| match a {
+                std::net::IpAddr::V6(v6) => Some(v6.octets()),
+                _ => None,
+            });
             self.maps.set_node_config(&lb_common::NodeConfig {
                 netns_cookie: self.netns_cookie,
                 snat_addr: snat_addr.unwrap_or_default(),
                 snat_port_min: self.snat_ports.0,
                 snat_port_max: self.snat_ports.1,
+                snat_addr6: snat_addr6.unwrap_or_default(),
             })?;
             self.node_addresses = node.addresses.clone();
         }
@@ -425,6 +432,9 @@ impl Reconciler {
         }
         if !self.pending_left.is_empty() {
             let left = std::mem::take(&mut self.pending_left);
+            if self.has_external {
+                let _ = self.nat_left.send(left.clone());
+            }
             if let Some(d) = &self.destroyer {
                 d.update(left);
             }
@@ -539,23 +549,51 @@ fn owner_of<A: Addr>(op: &Op<A>, target: &writer::Target<A>) -> Option<(model::S
     Some((svc.clone(), format!("{}:{}/{}", key.0.to_ip(), key.1, key.2)))
 }
 
-/// Expire NAT entries in the background.
-fn spawn_nat_gc(cfg: &RunConfig) -> Result<()> {
-    let data = aya::maps::MapData::from_pin(cfg.bpffs.join(lb_common::maps::NAT4))?;
-    let mut nat = aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
+/// The NAT tables' own thread (off the runtime, whose syncs and /healthz
+/// must not wait for a walk of a large table): every `nat_gc_interval` it
+/// expires flows, and at once when endpoints leave it ends their flows (UDP
+/// removed, TCP marked for a RST). It logs when new flows were refused.
+fn spawn_nat_gc(cfg: &RunConfig) -> Result<std::sync::mpsc::Sender<BTreeSet<model::Pair>>> {
+    use aya::maps::{HashMap, Map, MapData, PerCpuArray};
+    let open = |name: &str| MapData::from_pin(cfg.bpffs.join(name)).with_context(|| format!("open pinned {name}"));
+    let mut nat4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT4)?))?;
+    let mut nat6: HashMap<MapData, lb_common::Nat6Key, lb_common::Nat6Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT6)?))?;
+    let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(open(lb_common::maps::STATS)?))?;
     let (timeouts, every) = (cfg.nat_timeouts, cfg.nat_gc_interval);
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(every);
+    let (tx, rx) = std::sync::mpsc::channel::<BTreeSet<model::Pair>>();
+    let failed = move || -> u64 { stats.get(&lb_common::stats::NAT_FAILED, 0).map(|v| v.iter().sum()).unwrap_or(0) };
+    std::thread::Builder::new().name("nat".into()).spawn(move || {
+        let mut seen_failed = failed();
+        let mut next = Instant::now() + every;
         loop {
-            tick.tick().await;
-            match crate::nodeport::gc(&mut nat, &timeouts) {
-                Ok(0) => {}
-                Ok(n) => tracing::debug!(flows = n, "NAT entries expired"),
-                Err(e) => tracing::warn!("NAT expiry: {e:#}"),
+            let left = match rx.recv_timeout(next.saturating_duration_since(Instant::now())) {
+                Ok(left) => left,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    next = Instant::now() + every;
+                    BTreeSet::new()
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+            };
+            let p4 = crate::nodeport::nat_pass(&mut nat4, &timeouts, &left);
+            let p6 = crate::nodeport::nat_pass(&mut nat6, &timeouts, &left);
+            let (expired, flushed, marked) = (p4.expired + p6.expired, p4.flushed + p6.flushed, p4.marked + p6.marked);
+            if expired > 0 {
+                tracing::debug!(flows = expired, "NAT entries expired");
+            }
+            if flushed + marked > 0 {
+                tracing::info!(udp_removed = flushed, tcp_to_reset = marked, "NAT flows to endpoints that left ended");
+            }
+            let now_failed = failed();
+            if now_failed > seen_failed {
+                tracing::warn!(
+                    refused = now_failed - seen_failed,
+                    "outside flows refused: no free SNAT port for their backend (--snat-ports) or the NAT table is full (--max-nat); see lb_datapath_nat_failed"
+                );
+                seen_failed = now_failed;
             }
         }
-    });
-    Ok(())
+    })?;
+    Ok(tx)
 }
 
 /// The datapath counters for /metrics, read from the pinned stats map.
@@ -626,7 +664,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     for iface in &cfg.nodeport_interfaces {
         tc.attach_tc(iface)?;
     }
-    spawn_nat_gc(&cfg)?;
+    let nat_left = spawn_nat_gc(&cfg)?;
     if adopted {
         tracing::info!(
             frontends = v4.index.frontends() + v6.index.frontends(),
@@ -670,6 +708,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         model: model::Incremental::new(),
         full_needed: true,
         pending_left: BTreeSet::new(),
+        nat_left,
         destroyer: if cfg.destroy_stale_sockets {
             Some(crate::stale::Destroyer::spawn(&cfg.bpffs, cfg.cgroup.clone(), metrics.sockets_destroyed.clone())?)
         } else {

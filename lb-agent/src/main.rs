@@ -67,7 +67,9 @@ enum Cmd {
         /// Capacity of the socket reverse-translation LRU map.
         #[arg(long, default_value_t = lb_common::capacity::SOCK_REVNAT)]
         max_sock_revnat: u32,
-        /// Capacity of the NAT table for outside traffic (LRU).
+        /// Capacity of each NAT table (IPv4, IPv6) for outside traffic, in
+        /// entries (two per flow). A full table refuses new flows (counted
+        /// as nat_failed, and logged), as conntrack does.
         #[arg(long, default_value_t = lb_common::capacity::NAT)]
         max_nat: u32,
         /// This node's address for NodePorts (repeatable). Default: the Node
@@ -81,8 +83,11 @@ enum Cmd {
         /// The NodePort range, kept out of local ephemeral ports.
         #[arg(long, default_value = "30000-32767")]
         nodeport_range: String,
-        /// Source ports for SNATed outside flows (outside the ephemeral range).
-        #[arg(long, default_value = "61000-65535")]
+        /// Source ports for SNATed outside flows: below the NodePort range
+        /// and outside the kernel's ephemeral range (32768-60999 by default),
+        /// so they never collide with the node's own connections. Each
+        /// backend can take this many flows through one node at once.
+        #[arg(long, default_value = "1024-29999")]
         snat_ports: String,
         /// Translate in-cluster connects to externalIPs too (kube-proxy does;
         /// see CVE-2020-8554). false: only traffic from outside is translated.
@@ -97,6 +102,10 @@ enum Cmd {
         /// NAT: seconds an idle UDP flow is kept.
         #[arg(long, default_value_t = 60)]
         nat_udp_timeout: u64,
+        /// NAT: seconds a flow that was never answered is kept (a SYN
+        /// flood cannot fill the table for longer).
+        #[arg(long, default_value_t = 60)]
+        nat_unreplied_timeout: u64,
         /// NAT: seconds between expiry scans.
         #[arg(long, default_value_t = 5)]
         nat_gc_interval: u64,
@@ -194,6 +203,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             nat_tcp_timeout,
             nat_tcp_close_timeout,
             nat_udp_timeout,
+            nat_unreplied_timeout,
             nat_gc_interval,
             destroy_stale_sockets,
         } => {
@@ -234,6 +244,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     tcp: Duration::from_secs(nat_tcp_timeout),
                     tcp_closed: Duration::from_secs(nat_tcp_close_timeout),
                     udp: Duration::from_secs(nat_udp_timeout),
+                    unreplied: Duration::from_secs(nat_unreplied_timeout),
                 },
                 nat_gc_interval: Duration::from_secs(nat_gc_interval.max(1)),
                 model: model::Options { external_ip_socket: external_ip_socket_lb },
@@ -268,7 +279,9 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 anyhow::bail!("nothing is pinned under {}: is an agent running with --bpffs {0}?", bpffs.display());
             }
             let maps = Maps::open_pinned(&bpffs)?;
-            let flows = inspect::nat_flows(&maps.nat, nodeport::monotonic_ns());
+            let now = nodeport::monotonic_ns();
+            let mut flows = inspect::nat_flows(&maps.nat4, now);
+            flows.extend(inspect::nat_flows(&maps.nat6, now));
             if json {
                 println!("{}", serde_json::to_string_pretty(&flows)?);
             } else {

@@ -152,12 +152,16 @@ pub type SockRevNat6Value = SockRevNatValue<[u8; 16]>;
 pub const FAMILY_V4: u8 = 4;
 pub const FAMILY_V6: u8 = 6;
 
-/// Key of the `LB_AFFINITY` LRU map: one client (a network namespace, i.e.
-/// one pod or the node) and one frontend.
+/// Key of the `LB_AFFINITY` LRU map: one client and one frontend. A client
+/// inside the node is its network namespace (one pod, or the node):
+/// `netns_cookie`, with `client` zero. A client outside (the TC path) is its
+/// address: `client` (an IPv4 address in the first 4 bytes), with
+/// `netns_cookie` zero.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct AffinityKey {
     pub netns_cookie: u64,
+    pub client: [u8; 16],
     pub rev_nat_id: u16,
     pub family: u8,
     pub _pad: [u8; 5],
@@ -185,18 +189,21 @@ pub struct AffinityMatchKey {
     pub _pad: u8,
 }
 
-/// Key of the `LB4_NAT` LRU map: a packet's 5-tuple as seen on the wire
-/// (ports in host order).
+/// Key of the `LB4_NAT` / `LB6_NAT` hash maps: a packet's 5-tuple as seen on
+/// the wire (ports in host order).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct NatKey {
-    pub saddr: [u8; 4],
-    pub daddr: [u8; 4],
+pub struct NatKey<A> {
+    pub saddr: A,
+    pub daddr: A,
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
     pub _pad: [u8; 3],
 }
+
+pub type Nat4Key = NatKey<[u8; 4]>;
+pub type Nat6Key = NatKey<[u8; 16]>;
 
 /// `NatEntry::flags`.
 pub mod nat_flags {
@@ -206,18 +213,29 @@ pub mod nat_flags {
     pub const SNAT: u8 = 1 << 1;
 }
 
-/// `NatEntry::state` bits, per direction.
+/// `NatEntry::state` bits, per direction (each entry records its own).
 pub mod nat_state {
+    /// A FIN went this way.
     pub const FIN: u8 = 1 << 0;
+    /// A RST went this way. Cleared again when the flow goes on well after
+    /// it (a RST the peer did not accept), so a forged RST cannot close a
+    /// live flow.
     pub const RST: u8 = 1 << 1;
+    /// A packet went this way after the first one. On the reply entry: the
+    /// flow was answered (else it expires as unreplied).
+    pub const SEEN: u8 = 1 << 2;
+    /// Set by the agent on the original-direction entry: the backend left
+    /// the Service. The next packet ends the flow (TCP: a RST to the client;
+    /// UDP: a new backend is picked).
+    pub const STALE: u8 = 1 << 3;
 }
 
-/// Value of the `LB4_NAT` LRU map: how to rewrite packets of this tuple.
+/// Value of the NAT maps: how to rewrite packets of this tuple.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub struct NatEntry {
-    pub to_saddr: [u8; 4],
-    pub to_daddr: [u8; 4],
+pub struct NatEntry<A> {
+    pub to_saddr: A,
+    pub to_daddr: A,
     pub to_sport: u16,
     pub to_dport: u16,
     pub flags: u8,
@@ -228,15 +246,20 @@ pub struct NatEntry {
     pub last_seen_ns: u64,
 }
 
-/// Data of the `LB4_SRC_RANGE` LPM trie key (after its prefix length): the
-/// prefix length counts bits of `rev_nat_id`, `_pad` and `addr`, so the
-/// entry for a.b.c.d/n of frontend `rev_nat_id` has prefix length 32 + n.
+pub type Nat4Entry = NatEntry<[u8; 4]>;
+pub type Nat6Entry = NatEntry<[u8; 16]>;
+
+/// Data of the `LB_SRC_RANGE` LPM trie key (after its prefix length): the
+/// prefix length counts bits of `rev_nat_id`, `family`, `_pad` and `addr`,
+/// so the entry for prefix a/n of frontend `rev_nat_id` has prefix length
+/// 32 + n. An IPv4 address fills the first 4 bytes of `addr`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct SrcRange {
     pub rev_nat_id: u16,
-    pub _pad: u16,
-    pub addr: [u8; 4],
+    pub family: u8,
+    pub _pad: u8,
+    pub addr: [u8; 16],
 }
 
 /// Key of the `LB_NODEPORTS` hash map: a NodePort in use, which local
@@ -274,7 +297,16 @@ pub mod stats {
     pub const NAT_FAILED: u32 = 9;
     /// bind() to a NodePort refused.
     pub const BIND_REFUSED: u32 = 10;
-    pub const COUNT: u32 = 11;
+    /// TC: outside flows rejected with ICMP port unreachable (no endpoints,
+    /// as kube-proxy's REJECT).
+    pub const NAT_REJECTED: u32 = 11;
+    /// TC: flows to a backend that left, ended with a TCP RST to the client.
+    pub const NAT_RESET: u32 = 12;
+    /// TC: ICMP errors about translated flows, translated with them.
+    pub const NAT_ICMP: u32 = 13;
+    /// TC: a new outside flow replaced a closed one with the same tuple.
+    pub const NAT_REPLACED: u32 = 14;
+    pub const COUNT: u32 = 15;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -287,6 +319,10 @@ pub mod stats {
         "nat_dropped",
         "nat_failed",
         "bind_refused",
+        "nat_rejected",
+        "nat_reset",
+        "nat_icmp",
+        "nat_replaced",
     ];
 }
 
@@ -304,12 +340,13 @@ pub mod maps {
     pub const AFFINITY_MATCH: &str = "LB_AFFINITY_MATCH";
     pub const STATS: &str = "LB_STATS";
     pub const NAT4: &str = "LB4_NAT";
-    pub const SRC_RANGE4: &str = "LB4_SRC_RANGE";
+    pub const NAT6: &str = "LB6_NAT";
+    pub const SRC_RANGE: &str = "LB_SRC_RANGE";
     pub const NODEPORTS: &str = "LB_NODEPORTS";
     pub const NODE_CONFIG: &str = "LB_NODE_CONFIG";
-    pub const ALL: [&str; 15] = [
+    pub const ALL: [&str; 16] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
-        AFFINITY, AFFINITY_MATCH, STATS, NAT4, SRC_RANGE4, NODEPORTS, NODE_CONFIG,
+        AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG,
     ];
 }
 
@@ -339,6 +376,8 @@ pub struct NodeConfig {
     /// collide with the node's own sockets.
     pub snat_port_min: u16,
     pub snat_port_max: u16,
+    /// The node address SNATed IPv6 flows leave from (zero: none).
+    pub snat_addr6: [u8; 16],
 }
 
 #[cfg(feature = "user")]
@@ -360,8 +399,10 @@ mod user {
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for AffinityMatchKey {}
-    unsafe impl aya::Pod for NatKey {}
-    unsafe impl aya::Pod for NatEntry {}
+    unsafe impl aya::Pod for Nat4Key {}
+    unsafe impl aya::Pod for Nat6Key {}
+    unsafe impl aya::Pod for Nat4Entry {}
+    unsafe impl aya::Pod for Nat6Entry {}
     unsafe impl aya::Pod for SrcRange {}
     unsafe impl aya::Pod for NodePortKey {}
     unsafe impl aya::Pod for NodeConfig {}
@@ -380,12 +421,14 @@ const _: () = {
     assert!(core::mem::size_of::<RevNat6>() == 20);
     assert!(core::mem::size_of::<SockRevNat6Key>() == 32);
     assert!(core::mem::size_of::<SockRevNat6Value>() == 20);
-    assert!(core::mem::size_of::<AffinityKey>() == 16);
+    assert!(core::mem::size_of::<AffinityKey>() == 32);
     assert!(core::mem::size_of::<AffinityValue>() == 16);
     assert!(core::mem::size_of::<AffinityMatchKey>() == 8);
-    assert!(core::mem::size_of::<NatKey>() == 16);
-    assert!(core::mem::size_of::<NatEntry>() == 32);
-    assert!(core::mem::size_of::<SrcRange>() == 8);
+    assert!(core::mem::size_of::<Nat4Key>() == 16);
+    assert!(core::mem::size_of::<Nat4Entry>() == 32);
+    assert!(core::mem::size_of::<Nat6Key>() == 40);
+    assert!(core::mem::size_of::<Nat6Entry>() == 56);
+    assert!(core::mem::size_of::<SrcRange>() == 20);
     assert!(core::mem::size_of::<NodePortKey>() == 4);
-    assert!(core::mem::size_of::<NodeConfig>() == 16);
+    assert!(core::mem::size_of::<NodeConfig>() == 32);
 };

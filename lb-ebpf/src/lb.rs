@@ -22,7 +22,7 @@ type A6 = [u8; 16];
 /// Hash maps the agent writes are not preallocated: memory follows use,
 /// and a deleted element is freed only after an RCU grace period, so a
 /// program that still reads it sees the old value, never a reused one.
-const NO_PREALLOC: usize = aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize;
+pub const NO_PREALLOC: usize = aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize;
 
 #[btf_map]
 static LB4_SERVICES: HashMap<SvcKey<A4>, SvcValue, { capacity::SERVICES as usize }, NO_PREALLOC> = HashMap::new();
@@ -65,14 +65,25 @@ pub fn node_config() -> Option<NodeConfig> {
 /// entry between two lookups (the agent changes a service while we read it).
 const RETRIES: u32 = 3;
 
-const ECONNREFUSED: i32 = 111;
+pub const ECONNREFUSED: i32 = 111;
 const EHOSTUNREACH: i32 = 113;
+
+/// Who asks, for sessionAffinity ClientIP.
+#[derive(Clone, Copy)]
+pub enum Client {
+    /// A socket hook's context: the client is its network namespace (a pod,
+    /// or the node), since the hook cannot see the source address yet.
+    Sock(*mut c_void),
+    /// A packet from outside the node: its source address (an IPv4 address
+    /// in the first 4 bytes).
+    Addr([u8; 16]),
+}
 
 pub enum Verdict<A> {
     /// Not a frontend we know: leave the socket alone.
     Pass,
-    /// Connect to this backend. `flags` are the frontend's.
-    Backend { backend: Backend<A>, rev_nat_id: u16, flags: u16 },
+    /// Connect to this backend of frontend `rev_nat_id`.
+    Backend { backend: Backend<A>, rev_nat_id: u16 },
     /// Fail the syscall with this errno.
     Refuse(i32),
 }
@@ -154,13 +165,12 @@ fn affine<F: Family>(key: &AffinityKey, timeout_s: u32, now: u64) -> Option<(u32
 
 /// Pick a backend for `addr:port/proto`. `hash` selects the slot when given
 /// (stable per socket, or per flow); otherwise the pick is random per call.
-/// `ctx` is the socket hook's context, for the netns cookie that
-/// sessionAffinity keys on. `external`: the TC path, for traffic from
+/// `client` is who sessionAffinity keys on. `external`: the TC path, for traffic from
 /// outside the node; it serves only EXTERNAL frontends and follows
 /// externalTrafficPolicy instead of internalTrafficPolicy.
 #[inline(always)]
 pub fn select<F: Family>(
-    ctx: *mut c_void,
+    client: Client,
     addr: F::A,
     port: u16,
     proto: u8,
@@ -214,24 +224,22 @@ pub fn select<F: Family>(
             return Verdict::Refuse(ECONNREFUSED);
         }
 
-        // Affinity keys on the client pod; outside clients have no netns here.
-        let affinity = !external && front.flags & svc_flags::AFFINITY != 0;
+        let affinity = front.flags & svc_flags::AFFINITY != 0;
         let mut akey = AffinityKey::default();
         // SAFETY: plain helper.
         let now = if affinity { unsafe { bpf_ktime_get_ns() } } else { 0 };
         if affinity {
-            akey = AffinityKey {
+            akey = AffinityKey { rev_nat_id: front.rev_nat_id, family: F::ID, ..AffinityKey::default() };
+            match client {
                 // SAFETY: helper valid for sock_addr programs.
-                netns_cookie: unsafe { bpf_get_netns_cookie(ctx) },
-                rev_nat_id: front.rev_nat_id,
-                family: F::ID,
-                _pad: [0; 5],
-            };
+                Client::Sock(ctx) => akey.netns_cookie = unsafe { bpf_get_netns_cookie(ctx) },
+                Client::Addr(a) => akey.client = a,
+            }
             if let Some((id, backend)) = affine::<F>(&akey, front.affinity_timeout, now) {
                 let v = AffinityValue { last_used_ns: now, backend_id: id, _pad: 0 };
                 let _ = LB_AFFINITY.insert(&akey, &v, 0);
                 count(stats::AFFINITY_HIT);
-                return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, flags: front.flags };
+                return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id };
             }
         }
 
@@ -253,7 +261,7 @@ pub fn select<F: Family>(
             let v = AffinityValue { last_used_ns: now, backend_id: sv.backend_id, _pad: 0 };
             let _ = LB_AFFINITY.insert(&akey, &v, 0);
         }
-        return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, flags: front.flags };
+        return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id };
     }
     // Every attempt raced with an update: refuse rather than guess.
     count(stats::REFUSED_NO_ENDPOINTS);

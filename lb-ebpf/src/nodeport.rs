@@ -1,114 +1,457 @@
 //! TC programs for traffic that enters the node from outside: NodePort,
-//! LoadBalancer ingress IPs and externalIPs (IPv4).
+//! LoadBalancer ingress IPs and externalIPs, IPv4 and IPv6.
 //!
-//! Ingress, first packet of a flow to an EXTERNAL frontend: pick a backend
-//! (externalTrafficPolicy decides the slots), DNAT to it, and remember the
-//! choice in the `LB4_NAT` LRU table under two keys, the original tuple and
-//! the reply tuple. A backend on another node is also SNATed to this node's
-//! address with a port claimed atomically in the table, so the reply comes
-//! back here. A backend on this node keeps the client's address.
+//! Ingress, first packet of a flow to an EXTERNAL frontend (a TCP SYN, or
+//! any UDP datagram): check loadBalancerSourceRanges, pick a backend
+//! (externalTrafficPolicy decides the slots, sessionAffinity keys on the
+//! client address), DNAT to it, and remember the choice in the family's NAT
+//! table under two keys, the original tuple and the reply tuple. A backend on
+//! another node is also SNATed to this node's address with a port claimed
+//! atomically in the table, so the reply comes back here. A backend on this
+//! node keeps the client's address.
 //!
 //! Every later packet, and every reply, is rewritten from the table:
 //! - replies of SNATed flows arrive on ingress (backend -> node:port);
 //! - replies of local backends leave on egress (backend -> client).
 //!
-//! The agent expires entries (TCP after FIN/RST plus a grace period, UDP and
-//! idle TCP after a timeout); the LRU bounds the table meanwhile.
+//! Like conntrack, and unlike a cache of tuples:
+//! - a frontend with no usable endpoint is REJECTed as kube-proxy does:
+//!   ICMP port unreachable (ICMPv6 for IPv6) back to the client, so its
+//!   connect fails with ECONNREFUSED at once; externalTrafficPolicy Local
+//!   with endpoints only elsewhere still drops;
+//! - a TCP flow is created only by a SYN; other packets without an entry
+//!   pass untouched;
+//! - the two entries of a flow are created together and removed together
+//!   (a plain hash table: no LRU evicts one of them behind our back); the
+//!   agent expires flows, unreplied ones after about a minute;
+//! - a reply tuple that clashes with a closed flow replaces it; a direct
+//!   client-to-pod TCP flow that reuses the tuple of a closed NodePort flow
+//!   removes the leftover, so its replies pass untouched;
+//! - a flow whose backend left (the agent marks it STALE) ends at its next
+//!   packet: TCP gets a RST back, so the client reconnects at once (beyond
+//!   kube-proxy, which lets it time out); UDP picks a live backend.
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
-    btf_maps::{LpmTrie, LruHashMap},
-    helpers::bpf_ktime_get_ns,
+    bindings::{__sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    btf_maps::{HashMap, LpmTrie, PerCpuArray},
+    helpers::{bpf_csum_diff, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes, bpf_skb_store_bytes},
     macros::{btf_map, classifier},
     maps::lpm_trie::Key,
     programs::TcContext,
 };
 use lb_common::{
-    NatEntry, NatKey, PROTO_TCP, PROTO_UDP, SrcRange, backend_flags, capacity,
+    Backend, NatEntry, NatKey, NodeConfig, PROTO_TCP, PROTO_UDP, SCOPE_ALL, SrcRange, SvcKey, backend_flags, capacity,
     nat_flags, nat_state, stats, svc_flags,
 };
 
-use crate::lb::{self, V4, Verdict};
+use crate::lb::{self, Client, ECONNREFUSED, Family, NO_PREALLOC, V4, V6, Verdict};
+
+type A4 = [u8; 4];
+type A6 = [u8; 16];
 
 #[btf_map]
-static LB4_NAT: LruHashMap<NatKey, NatEntry, { capacity::NAT as usize }> = LruHashMap::new();
+static LB4_NAT: HashMap<NatKey<A4>, NatEntry<A4>, { capacity::NAT as usize }, NO_PREALLOC> = HashMap::new();
+#[btf_map]
+static LB6_NAT: HashMap<NatKey<A6>, NatEntry<A6>, { capacity::NAT as usize }, NO_PREALLOC> = HashMap::new();
 
 #[btf_map]
-static LB4_SRC_RANGE: LpmTrie<SrcRange, u8, { capacity::SRC_RANGE as usize }> = LpmTrie::new();
-
+static LB_SRC_RANGE: LpmTrie<SrcRange, u8, { capacity::SRC_RANGE as usize }> = LpmTrie::new();
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
-const IP_CSUM: usize = ETH_HLEN + 10;
-const IP_SRC: usize = ETH_HLEN + 12;
-const IP_DST: usize = ETH_HLEN + 16;
+const ETH_P_IPV6: u16 = 0x86DD;
 const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+const PROTO_ICMP: u8 = 1;
+const PROTO_ICMPV6: u8 = 58;
 /// How many SNAT ports to try for one new flow.
 const SNAT_TRIES: u32 = 32;
 
-struct Pkt {
+/// What the steps of the ingress program ask it to do next, besides
+/// TC_ACT_*. The program calls each step in turn rather than nested, so
+/// that each gets the whole 512-byte stack.
+/// Answer with ICMP port unreachable (kube-proxy's REJECT).
+const ACT_REJECT: i32 = -100;
+/// Answer with a TCP RST (a flow whose backend left).
+const ACT_RESET: i32 = -101;
+/// No flow has the packet's tuple: it may start one.
+const ACT_NEW_FLOW: i32 = -102;
+/// A backend is picked (in the scratch value): create the flow.
+const ACT_ESTABLISH: i32 = -103;
+/// A SYN of a flow we do not translate: clear a leftover with its tuple.
+const ACT_CLEAR_LEFTOVER: i32 = -104;
+
+struct Pkt<A> {
     l4: usize,
     proto: u8,
-    saddr: [u8; 4],
-    daddr: [u8; 4],
+    saddr: A,
+    daddr: A,
     sport: u16,
     dport: u16,
     tcp_flags: u8,
 }
 
+impl<A: Copy> Pkt<A> {
+    fn key(&self) -> NatKey<A> {
+        NatKey { saddr: self.saddr, daddr: self.daddr, sport: self.sport, dport: self.dport, proto: self.proto, _pad: [0; 3] }
+    }
+
+    /// The key replies of this packet's tuple would have.
+    fn reverse_key(&self) -> NatKey<A> {
+        NatKey { saddr: self.daddr, daddr: self.saddr, sport: self.dport, dport: self.sport, proto: self.proto, _pad: [0; 3] }
+    }
+}
+
+/// The key of the other direction of the flow an entry belongs to: the
+/// reverse of the tuple the entry rewrites to.
 #[inline(always)]
-fn parse(ctx: &TcContext) -> Option<Pkt> {
-    if u16::from_be(ctx.load::<u16>(12).ok()?) != ETH_P_IP {
-        return None;
+fn other_key<A: Copy>(proto: u8, e: &NatEntry<A>) -> NatKey<A> {
+    NatKey { saddr: e.to_daddr, daddr: e.to_saddr, sport: e.to_dport, dport: e.to_sport, proto, _pad: [0; 3] }
+}
+
+/// A stack buffer that helpers may read as 32-bit words.
+#[repr(C, align(4))]
+struct Buf<const N: usize>([u8; N]);
+
+/// Sum `len` bytes at `p` into the running checksum `seed` (not folded).
+#[inline(always)]
+fn csum_add(p: *const u8, len: u32, seed: u32) -> u32 {
+    // SAFETY: p points to at least len readable bytes of a stack buffer.
+    unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, p as *mut u32, len, seed) as u32 }
+}
+
+/// Read exactly `len` bytes at `off` into `dst` (a constant length, which the
+/// verifier needs; aya's load_bytes clamps it to the packet).
+#[inline(always)]
+fn load_exact(ctx: &TcContext, off: usize, dst: *mut u8, len: u32) -> Result<(), i64> {
+    // SAFETY: dst points to at least len writable bytes of a stack buffer.
+    let rc = unsafe { bpf_skb_load_bytes(ctx.skb.skb as *const _, off as u32, dst.cast(), len) };
+    if rc == 0 { Ok(()) } else { Err(rc) }
+}
+
+#[inline(always)]
+fn csum_fold(s: u32) -> u16 {
+    let mut c = (s & 0xffff) + (s >> 16);
+    c = (c & 0xffff) + (c >> 16);
+    !(c as u16)
+}
+
+/// One address family's packet layout and NAT table.
+trait Net: Family<A: Copy + PartialEq + Default> {
+    /// Offsets of the source and destination addresses from the frame start.
+    const SRC: usize;
+    const DST: usize;
+    /// Bits of an address.
+    const BITS: u32;
+    /// Where L4 starts and which protocol it is; None: not a packet for us
+    /// (another protocol, a non-first fragment, extension headers, a
+    /// malformed header).
+    fn l4(ctx: &TcContext) -> Option<(usize, u8)>;
+    fn nat_get(k: &NatKey<Self::A>) -> Option<*mut NatEntry<Self::A>>;
+    fn nat_put(k: &NatKey<Self::A>, v: &NatEntry<Self::A>, flags: u64) -> bool;
+    fn nat_del(k: &NatKey<Self::A>);
+    fn scratch() -> Option<*mut Scratch<Self::A>>;
+    /// The node address SNATed flows leave from (zero: none).
+    fn snat_addr(cfg: &NodeConfig) -> Self::A;
+    /// The address in 16 bytes (IPv4 in the first 4).
+    fn wide(a: Self::A) -> [u8; 16];
+    /// Replace the address at `off`, fixing the L4 checksum at `csum` (when
+    /// `l4_csum`) and the IP header checksum (IPv4).
+    fn set_addr(ctx: &TcContext, off: usize, csum: usize, l4_csum: bool, mangled: u64, old: Self::A, new: Self::A) -> Result<(), i64>;
+    /// Turn the packet into an ICMP port unreachable to its source, from its
+    /// destination (the packet's headers quoted).
+    fn icmp_unreachable(ctx: &TcContext) -> Result<(), i64>;
+    /// Turn the packet (a TCP segment of flow `p`) into a RST to its source,
+    /// from its destination.
+    fn tcp_reset(ctx: &TcContext, p: &Pkt<Self::A>, seq: u32, ack: u32, flags: u8) -> Result<(), i64>;
+    /// The TCP payload length of the packet (for the RST's acknowledgement).
+    fn tcp_payload(ctx: &TcContext, l4: usize) -> Option<u32>;
+}
+
+impl Net for V4 {
+    const SRC: usize = ETH_HLEN + 12;
+    const DST: usize = ETH_HLEN + 16;
+    const BITS: u32 = 32;
+
+    #[inline(always)]
+    fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
+        let vihl: u8 = ctx.load(ETH_HLEN).ok()?;
+        let ihl = ((vihl & 0x0f) as usize) * 4;
+        if vihl >> 4 != 4 || ihl < 20 {
+            return None;
+        }
+        // Not the first fragment: no ports to read.
+        let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
+        if frag & 0x1fff != 0 {
+            return None;
+        }
+        Some((ETH_HLEN + ihl, ctx.load(ETH_HLEN + 9).ok()?))
     }
-    let vihl: u8 = ctx.load(ETH_HLEN).ok()?;
-    let ihl = ((vihl & 0x0f) as usize) * 4;
-    if vihl >> 4 != 4 || ihl < 20 {
-        return None;
+    #[inline(always)]
+    fn nat_get(k: &NatKey<A4>) -> Option<*mut NatEntry<A4>> {
+        LB4_NAT.get_ptr_mut(k)
     }
-    // Not the first fragment: no ports to read.
-    let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
-    if frag & 0x1fff != 0 {
-        return None;
+    #[inline(always)]
+    fn nat_put(k: &NatKey<A4>, v: &NatEntry<A4>, flags: u64) -> bool {
+        LB4_NAT.insert(k, v, flags).is_ok()
     }
-    let proto: u8 = ctx.load(ETH_HLEN + 9).ok()?;
+    #[inline(always)]
+    fn nat_del(k: &NatKey<A4>) {
+        let _ = LB4_NAT.remove(k);
+    }
+    #[inline(always)]
+    fn scratch() -> Option<*mut Scratch<A4>> {
+        LB4_SCRATCH.get_ptr_mut(0)
+    }
+    #[inline(always)]
+    fn snat_addr(cfg: &NodeConfig) -> A4 {
+        cfg.snat_addr
+    }
+    #[inline(always)]
+    fn wide(a: A4) -> [u8; 16] {
+        let mut w = [0u8; 16];
+        w[..4].copy_from_slice(&a);
+        w
+    }
+    #[inline(always)]
+    fn set_addr(ctx: &TcContext, off: usize, csum: usize, l4_csum: bool, mangled: u64, old: A4, new: A4) -> Result<(), i64> {
+        let (from, to) = (u32::from_ne_bytes(old) as u64, u32::from_ne_bytes(new) as u64);
+        if l4_csum {
+            ctx.l4_csum_replace(csum, from, to, BPF_F_PSEUDO_HDR as u64 | mangled | 4)?;
+        }
+        ctx.l3_csum_replace(ETH_HLEN + 10, from, to, 4)?;
+        ctx.store(off, &new, 0)
+    }
+    #[inline(always)]
+    fn icmp_unreachable(ctx: &TcContext) -> Result<(), i64> {
+        // IP header (20), ICMP header (8), the packet's IP header and the
+        // first 8 bytes of its L4 header (28). Only packets without IP options.
+        let vihl: u8 = ctx.load(ETH_HLEN)?;
+        if vihl != 0x45 {
+            return Err(-1);
+        }
+        let mut b = Buf([0u8; 56]);
+        // SAFETY: offset 28 of a 56-byte buffer.
+        load_exact(ctx, ETH_HLEN, unsafe { b.0.as_mut_ptr().add(28) }, 28)?;
+        b.0[0] = 0x45;
+        b.0[2..4].copy_from_slice(&56u16.to_be_bytes());
+        b.0[8] = 64;
+        b.0[9] = PROTO_ICMP;
+        let (src, dst) = (Self::SRC - ETH_HLEN + 28, Self::DST - ETH_HLEN + 28);
+        let (osrc, odst): (A4, A4) = (b.0[src..src + 4].try_into().map_err(|_| -1i64)?, b.0[dst..dst + 4].try_into().map_err(|_| -1i64)?);
+        b.0[12..16].copy_from_slice(&odst);
+        b.0[16..20].copy_from_slice(&osrc);
+        b.0[20] = 3; // destination unreachable
+        b.0[21] = 3; // port unreachable
+        let ip = csum_fold(csum_add(b.0.as_ptr(), 20, 0));
+        b.0[10..12].copy_from_slice(&ip.to_ne_bytes());
+        // SAFETY: offset 20 of a 4-aligned buffer of 56 bytes.
+        let icmp = csum_fold(csum_add(unsafe { b.0.as_ptr().add(20) }, 36, 0));
+        b.0[22..24].copy_from_slice(&icmp.to_ne_bytes());
+        emit(ctx, &b)
+    }
+    #[inline(always)]
+    fn tcp_reset(ctx: &TcContext, p: &Pkt<A4>, seq: u32, ack: u32, flags: u8) -> Result<(), i64> {
+        let mut b = Buf([0u8; 40]);
+        b.0[0] = 0x45;
+        b.0[2..4].copy_from_slice(&40u16.to_be_bytes());
+        b.0[8] = 64;
+        b.0[9] = PROTO_TCP;
+        b.0[12..16].copy_from_slice(&p.daddr);
+        b.0[16..20].copy_from_slice(&p.saddr);
+        tcp_rst_header(&mut b.0, 20, p, seq, ack, flags);
+        let ip = csum_fold(csum_add(b.0.as_ptr(), 20, 0));
+        b.0[10..12].copy_from_slice(&ip.to_ne_bytes());
+        let pseudo = Buf([0, PROTO_TCP, 0, 20]);
+        // SAFETY: offsets inside a 4-aligned buffer of 40 bytes.
+        let s = csum_add(unsafe { b.0.as_ptr().add(12) }, 28, 0);
+        let s = csum_add(pseudo.0.as_ptr(), 4, s);
+        b.0[36..38].copy_from_slice(&csum_fold(s).to_ne_bytes());
+        emit(ctx, &b)
+    }
+    #[inline(always)]
+    fn tcp_payload(ctx: &TcContext, l4: usize) -> Option<u32> {
+        let total = u16::from_be(ctx.load::<u16>(ETH_HLEN + 2).ok()?) as u32;
+        let doff = (ctx.load::<u8>(l4 + 12).ok()? >> 4) as u32 * 4;
+        Some(total.saturating_sub((l4 - ETH_HLEN) as u32 + doff))
+    }
+}
+
+impl Net for V6 {
+    const SRC: usize = ETH_HLEN + 8;
+    const DST: usize = ETH_HLEN + 24;
+    const BITS: u32 = 128;
+
+    #[inline(always)]
+    fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
+        let v: u8 = ctx.load(ETH_HLEN).ok()?;
+        if v >> 4 != 6 {
+            return None;
+        }
+        // Only TCP or UDP right after the fixed header; packets with
+        // extension headers pass untouched.
+        Some((ETH_HLEN + 40, ctx.load(ETH_HLEN + 6).ok()?))
+    }
+    #[inline(always)]
+    fn nat_get(k: &NatKey<A6>) -> Option<*mut NatEntry<A6>> {
+        LB6_NAT.get_ptr_mut(k)
+    }
+    #[inline(always)]
+    fn nat_put(k: &NatKey<A6>, v: &NatEntry<A6>, flags: u64) -> bool {
+        LB6_NAT.insert(k, v, flags).is_ok()
+    }
+    #[inline(always)]
+    fn nat_del(k: &NatKey<A6>) {
+        let _ = LB6_NAT.remove(k);
+    }
+    #[inline(always)]
+    fn scratch() -> Option<*mut Scratch<A6>> {
+        LB6_SCRATCH.get_ptr_mut(0)
+    }
+    #[inline(always)]
+    fn snat_addr(cfg: &NodeConfig) -> A6 {
+        cfg.snat_addr6
+    }
+    #[inline(always)]
+    fn wide(a: A6) -> [u8; 16] {
+        a
+    }
+    #[inline(always)]
+    fn set_addr(ctx: &TcContext, off: usize, csum: usize, l4_csum: bool, mangled: u64, old: A6, new: A6) -> Result<(), i64> {
+        if l4_csum {
+            let (from, to) = (Buf(old), Buf(new));
+            // SAFETY: two 16-byte, 4-aligned stack buffers.
+            let diff = unsafe { bpf_csum_diff(from.0.as_ptr() as *mut u32, 16, to.0.as_ptr() as *mut u32, 16, 0) };
+            ctx.l4_csum_replace(csum, 0, diff as u32 as u64, BPF_F_PSEUDO_HDR as u64 | mangled)?;
+        }
+        ctx.store(off, &new, 0)
+    }
+    #[inline(always)]
+    fn icmp_unreachable(ctx: &TcContext) -> Result<(), i64> {
+        // IPv6 header (40), ICMPv6 header (8), the packet's IPv6 header and
+        // the first 8 bytes of its L4 header (48).
+        let mut b = Buf([0u8; 96]);
+        // SAFETY: offset 48 of a 96-byte buffer.
+        load_exact(ctx, ETH_HLEN, unsafe { b.0.as_mut_ptr().add(48) }, 48)?;
+        b.0[0] = 0x60;
+        b.0[4..6].copy_from_slice(&56u16.to_be_bytes());
+        b.0[6] = PROTO_ICMPV6;
+        b.0[7] = 64;
+        let mut src = [0u8; 16];
+        let mut dst = [0u8; 16];
+        src.copy_from_slice(&b.0[48 + 24..48 + 40]);
+        dst.copy_from_slice(&b.0[48 + 8..48 + 24]);
+        b.0[8..24].copy_from_slice(&src);
+        b.0[24..40].copy_from_slice(&dst);
+        b.0[40] = 1; // destination unreachable
+        b.0[41] = 4; // port unreachable
+        let pseudo = Buf([0, 0, 0, 56, 0, 0, 0, PROTO_ICMPV6]);
+        // SAFETY: offsets inside a 4-aligned buffer of 96 bytes.
+        let s = csum_add(unsafe { b.0.as_ptr().add(8) }, 88, 0);
+        let s = csum_add(pseudo.0.as_ptr(), 8, s);
+        b.0[42..44].copy_from_slice(&csum_fold(s).to_ne_bytes());
+        emit(ctx, &b)
+    }
+    #[inline(always)]
+    fn tcp_reset(ctx: &TcContext, p: &Pkt<A6>, seq: u32, ack: u32, flags: u8) -> Result<(), i64> {
+        let mut b = Buf([0u8; 60]);
+        b.0[0] = 0x60;
+        b.0[4..6].copy_from_slice(&20u16.to_be_bytes());
+        b.0[6] = PROTO_TCP;
+        b.0[7] = 64;
+        b.0[8..24].copy_from_slice(&p.daddr);
+        b.0[24..40].copy_from_slice(&p.saddr);
+        tcp_rst_header(&mut b.0, 40, p, seq, ack, flags);
+        let pseudo = Buf([0, 0, 0, 20, 0, 0, 0, PROTO_TCP]);
+        // SAFETY: offsets inside a 4-aligned buffer of 60 bytes.
+        let s = csum_add(unsafe { b.0.as_ptr().add(8) }, 52, 0);
+        let s = csum_add(pseudo.0.as_ptr(), 8, s);
+        b.0[56..58].copy_from_slice(&csum_fold(s).to_ne_bytes());
+        emit(ctx, &b)
+    }
+    #[inline(always)]
+    fn tcp_payload(ctx: &TcContext, l4: usize) -> Option<u32> {
+        let payload = u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).ok()?) as u32;
+        let doff = (ctx.load::<u8>(l4 + 12).ok()? >> 4) as u32 * 4;
+        Some(payload.saturating_sub(doff))
+    }
+}
+
+/// A RST's TCP header at `at`: from the packet's destination to its source.
+#[inline(always)]
+fn tcp_rst_header<A, const N: usize>(b: &mut [u8; N], at: usize, p: &Pkt<A>, seq: u32, ack: u32, flags: u8) {
+    b[at..at + 2].copy_from_slice(&p.dport.to_be_bytes());
+    b[at + 2..at + 4].copy_from_slice(&p.sport.to_be_bytes());
+    b[at + 4..at + 8].copy_from_slice(&seq.to_be_bytes());
+    b[at + 8..at + 12].copy_from_slice(&ack.to_be_bytes());
+    b[at + 12] = 5 << 4;
+    b[at + 13] = flags;
+}
+
+/// Make the packet exactly the frame header plus `b`, then send it back out
+/// of the interface it came in on, with the MAC addresses swapped.
+#[inline(always)]
+fn emit<const N: usize>(ctx: &TcContext, b: &Buf<N>) -> Result<(), i64> {
+    let mut mac = [0u8; 12];
+    load_exact(ctx, 0, mac.as_mut_ptr(), 12)?;
+    let mut swapped = [0u8; 12];
+    swapped[..6].copy_from_slice(&mac[6..]);
+    swapped[6..].copy_from_slice(&mac[..6]);
+    // SAFETY: helpers on the program's own skb, stack buffers of the given sizes.
+    unsafe {
+        let rc = bpf_skb_change_tail(ctx.skb.skb, (ETH_HLEN + N) as u32, 0);
+        if rc != 0 {
+            return Err(rc);
+        }
+        let rc = bpf_skb_store_bytes(ctx.skb.skb, 0, swapped.as_ptr().cast(), 12, 0);
+        if rc != 0 {
+            return Err(rc);
+        }
+        let rc = bpf_skb_store_bytes(ctx.skb.skb, ETH_HLEN as u32, b.0.as_ptr().cast(), N as u32, 0);
+        if rc != 0 {
+            return Err(rc);
+        }
+    }
+    Ok(())
+}
+
+/// Send the rebuilt packet back where it came from.
+#[inline(always)]
+fn bounce(ctx: &TcContext) -> i32 {
+    // SAFETY: reading the skb's ifindex; a plain helper.
+    unsafe { bpf_redirect((*ctx.skb.skb).ifindex, 0) as i32 }
+}
+
+#[inline(always)]
+fn parse<F: Net>(ctx: &TcContext) -> Option<Pkt<F::A>> {
+    let (l4, proto) = F::l4(ctx)?;
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return None;
     }
-    let l4 = ETH_HLEN + ihl;
     Some(Pkt {
         l4,
         proto,
-        saddr: ctx.load(IP_SRC).ok()?,
-        daddr: ctx.load(IP_DST).ok()?,
+        saddr: ctx.load(F::SRC).ok()?,
+        daddr: ctx.load(F::DST).ok()?,
         sport: u16::from_be(ctx.load::<u16>(l4).ok()?),
         dport: u16::from_be(ctx.load::<u16>(l4 + 2).ok()?),
         tcp_flags: if proto == PROTO_TCP { ctx.load(l4 + 13).ok()? } else { 0 },
     })
 }
 
-impl Pkt {
-    fn key(&self) -> NatKey {
-        NatKey { saddr: self.saddr, daddr: self.daddr, sport: self.sport, dport: self.dport, proto: self.proto, _pad: [0; 3] }
-    }
-}
-
 /// Rewrite addresses and ports, keeping the IP and L4 checksums right.
 #[inline(always)]
-fn rewrite(ctx: &TcContext, p: &Pkt, e: &NatEntry) -> Result<(), i64> {
+fn rewrite<F: Net>(ctx: &TcContext, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> Result<(), i64> {
     let csum = p.l4 + if p.proto == PROTO_TCP { 16 } else { 6 };
-    // UDP may carry no checksum (0); it must stay 0.
+    // UDP over IPv4 may carry no checksum (0); it must stay 0.
     let l4_csum = p.proto == PROTO_TCP || ctx.load::<u16>(csum)? != 0;
     let mangled = if p.proto == PROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
-    for (off, old, new) in [(IP_SRC, p.saddr, e.to_saddr), (IP_DST, p.daddr, e.to_daddr)] {
-        if old != new {
-            let (from, to) = (u32::from_ne_bytes(old) as u64, u32::from_ne_bytes(new) as u64);
-            if l4_csum {
-                ctx.l4_csum_replace(csum, from, to, BPF_F_PSEUDO_HDR as u64 | mangled | 4)?;
-            }
-            ctx.l3_csum_replace(IP_CSUM, from, to, 4)?;
-            ctx.store(off, &new, 0)?;
-        }
+    if p.saddr != e.to_saddr {
+        F::set_addr(ctx, F::SRC, csum, l4_csum, mangled, p.saddr, e.to_saddr)?;
+    }
+    if p.daddr != e.to_daddr {
+        F::set_addr(ctx, F::DST, csum, l4_csum, mangled, p.daddr, e.to_daddr)?;
     }
     for (off, old, new) in [(p.l4, p.sport, e.to_sport), (p.l4 + 2, p.dport, e.to_dport)] {
         if old != new {
@@ -121,34 +464,69 @@ fn rewrite(ctx: &TcContext, p: &Pkt, e: &NatEntry) -> Result<(), i64> {
     Ok(())
 }
 
-/// Note the packet in the entry: time, and FIN/RST for expiry.
 #[inline(always)]
-fn touch(e: *mut NatEntry, tcp_flags: u8) {
+fn verdict(r: Result<(), i64>) -> i32 {
+    match r {
+        Ok(()) => TC_ACT_OK,
+        Err(_) => TC_ACT_SHOT,
+    }
+}
+
+/// Note a packet (not the first) of the flow in its direction's entry.
+#[inline(always)]
+fn touch<A>(e: *mut NatEntry<A>, tcp_flags: u8) {
     // SAFETY: e points into a map value; the fields are plain integers.
     unsafe {
         (*e).last_seen_ns = bpf_ktime_get_ns();
+        let mut state = (*e).state | nat_state::SEEN;
         if tcp_flags & TCP_FIN != 0 {
-            (*e).state |= nat_state::FIN;
+            state |= nat_state::FIN;
         }
         if tcp_flags & TCP_RST != 0 {
-            (*e).state |= nat_state::RST;
+            state |= nat_state::RST;
+        } else if state & nat_state::RST != 0 {
+            // The side that sent the RST goes on: it did not send it.
+            state &= !nat_state::RST;
+        }
+        if state != (*e).state {
+            (*e).state = state;
         }
     }
+}
+
+/// Whether a flow has ended: a RST, or a FIN each way.
+#[inline(always)]
+fn closed(a: u8, b: u8) -> bool {
+    (a | b) & nat_state::RST != 0 || (a & b) & nat_state::FIN != 0
+}
+
+/// Remove both entries of the flow that `e` (at `key`) belongs to.
+#[inline(always)]
+fn remove_flow<F: Net>(key: &NatKey<F::A>, e: &NatEntry<F::A>) {
+    F::nat_del(&other_key(key.proto, e));
+    F::nat_del(key);
 }
 
 /// A stable hash of the original tuple, so a retransmitted first packet
 /// picks the same backend and the same SNAT port.
 #[inline(always)]
-fn flow_hash(p: &Pkt) -> u32 {
-    let a = u32::from_ne_bytes(p.saddr) as u64;
-    let b = u32::from_ne_bytes(p.daddr) as u64;
-    lb::mix((a << 32 | b) ^ ((p.sport as u64) << 16 | p.dport as u64) ^ ((p.proto as u64) << 48))
+fn flow_hash<F: Net>(p: &Pkt<F::A>) -> u32 {
+    let w = F::wide(p.saddr);
+    let d = F::wide(p.daddr);
+    let mut h = ((p.sport as u64) << 16 | p.dport as u64) ^ ((p.proto as u64) << 48);
+    let mut i = 0;
+    while i < 16 {
+        h = h.rotate_left(13) ^ u32::from_ne_bytes([w[i], w[i + 1], w[i + 2], w[i + 3]]) as u64;
+        h = h.rotate_left(13) ^ ((u32::from_ne_bytes([d[i], d[i + 1], d[i + 2], d[i + 3]]) as u64) << 32);
+        i += 4;
+    }
+    lb::mix(h)
 }
 
 #[inline(always)]
-fn in_src_range(rev_nat_id: u16, saddr: [u8; 4]) -> bool {
-    let key = Key::new(64, SrcRange { rev_nat_id, _pad: 0, addr: saddr });
-    LB4_SRC_RANGE.get(&key).is_some()
+fn in_src_range<F: Net>(rev_nat_id: u16, saddr: F::A) -> bool {
+    let key = Key::new(32 + F::BITS, SrcRange { rev_nat_id, family: F::ID, _pad: 0, addr: F::wide(saddr) });
+    LB_SRC_RANGE.get(&key).is_some()
 }
 
 #[inline(always)]
@@ -157,135 +535,339 @@ fn drop_packet() -> i32 {
     TC_ACT_SHOT
 }
 
-/// A new flow from outside to frontend `daddr:dport`.
-#[inline(always)]
-fn new_flow(ctx: &TcContext, p: &Pkt) -> i32 {
-    let h = flow_hash(p);
-    let (backend, rev_nat_id, flags) =
-        match lb::select::<V4>(core::ptr::null_mut(), p.daddr, p.dport, p.proto, Some(h), true) {
-            Verdict::Pass => return TC_ACT_OK,
-            // No endpoints, or none on this node with externalTrafficPolicy
-            // Local: the packet goes nowhere (kube-proxy DROPs too).
-            Verdict::Refuse(_) => return drop_packet(),
-            Verdict::Backend { backend, rev_nat_id, flags } => (backend, rev_nat_id, flags),
-        };
-    if flags & svc_flags::SRC_RANGE != 0 && !in_src_range(rev_nat_id, p.saddr) {
+/// kube-proxy's REJECT: ICMP port unreachable back to the client. (Its own
+/// BPF function: the packet buffers get a stack frame of their own.)
+#[inline(never)]
+fn reject<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    lb::count(stats::NAT_REJECTED);
+    match F::icmp_unreachable(ctx) {
+        Ok(()) => bounce(ctx),
+        Err(_) => TC_ACT_SHOT,
+    }
+}
+
+/// End a TCP flow whose backend left: a RST to the client, as the backend
+/// would have sent had it still been there to say no.
+#[inline(never)]
+fn reset<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let Some(p) = parse::<F>(ctx) else { return TC_ACT_SHOT };
+    let p = &p;
+    lb::count(stats::NAT_RESET);
+    let (Ok(seq), Ok(ack)) = (ctx.load::<u32>(p.l4 + 4), ctx.load::<u32>(p.l4 + 8)) else { return TC_ACT_SHOT };
+    let (seq, ack) = (u32::from_be(seq), u32::from_be(ack));
+    let r = if p.tcp_flags & TCP_ACK != 0 {
+        F::tcp_reset(ctx, p, ack, 0, TCP_RST)
+    } else {
+        let Some(len) = F::tcp_payload(ctx, p.l4) else { return TC_ACT_SHOT };
+        let syn_fin = (p.tcp_flags & TCP_SYN != 0) as u32 + (p.tcp_flags & TCP_FIN != 0) as u32;
+        F::tcp_reset(ctx, p, 0, seq.wrapping_add(len + syn_fin), TCP_RST | TCP_ACK)
+    };
+    match r {
+        Ok(()) => bounce(ctx),
+        Err(_) => TC_ACT_SHOT,
+    }
+}
+
+/// Working memory of the new-flow path, one per CPU: IPv6 keys and entries
+/// are too large for the 512-byte BPF stack when several are live at once.
+/// A TC program runs to its end on one CPU before the next starts there.
+#[repr(C)]
+pub struct Scratch<A> {
+    backend: Backend<A>,
+    rev_nat_id: u16,
+    hash: u32,
+    key: NatKey<A>,
+    rkey: NatKey<A>,
+    fwd: NatEntry<A>,
+    reply: NatEntry<A>,
+}
+
+#[btf_map]
+static LB4_SCRATCH: PerCpuArray<Scratch<A4>, 1> = PerCpuArray::new();
+#[btf_map]
+static LB6_SCRATCH: PerCpuArray<Scratch<A6>, 1> = PerCpuArray::new();
+
+/// A new flow from outside to `daddr:dport`, if that is a frontend: pick its
+/// backend into the scratch value. Returns ACT_ESTABLISH, or what to do
+/// instead.
+#[inline(never)]
+fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let Some(p) = parse::<F>(&TcContext::new(skb)) else { return TC_ACT_OK };
+    let syn = p.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN;
+    // Only a SYN creates a TCP flow; anything else without an entry is
+    // not ours to rewrite.
+    if p.proto == PROTO_TCP && !syn {
+        return TC_ACT_OK;
+    }
+    let Some(sc) = F::scratch() else { return TC_ACT_SHOT };
+    let front = F::svc(&SvcKey::new(p.daddr, p.dport, p.proto, SCOPE_ALL, 0));
+    let Some(front) = front.filter(|f| f.flags & svc_flags::EXTERNAL != 0) else {
+        return if syn { ACT_CLEAR_LEFTOVER } else { TC_ACT_OK };
+    };
+    // loadBalancerSourceRanges first: a client outside them learns nothing.
+    if front.flags & svc_flags::SRC_RANGE != 0 && !in_src_range::<F>(front.rev_nat_id, p.saddr) {
         return drop_packet();
     }
+    let h = flow_hash::<F>(&p);
+    match lb::select::<F>(Client::Addr(F::wide(p.saddr)), p.daddr, p.dport, p.proto, Some(h), true) {
+        Verdict::Pass => TC_ACT_OK,
+        // No usable endpoint: REJECT, as kube-proxy does.
+        Verdict::Refuse(ECONNREFUSED) => ACT_REJECT,
+        // externalTrafficPolicy Local and no endpoint on this node:
+        // dropped (kube-proxy DROPs too; the LB's health check steers away).
+        Verdict::Refuse(_) => drop_packet(),
+        Verdict::Backend { backend, rev_nat_id } => {
+            // SAFETY: this CPU's scratch value.
+            unsafe {
+                (*sc).backend = backend;
+                (*sc).rev_nat_id = rev_nat_id;
+                (*sc).hash = h;
+            }
+            ACT_ESTABLISH
+        }
+    }
+}
+
+/// Create the flow's two entries (for the backend in the scratch value) and
+/// translate its first packet.
+#[inline(never)]
+fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let Some(p) = parse::<F>(ctx) else { return TC_ACT_OK };
+    let Some(sc) = F::scratch() else { return TC_ACT_SHOT };
+    // SAFETY: this CPU's scratch value, filled by new_flow for this packet.
+    let sc = unsafe { &mut *sc };
     // SAFETY: plain helper.
     let now = unsafe { bpf_ktime_get_ns() };
-    let snat = backend.flags & backend_flags::LOCAL == 0;
-    let mut fwd = NatEntry {
-        to_saddr: p.saddr,
-        to_daddr: backend.addr,
-        to_sport: p.sport,
-        to_dport: backend.port,
-        flags: 0,
-        state: 0,
-        rev_nat_id,
-        created_ns: now,
-        last_seen_ns: now,
-    };
-    let mut reply = NatEntry {
+    let snat = sc.backend.flags & backend_flags::LOCAL == 0;
+    sc.reply = NatEntry {
         to_saddr: p.daddr,
         to_daddr: p.saddr,
         to_sport: p.dport,
         to_dport: p.sport,
         flags: nat_flags::REPLY,
         state: 0,
-        rev_nat_id,
+        rev_nat_id: sc.rev_nat_id,
         created_ns: now,
         last_seen_ns: now,
     };
-    let mut rkey = NatKey { saddr: backend.addr, daddr: p.saddr, sport: backend.port, dport: p.sport, proto: p.proto, _pad: [0; 3] };
+    sc.rkey = NatKey { saddr: sc.backend.addr, daddr: p.saddr, sport: sc.backend.port, dport: p.sport, proto: p.proto, _pad: [0; 3] };
+    sc.fwd = NatEntry {
+        to_saddr: p.saddr,
+        to_daddr: sc.backend.addr,
+        to_sport: p.sport,
+        to_dport: sc.backend.port,
+        flags: 0,
+        state: 0,
+        rev_nat_id: sc.rev_nat_id,
+        created_ns: now,
+        last_seen_ns: now,
+    };
     if snat {
         let Some(cfg) = lb::node_config() else { return drop_packet() };
-        let range = (cfg.snat_port_max as u32).saturating_sub(cfg.snat_port_min as u32) + 1;
-        if cfg.snat_port_min == 0 || range == 0 {
+        let addr = F::snat_addr(&cfg);
+        if cfg.snat_port_min == 0 || addr == F::A::default() {
             lb::count(stats::NAT_FAILED);
             return TC_ACT_SHOT;
         }
-        fwd.flags = nat_flags::SNAT;
-        reply.flags |= nat_flags::SNAT;
-        fwd.to_saddr = cfg.snat_addr;
-        rkey.daddr = cfg.snat_addr;
-        // Claim a port: the reply tuple must be unique, and BPF_NOEXIST
-        // makes the claim atomic against other CPUs.
-        let mut claimed = false;
-        let mut i = 0;
-        while i < SNAT_TRIES {
-            let port = cfg.snat_port_min + ((h.wrapping_add(i.wrapping_mul(7919))) % range) as u16;
-            rkey.dport = port;
-            if LB4_NAT.insert(&rkey, &reply, BPF_NOEXIST as u64).is_ok() {
-                fwd.to_sport = port;
-                claimed = true;
-                break;
-            }
-            i += 1;
-        }
-        if !claimed {
+        sc.reply.flags |= nat_flags::SNAT;
+        sc.fwd.flags = nat_flags::SNAT;
+        sc.rkey.daddr = addr;
+        sc.fwd.to_saddr = addr;
+        let port = claim_port::<F>(&mut sc.rkey, &sc.reply, sc.hash, cfg.snat_port_min, cfg.snat_port_max);
+        if port == 0 {
+            // Counted; the agent logs it. The client retries its SYN.
             lb::count(stats::NAT_FAILED);
             return TC_ACT_SHOT;
         }
-    } else if LB4_NAT.insert(&rkey, &reply, BPF_NOEXIST as u64).is_err() {
-        // Another frontend already maps this client port to this backend.
+        sc.fwd.to_sport = port;
+    } else if !take_tuple::<F>(&sc.rkey, &sc.reply) {
         lb::count(stats::NAT_FAILED);
         return TC_ACT_SHOT;
     }
-    let key = p.key();
-    if LB4_NAT.insert(&key, &fwd, BPF_NOEXIST as u64).is_err() {
+    sc.key = p.key();
+    if !F::nat_put(&sc.key, &sc.fwd, BPF_NOEXIST as u64) {
         // Another CPU set this flow up meanwhile: follow its choice.
-        let _ = LB4_NAT.remove(&rkey);
-        return match LB4_NAT.get_ptr(&key) {
-            // SAFETY: copied out at once.
-            Some(e) => match rewrite(ctx, p, &unsafe { core::ptr::read_volatile(e) }) {
-                Ok(()) => TC_ACT_OK,
-                Err(_) => TC_ACT_SHOT,
-            },
+        F::nat_del(&sc.rkey);
+        return match F::nat_get(&sc.key) {
+            Some(e) => {
+                // SAFETY: copied out at once.
+                sc.fwd = unsafe { core::ptr::read_volatile(e) };
+                verdict(rewrite::<F>(ctx, &p, &sc.fwd))
+            }
             None => TC_ACT_SHOT,
         };
     }
     lb::count(stats::NAT_NEW);
-    match rewrite(ctx, p, &fwd) {
-        Ok(()) => TC_ACT_OK,
-        Err(_) => TC_ACT_SHOT,
+    verdict(rewrite::<F>(ctx, &p, &sc.fwd))
+}
+
+/// Claim a SNAT port for a reply tuple (`rkey.dport`): the reply tuple must
+/// be unique, and BPF_NOEXIST makes the claim atomic against other CPUs.
+/// Returns the port, or 0 when none of the tries was free.
+#[inline(never)]
+fn claim_port<F: Net>(rkey: &mut NatKey<F::A>, reply: &NatEntry<F::A>, h: u32, min: u16, max: u16) -> u16 {
+    let range = (max as u32).saturating_sub(min as u32) + 1;
+    let mut i = 0;
+    while i < SNAT_TRIES {
+        let port = min + ((h.wrapping_add(i.wrapping_mul(7919))) % range) as u16;
+        rkey.dport = port;
+        if F::nat_put(rkey, reply, BPF_NOEXIST as u64) {
+            return port;
+        }
+        i += 1;
+    }
+    0
+}
+
+/// Take a reply tuple without SNAT. If it is taken: by a closed flow,
+/// replace that (as conntrack does); by a live one, fail (this flow could
+/// not be told apart from it: conntrack's clash drops it too).
+#[inline(always)]
+fn take_tuple<F: Net>(rkey: &NatKey<F::A>, reply: &NatEntry<F::A>) -> bool {
+    if F::nat_put(rkey, reply, BPF_NOEXIST as u64) {
+        return true;
+    }
+    if !drop_if_closed::<F>(rkey) {
+        return false;
+    }
+    F::nat_put(rkey, reply, BPF_NOEXIST as u64)
+}
+
+/// Remove the flow whose entry is at `key` if that flow has ended (or is
+/// half gone). Returns whether `key` is free now.
+#[inline(never)]
+fn drop_if_closed<F: Net>(key: &NatKey<F::A>) -> bool {
+    let Some(e) = F::nat_get(key) else { return true };
+    // SAFETY: a map value, alive for this program run (RCU).
+    let e = unsafe { &*e };
+    let other = other_key(key.proto, e);
+    let other_state = match F::nat_get(&other) {
+        // SAFETY: a map value; one byte read.
+        Some(o) => unsafe { core::ptr::read_volatile(&(*o).state) },
+        None => nat_state::RST,
+    };
+    if !closed(e.state, other_state) {
+        return false;
+    }
+    F::nat_del(&other);
+    F::nat_del(key);
+    lb::count(stats::NAT_REPLACED);
+    true
+}
+
+/// A TCP SYN that starts a flow we do not translate (a direct connection
+/// to a pod, say): a reply entry left by a closed NodePort flow with the
+/// same tuple would rewrite its replies. Remove such a leftover.
+#[inline(never)]
+fn clear_leftover<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let Some(p) = parse::<F>(&TcContext::new(skb)) else { return TC_ACT_OK };
+    let rk = p.reverse_key();
+    if let Some(r) = F::nat_get(&rk) {
+        // SAFETY: a map value; one byte read.
+        let flags = unsafe { core::ptr::read_volatile(&(*r).flags) };
+        if flags & nat_flags::REPLY != 0 && flags & nat_flags::SNAT == 0 {
+            drop_if_closed::<F>(&rk);
+        }
+    }
+    TC_ACT_OK
+}
+
+#[inline(never)]
+fn ingress<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let Some(p) = parse::<F>(ctx) else { return TC_ACT_OK };
+    let key = p.key();
+    if let Some(e) = F::nat_get(&key) {
+        // SAFETY: a map value, alive for this program run (RCU); the agent
+        // replaces whole values, so a field may be old or new, never torn
+        // in a way that matters.
+        let entry = unsafe { &*e };
+        if entry.flags & nat_flags::REPLY != 0 {
+            // Replies of flows to local backends are handled on egress.
+            if entry.flags & nat_flags::SNAT == 0 {
+                return TC_ACT_OK;
+            }
+            // A reply to a SNATed flow, from the backend's node.
+            touch(e, p.tcp_flags);
+            return verdict(rewrite::<F>(ctx, &p, entry));
+        }
+        // A packet from a client of a known flow.
+        if entry.state & nat_state::STALE != 0 {
+            // Its backend left the Service.
+            remove_flow::<F>(&key, entry);
+            if p.proto == PROTO_TCP {
+                return if p.tcp_flags & TCP_RST != 0 { TC_ACT_SHOT } else { ACT_RESET };
+            }
+            return ACT_NEW_FLOW;
+        }
+        let syn = p.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN;
+        if syn && drop_if_closed::<F>(&key) {
+            // The client reuses the port of a finished flow: a new flow.
+            return ACT_NEW_FLOW;
+        }
+        touch(e, p.tcp_flags);
+        return verdict(rewrite::<F>(ctx, &p, entry));
+    }
+    ACT_NEW_FLOW
+}
+
+#[inline(never)]
+fn egress<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let Some(p) = parse::<F>(ctx) else { return TC_ACT_OK };
+    // Replies of local backends leave here: backend -> client becomes
+    // frontend -> client.
+    if let Some(e) = F::nat_get(&p.key()) {
+        // SAFETY: a map value, alive for this program run (RCU); the agent
+        // replaces whole values, so a field may be old or new, never torn
+        // in a way that matters.
+        let entry = unsafe { &*e };
+        if entry.flags & nat_flags::REPLY != 0 && entry.flags & nat_flags::SNAT == 0 {
+            touch(e, p.tcp_flags);
+            return verdict(rewrite::<F>(ctx, &p, entry));
+        }
+    }
+    TC_ACT_OK
+}
+
+#[inline(always)]
+fn ethertype(ctx: &TcContext) -> u16 {
+    ctx.load::<u16>(12).map(u16::from_be).unwrap_or(0)
+}
+
+#[inline(always)]
+fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
+    // One call after another, not nested: each gets the whole stack.
+    let mut act = ingress::<F>(skb);
+    if act == ACT_NEW_FLOW {
+        act = new_flow::<F>(skb);
+    }
+    match act {
+        ACT_ESTABLISH => establish::<F>(skb),
+        ACT_CLEAR_LEFTOVER => clear_leftover::<F>(skb),
+        ACT_REJECT => reject::<F>(skb),
+        ACT_RESET => reset::<F>(skb),
+        act => act,
     }
 }
 
 #[classifier]
 pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
-    let Some(p) = parse(&ctx) else { return TC_ACT_OK };
-    if let Some(e) = LB4_NAT.get_ptr_mut(&p.key()) {
-        // A known flow from a client, or a reply to a SNATed flow.
-        touch(e, p.tcp_flags);
-        // SAFETY: copied out at once.
-        let entry = unsafe { core::ptr::read_volatile(e) };
-        // Replies of flows to local backends are handled on egress.
-        if entry.flags & nat_flags::REPLY != 0 && entry.flags & nat_flags::SNAT == 0 {
-            return TC_ACT_OK;
-        }
-        return match rewrite(&ctx, &p, &entry) {
-            Ok(()) => TC_ACT_OK,
-            Err(_) => TC_ACT_SHOT,
-        };
+    match ethertype(&ctx) {
+        ETH_P_IP => ingress_then::<V4>(ctx.skb.skb),
+        ETH_P_IPV6 => ingress_then::<V6>(ctx.skb.skb),
+        _ => TC_ACT_OK,
     }
-    new_flow(&ctx, &p)
 }
 
 #[classifier]
 pub fn lb_nodeport_egress(ctx: TcContext) -> i32 {
-    let Some(p) = parse(&ctx) else { return TC_ACT_OK };
-    // Replies of local backends leave here: backend -> client becomes
-    // frontend -> client.
-    if let Some(e) = LB4_NAT.get_ptr_mut(&p.key()) {
-        // SAFETY: copied out at once.
-        let entry = unsafe { core::ptr::read_volatile(e) };
-        if entry.flags & nat_flags::REPLY != 0 && entry.flags & nat_flags::SNAT == 0 {
-            touch(e, p.tcp_flags);
-            if rewrite(&ctx, &p, &entry).is_err() {
-                return TC_ACT_SHOT;
-            }
-        }
+    match ethertype(&ctx) {
+        ETH_P_IP => egress::<V4>(ctx.skb.skb),
+        ETH_P_IPV6 => egress::<V6>(ctx.skb.skb),
+        _ => TC_ACT_OK,
     }
-    TC_ACT_OK
 }

@@ -26,7 +26,7 @@ static LB_NODEPORTS: HashMap<NodePortKey, u8, { capacity::NODEPORTS as usize }, 
 
 const EADDRINUSE: i32 = 98;
 
-use crate::lb::{self, V4, V6, Verdict};
+use crate::lb::{self, Client, V4, V6, Verdict};
 
 const ALLOW: i32 = 1;
 const REJECT: i32 = 0;
@@ -143,7 +143,7 @@ fn xlate4(ctx: &SockAddrContext, stable: bool) -> i32 {
     let (addr, port) = (ip4(ctx), port(ctx));
     let cookie = cookie(ctx);
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
-    match lb::select::<V4>(ctx.sock_addr.cast::<c_void>(), addr, port, proto, hash, false) {
+    match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
         Verdict::Refuse(errno) => refuse(errno),
         Verdict::Backend { backend, rev_nat_id, .. } => {
@@ -164,7 +164,7 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     let cookie = cookie(ctx);
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
     if let Some(addr) = v4_mapped(&words) {
-        return match lb::select::<V4>(ctx.sock_addr.cast::<c_void>(), addr, port, proto, hash, false) {
+        return match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
             Verdict::Pass => ALLOW,
             Verdict::Refuse(errno) => refuse(errno),
             Verdict::Backend { backend, rev_nat_id, .. } => {
@@ -177,7 +177,7 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
         };
     }
     let addr = bytes16(&words);
-    match lb::select::<V6>(ctx.sock_addr.cast::<c_void>(), addr, port, proto, hash, false) {
+    match lb::select::<V6>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
         Verdict::Refuse(errno) => refuse(errno),
         Verdict::Backend { backend, rev_nat_id, .. } => {

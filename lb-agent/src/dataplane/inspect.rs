@@ -1,6 +1,5 @@
 //! `lb-agent list`: what the pinned maps hold, like `ipvsadm -Ln`.
 use std::fmt::Write as _;
-use std::net::Ipv4Addr;
 
 use lb_common::{PROTO_TCP, PROTO_UDP, SCOPE_ALL, SCOPE_LOCAL, SvcKey, backend_flags, svc_flags};
 use serde::Serialize;
@@ -162,21 +161,32 @@ pub fn render_text(v: &ListView) -> String {
 /// One flow of the NAT table, as `lb-agent nat` prints it.
 #[derive(Debug, Serialize)]
 pub struct NatFlow {
+    /// "IPv4" or "IPv6".
+    pub family: &'static str,
     pub protocol: &'static str,
     /// The tuple as the client sent it.
     pub original: String,
     /// The tuple as the backend sees it.
     pub rewritten: String,
     pub snat: bool,
+    /// A packet came back (conntrack's [UNREPLIED] when false).
+    pub replied: bool,
     pub state: &'static str,
     pub age_s: u64,
     pub idle_s: u64,
 }
 
-pub fn nat_flows(nat: &aya::maps::HashMap<aya::maps::MapData, lb_common::NatKey, lb_common::NatEntry>, now_ns: u64) -> Vec<NatFlow> {
+pub fn nat_flows<A: crate::dataplane::writer::Addr>(
+    nat: &aya::maps::HashMap<aya::maps::MapData, lb_common::NatKey<A>, lb_common::NatEntry<A>>,
+    now_ns: u64,
+) -> Vec<NatFlow>
+where
+    lb_common::NatKey<A>: aya::Pod,
+    lb_common::NatEntry<A>: aya::Pod,
+{
     use lb_common::{nat_flags, nat_state};
     let entries: std::collections::BTreeMap<_, _> = nat.iter().filter_map(|r| r.ok()).collect();
-    let tuple = |s: [u8; 4], sp: u16, d: [u8; 4], dp: u16| format!("src={} dst={} sport={sp} dport={dp}", Ipv4(s), Ipv4(d));
+    let tuple = |s: A, sp: u16, d: A, dp: u16| format!("src={} dst={} sport={sp} dport={dp}", s.to_ip(), d.to_ip());
     entries
         .iter()
         .filter(|(_, e)| e.flags & nat_flags::REPLY == 0)
@@ -185,18 +195,22 @@ pub fn nat_flows(nat: &aya::maps::HashMap<aya::maps::MapData, lb_common::NatKey,
             let states = e.state | reply.map_or(0, |r| r.state);
             let fin_both = e.state & nat_state::FIN != 0 && reply.is_some_and(|r| r.state & nat_state::FIN != 0);
             let state = match (k.proto, states) {
+                (_, s) if s & nat_state::STALE != 0 => "STALE",
                 (lb_common::PROTO_UDP, _) => "UDP",
                 (_, s) if s & nat_state::RST != 0 => "CLOSE(RST)",
                 _ if fin_both => "CLOSED",
                 (_, s) if s & nat_state::FIN != 0 => "FIN_WAIT",
+                _ if reply.is_none_or(|r| r.state & nat_state::SEEN == 0) => "SYN_SENT",
                 _ => "ESTABLISHED",
             };
             let last = reply.map_or(e.last_seen_ns, |r| r.last_seen_ns.max(e.last_seen_ns));
             NatFlow {
+                family: A::NAME,
                 protocol: proto_name(k.proto),
                 original: tuple(k.saddr, k.sport, k.daddr, k.dport),
                 rewritten: tuple(e.to_saddr, e.to_sport, e.to_daddr, e.to_dport),
                 snat: e.flags & nat_flags::SNAT != 0,
+                replied: reply.is_some_and(|r| r.state & nat_state::SEEN != 0),
                 state,
                 age_s: now_ns.saturating_sub(e.created_ns) / 1_000_000_000,
                 idle_s: now_ns.saturating_sub(last) / 1_000_000_000,
@@ -205,19 +219,22 @@ pub fn nat_flows(nat: &aya::maps::HashMap<aya::maps::MapData, lb_common::NatKey,
         .collect()
 }
 
-struct Ipv4([u8; 4]);
-
-impl std::fmt::Display for Ipv4 {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        Ipv4Addr::from(self.0).fmt(f)
-    }
-}
-
 pub fn render_nat(flows: &[NatFlow]) -> String {
     let mut s = String::new();
     for f in flows {
         let snat = if f.snat { " [SNAT]" } else { "" };
-        let _ = writeln!(s, "{:<4} {:<11} {} -> {}{snat} age={}s idle={}s", f.protocol.to_lowercase(), f.state, f.original, f.rewritten, f.age_s, f.idle_s);
+        let unreplied = if f.replied { "" } else { " [UNREPLIED]" };
+        let family = if f.family == "IPv6" { "ipv6" } else { "ipv4" };
+        let _ = writeln!(
+            s,
+            "{family} {:<4} {:<11} {} -> {}{snat}{unreplied} age={}s idle={}s",
+            f.protocol.to_lowercase(),
+            f.state,
+            f.original,
+            f.rewritten,
+            f.age_s,
+            f.idle_s
+        );
     }
     let _ = writeln!(s, "{} flows", flows.len());
     s

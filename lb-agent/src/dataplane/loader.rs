@@ -14,7 +14,8 @@ use anyhow::{Context as _, Result, bail};
 use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier, TcAttachType, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
 use lb_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, NatEntry, NatKey, NodePortKey, RevNat4,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, Nat4Entry, Nat4Key, Nat6Entry, Nat6Key, NodeConfig,
+    NodePortKey, RevNat4,
     RevNat6, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, Svc4Key, Svc6Key, SvcValue, maps,
 };
 
@@ -148,36 +149,45 @@ pub fn check_cgroup(dir: &Path) -> Result<()> {
     }
 }
 
-/// Refuse to adopt a pinned map whose layout this agent does not understand.
+/// Refuse to adopt a pinned map whose layout this agent does not understand:
+/// another map type, key or value size.
 fn check_pinned_layout(dir: &Path) -> Result<()> {
-    let expect: [(&str, usize, usize); 12] = [
-        (maps::NAT4, size_of::<NatKey>(), size_of::<NatEntry>()),
-        (maps::NODEPORTS, size_of::<NodePortKey>(), size_of::<u8>()),
-        (maps::SERVICES4, size_of::<Svc4Key>(), size_of::<SvcValue>()),
-        (maps::BACKENDS4, size_of::<u32>(), size_of::<Backend4>()),
-        (maps::REVNAT4, size_of::<u16>(), size_of::<RevNat4>()),
-        (maps::SOCK_REVNAT4, size_of::<SockRevNat4Key>(), size_of::<SockRevNat4Value>()),
-        (maps::SERVICES6, size_of::<Svc6Key>(), size_of::<SvcValue>()),
-        (maps::BACKENDS6, size_of::<u32>(), size_of::<Backend6>()),
-        (maps::REVNAT6, size_of::<u16>(), size_of::<RevNat6>()),
-        (maps::SOCK_REVNAT6, size_of::<SockRevNat6Key>(), size_of::<SockRevNat6Value>()),
-        (maps::AFFINITY, size_of::<AffinityKey>(), size_of::<AffinityValue>()),
-        (maps::AFFINITY_MATCH, size_of::<AffinityMatchKey>(), size_of::<u8>()),
+    use aya::maps::MapType as T;
+    let expect: [(&str, T, usize, usize); 16] = [
+        (maps::NAT4, T::Hash, size_of::<Nat4Key>(), size_of::<Nat4Entry>()),
+        (maps::NAT6, T::Hash, size_of::<Nat6Key>(), size_of::<Nat6Entry>()),
+        (maps::SRC_RANGE, T::LpmTrie, 4 + size_of::<lb_common::SrcRange>(), size_of::<u8>()),
+        (maps::NODE_CONFIG, T::Array, size_of::<u32>(), size_of::<NodeConfig>()),
+        (maps::NODEPORTS, T::Hash, size_of::<NodePortKey>(), size_of::<u8>()),
+        (maps::SERVICES4, T::Hash, size_of::<Svc4Key>(), size_of::<SvcValue>()),
+        (maps::BACKENDS4, T::Hash, size_of::<u32>(), size_of::<Backend4>()),
+        (maps::REVNAT4, T::Hash, size_of::<u16>(), size_of::<RevNat4>()),
+        (maps::SOCK_REVNAT4, T::LruHash, size_of::<SockRevNat4Key>(), size_of::<SockRevNat4Value>()),
+        (maps::SERVICES6, T::Hash, size_of::<Svc6Key>(), size_of::<SvcValue>()),
+        (maps::BACKENDS6, T::Hash, size_of::<u32>(), size_of::<Backend6>()),
+        (maps::REVNAT6, T::Hash, size_of::<u16>(), size_of::<RevNat6>()),
+        (maps::SOCK_REVNAT6, T::LruHash, size_of::<SockRevNat6Key>(), size_of::<SockRevNat6Value>()),
+        (maps::AFFINITY, T::LruHash, size_of::<AffinityKey>(), size_of::<AffinityValue>()),
+        (maps::AFFINITY_MATCH, T::Hash, size_of::<AffinityMatchKey>(), size_of::<u8>()),
+        (maps::STATS, T::PerCpuArray, size_of::<u32>(), size_of::<u64>()),
     ];
-    for (name, k, v) in expect {
+    for (name, ty, k, v) in expect {
         let path = dir.join(name);
         if !path.exists() {
             continue;
         }
         let info = aya::maps::MapInfo::from_pin(&path)
             .with_context(|| format!("inspect pinned map {}", path.display()))?;
-        if info.key_size() as usize != k || info.value_size() as usize != v {
+        let got = info.map_type().ok();
+        if got != Some(ty) || info.key_size() as usize != k || info.value_size() as usize != v {
             bail!(
-                "pinned map {} has key/value size {}/{}, this agent expects {k}/{v}; \
+                "pinned map {} ({got:?}, key/value size {}/{}) is not the layout this agent uses ({ty:?}, {}/{}); \
                  run `lb-agent teardown --bpffs {}` to start over",
                 path.display(),
                 info.key_size(),
                 info.value_size(),
+                k,
+                v,
                 dir.display()
             );
         }
@@ -241,7 +251,8 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
         .map_max_entries(maps::REVNAT6, revnat)
         .map_max_entries(maps::SOCK_REVNAT6, cap.sock_revnat)
         .map_max_entries(maps::AFFINITY_MATCH, cap.backends)
-        .map_max_entries(maps::NAT4, cap.nat);
+        .map_max_entries(maps::NAT4, cap.nat)
+        .map_max_entries(maps::NAT6, cap.nat);
     let mut ebpf = loader.load(OBJ).context("load the BPF object")?;
 
     let cg = fs::File::open(cgroup).with_context(|| format!("open cgroup {}", cgroup.display()))?;

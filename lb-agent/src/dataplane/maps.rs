@@ -6,7 +6,7 @@ use aya::Pod;
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use lb_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend, NatEntry, NatKey, NodeConfig, NodePortKey, RevNat, SrcRange,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend, Nat4Entry, Nat4Key, Nat6Entry, Nat6Key, NodeConfig, NodePortKey, RevNat, SrcRange,
     SvcKey, SvcValue, maps, stats,
 };
 
@@ -131,7 +131,8 @@ pub struct Maps {
     pub src_range: LpmTrie<MapData, SrcRange, u8>,
     pub nodeports: HashMap<MapData, NodePortKey, u8>,
     pub node_config: Array<MapData, NodeConfig>,
-    pub nat: HashMap<MapData, NatKey, NatEntry>,
+    pub nat4: HashMap<MapData, Nat4Key, Nat4Entry>,
+    pub nat6: HashMap<MapData, Nat6Key, Nat6Entry>,
     pub stats: PerCpuArray<MapData, u64>,
 }
 
@@ -142,8 +143,16 @@ pub struct Shared<'a> {
 }
 
 /// The LPM key of a loadBalancerSourceRange of frontend `id`.
-pub fn range_key(id: u16, addr: [u8; 4], len: u8) -> Key<SrcRange> {
-    Key::new(32 + len as u32, SrcRange { rev_nat_id: id, _pad: 0, addr })
+pub fn range_key(id: u16, addr: std::net::IpAddr, len: u8) -> Key<SrcRange> {
+    let (family, wide) = match addr {
+        std::net::IpAddr::V4(a) => {
+            let mut w = [0u8; 16];
+            w[..4].copy_from_slice(&a.octets());
+            (lb_common::FAMILY_V4, w)
+        }
+        std::net::IpAddr::V6(a) => (lb_common::FAMILY_V6, a.octets()),
+    };
+    Key::new(32 + len as u32, SrcRange { rev_nat_id: id, family, _pad: 0, addr: wide })
 }
 
 fn open_pinned(dir: &Path, name: &str) -> Result<MapData> {
@@ -201,15 +210,19 @@ where
                 t.affinity_match.insert(k);
             }
         }
-        if A::FAMILY == lb_common::FAMILY_V4 {
-            for k in ranges.keys() {
-                let k = k.context("read LB4_SRC_RANGE")?;
-                let d = k.data();
-                let len = k.prefix_len().saturating_sub(32) as u8;
-                let mut a = A::default();
-                if let Some(addr) = A::from_ip(std::net::IpAddr::from(d.addr)) {
-                    a = addr;
-                }
+        for k in ranges.keys() {
+            let k = k.context("read LB_SRC_RANGE")?;
+            let d = k.data();
+            if d.family != A::FAMILY {
+                continue;
+            }
+            let len = k.prefix_len().saturating_sub(32) as u8;
+            let ip = if d.family == lb_common::FAMILY_V4 {
+                std::net::IpAddr::from([d.addr[0], d.addr[1], d.addr[2], d.addr[3]])
+            } else {
+                std::net::IpAddr::from(d.addr)
+            };
+            if let Some(a) = A::from_ip(ip) {
                 t.src_ranges.insert((d.rev_nat_id, a, len));
             }
         }
@@ -271,12 +284,11 @@ where
             Op::PutMatch(m) => shared.matches.insert(m, 0, 0).context("LB_AFFINITY_MATCH: insert"),
             Op::DelMatch(m) => ignore_missing(shared.matches.remove(m)).context("LB_AFFINITY_MATCH: delete"),
             Op::PutRange(id, a, l) | Op::DelRange(id, a, l) => {
-                let std::net::IpAddr::V4(v4) = a.to_ip() else { return Ok(()) };
-                let key = range_key(*id, v4.octets(), *l);
+                let key = range_key(*id, a.to_ip(), *l);
                 if matches!(op, Op::PutRange(..)) {
-                    shared.src_range.insert(&key, 0, 0).context("LB4_SRC_RANGE: insert")
+                    shared.src_range.insert(&key, 0, 0).context("LB_SRC_RANGE: insert")
                 } else {
-                    ignore_missing(shared.src_range.remove(&key)).context("LB4_SRC_RANGE: delete")
+                    ignore_missing(shared.src_range.remove(&key)).context("LB_SRC_RANGE: delete")
                 }
             }
         }
@@ -291,10 +303,11 @@ impl Maps {
             v6: FamilyMaps::open(dir, [maps::SERVICES6, maps::BACKENDS6, maps::REVNAT6])?,
             affinity: HashMap::try_from(Map::LruHashMap(open_pinned(dir, maps::AFFINITY)?))?,
             affinity_match: hash(dir, maps::AFFINITY_MATCH)?,
-            src_range: LpmTrie::try_from(Map::LpmTrie(open_pinned(dir, maps::SRC_RANGE4)?))?,
+            src_range: LpmTrie::try_from(Map::LpmTrie(open_pinned(dir, maps::SRC_RANGE)?))?,
             nodeports: hash(dir, maps::NODEPORTS)?,
             node_config: Array::try_from(Map::Array(open_pinned(dir, maps::NODE_CONFIG)?))?,
-            nat: HashMap::try_from(Map::LruHashMap(open_pinned(dir, maps::NAT4)?))?,
+            nat4: hash(dir, maps::NAT4)?,
+            nat6: hash(dir, maps::NAT6)?,
             stats: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(dir, maps::STATS)?))?,
         })
     }
