@@ -179,6 +179,25 @@ where
     pass
 }
 
+/// A listener on every address of both families (`[::]` with IPV6_V6ONLY
+/// off, whatever net.ipv6.bindv6only says); IPv4 alone where the node has
+/// no IPv6.
+fn dual_stack_listener(port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let (sock, addr) = match Socket::new(Domain::IPV6, Type::STREAM, None) {
+        Ok(s) => {
+            s.set_only_v6(false)?;
+            (s, SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port)))
+        }
+        Err(_) => (Socket::new(Domain::IPV4, Type::STREAM, None)?, SocketAddr::from(([0, 0, 0, 0], port))),
+    };
+    sock.set_reuse_address(true)?;
+    sock.set_nonblocking(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(1024)?;
+    tokio::net::TcpListener::from_std(sock.into())
+}
+
 /// The kube-proxy health check servers, one per healthCheckNodePort.
 #[derive(Default)]
 pub struct HealthChecks {
@@ -210,8 +229,7 @@ impl HealthChecks {
                 *state.lock().unwrap() = hc.clone();
                 continue;
             }
-            let addr = SocketAddr::from(([0, 0, 0, 0], *port));
-            let l = match tokio::net::TcpListener::bind(addr).await {
+            let l = match dual_stack_listener(*port) {
                 Ok(l) => l,
                 Err(e) => {
                     tracing::error!(service = %hc.service, "cannot serve the health check on healthCheckNodePort {port}: {e}");

@@ -535,12 +535,19 @@ fn drop_packet() -> i32 {
     TC_ACT_SHOT
 }
 
-/// kube-proxy's REJECT: ICMP port unreachable back to the client. (Its own
-/// BPF function: the packet buffers get a stack frame of their own.)
+/// kube-proxy's REJECT: the client's connect fails with ECONNREFUSED at
+/// once. TCP gets a RST (a client whose connect() still holds its socket
+/// lock when an ICMP error arrives only notes it as a soft error and waits
+/// for the SYN retransmit, a second later; a RST is always processed); UDP
+/// gets ICMP port unreachable, as from iptables' REJECT. (Its own BPF
+/// function: the packet buffers get a stack frame of their own.)
 #[inline(never)]
 fn reject<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
     lb::count(stats::NAT_REJECTED);
+    if F::l4(ctx).is_some_and(|(_, proto)| proto == PROTO_TCP) {
+        return send_reset::<F>(ctx);
+    }
     match F::icmp_unreachable(ctx) {
         Ok(()) => bounce(ctx),
         Err(_) => TC_ACT_SHOT,
@@ -551,10 +558,15 @@ fn reject<F: Net>(skb: *mut __sk_buff) -> i32 {
 /// would have sent had it still been there to say no.
 #[inline(never)]
 fn reset<F: Net>(skb: *mut __sk_buff) -> i32 {
-    let ctx = &TcContext::new(skb);
+    lb::count(stats::NAT_RESET);
+    send_reset::<F>(&TcContext::new(skb))
+}
+
+/// Answer the TCP segment with a RST, as RFC 9293 says a closed port does.
+#[inline(always)]
+fn send_reset<F: Net>(ctx: &TcContext) -> i32 {
     let Some(p) = parse::<F>(ctx) else { return TC_ACT_SHOT };
     let p = &p;
-    lb::count(stats::NAT_RESET);
     let (Ok(seq), Ok(ack)) = (ctx.load::<u32>(p.l4 + 4), ctx.load::<u32>(p.l4 + 8)) else { return TC_ACT_SHOT };
     let (seq, ack) = (u32::from_be(seq), u32::from_be(ack));
     let r = if p.tcp_flags & TCP_ACK != 0 {

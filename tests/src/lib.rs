@@ -124,6 +124,17 @@ fn reap_leftovers() {
     }
 }
 
+/// No IPv6 duplicate address detection in a test netns: a link-local
+/// address stays tentative for a second after its link comes up, and the
+/// first packets to a new neighbour are lost meanwhile.
+fn no_dad(netns: &str) -> Result<()> {
+    run(
+        "nsenter",
+        &[&format!("--net=/run/netns/{netns}"), "sysctl", "-qw", "net.ipv6.conf.all.accept_dad=0", "net.ipv6.conf.default.accept_dad=0"],
+    )
+    .map(drop)
+}
+
 pub struct Node {
     pub index: usize,
     pub name: String,
@@ -224,6 +235,7 @@ impl Cluster {
             self.nodes.push(node);
             let node = self.nodes.last().unwrap();
             ip(&["netns", "add", &netns])?;
+            no_dad(&netns)?;
             ip(&["-n", &netns, "link", "set", "lo", "up"])?;
             std::fs::create_dir_all(&node.cgroup)?;
             let fab_if = format!("n{i}");
@@ -284,7 +296,8 @@ impl Cluster {
         Ok(pod)
     }
 
-    /// A client outside the cluster: a netns on the fabric at 192.168.77.`host`,
+    /// A client outside the cluster: a netns on the fabric at 192.168.77.`host`
+    /// and fd00:77::`host`,
     /// with no cgroup of ours. `routes` are (destination, node) pairs: send
     /// that destination (a LoadBalancer IP, an externalIP) to that node.
     pub fn add_outside(&mut self, name: &str, host: u8, routes: &[(&str, usize)]) -> Result<Pod> {
@@ -299,14 +312,20 @@ impl Cluster {
         };
         self.pods.push(pod.clone());
         ip(&["netns", "add", &netns])?;
+        no_dad(&netns)?;
         ip(&["-n", &netns, "link", "set", "lo", "up"])?;
         let fab_if = format!("o{host}");
         ip(&["-n", &self.fabric, "link", "add", &fab_if, "type", "veth", "peer", "name", "eth0", "netns", &netns])?;
         ip(&["-n", &self.fabric, "link", "set", &fab_if, "master", "br0", "up"])?;
         ip(&["-n", &netns, "addr", "add", &format!("{}/24", pod.ip), "dev", "eth0"])?;
+        ip(&["-n", &netns, "addr", "add", &format!("{}/64", pod.ip6), "dev", "eth0", "nodad"])?;
         ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
         for (dst, node) in routes {
-            ip(&["-n", &netns, "route", "add", dst, "via", &self.nodes[node - 1].ip])?;
+            if dst.contains(':') {
+                ip(&["-n", &netns, "-6", "route", "add", dst, "via", &self.nodes[node - 1].ip6])?;
+            } else {
+                ip(&["-n", &netns, "route", "add", dst, "via", &self.nodes[node - 1].ip])?;
+            }
         }
         Ok(pod)
     }
@@ -479,6 +498,8 @@ impl Cluster {
             .arg(&n.bpffs)
             .arg("--node-ip")
             .arg(&n.ip)
+            .arg("--node-ip")
+            .arg(&n.ip6)
             .args(extra)
             .env("RUST_LOG", std::env::var("LB_AGENT_RUST_LOG").unwrap_or_else(|_| "info".into()))
             .env("NO_COLOR", "1")

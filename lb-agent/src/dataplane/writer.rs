@@ -557,7 +557,7 @@ fn add_frontend<A: Addr>(t: &mut Builder<A>, key: &model::FrontendKey, front: &m
     if front.no_socket {
         flags |= svc_flags::NO_SOCKET;
     }
-    if !front.source_ranges.is_empty() && A::FAMILY == FAMILY_V4 {
+    if !front.source_ranges.is_empty() {
         flags |= svc_flags::SRC_RANGE;
         for (net, len) in &front.source_ranges {
             if let Some(a) = A::from_ip(*net) {

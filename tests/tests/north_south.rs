@@ -1,0 +1,246 @@
+//! North-south parity with kube-proxy, from a client outside the cluster,
+//! on IPv4 and IPv6: IPv6 NodePorts / LB IPs with SNAT and Local policy,
+//! REJECT when a Service has no endpoints, sessionAffinity keyed by client
+//! address, and flows to endpoints that left (UDP re-picks, TCP gets a RST).
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use anyhow::Result;
+use lbtest::objects::{Endpoint as E, service_typed, slice_of};
+use lbtest::{Cluster, Pod, Summary};
+
+const EP: &[(&str, u16, &str)] = &[("http", 8080, "TCP"), ("dns", 8080, "UDP")];
+const LB_IP: &str = "10.100.0.10";
+const LB_IP6: &str = "fd00:100::10";
+const NODE1: &str = "192.168.77.11";
+const NODE1_6: &str = "fd00:77::11";
+const CLIENT: &str = "192.168.77.100";
+const CLIENT6: &str = "fd00:77::100";
+
+struct World {
+    c: Cluster,
+    p1: Pod,
+    p2: Pod,
+    outside: Pod,
+}
+
+/// Two nodes, pod-1 on node-1 and pod-2 on node-2 (answering with the
+/// client address they see), an outside client with both families that
+/// routes the LB IPs to node-1, agents on both nodes with both node IPs.
+fn world(svc: &str) -> Result<World> {
+    let mut c = Cluster::new(2)?;
+    let p1 = c.add_pod(1, "pod-1")?;
+    let p2 = c.add_pod(2, "pod-2")?;
+    c.serve_reporting_peer(&p1, 8080)?;
+    c.serve_reporting_peer(&p2, 8080)?;
+    let outside = c.add_outside("outside", 100, &[(&format!("{LB_IP}/32"), 1), (&format!("{LB_IP6}/128"), 1)])?;
+    c.write_object("svc.yaml", svc)?;
+    let mut w = World { c, p1, p2, outside };
+    set_endpoints(&w, &[(&w.p1, E::ready), (&w.p2, E::ready)])?;
+    w.c.start_agent(1)?;
+    w.c.start_agent(2)?;
+    Ok(w)
+}
+
+type Make = fn(&str, &str) -> E;
+
+/// The Service's endpoints, in both families.
+fn set_endpoints(w: &World, eps: &[(&Pod, Make)]) -> Result<()> {
+    let node = |p: &Pod| format!("node-{}", p.node);
+    let v4: Vec<E> = eps.iter().map(|(p, f)| f(&p.ip, &node(p))).collect();
+    let v6: Vec<E> = eps.iter().map(|(p, f)| f(&p.ip6, &node(p))).collect();
+    w.c.write_object("slice4.yaml", &slice_of("web", "web-v4", "IPv4", EP, &v4))?;
+    w.c.write_object("slice6.yaml", &slice_of("web", "web-v6", "IPv6", EP, &v6))
+}
+
+fn web(ty: &str, extra: &str, lb_ips: &[&str]) -> String {
+    let extra = format!("  ipFamilyPolicy: PreferDualStack\n{extra}");
+    service_typed("web", "10.96.0.10", ty, &[("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)], &extra, lb_ips)
+}
+
+fn wait_backends(c: &Cluster, node: usize, addr: &str, port: u16, n: usize) -> Result<()> {
+    c.wait_for(&format!("{addr}:{port} on node-{node} programmed with {n} backends"), Duration::from_secs(5), || {
+        Ok(c.programmed(node, addr, port, "TCP")?.is_some_and(|b| b.len() == n))
+    })
+}
+
+fn hostport(addr: &str, port: u16) -> String {
+    if addr.contains(':') { format!("[{addr}]:{port}") } else { format!("{addr}:{port}") }
+}
+
+fn tcp(c: &Cluster, pod: &Pod, addr: &str, n: u32) -> Result<Summary> {
+    c.probe(pod, &["tcp", "--addr", addr, "--count", &n.to_string(), "--timeout-ms", "1000"])
+}
+
+fn keys(s: &Summary) -> BTreeSet<&str> {
+    s.replies.keys().map(String::as_str).collect()
+}
+
+/// A datapath counter from the agent's /metrics.
+fn datapath(c: &Cluster, node: usize, result: &str) -> Result<u64> {
+    let (_, m) = c.http(node, "127.0.0.1:10249", "/metrics")?;
+    let name = format!("lb_datapath_events_total{{result=\"{result}\"}} ");
+    Ok(m.lines().find_map(|l| l.strip_prefix(&name)?.parse().ok()).unwrap_or(0))
+}
+
+#[test]
+fn ipv6_node_ports_and_lb_ips_snat_to_the_nodes_ipv6_address() -> Result<()> {
+    let w = world(&web("LoadBalancer", "", &[LB_IP6]))?;
+    wait_backends(&w.c, 1, NODE1_6, 30080, 2)?;
+    let np6 = hostport(NODE1_6, 30080);
+    let s = tcp(&w.c, &w.outside, &np6, 60)?;
+    assert_eq!(s.ok, 60, "{s:?}");
+    // pod-1 is local to node-1: it sees the client. pod-2 is remote: it sees
+    // node-1's IPv6 address, which SNATed the flow so that replies come back.
+    assert_eq!(keys(&s), [format!("pod-1 {CLIENT6}").as_str(), format!("pod-2 {NODE1_6}").as_str()].into(), "{s:?}");
+    assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np6.as_str()], "replies come from the NodePort: {s:?}");
+
+    let s = w.c.probe(&w.outside, &["udp", "--addr", &np6, "--count", "20"])?;
+    assert_eq!(s.ok, 20, "{s:?}");
+    assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np6.as_str()], "{s:?}");
+
+    // The IPv6 LoadBalancer ingress IP, routed to node-1.
+    let lb6 = hostport(LB_IP6, 80);
+    let s = tcp(&w.c, &w.outside, &lb6, 30)?;
+    assert_eq!(s.ok, 30, "{s:?}");
+    assert_eq!(s.peers.keys().collect::<Vec<_>>(), [lb6.as_str()], "{s:?}");
+
+    // IPv4 is untouched by all this.
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 20)?;
+    assert_eq!(s.ok, 20, "{s:?}");
+
+    // `lb-agent nat` lists IPv6 flows like conntrack -L.
+    let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", w.c.nodes[0].bpffs.to_str().unwrap()])?;
+    assert!(nat.lines().any(|l| l.starts_with("ipv6 tcp") && l.contains(&format!("src={CLIENT6} dst={NODE1_6}")) && l.contains("[SNAT]")), "{nat}");
+    assert!(nat.lines().any(|l| l.starts_with("ipv4 tcp")), "{nat}");
+    Ok(())
+}
+
+#[test]
+fn ipv6_local_policy_keeps_the_client_with_health_checks_and_source_ranges() -> Result<()> {
+    // Overlapping ranges: fd00:77::100/128 inside fd00:77::100/120.
+    let extra = format!(
+        "  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  loadBalancerSourceRanges: [\"{CLIENT6}/128\", \"fd00:77::100/120\", \"{CLIENT}/32\"]\n"
+    );
+    let mut w = world(&web("LoadBalancer", &extra, &[LB_IP6]))?;
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_backends(&w.c, 1, NODE1_6, 30080, 1)?;
+    wait_backends(&w.c, 2, "fd00:77::12", 30080, 1)?;
+    let s = tcp(&w.c, &w.outside, &hostport(LB_IP6, 80), 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    assert_eq!(keys(&s), [format!("pod-1 {CLIENT6}").as_str()].into(), "the pod sees the client's IPv6 address: {s:?}");
+    // node-2 has no local endpoint: dropped, as kube-proxy does.
+    let s = tcp(&w.c, &w.outside, &hostport("fd00:77::12", 30080), 2)?;
+    assert_eq!(s.errors.get("ETIMEDOUT"), Some(&2), "{s:?}");
+    // The health check answers on the nodes' IPv6 addresses too.
+    let (code, body) = w.c.http_from(&w.outside.netns, &hostport(NODE1_6, 32000), "/")?;
+    assert_eq!(code, 200, "{body}");
+    let (code, _) = w.c.http_from(&w.outside.netns, &hostport("fd00:77::12", 32000), "/")?;
+    assert_eq!(code, 503);
+    // loadBalancerSourceRanges for IPv6 prefixes: fd00:77::101 is inside
+    // the /120, fd00:77::200 in none of them.
+    let inside = w.c.add_outside("inside", 101, &[(&format!("{LB_IP6}/128"), 1)])?;
+    let s = tcp(&w.c, &inside, &hostport(LB_IP6, 80), 2)?;
+    assert_eq!(s.ok, 2, "{s:?}");
+    let outside_ranges = w.c.add_outside("other", 200, &[(&format!("{LB_IP6}/128"), 1)])?;
+    let s = tcp(&w.c, &outside_ranges, &hostport(LB_IP6, 80), 2)?;
+    assert_eq!(s.errors.get("ETIMEDOUT"), Some(&2), "outside the ranges: dropped: {s:?}");
+    Ok(())
+}
+
+#[test]
+fn a_service_without_endpoints_is_rejected_at_once_on_both_families() -> Result<()> {
+    let w = world(&web("LoadBalancer", "", &[LB_IP, LB_IP6]))?;
+    set_endpoints(&w, &[])?;
+    w.c.wait_for("no backends", Duration::from_secs(5), || Ok(w.c.programmed(1, NODE1, 30080, "TCP")?.is_some_and(|b| b.is_empty())))?;
+    for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080), hostport(LB_IP, 80), hostport(LB_IP6, 80)] {
+        let s = w.c.probe(&w.outside, &["tcp", "--addr", &addr, "--count", "3", "--timeout-ms", "2000"])?;
+        assert_eq!(s.errors.get("ECONNREFUSED"), Some(&3), "{addr}: REJECT, as kube-proxy: {s:?}");
+        assert!(s.max_fail_ms < 500, "{addr}: at once, not after a timeout: {s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "2", "--connected", "--timeout-ms", "2000"])?;
+        assert_eq!(s.errors.get("ECONNREFUSED"), Some(&2), "{addr}: UDP gets ICMP port unreachable: {s:?}");
+    }
+    assert!(datapath(&w.c, 1, "nat_rejected")? >= 20, "counted");
+    // Endpoints come back: served again.
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_backends(&w.c, 1, NODE1_6, 30080, 1)?;
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1_6, 30080), 3)?;
+    assert_eq!(s.ok, 3, "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn session_affinity_keys_on_the_outside_clients_address() -> Result<()> {
+    let extra = "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: 60\n";
+    let w = world(&web("NodePort", extra, &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080)] {
+        let s = tcp(&w.c, &w.outside, &addr, 30)?;
+        assert_eq!(s.ok, 30, "{s:?}");
+        assert_eq!(s.replies.len(), 1, "{addr}: every connection of one client to one pod: {s:?}");
+        // That pod leaves: never reused; the client moves to the other.
+        let first = s.replies.keys().next().unwrap().split(' ').next().unwrap().to_string();
+        let stay = if first == "pod-1" { &w.p2 } else { &w.p1 };
+        set_endpoints(&w, &[(stay, E::ready)])?;
+        wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+        let s = tcp(&w.c, &w.outside, &addr, 10)?;
+        assert_eq!(s.ok, 10, "{s:?}");
+        assert!(s.replies.keys().all(|k| k.starts_with(&stay.name)), "{addr}: {s:?}");
+        set_endpoints(&w, &[(&w.p1, E::ready), (&w.p2, E::ready)])?;
+        wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_udp_flow_moves_off_an_endpoint_that_left() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    for (addr, node_addr) in [(hostport(NODE1, 30080), NODE1), (hostport(NODE1_6, 30080), NODE1_6)] {
+        set_endpoints(&w, &[(&w.p1, E::ready)])?;
+        wait_backends(&w.c, 1, node_addr, 30080, 1)?;
+        // One socket, one flow: a datagram every 100 ms for 4 s.
+        let udp = w.c.probe_bg(&w.outside, &["udp", "--addr", &addr, "--one-socket", "--count", "40", "--interval-ms", "100"])?;
+        std::thread::sleep(Duration::from_millis(1000));
+        // pod-1 leaves the Service (it still answers: only the flow's NAT
+        // entry would keep sending to it).
+        set_endpoints(&w, &[(&w.p2, E::ready)])?;
+        let s = Cluster::finish(udp)?;
+        let to = |p: &str| s.replies.iter().filter(|(k, _)| k.starts_with(p)).map(|(_, n)| *n).sum::<u32>();
+        assert!(to("pod-1") >= 5, "{addr}: {s:?}");
+        assert!(to("pod-2") >= 10, "{addr}: the flow's next datagrams pick a live backend within 2 s: {s:?}");
+        assert!(s.failed() <= 1, "{addr}: {s:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_tcp_flow_to_an_endpoint_that_left_gets_a_reset_and_a_draining_one_keeps_going() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    for (addr, node_addr) in [(hostport(NODE1, 30080), NODE1), (hostport(NODE1_6, 30080), NODE1_6)] {
+        set_endpoints(&w, &[(&w.p1, E::ready)])?;
+        wait_backends(&w.c, 1, node_addr, 30080, 1)?;
+        // Terminating but still serving: the held connection drains.
+        let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &addr, "--hold-ms", "2500", "--interval-ms", "50"])?;
+        std::thread::sleep(Duration::from_millis(500));
+        set_endpoints(&w, &[(&w.p1, E::terminating), (&w.p2, E::ready)])?;
+        let s = Cluster::finish(held)?;
+        assert_eq!(s.failed(), 0, "{addr}: a serving, terminating endpoint keeps its flows: {s:?}");
+        assert_eq!(s.replies.keys().collect::<Vec<_>>(), [format!("pod-1 {}", if node_addr == NODE1 { CLIENT } else { CLIENT6 }).as_str()]);
+
+        // Gone for good: the next packet of the flow is answered with a RST.
+        set_endpoints(&w, &[(&w.p1, E::ready)])?;
+        wait_backends(&w.c, 1, node_addr, 30080, 1)?;
+        let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &addr, "--hold-ms", "3000", "--interval-ms", "50", "--timeout-ms", "5000"])?;
+        std::thread::sleep(Duration::from_millis(500));
+        set_endpoints(&w, &[(&w.p2, E::ready)])?;
+        let s = Cluster::finish(held)?;
+        assert!(s.replies.keys().all(|k| k.starts_with("pod-1")), "{s:?}");
+        assert_eq!(s.errors.keys().collect::<Vec<_>>(), ["ECONNRESET"], "{addr}: reset, not left to time out: {s:?}");
+        assert!(s.max_fail_ms < 1000, "{addr}: at once: {s:?}");
+        // A new connection goes to the live endpoint.
+        let s = tcp(&w.c, &w.outside, &addr, 3)?;
+        assert!(s.ok == 3 && s.replies.keys().all(|k| k.starts_with("pod-2")), "{s:?}");
+    }
+    assert!(datapath(&w.c, 1, "nat_reset")? >= 2);
+    Ok(())
+}
