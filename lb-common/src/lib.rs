@@ -302,11 +302,9 @@ pub mod stats {
     pub const NAT_REJECTED: u32 = 11;
     /// TC: flows to a backend that left, ended with a TCP RST to the client.
     pub const NAT_RESET: u32 = 12;
-    /// TC: ICMP errors about translated flows, translated with them.
-    pub const NAT_ICMP: u32 = 13;
     /// TC: a new outside flow replaced a closed one with the same tuple.
-    pub const NAT_REPLACED: u32 = 14;
-    pub const COUNT: u32 = 15;
+    pub const NAT_REPLACED: u32 = 13;
+    pub const COUNT: u32 = 14;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -321,7 +319,6 @@ pub mod stats {
         "bind_refused",
         "nat_rejected",
         "nat_reset",
-        "nat_icmp",
         "nat_replaced",
     ];
 }
