@@ -107,11 +107,6 @@ pub fn expired<A>(proto: u8, fwd: &NatEntry<A>, reply: Option<&NatEntry<A>>, now
     idle > timeout
 }
 
-/// The key of the other direction of the flow an entry belongs to.
-pub fn reply_key<A: Copy>(k: &NatKey<A>, e: &NatEntry<A>) -> NatKey<A> {
-    NatKey { saddr: e.to_daddr, daddr: e.to_saddr, sport: e.to_dport, dport: e.to_sport, proto: k.proto, _pad: [0; 3] }
-}
-
 pub fn monotonic_ns() -> u64 {
     let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
     t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
@@ -147,12 +142,12 @@ where
         if e.flags & nat_flags::REPLY != 0 {
             // An orphaned reply entry (its flow half-removed): no packet can
             // use it once idle.
-            if !entries.contains_key(&reply_key(k, e)) && expired(k.proto, e, None, now, t) {
+            if !entries.contains_key(&e.other_key(k.proto)) && expired(k.proto, e, None, now, t) {
                 let _ = nat.remove(k);
             }
             continue;
         }
-        let rk = reply_key(k, e);
+        let rk = e.other_key(k.proto);
         if expired(k.proto, e, entries.get(&rk), now, t) {
             // The reply entry first: a packet never finds a forward entry
             // without its reply entry.
@@ -161,7 +156,7 @@ where
             pass.expired += 1;
             continue;
         }
-        if left.contains(&(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)) {
+        if !left.is_empty() && left.contains(&(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)) {
             if k.proto == PROTO_UDP {
                 let _ = nat.remove(&rk);
                 let _ = nat.remove(k);
@@ -302,10 +297,10 @@ mod tests {
     }
 
     #[test]
-    fn reply_key_swaps_the_rewritten_tuple() {
+    fn other_key_swaps_the_rewritten_tuple() {
         let k = NatKey { saddr: [1u8, 1, 1, 1], daddr: [2, 2, 2, 2], sport: 1000, dport: 30080, proto: 6, _pad: [0; 3] };
         let e = NatEntry { to_saddr: [3, 3, 3, 3], to_daddr: [4, 4, 4, 4], to_sport: 61000, to_dport: 8080, ..Default::default() };
-        let r = reply_key(&k, &e);
+        let r = e.other_key(k.proto);
         assert_eq!((r.saddr, r.daddr, r.sport, r.dport, r.proto), ([4, 4, 4, 4], [3, 3, 3, 3], 8080, 61000, 6));
     }
 

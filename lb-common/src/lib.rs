@@ -246,6 +246,14 @@ pub struct NatEntry<A> {
     pub last_seen_ns: u64,
 }
 
+impl<A: Copy> NatEntry<A> {
+    /// The key of the other direction of the flow this entry belongs to:
+    /// the reverse of the tuple it rewrites to.
+    pub fn other_key(&self, proto: u8) -> NatKey<A> {
+        NatKey { saddr: self.to_daddr, daddr: self.to_saddr, sport: self.to_dport, dport: self.to_sport, proto, _pad: [0; 3] }
+    }
+}
+
 pub type Nat4Entry = NatEntry<[u8; 4]>;
 pub type Nat6Entry = NatEntry<[u8; 16]>;
 

@@ -103,13 +103,6 @@ impl<A: Copy> Pkt<A> {
     }
 }
 
-/// The key of the other direction of the flow an entry belongs to: the
-/// reverse of the tuple the entry rewrites to.
-#[inline(always)]
-fn other_key<A: Copy>(proto: u8, e: &NatEntry<A>) -> NatKey<A> {
-    NatKey { saddr: e.to_daddr, daddr: e.to_saddr, sport: e.to_dport, dport: e.to_sport, proto, _pad: [0; 3] }
-}
-
 /// A stack buffer that helpers may read as 32-bit words.
 #[repr(C, align(4))]
 struct Buf<const N: usize>([u8; N]);
@@ -503,7 +496,7 @@ fn closed(a: u8, b: u8) -> bool {
 /// Remove both entries of the flow that `e` (at `key`) belongs to.
 #[inline(always)]
 fn remove_flow<F: Net>(key: &NatKey<F::A>, e: &NatEntry<F::A>) {
-    F::nat_del(&other_key(key.proto, e));
+    F::nat_del(&e.other_key(key.proto));
     F::nat_del(key);
 }
 
@@ -755,7 +748,7 @@ fn drop_if_closed<F: Net>(key: &NatKey<F::A>) -> bool {
     let Some(e) = F::nat_get(key) else { return true };
     // SAFETY: a map value, alive for this program run (RCU).
     let e = unsafe { &*e };
-    let other = other_key(key.proto, e);
+    let other = e.other_key(key.proto);
     let other_state = match F::nat_get(&other) {
         // SAFETY: a map value; one byte read.
         Some(o) => unsafe { core::ptr::read_volatile(&(*o).state) },

@@ -191,7 +191,7 @@ where
         .iter()
         .filter(|(_, e)| e.flags & nat_flags::REPLY == 0)
         .map(|(k, e)| {
-            let reply = entries.get(&crate::nodeport::reply_key(k, e));
+            let reply = entries.get(&e.other_key(k.proto));
             let states = e.state | reply.map_or(0, |r| r.state);
             let fin_both = e.state & nat_state::FIN != 0 && reply.is_some_and(|r| r.state & nat_state::FIN != 0);
             let state = match (k.proto, states) {
