@@ -312,7 +312,12 @@ pub mod stats {
     pub const NAT_RESET: u32 = 12;
     /// TC: a new outside flow replaced a closed one with the same tuple.
     pub const NAT_REPLACED: u32 = 13;
-    pub const COUNT: u32 = 14;
+    /// TC: ICMP errors about packets of translated flows, translated.
+    pub const NAT_ICMP: u32 = 14;
+    /// TC: "fragmentation needed" / "packet too big" sent to a client whose
+    /// SNATed packet did not fit the path to its backend.
+    pub const NAT_TOO_BIG: u32 = 15;
+    pub const COUNT: u32 = 16;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -328,6 +333,8 @@ pub mod stats {
         "nat_rejected",
         "nat_reset",
         "nat_replaced",
+        "nat_icmp",
+        "nat_too_big",
     ];
 }
 

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 
 pub mod objects;
+pub mod world;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 const PREFIX: &str = "lbt";
@@ -167,6 +168,9 @@ pub struct Summary {
     pub errors: BTreeMap<String, u32>,
     pub peers: BTreeMap<String, u32>,
     pub max_fail_ms: u64,
+    /// `udp --recverr`: error-queue entries, "icmp type=T code=C from=ADDR".
+    #[serde(default)]
+    pub offenders: BTreeMap<String, u32>,
 }
 
 impl Summary {
@@ -330,6 +334,91 @@ impl Cluster {
         Ok(pod)
     }
 
+    /// An outside client behind a router. The router, netns "{id}-r`host`",
+    /// sits on the fabric at 192.168.77.`host` / fd00:77::`host` (`host`
+    /// must not be a node's: 11..=26); the client, netns "{id}-o`host`", is
+    /// at 172.30.`host`.2 / fd00:30:`host`::2 on a link of MTU `mtu` to the
+    /// router (IPv6 needs at least 1280). Every node routes the client's
+    /// subnets via the router; `routes` are (destination, node) pairs for
+    /// the router, as in `add_outside`.
+    pub fn add_outside_via_router(&mut self, name: &str, host: u8, mtu: u32, routes: &[(&str, usize)]) -> Result<Pod> {
+        let router = Pod {
+            name: format!("{name}-router"),
+            netns: format!("{}-r{host}", self.id),
+            ip: format!("192.168.77.{host}"),
+            ip6: format!("fd00:77::{host}"),
+            node: 0,
+            cgroup: PathBuf::new(),
+        };
+        let client = Pod {
+            name: name.to_string(),
+            netns: format!("{}-o{host}", self.id),
+            ip: format!("172.30.{host}.2"),
+            ip6: format!("fd00:30:{host}::2"),
+            node: 0,
+            cgroup: PathBuf::new(),
+        };
+        // Register both first, so that drop cleans up a half-built pair.
+        self.pods.push(router.clone());
+        self.pods.push(client.clone());
+        self.add_router(&router, host)?;
+        self.add_routed_client(&router.netns, &client, host, mtu)?;
+        for (dst, node) in routes {
+            if dst.contains(':') {
+                ip(&["-n", &router.netns, "-6", "route", "add", dst, "via", &self.nodes[node - 1].ip6])?;
+            } else {
+                ip(&["-n", &router.netns, "route", "add", dst, "via", &self.nodes[node - 1].ip])?;
+            }
+        }
+        for n in &self.nodes {
+            ip(&["-n", &n.netns, "route", "add", &format!("172.30.{host}.0/24"), "via", &router.ip])?;
+            ip(&["-n", &n.netns, "-6", "route", "add", &format!("fd00:30:{host}::/64"), "via", &router.ip6])?;
+        }
+        Ok(client)
+    }
+
+    /// The router of `add_outside_via_router`: a forwarding netns on the
+    /// fabric bridge.
+    fn add_router(&self, router: &Pod, host: u8) -> Result<()> {
+        let netns = &router.netns;
+        ip(&["netns", "add", netns])?;
+        no_dad(netns)?;
+        ip(&["-n", netns, "link", "set", "lo", "up"])?;
+        let fab_if = format!("r{host}");
+        ip(&["-n", &self.fabric, "link", "add", &fab_if, "type", "veth", "peer", "name", "eth0", "netns", netns])?;
+        ip(&["-n", &self.fabric, "link", "set", &fab_if, "master", "br0", "up"])?;
+        ip(&["-n", netns, "addr", "add", &format!("{}/24", router.ip), "dev", "eth0"])?;
+        ip(&["-n", netns, "addr", "add", &format!("{}/64", router.ip6), "dev", "eth0", "nodad"])?;
+        ip(&["-n", netns, "link", "set", "eth0", "up"])?;
+        run(
+            "nsenter",
+            &[&format!("--net=/run/netns/{netns}"), "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"],
+        )
+        .map(drop)
+    }
+
+    /// The client of `add_outside_via_router`: a netns behind a veth pair
+    /// of MTU `mtu` to `router`, with default routes via it.
+    fn add_routed_client(&self, router: &str, client: &Pod, host: u8, mtu: u32) -> Result<()> {
+        let netns = &client.netns;
+        let mtu = mtu.to_string();
+        ip(&["netns", "add", netns])?;
+        no_dad(netns)?;
+        ip(&["-n", netns, "link", "set", "lo", "up"])?;
+        ip(&["-n", router, "link", "add", "c0", "type", "veth", "peer", "name", "eth0", "netns", netns])?;
+        ip(&["-n", router, "link", "set", "c0", "mtu", &mtu])?;
+        ip(&["-n", netns, "link", "set", "eth0", "mtu", &mtu])?;
+        ip(&["-n", router, "addr", "add", &format!("172.30.{host}.1/24"), "dev", "c0"])?;
+        ip(&["-n", router, "addr", "add", &format!("fd00:30:{host}::1/64"), "dev", "c0", "nodad"])?;
+        ip(&["-n", router, "link", "set", "c0", "up"])?;
+        ip(&["-n", netns, "addr", "add", &format!("{}/24", client.ip), "dev", "eth0"])?;
+        ip(&["-n", netns, "addr", "add", &format!("{}/64", client.ip6), "dev", "eth0", "nodad"])?;
+        ip(&["-n", netns, "link", "set", "eth0", "up"])?;
+        ip(&["-n", netns, "route", "add", "default", "via", &format!("172.30.{host}.1")])?;
+        ip(&["-n", netns, "-6", "route", "add", "default", "via", &format!("fd00:30:{host}::1")])?;
+        Ok(())
+    }
+
     /// Run a command inside `pod`'s netns (or a node's), e.g. `ip addr add`.
     pub fn in_netns(&self, netns: &str, cmd: &[&str]) -> Result<String> {
         let mut args = vec![format!("--net=/run/netns/{netns}"), "--".to_string()];
@@ -369,6 +458,12 @@ impl Cluster {
     /// Like `serve`, answering with `name`.
     pub fn serve_as(&self, pod: &Pod, name: &str, port: u16) -> Result<u32> {
         self.serve_with(pod, name, port, &[])
+    }
+
+    /// A server for tens of thousands of connections at once (one epoll
+    /// thread), answering "NAME CLIENT-IP" like `serve_reporting_peer`.
+    pub fn serve_many(&self, pod: &Pod, port: u16) -> Result<u32> {
+        self.serve_with(pod, &pod.name, port, &["--many", "--report-peer"])
     }
 
     /// The benchmark server (1 byte in, 1 byte out), pinned to `cpu`.

@@ -6,82 +6,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::Result;
-use lbtest::objects::{Endpoint as E, service_typed, slice_of};
-use lbtest::{Cluster, Pod, Summary};
-
-const EP: &[(&str, u16, &str)] = &[("http", 8080, "TCP"), ("dns", 8080, "UDP")];
-const LB_IP: &str = "10.100.0.10";
-const LB_IP6: &str = "fd00:100::10";
-const NODE1: &str = "192.168.77.11";
-const NODE1_6: &str = "fd00:77::11";
-const CLIENT: &str = "192.168.77.100";
-const CLIENT6: &str = "fd00:77::100";
-
-struct World {
-    c: Cluster,
-    p1: Pod,
-    p2: Pod,
-    outside: Pod,
-}
-
-/// Two nodes, pod-1 on node-1 and pod-2 on node-2 (answering with the
-/// client address they see), an outside client with both families that
-/// routes the LB IPs to node-1, agents on both nodes with both node IPs.
-fn world(svc: &str) -> Result<World> {
-    let mut c = Cluster::new(2)?;
-    let p1 = c.add_pod(1, "pod-1")?;
-    let p2 = c.add_pod(2, "pod-2")?;
-    c.serve_reporting_peer(&p1, 8080)?;
-    c.serve_reporting_peer(&p2, 8080)?;
-    let outside = c.add_outside("outside", 100, &[(&format!("{LB_IP}/32"), 1), (&format!("{LB_IP6}/128"), 1)])?;
-    c.write_object("svc.yaml", svc)?;
-    let mut w = World { c, p1, p2, outside };
-    set_endpoints(&w, &[(&w.p1, E::ready), (&w.p2, E::ready)])?;
-    w.c.start_agent(1)?;
-    w.c.start_agent(2)?;
-    Ok(w)
-}
-
-type Make = fn(&str, &str) -> E;
-
-/// The Service's endpoints, in both families.
-fn set_endpoints(w: &World, eps: &[(&Pod, Make)]) -> Result<()> {
-    let node = |p: &Pod| format!("node-{}", p.node);
-    let v4: Vec<E> = eps.iter().map(|(p, f)| f(&p.ip, &node(p))).collect();
-    let v6: Vec<E> = eps.iter().map(|(p, f)| f(&p.ip6, &node(p))).collect();
-    w.c.write_object("slice4.yaml", &slice_of("web", "web-v4", "IPv4", EP, &v4))?;
-    w.c.write_object("slice6.yaml", &slice_of("web", "web-v6", "IPv6", EP, &v6))
-}
-
-fn web(ty: &str, extra: &str, lb_ips: &[&str]) -> String {
-    let extra = format!("  ipFamilyPolicy: PreferDualStack\n{extra}");
-    service_typed("web", "10.96.0.10", ty, &[("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)], &extra, lb_ips)
-}
-
-fn wait_backends(c: &Cluster, node: usize, addr: &str, port: u16, n: usize) -> Result<()> {
-    c.wait_for(&format!("{addr}:{port} on node-{node} programmed with {n} backends"), Duration::from_secs(5), || {
-        Ok(c.programmed(node, addr, port, "TCP")?.is_some_and(|b| b.len() == n))
-    })
-}
-
-fn hostport(addr: &str, port: u16) -> String {
-    if addr.contains(':') { format!("[{addr}]:{port}") } else { format!("{addr}:{port}") }
-}
-
-fn tcp(c: &Cluster, pod: &Pod, addr: &str, n: u32) -> Result<Summary> {
-    c.probe(pod, &["tcp", "--addr", addr, "--count", &n.to_string(), "--timeout-ms", "1000"])
-}
-
-fn keys(s: &Summary) -> BTreeSet<&str> {
-    s.replies.keys().map(String::as_str).collect()
-}
-
-/// A datapath counter from the agent's /metrics.
-fn datapath(c: &Cluster, node: usize, result: &str) -> Result<u64> {
-    let (_, m) = c.http(node, "127.0.0.1:10249", "/metrics")?;
-    let name = format!("lb_datapath_events_total{{result=\"{result}\"}} ");
-    Ok(m.lines().find_map(|l| l.strip_prefix(&name)?.parse().ok()).unwrap_or(0))
-}
+use lbtest::Cluster;
+use lbtest::objects::Endpoint as E;
+use lbtest::world::*;
 
 #[test]
 fn ipv6_node_ports_and_lb_ips_snat_to_the_nodes_ipv6_address() -> Result<()> {
@@ -242,5 +169,70 @@ fn a_tcp_flow_to_an_endpoint_that_left_gets_a_reset_and_a_draining_one_keeps_goi
         assert!(s.ok == 3 && s.replies.keys().all(|k| k.starts_with("pod-2")), "{s:?}");
     }
     assert!(datapath(&w.c, 1, "nat_reset")? >= 2);
+    Ok(())
+}
+
+#[test]
+fn a_direct_flow_to_a_pod_may_reuse_the_source_port_of_a_finished_node_port_flow() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+    // Routable pod IPs (a BGP or VPC CNI): this client reaches pod-1 directly.
+    let direct = w.c.add_outside("direct", 101, &[("10.244.1.0/24", 1), ("fd00:244:1::/64", 1)])?;
+    let client = |fam6: bool| if fam6 { "fd00:77::101" } else { "192.168.77.101" };
+    for (np, pod, fam6) in [(hostport(NODE1, 30080), hostport(&w.p1.ip, 8080), false), (hostport(NODE1_6, 30080), hostport(&w.p1.ip6, 8080), true)] {
+        // Closed with a RST and with FINs: both leave a closed flow behind.
+        for (sport, linger) in [("40000", true), ("40001", false)] {
+            let mut args = vec!["tcp", "--addr", np.as_str(), "--count", "1", "--sport", sport];
+            if linger {
+                args.push("--linger0");
+            }
+            let s = w.c.probe(&direct, &args)?;
+            assert_eq!(s.ok, 1, "via the NodePort: {s:?}");
+            // Same client port, straight to the pod: its replies must not be
+            // rewritten to the NodePort by the old flow's leftover.
+            let s = w.c.probe(&direct, &["tcp", "--addr", &pod, "--count", "1", "--sport", sport, "--timeout-ms", "2000"])?;
+            assert_eq!(s.ok, 1, "direct, port {sport}: {s:?}");
+            assert_eq!(keys(&s), [format!("pod-1 {}", client(fam6)).as_str()].into(), "{s:?}");
+            assert_eq!(s.peers.keys().collect::<Vec<_>>(), [pod.as_str()], "the pod answers as itself: {s:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn twenty_thousand_concurrent_snat_flows_to_one_backend() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    // Only pod-2, on the other node: every flow is SNATed to node-1.
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+    // One process holds at most 20,000 sockets here (RLIMIT_NOFILE): two
+    // servers share pod-2's port (SO_REUSEPORT), two clients share the
+    // outside host, each holding 10,000 connections open at once.
+    w.c.stop(w.servers[1]);
+    w.c.serve_many(&w.p2, 8080)?;
+    w.c.serve_many(&w.p2, 8080)?;
+    let np = hostport(NODE1, 30080);
+    let args = ["concurrent", "--addr", np.as_str(), "--count", "10000", "--hold-ms", "20000"];
+    let clients = [w.c.probe_bg(&w.outside, &args)?, w.c.probe_bg(&w.outside, &args)?];
+    // All 20,000 live in node-1's NAT table at once, each with its own port.
+    let bpffs = w.c.nodes[0].bpffs.to_str().unwrap().to_string();
+    let mut ports = BTreeSet::new();
+    w.c.wait_for("20,000 established SNAT flows", Duration::from_secs(60), || {
+        let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", &bpffs])?;
+        ports = nat
+            .lines()
+            .filter(|l| l.starts_with("ipv4 tcp  ESTABLISHED") && l.contains(&format!("src={CLIENT}")) && l.contains("[SNAT]"))
+            .filter_map(|l| l.split_whitespace().filter(|f| f.starts_with("sport=")).nth(1).map(str::to_string))
+            .collect();
+        Ok(ports.len() >= 20000)
+    })?;
+    for c in clients {
+        let s = Cluster::finish(c)?;
+        let failed = datapath(&w.c, 1, "nat_failed")?;
+        assert_eq!(s.ok, 10000, "each answered: {:?} of {}; nat_failed {failed}", s.errors, s.attempts);
+        assert_eq!(keys(&s), [format!("pod-2 {NODE1}").as_str()].into());
+    }
+    assert_eq!(datapath(&w.c, 1, "nat_failed")?, 0, "no flow lacked a SNAT port");
     Ok(())
 }

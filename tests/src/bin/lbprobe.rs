@@ -3,13 +3,16 @@
 //! cgroup itself, before it opens any socket.
 //!
 //!   lbprobe --netns NS --cgroup DIR serve --name NAME --port P
-//!   lbprobe --netns NS --cgroup DIR tcp --addr IP:PORT --count N
+//!   lbprobe --netns NS --cgroup DIR tcp --addr IP:PORT --count N [--sport P] [--linger0]
 //!   lbprobe --netns NS --cgroup DIR udp --addr IP:PORT --count N [--connected]
+//!           [--size N] [--ttl T] [--recverr]
+//!   lbprobe --netns NS --cgroup DIR upload --addr IP:PORT --bytes N
 //!
 //! Clients print one JSON summary on stdout: what a user would see.
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
@@ -28,7 +31,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Answer every TCP line and every UDP datagram with NAME.
+    /// Answer every TCP line and every UDP datagram with NAME. A TCP line
+    /// "bulk N" gets N pattern bytes; "upload N" is followed by N pattern
+    /// bytes, answered "NAME upload N ok" or "NAME upload bad at OFFSET". A
+    /// datagram "big\n" + pattern bytes is answered "NAME bytes=LEN" (or
+    /// "NAME bad").
     Serve {
         #[arg(long)]
         name: String,
@@ -41,6 +48,10 @@ enum Cmd {
         /// close; one thread, pinned to CPU `tiny`.
         #[arg(long)]
         tiny: Option<usize>,
+        /// TCP only, one thread with epoll: for tens of thousands of
+        /// connections at once (a thread each would exhaust the machine).
+        #[arg(long)]
+        many: bool,
     },
     /// Benchmark client: connect, 1-byte request, 1-byte response, close,
     /// as fast as possible for SECS seconds, pinned to CPU `cpu`.
@@ -59,12 +70,25 @@ enum Cmd {
         #[arg(long)]
         bytes: u64,
     },
+    /// TCP: upload N bytes of a known pattern; the server checks every byte.
+    Upload {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long)]
+        bytes: u64,
+        /// Read and write timeout.
+        #[arg(long, default_value_t = 10_000)]
+        timeout_ms: u64,
+    },
     /// TCP: open N connections at once, then ask each for a reply.
     Concurrent {
         #[arg(long)]
         addr: SocketAddr,
         #[arg(long)]
         count: u32,
+        /// Hold all connections open this long before asking each.
+        #[arg(long, default_value_t = 0)]
+        hold_ms: u64,
     },
     /// bind() a TCP and a UDP socket to 0.0.0.0:PORT; print the errno (0: bound).
     Bind {
@@ -91,6 +115,14 @@ enum Cmd {
         /// Write one JSON line per attempt here: {"t_ms", "reply"|"err"}.
         #[arg(long)]
         trace_file: Option<std::path::PathBuf>,
+        /// Bind every connection to this source port (SO_REUSEADDR); not
+        /// with --hold-ms.
+        #[arg(long)]
+        sport: Option<u16>,
+        /// Close every connection with a RST (SO_LINGER 0): no TIME_WAIT,
+        /// so the same source port can be used again at once.
+        #[arg(long)]
+        linger0: bool,
     },
     /// UDP: one connected socket, a datagram every interval for MAX_MS; on
     /// an error, note it, open a new socket and go on.
@@ -128,6 +160,17 @@ enum Cmd {
         interval_ms: u64,
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
+        /// Datagram size: 0 sends "hi"; N (at least 4) sends "big\n" and
+        /// N-4 pattern bytes, which the server checks.
+        #[arg(long, default_value_t = 0)]
+        size: usize,
+        /// IP_TTL / IPV6_UNICAST_HOPS of the socket.
+        #[arg(long)]
+        ttl: Option<u32>,
+        /// IP_RECVERR / IPV6_RECVERR: ICMP errors fail send/recv; after a
+        /// failure the error queue is read into `offenders`.
+        #[arg(long)]
+        recverr: bool,
     },
 }
 
@@ -142,6 +185,8 @@ struct Summary {
     max_fail_ms: u64,
     last_reply: String,
     last_error: String,
+    /// UDP --recverr: the error-queue entries, "icmp type=T code=C from=ADDR".
+    offenders: BTreeMap<String, u32>,
 }
 
 impl Summary {
@@ -166,6 +211,7 @@ impl Summary {
             "errors": self.errors,
             "peers": self.peers,
             "max_fail_ms": self.max_fail_ms,
+            "offenders": self.offenders,
         });
         println!("{v}");
     }
@@ -232,9 +278,9 @@ fn serve(name: String, port: u16, report_peer: bool) -> anyhow::Result<()> {
     let answer = move |name: &str, from: SocketAddr| if report_peer { format!("{name} {}", peer_ip(from)) } else { name.to_string() };
     let uname = name.clone();
     std::thread::spawn(move || {
-        let mut buf = [0u8; 1500];
-        while let Ok((_, from)) = udp.recv_from(&mut buf) {
-            let _ = udp.send_to(answer(&uname, from).as_bytes(), from);
+        let mut buf = vec![0u8; 65536];
+        while let Ok((n, from)) = udp.recv_from(&mut buf) {
+            let _ = udp.send_to(udp_answer(answer(&uname, from), &buf[..n]).as_bytes(), from);
         }
     });
     for conn in tcp.incoming() {
@@ -242,34 +288,151 @@ fn serve(name: String, port: u16, report_peer: bool) -> anyhow::Result<()> {
         let name = name.clone();
         std::thread::spawn(move || {
             let Ok(from) = conn.peer_addr() else { return };
-            let mut w = match conn.try_clone() {
-                Ok(w) => w,
-                Err(_) => return,
-            };
-            for line in BufReader::new(conn).lines() {
-                let Ok(line) = line else { break };
-                if let Some(n) = line.strip_prefix("bulk ").and_then(|n| n.trim().parse::<u64>().ok()) {
-                    let mut off = 0u64;
-                    let mut buf = vec![0u8; 65536];
-                    while off < n {
-                        let len = (n - off).min(buf.len() as u64) as usize;
-                        for (j, b) in buf[..len].iter_mut().enumerate() {
-                            *b = pattern(off + j as u64);
-                        }
-                        if w.write_all(&buf[..len]).is_err() {
-                            return;
-                        }
-                        off += len as u64;
-                    }
-                    return;
-                }
-                if w.write_all(format!("{}\n", answer(&name, from)).as_bytes()).is_err() {
-                    break;
-                }
-            }
+            serve_conn(conn, &answer(&name, from));
         });
     }
     Ok(())
+}
+
+/// The server's answer to a datagram: `me`, and for a "big\n" datagram its
+/// length, or "bad" if a pattern byte is wrong.
+fn udp_answer(me: String, d: &[u8]) -> String {
+    let Some(rest) = d.strip_prefix(b"big\n") else { return me };
+    if rest.iter().enumerate().all(|(i, b)| *b == pattern(i as u64)) {
+        format!("{me} bytes={}", d.len())
+    } else {
+        format!("{me} bad")
+    }
+}
+
+/// "WORD N" -> N.
+fn parse_cmd(line: &str, word: &str) -> Option<u64> {
+    line.strip_prefix(word)?.strip_prefix(' ')?.trim().parse().ok()
+}
+
+/// One TCP connection of `serve`: answer every line with `me` until the
+/// client is gone. One buffered reader carries both the lines and the bytes
+/// of an upload, so no byte is lost in its buffer.
+fn serve_conn(conn: TcpStream, me: &str) {
+    let Ok(mut w) = conn.try_clone() else { return };
+    let mut r = BufReader::new(conn);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        match r.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let reply = if let Some(n) = parse_cmd(&line, "bulk") {
+            let _ = write_pattern(&mut w, n);
+            return;
+        } else if let Some(n) = parse_cmd(&line, "upload") {
+            match check_pattern(&mut r, n) {
+                Ok(None) => format!("{me} upload {n} ok"),
+                Ok(Some(off)) => format!("{me} upload bad at {off}"),
+                Err(_) => return,
+            }
+        } else {
+            me.to_string()
+        };
+        if w.write_all(format!("{reply}\n").as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// Write `n` bytes of the pattern.
+fn write_pattern(w: &mut impl Write, n: u64) -> std::io::Result<()> {
+    let mut off = 0u64;
+    let mut buf = vec![0u8; 65536];
+    while off < n {
+        let len = (n - off).min(buf.len() as u64) as usize;
+        for (j, b) in buf[..len].iter_mut().enumerate() {
+            *b = pattern(off + j as u64);
+        }
+        w.write_all(&buf[..len])?;
+        off += len as u64;
+    }
+    Ok(())
+}
+
+/// Read exactly `n` bytes and check them against the pattern: the offset of
+/// the first wrong byte, if any. Fails if the stream ends early.
+fn check_pattern(r: &mut impl std::io::Read, n: u64) -> std::io::Result<Option<u64>> {
+    let mut off = 0u64;
+    let mut bad = None;
+    let mut buf = vec![0u8; 65536];
+    while off < n {
+        let len = (n - off).min(buf.len() as u64) as usize;
+        let got = r.read(&mut buf[..len])?;
+        if got == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        if bad.is_none() {
+            bad = buf[..got].iter().enumerate().find(|(j, b)| **b != pattern(off + *j as u64)).map(|(j, _)| off + j as u64);
+        }
+        off += got as u64;
+    }
+    Ok(bad)
+}
+
+/// `serve --many`: every TCP connection on one epoll loop; each line gets
+/// the answer `serve` gives.
+fn serve_many(name: &str, port: u16, report_peer: bool) -> anyhow::Result<()> {
+    use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+    use std::collections::HashMap;
+    use std::io::Read as _;
+    use std::os::fd::AsRawFd as _;
+    // SO_REUSEPORT: several of these share the port (one process holds
+    // at most RLIMIT_NOFILE connections).
+    let sock = socket2::Socket::new(socket2::Domain::IPV6, socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
+    sock.set_reuse_port(true)?;
+    sock.set_only_v6(false)?;
+    sock.bind(&SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port)).into())?;
+    sock.listen(4096)?;
+    let tcp: TcpListener = sock.into();
+    tcp.set_nonblocking(true)?;
+    let ep = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
+    let listener = u64::MAX;
+    ep.add(&tcp, EpollEvent::new(EpollFlags::EPOLLIN, listener))?;
+    println!("ready");
+    std::io::stdout().flush()?;
+    let mut conns: HashMap<u64, (TcpStream, SocketAddr, Vec<u8>)> = HashMap::new();
+    let mut events = vec![EpollEvent::empty(); 1024];
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = ep.wait(&mut events, EpollTimeout::NONE)?;
+        for ev in &events[..n] {
+            if ev.data() == listener {
+                while let Ok((c, from)) = tcp.accept() {
+                    c.set_nonblocking(true)?;
+                    let id = c.as_raw_fd() as u64;
+                    ep.add(&c, EpollEvent::new(EpollFlags::EPOLLIN, id))?;
+                    conns.insert(id, (c, from, Vec::new()));
+                }
+                continue;
+            }
+            let id = ev.data();
+            let Some((c, from, pending)) = conns.get_mut(&id) else { continue };
+            let done = loop {
+                match c.read(&mut buf) {
+                    Ok(0) => break true,
+                    Ok(k) => pending.extend_from_slice(&buf[..k]),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break false,
+                    Err(_) => break true,
+                }
+            };
+            while let Some(i) = pending.iter().position(|b| *b == b'\n') {
+                pending.drain(..=i);
+                let answer = if report_peer { format!("{name} {}\n", peer_ip(*from)) } else { format!("{name}\n") };
+                // A few bytes into an empty socket buffer: never blocks.
+                let _ = c.write_all(answer.as_bytes());
+            }
+            if done && let Some((c, _, _)) = conns.remove(&id) {
+                let _ = ep.delete(&c);
+            }
+        }
+    }
 }
 
 fn pin(cpu: usize) {
@@ -297,11 +460,16 @@ fn serve_tiny(port: u16, cpu: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Allow many sockets (the concurrent-flows client).
+/// Allow many sockets (the concurrent-flows client and its server): as root,
+/// raise the hard limit too.
 fn raise_nofile() {
     let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: plain syscalls with valid pointers.
     unsafe {
+        let want = libc::rlimit { rlim_cur: 1 << 17, rlim_max: 1 << 17 };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &want) == 0 {
+            return;
+        }
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 {
             r.rlim_cur = r.rlim_max;
             libc::setrlimit(libc::RLIMIT_NOFILE, &r);
@@ -309,10 +477,44 @@ fn raise_nofile() {
     }
 }
 
-fn tcp_once(addr: SocketAddr, timeout: Duration, s: &mut Summary) {
+/// Options of the TCP clients.
+struct TcpOpts {
+    timeout: Duration,
+    /// Bind to this source port first (with SO_REUSEADDR).
+    sport: Option<u16>,
+    /// Close with a RST (SO_LINGER 0): no TIME_WAIT.
+    linger0: bool,
+}
+
+/// Connect within `timeout`, from source port `sport` if given.
+fn tcp_connect(addr: SocketAddr, timeout: Duration, sport: Option<u16>) -> std::io::Result<TcpStream> {
+    let Some(port) = sport else { return TcpStream::connect_timeout(&addr, timeout) };
+    let sock = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
+    sock.set_reuse_address(true)?;
+    sock.bind(&any_addr(addr, port).into())?;
+    sock.connect_timeout(&addr.into(), timeout)?;
+    Ok(sock.into())
+}
+
+/// The unspecified address of `addr`'s family, with `port`.
+fn any_addr(addr: SocketAddr, port: u16) -> SocketAddr {
+    if addr.is_ipv4() { ([0, 0, 0, 0], port).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, port).into() }
+}
+
+/// SO_LINGER {on, 0}: close() sends a RST.
+fn set_linger0(c: &TcpStream) -> std::io::Result<()> {
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    nix::sys::socket::setsockopt(c, nix::sys::socket::sockopt::Linger, &linger).map_err(std::io::Error::from)
+}
+
+fn tcp_once(addr: SocketAddr, o: &TcpOpts, s: &mut Summary) {
     let started = Instant::now();
+    let timeout = o.timeout;
     let r = (|| -> std::io::Result<(String, String)> {
-        let mut c = TcpStream::connect_timeout(&addr, timeout)?;
+        let mut c = tcp_connect(addr, timeout, o.sport)?;
+        if o.linger0 {
+            set_linger0(&c)?;
+        }
         c.set_read_timeout(Some(timeout))?;
         let peer = c.peer_addr()?.to_string();
         c.write_all(b"hi\n")?;
@@ -336,10 +538,13 @@ fn tcp_once(addr: SocketAddr, timeout: Duration, s: &mut Summary) {
 
 /// One long-lived connection: a line out, a line back, every `interval`.
 /// Stops at the first error (the connection is gone).
-fn hold_tcp(addr: SocketAddr, hold: Duration, interval: Duration, timeout: Duration, s: &mut Summary) {
+fn hold_tcp(addr: SocketAddr, hold: Duration, interval: Duration, o: &TcpOpts, s: &mut Summary) {
     let started = Instant::now();
-    let conn = TcpStream::connect_timeout(&addr, timeout).and_then(|c| {
-        c.set_read_timeout(Some(timeout))?;
+    let conn = TcpStream::connect_timeout(&addr, o.timeout).and_then(|c| {
+        c.set_read_timeout(Some(o.timeout))?;
+        if o.linger0 {
+            set_linger0(&c)?;
+        }
         Ok(c)
     });
     let mut c = match conn {
@@ -375,19 +580,138 @@ fn hold_tcp(addr: SocketAddr, hold: Duration, interval: Duration, timeout: Durat
     }
 }
 
-fn udp_once(sock: &UdpSocket, addr: SocketAddr, connected: bool, s: &mut Summary) {
+/// TCP `upload`: the pattern out, the server's verdict line back.
+fn upload(addr: SocketAddr, bytes: u64, timeout: Duration, s: &mut Summary) {
+    s.attempts = 1;
+    let started = Instant::now();
+    let r = (|| -> std::io::Result<String> {
+        let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+        c.set_read_timeout(Some(timeout))?;
+        c.set_write_timeout(Some(timeout))?;
+        c.write_all(format!("upload {bytes}\n").as_bytes())?;
+        write_pattern(&mut c, bytes)?;
+        let mut line = String::new();
+        BufReader::new(&mut c).read_line(&mut line)?;
+        if line.is_empty() {
+            return Err(std::io::Error::from_raw_os_error(libc::ECONNRESET));
+        }
+        Ok(line.trim().to_string())
+    })();
+    match r {
+        Ok(line) if line.ends_with(" ok") => {
+            s.ok = 1;
+            *s.replies.entry(line.clone()).or_default() += 1;
+            s.last_reply = line;
+        }
+        Ok(line) => *s.errors.entry(format!("bad reply: {line}")).or_default() += 1,
+        Err(e) => s.fail(&e, started),
+    }
+}
+
+/// What the `udp` client sends, and how.
+struct UdpOpts {
+    connected: bool,
+    payload: Vec<u8>,
+    recverr: bool,
+}
+
+/// The datagram of `udp --size N`: "hi" for 0, else "big\n" and N-4
+/// pattern bytes.
+fn udp_payload(size: usize) -> anyhow::Result<Vec<u8>> {
+    match size {
+        0 => Ok(b"hi".to_vec()),
+        1..4 => anyhow::bail!("--size must be 0 or at least 4"),
+        _ => Ok(b"big\n".iter().copied().chain((0..(size - 4) as u64).map(pattern)).collect()),
+    }
+}
+
+/// A client socket of `udp`, bound to the unspecified address of `addr`'s family.
+fn udp_socket(addr: SocketAddr, timeout: Duration, ttl: Option<u32>, recverr: bool) -> anyhow::Result<UdpSocket> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let u = UdpSocket::bind(any_addr(addr, 0))?;
+    u.set_read_timeout(Some(timeout))?;
+    if let Some(t) = ttl {
+        let t = libc::c_int::try_from(t)?;
+        if addr.is_ipv4() {
+            setsockopt(&u, sockopt::Ipv4Ttl, &t)?;
+        } else {
+            setsockopt(&u, sockopt::Ipv6Ttl, &t)?;
+        }
+    }
+    if recverr {
+        if addr.is_ipv4() {
+            setsockopt(&u, sockopt::Ipv4RecvErr, &true)?;
+        } else {
+            setsockopt(&u, sockopt::Ipv6RecvErr, &true)?;
+        }
+    }
+    Ok(u)
+}
+
+/// Read the socket's error queue (IP_RECVERR) into `s.offenders`.
+fn drain_errqueue(sock: &UdpSocket, s: &mut Summary) {
+    use nix::sys::socket::{MsgFlags, recvmsg};
+    let mut data = [0u8; 64];
+    loop {
+        let mut iov = [std::io::IoSliceMut::new(&mut data)];
+        // Room for a sock_extended_err and its offender (what nix's
+        // cmsg_space! allocates, with headers to spare).
+        let mut cmsg = vec![0u8; 256];
+        let flags = MsgFlags::MSG_ERRQUEUE | MsgFlags::MSG_DONTWAIT;
+        // Each successful read dequeues one entry; an empty queue is EAGAIN.
+        let Ok(msg) = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut cmsg), flags) else { return };
+        let Ok(cmsgs) = msg.cmsgs() else { return };
+        for c in cmsgs {
+            if let Some(key) = offender_key(&c) {
+                *s.offenders.entry(key).or_default() += 1;
+            }
+        }
+    }
+}
+
+/// "icmp type=T code=C from=ADDR" ("icmp6" for ICMPv6) for an error-queue
+/// entry; a local error (e.g. EMSGSIZE, info = the path MTU) is
+/// "local errno=E info=I".
+fn offender_key(c: &nix::sys::socket::ControlMessageOwned) -> Option<String> {
+    use nix::sys::socket::ControlMessageOwned::{Ipv4RecvErr, Ipv6RecvErr};
+    let (ee, from) = match c {
+        Ipv4RecvErr(ee, a) => {
+            let ip = a.filter(|a| a.sin_family == libc::AF_INET as libc::sa_family_t).map(|a| IpAddr::V4(Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr))));
+            (ee, ip)
+        }
+        Ipv6RecvErr(ee, a) => {
+            let ip = a.filter(|a| a.sin6_family == libc::AF_INET6 as libc::sa_family_t).map(|a| {
+                let ip = Ipv6Addr::from(a.sin6_addr.s6_addr);
+                ip.to_ipv4_mapped().map_or(IpAddr::V6(ip), IpAddr::V4)
+            });
+            (ee, ip)
+        }
+        _ => return None,
+    };
+    let from = from.map_or("?".to_string(), |ip| ip.to_string());
+    Some(match ee.ee_origin {
+        libc::SO_EE_ORIGIN_ICMP => format!("icmp type={} code={} from={from}", ee.ee_type, ee.ee_code),
+        libc::SO_EE_ORIGIN_ICMP6 => format!("icmp6 type={} code={} from={from}", ee.ee_type, ee.ee_code),
+        libc::SO_EE_ORIGIN_LOCAL => {
+            format!("local errno={:?} info={}", nix::errno::Errno::from_raw(ee.ee_errno as i32), ee.ee_info)
+        }
+        o => format!("origin={o} errno={:?} from={from}", nix::errno::Errno::from_raw(ee.ee_errno as i32)),
+    })
+}
+
+fn udp_once(sock: &UdpSocket, addr: SocketAddr, o: &UdpOpts, s: &mut Summary) {
     let started = Instant::now();
     let r = (|| -> std::io::Result<(String, String)> {
-        let mut buf = [0u8; 1500];
-        if connected {
+        let mut buf = vec![0u8; 65536];
+        if o.connected {
             sock.connect(addr)?;
-            sock.send(b"hi")?;
+            sock.send(&o.payload)?;
             let n = sock.recv(&mut buf)?;
             // What the socket believes it is connected to.
             let peer = sock.peer_addr()?.to_string();
             Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), peer))
         } else {
-            sock.send_to(b"hi", addr)?;
+            sock.send_to(&o.payload, addr)?;
             let (n, from) = sock.recv_from(&mut buf)?;
             Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), from.to_string()))
         }
@@ -398,7 +722,12 @@ fn udp_once(sock: &UdpSocket, addr: SocketAddr, connected: bool, s: &mut Summary
             *s.replies.entry(reply).or_default() += 1;
             *s.peers.entry(from).or_default() += 1;
         }
-        Err(e) => s.fail(&e, started),
+        Err(e) => {
+            s.fail(&e, started);
+            if o.recverr {
+                drain_errqueue(sock, s);
+            }
+        }
     }
 }
 
@@ -408,7 +737,11 @@ fn main() -> anyhow::Result<()> {
     let mut s = Summary::default();
     match cli.cmd {
         Cmd::Serve { port, tiny: Some(cpu), .. } => return serve_tiny(port, cpu),
-        Cmd::Serve { name, port, report_peer, tiny: None } => {
+        Cmd::Serve { name, port, report_peer, many: true, .. } => {
+            raise_nofile();
+            return serve_many(&name, port, report_peer);
+        }
+        Cmd::Serve { name, port, report_peer, tiny: None, .. } => {
             raise_nofile();
             return serve(name, port, report_peer);
         }
@@ -471,7 +804,8 @@ fn main() -> anyhow::Result<()> {
                 Err(e) => s.fail(&e, started),
             }
         }
-        Cmd::Concurrent { addr, count } => {
+        Cmd::Upload { addr, bytes, timeout_ms } => upload(addr, bytes, Duration::from_millis(timeout_ms), &mut s),
+        Cmd::Concurrent { addr, count, hold_ms } => {
             raise_nofile();
             let started = Instant::now();
             let mut conns = Vec::new();
@@ -482,6 +816,7 @@ fn main() -> anyhow::Result<()> {
                     Err(e) => s.fail(&e, started),
                 }
             }
+            std::thread::sleep(Duration::from_millis(hold_ms));
             // All open at once; now one line each.
             for c in &mut conns {
                 let r = c.set_read_timeout(Some(Duration::from_secs(3))).and_then(|_| c.write_all(b"hi\n")).and_then(|_| {
@@ -525,10 +860,12 @@ fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::json!({"status": status, "body": body}));
             return Ok(());
         }
-        Cmd::Tcp { addr, hold_ms: Some(hold), interval_ms, timeout_ms, trace_file: _, .. } => {
-            hold_tcp(addr, Duration::from_millis(hold), Duration::from_millis(interval_ms.max(1)), Duration::from_millis(timeout_ms), &mut s);
+        Cmd::Tcp { addr, hold_ms: Some(hold), interval_ms, timeout_ms, linger0, trace_file: _, .. } => {
+            let o = TcpOpts { timeout: Duration::from_millis(timeout_ms), sport: None, linger0 };
+            hold_tcp(addr, Duration::from_millis(hold), Duration::from_millis(interval_ms.max(1)), &o, &mut s);
         }
-        Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms, hold_ms: None, trace_file } => {
+        Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms, hold_ms: None, trace_file, sport, linger0 } => {
+            let o = TcpOpts { timeout: Duration::from_millis(timeout_ms), sport, linger0 };
             let deadline = Instant::now() + Duration::from_millis(max_ms);
             let mut trace = Trace::open(trace_file.as_deref())?;
             for _ in 0..count {
@@ -538,7 +875,7 @@ fn main() -> anyhow::Result<()> {
                 s.attempts += 1;
                 let t = epoch_ms();
                 let before = s.ok;
-                tcp_once(addr, Duration::from_millis(timeout_ms), &mut s);
+                tcp_once(addr, &o, &mut s);
                 trace.record(t, &s, before);
                 if interval_ms > 0 {
                     std::thread::sleep(Duration::from_millis(interval_ms));
@@ -577,19 +914,16 @@ fn main() -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_millis(interval_ms));
             }
         }
-        Cmd::Udp { addr, count, connected, one_socket, timeout_ms, interval_ms } => {
-            let new_sock = || -> anyhow::Result<UdpSocket> {
-                let u = UdpSocket::bind(if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
-                u.set_read_timeout(Some(Duration::from_millis(timeout_ms)))?;
-                Ok(u)
-            };
+        Cmd::Udp { addr, count, connected, one_socket, timeout_ms, interval_ms, size, ttl, recverr } => {
+            let o = UdpOpts { connected, payload: udp_payload(size)?, recverr };
+            let new_sock = || udp_socket(addr, Duration::from_millis(timeout_ms), ttl, recverr);
             let mut sock = new_sock()?;
             for i in 0..count {
                 if i > 0 && !one_socket {
                     sock = new_sock()?;
                 }
                 s.attempts += 1;
-                udp_once(&sock, addr, connected, &mut s);
+                udp_once(&sock, addr, &o, &mut s);
                 if interval_ms > 0 {
                     std::thread::sleep(Duration::from_millis(interval_ms));
                 }

@@ -31,8 +31,8 @@
 //!   packet: TCP gets a RST back, so the client reconnects at once (beyond
 //!   kube-proxy, which lets it time out); UDP picks a live backend.
 use aya_ebpf::{
-    bindings::{__sk_buff, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
-    btf_maps::{HashMap, LpmTrie, PerCpuArray},
+    bindings::{__sk_buff, bpf_fib_lookup, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray},
     helpers::{bpf_csum_diff, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes, bpf_skb_store_bytes},
     macros::{btf_map, classifier},
     maps::lpm_trie::Key,
@@ -45,6 +45,8 @@ use lb_common::{
 
 use crate::lb::{self, Client, ECONNREFUSED, Family, NO_PREALLOC, V4, V6, Verdict};
 
+mod icmp;
+
 type A4 = [u8; 4];
 type A6 = [u8; 16];
 
@@ -52,6 +54,26 @@ type A6 = [u8; 16];
 static LB4_NAT: HashMap<NatKey<A4>, NatEntry<A4>, { capacity::NAT as usize }, NO_PREALLOC> = HashMap::new();
 #[btf_map]
 static LB6_NAT: HashMap<NatKey<A6>, NatEntry<A6>, { capacity::NAT as usize }, NO_PREALLOC> = HashMap::new();
+
+/// The ports of fragmented IPv4 datagrams, from their first fragment, so
+/// that the later ones (which carry no L4 header) follow the same flow.
+#[btf_map]
+static LB4_FRAG: LruHashMap<FragKey, FragPorts, 8192> = LruHashMap::new();
+
+#[repr(C)]
+pub struct FragKey {
+    saddr: A4,
+    daddr: A4,
+    id: u16,
+    proto: u8,
+    _pad: u8,
+}
+
+#[repr(C)]
+pub struct FragPorts {
+    sport: u16,
+    dport: u16,
+}
 
 #[btf_map]
 static LB_SRC_RANGE: LpmTrie<SrcRange, u8, { capacity::SRC_RANGE as usize }> = LpmTrie::new();
@@ -65,8 +87,10 @@ const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 const PROTO_ICMP: u8 = 1;
 const PROTO_ICMPV6: u8 = 58;
-/// How many SNAT ports to try for one new flow.
-const SNAT_TRIES: u32 = 32;
+/// How many SNAT ports to try for one new flow. Probes are double-hashed
+/// (each flow its own stride), so at 70% of the range in use the chance
+/// that all of them are taken is 0.7^64, about 1e-10.
+const SNAT_TRIES: u32 = 64;
 
 /// What the steps of the ingress program ask it to do next, besides
 /// TC_ACT_*. The program calls each step in turn rather than nested, so
@@ -81,8 +105,17 @@ const ACT_NEW_FLOW: i32 = -102;
 const ACT_ESTABLISH: i32 = -103;
 /// A SYN of a flow we do not translate: clear a leftover with its tuple.
 const ACT_CLEAR_LEFTOVER: i32 = -104;
+/// An ICMP packet: translate it if it is an error about one of our flows.
+const ACT_ICMP: i32 = -105;
+/// Too big for the path to the backend (the MTU is in the scratch value):
+/// answer "fragmentation needed" / "packet too big".
+const ACT_TOO_BIG: i32 = -106;
+/// A SNATed packet whose TTL runs out on this node: answer "time exceeded".
+const ACT_TIME_EXCEEDED: i32 = -107;
+/// Translate the packet by the forward entry in the scratch value.
+const ACT_FORWARD: i32 = -108;
 
-struct Pkt<A> {
+pub struct Pkt<A> {
     l4: usize,
     proto: u8,
     saddr: A,
@@ -90,6 +123,9 @@ struct Pkt<A> {
     sport: u16,
     dport: u16,
     tcp_flags: u8,
+    /// A later fragment of a datagram: no L4 header; its ports are the
+    /// first fragment's.
+    later: bool,
 }
 
 impl<A: Copy> Pkt<A> {
@@ -137,6 +173,14 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     const DST: usize;
     /// Bits of an address.
     const BITS: u32;
+    /// Length of the fixed IP header.
+    const IH: usize;
+    /// Offset of the protocol (next header) byte in the IP header.
+    const PROTO_OFF: usize;
+    /// ICMP's protocol number in this family.
+    const ICMP: u8;
+    /// The socket address family (AF_INET, AF_INET6), for bpf_fib_lookup.
+    const AF: u8;
     /// Where L4 starts and which protocol it is; None: not a packet for us
     /// (another protocol, a non-first fragment, extension headers, a
     /// malformed header).
@@ -152,9 +196,35 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     /// Replace the address at `off`, fixing the L4 checksum at `csum` (when
     /// `l4_csum`) and the IP header checksum (IPv4).
     fn set_addr(ctx: &TcContext, off: usize, csum: usize, l4_csum: bool, mangled: u64, old: Self::A, new: Self::A) -> Result<(), i64>;
-    /// Turn the packet into an ICMP port unreachable to its source, from its
-    /// destination (the packet's headers quoted).
-    fn icmp_unreachable(ctx: &TcContext) -> Result<(), i64>;
+    /// ICMP (type, code) of port unreachable, fragmentation needed /
+    /// packet too big, and time exceeded in transit.
+    const PORT_UNREACHABLE: (u8, u8);
+    const TOO_BIG: (u8, u8);
+    const TIME_EXCEEDED: (u8, u8);
+    /// Turn the packet into an ICMP error `kind` to its source, from its
+    /// destination, quoting its headers; `mtu` (if not 0) is the next hop's.
+    fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32) -> Result<(), i64>;
+    /// The packet's TTL / hop limit.
+    fn ttl(ctx: &TcContext) -> u8;
+    /// Whether ICMP type `ty` is an error that quotes the packet it is about.
+    fn icmp_is_error(ty: u8) -> bool;
+    /// Whether the IP header at the start of `b` is one we translate inside
+    /// an ICMP error (no options or extension headers, not a later fragment).
+    fn inner_ok(b: &[u8; 60]) -> bool;
+    /// Fix the IP header at the start of `b` after its addresses changed
+    /// (IPv4: its checksum).
+    fn inner_fix(b: &mut [u8; 60]);
+    /// The source and destination of a route lookup.
+    fn fib_addrs(f: &mut bpf_fib_lookup, src: Self::A, dst: Self::A);
+    /// Whether routers may fragment the packet (IPv4 without DF).
+    fn may_fragment(ctx: &TcContext) -> bool;
+    /// The packet's fragment: (IP ID, offset is 0, more fragments follow).
+    /// None: not a fragment (IPv6 fragments carry an extension header and
+    /// are not translated).
+    fn fragment(ctx: &TcContext) -> Option<(u16, bool, bool)>;
+    /// Fragment ports: remember / recall the ports of a fragmented datagram.
+    fn frag_put(p: &Pkt<Self::A>, id: u16);
+    fn frag_get(saddr: Self::A, daddr: Self::A, proto: u8, id: u16) -> Option<(u16, u16)>;
     /// Turn the packet (a TCP segment of flow `p`) into a RST to its source,
     /// from its destination.
     fn tcp_reset(ctx: &TcContext, p: &Pkt<Self::A>, seq: u32, ack: u32, flags: u8) -> Result<(), i64>;
@@ -166,6 +236,13 @@ impl Net for V4 {
     const SRC: usize = ETH_HLEN + 12;
     const DST: usize = ETH_HLEN + 16;
     const BITS: u32 = 32;
+    const IH: usize = 20;
+    const PROTO_OFF: usize = 9;
+    const ICMP: u8 = PROTO_ICMP;
+    const AF: u8 = 2;
+    const PORT_UNREACHABLE: (u8, u8) = (3, 3);
+    const TOO_BIG: (u8, u8) = (3, 4);
+    const TIME_EXCEEDED: (u8, u8) = (11, 0);
 
     #[inline(always)]
     fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
@@ -174,12 +251,52 @@ impl Net for V4 {
         if vihl >> 4 != 4 || ihl < 20 {
             return None;
         }
-        // Not the first fragment: no ports to read.
+        Some((ETH_HLEN + ihl, ctx.load(ETH_HLEN + 9).ok()?))
+    }
+    #[inline(always)]
+    fn fragment(ctx: &TcContext) -> Option<(u16, bool, bool)> {
         let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
-        if frag & 0x1fff != 0 {
+        if frag & 0x3fff == 0 {
             return None;
         }
-        Some((ETH_HLEN + ihl, ctx.load(ETH_HLEN + 9).ok()?))
+        let id = u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).ok()?);
+        Some((id, frag & 0x1fff == 0, frag & 0x2000 != 0))
+    }
+    #[inline(always)]
+    fn frag_put(p: &Pkt<A4>, id: u16) {
+        let k = FragKey { saddr: p.saddr, daddr: p.daddr, id, proto: p.proto, _pad: 0 };
+        let _ = LB4_FRAG.insert(&k, &FragPorts { sport: p.sport, dport: p.dport }, 0);
+    }
+    #[inline(always)]
+    fn frag_get(saddr: A4, daddr: A4, proto: u8, id: u16) -> Option<(u16, u16)> {
+        let k = FragKey { saddr, daddr, id, proto, _pad: 0 };
+        // SAFETY: a map value, read at once.
+        LB4_FRAG.get_ptr(&k).map(|v| unsafe { ((*v).sport, (*v).dport) })
+    }
+    #[inline(always)]
+    fn icmp_is_error(ty: u8) -> bool {
+        // Destination unreachable, time exceeded, parameter problem.
+        ty == 3 || ty == 11 || ty == 12
+    }
+    #[inline(always)]
+    fn inner_ok(b: &[u8; 60]) -> bool {
+        b[0] == 0x45 && (b[6] & 0x1f) == 0 && b[7] == 0
+    }
+    #[inline(always)]
+    fn inner_fix(b: &mut [u8; 60]) {
+        b[10] = 0;
+        b[11] = 0;
+        let c = csum_fold(csum_add(b.as_ptr(), 20, 0));
+        b[10..12].copy_from_slice(&c.to_ne_bytes());
+    }
+    #[inline(always)]
+    fn fib_addrs(f: &mut bpf_fib_lookup, src: A4, dst: A4) {
+        f.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(src);
+        f.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(dst);
+    }
+    #[inline(always)]
+    fn may_fragment(ctx: &TcContext) -> bool {
+        ctx.load::<u8>(ETH_HLEN + 6).is_ok_and(|b| b & 0x40 == 0)
     }
     #[inline(always)]
     fn nat_get(k: &NatKey<A4>) -> Option<*mut NatEntry<A4>> {
@@ -217,7 +334,11 @@ impl Net for V4 {
         ctx.store(off, &new, 0)
     }
     #[inline(always)]
-    fn icmp_unreachable(ctx: &TcContext) -> Result<(), i64> {
+    fn ttl(ctx: &TcContext) -> u8 {
+        ctx.load(ETH_HLEN + 8).unwrap_or(0)
+    }
+    #[inline(always)]
+    fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32) -> Result<(), i64> {
         // IP header (20), ICMP header (8), the packet's IP header and the
         // first 8 bytes of its L4 header (28). Only packets without IP options.
         let vihl: u8 = ctx.load(ETH_HLEN)?;
@@ -235,8 +356,9 @@ impl Net for V4 {
         let (osrc, odst): (A4, A4) = (b.0[src..src + 4].try_into().map_err(|_| -1i64)?, b.0[dst..dst + 4].try_into().map_err(|_| -1i64)?);
         b.0[12..16].copy_from_slice(&odst);
         b.0[16..20].copy_from_slice(&osrc);
-        b.0[20] = 3; // destination unreachable
-        b.0[21] = 3; // port unreachable
+        (b.0[20], b.0[21]) = kind;
+        // The next hop's MTU (fragmentation needed).
+        b.0[26..28].copy_from_slice(&(mtu as u16).to_be_bytes());
         let ip = csum_fold(csum_add(b.0.as_ptr(), 20, 0));
         b.0[10..12].copy_from_slice(&ip.to_ne_bytes());
         // SAFETY: offset 20 of a 4-aligned buffer of 56 bytes.
@@ -275,6 +397,13 @@ impl Net for V6 {
     const SRC: usize = ETH_HLEN + 8;
     const DST: usize = ETH_HLEN + 24;
     const BITS: u32 = 128;
+    const IH: usize = 40;
+    const PROTO_OFF: usize = 6;
+    const ICMP: u8 = PROTO_ICMPV6;
+    const AF: u8 = 10;
+    const PORT_UNREACHABLE: (u8, u8) = (1, 4);
+    const TOO_BIG: (u8, u8) = (2, 0);
+    const TIME_EXCEEDED: (u8, u8) = (3, 0);
 
     #[inline(always)]
     fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
@@ -282,9 +411,41 @@ impl Net for V6 {
         if v >> 4 != 6 {
             return None;
         }
-        // Only TCP or UDP right after the fixed header; packets with
-        // extension headers pass untouched.
+        // Only TCP, UDP or ICMPv6 right after the fixed header: packets
+        // with extension headers (fragments among them) pass untouched.
         Some((ETH_HLEN + 40, ctx.load(ETH_HLEN + 6).ok()?))
+    }
+    #[inline(always)]
+    fn fragment(_: &TcContext) -> Option<(u16, bool, bool)> {
+        None
+    }
+    #[inline(always)]
+    fn frag_put(_: &Pkt<A6>, _: u16) {}
+    #[inline(always)]
+    fn frag_get(_: A6, _: A6, _: u8, _: u16) -> Option<(u16, u16)> {
+        None
+    }
+    #[inline(always)]
+    fn icmp_is_error(ty: u8) -> bool {
+        // Destination unreachable, packet too big, time exceeded, parameter
+        // problem (informational messages are 128 and up).
+        (1..=4).contains(&ty)
+    }
+    #[inline(always)]
+    fn inner_ok(b: &[u8; 60]) -> bool {
+        b[0] >> 4 == 6
+    }
+    #[inline(always)]
+    fn inner_fix(_: &mut [u8; 60]) {}
+    #[inline(always)]
+    fn fib_addrs(f: &mut bpf_fib_lookup, src: A6, dst: A6) {
+        let w = |a: &A6, i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+        f.__bindgen_anon_3.ipv6_src = [w(&src, 0), w(&src, 4), w(&src, 8), w(&src, 12)];
+        f.__bindgen_anon_4.ipv6_dst = [w(&dst, 0), w(&dst, 4), w(&dst, 8), w(&dst, 12)];
+    }
+    #[inline(always)]
+    fn may_fragment(_: &TcContext) -> bool {
+        false
     }
     #[inline(always)]
     fn nat_get(k: &NatKey<A6>) -> Option<*mut NatEntry<A6>> {
@@ -321,7 +482,11 @@ impl Net for V6 {
         ctx.store(off, &new, 0)
     }
     #[inline(always)]
-    fn icmp_unreachable(ctx: &TcContext) -> Result<(), i64> {
+    fn ttl(ctx: &TcContext) -> u8 {
+        ctx.load(ETH_HLEN + 7).unwrap_or(0)
+    }
+    #[inline(always)]
+    fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32) -> Result<(), i64> {
         // IPv6 header (40), ICMPv6 header (8), the packet's IPv6 header and
         // the first 8 bytes of its L4 header (48).
         let mut b = Buf([0u8; 96]);
@@ -337,8 +502,9 @@ impl Net for V6 {
         dst.copy_from_slice(&b.0[48 + 8..48 + 24]);
         b.0[8..24].copy_from_slice(&src);
         b.0[24..40].copy_from_slice(&dst);
-        b.0[40] = 1; // destination unreachable
-        b.0[41] = 4; // port unreachable
+        (b.0[40], b.0[41]) = kind;
+        // The next hop's MTU (packet too big).
+        b.0[44..48].copy_from_slice(&mtu.to_be_bytes());
         let pseudo = Buf([0, 0, 0, 56, 0, 0, 0, PROTO_ICMPV6]);
         // SAFETY: offsets inside a 4-aligned buffer of 96 bytes.
         let s = csum_add(unsafe { b.0.as_ptr().add(8) }, 88, 0);
@@ -422,20 +588,53 @@ fn parse<F: Net>(ctx: &TcContext) -> Option<Pkt<F::A>> {
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return None;
     }
+    let (saddr, daddr) = (ctx.load(F::SRC).ok()?, ctx.load(F::DST).ok()?);
+    if let Some((id, false, _)) = F::fragment(ctx) {
+        // A later fragment: the ports its first fragment carried (that one
+        // came first on this path; if not, it passes untouched).
+        let (sport, dport) = F::frag_get(saddr, daddr, proto, id)?;
+        return Some(Pkt { l4, proto, saddr, daddr, sport, dport, tcp_flags: 0, later: true });
+    }
     Some(Pkt {
         l4,
         proto,
-        saddr: ctx.load(F::SRC).ok()?,
-        daddr: ctx.load(F::DST).ok()?,
+        saddr,
+        daddr,
         sport: u16::from_be(ctx.load::<u16>(l4).ok()?),
         dport: u16::from_be(ctx.load::<u16>(l4 + 2).ok()?),
         tcp_flags: if proto == PROTO_TCP { ctx.load(l4 + 13).ok()? } else { 0 },
+        later: false,
     })
+}
+
+/// Parse the packet for the first step of a program: remember the ports
+/// of a first fragment for the fragments after it; ICMP errors go to
+/// their own step.
+#[inline(always)]
+fn parse_first<F: Net>(ctx: &TcContext) -> Result<Pkt<F::A>, i32> {
+    let Some(p) = parse::<F>(ctx) else {
+        return Err(if F::l4(ctx).is_some_and(|(_, proto)| proto == F::ICMP) { ACT_ICMP } else { TC_ACT_OK });
+    };
+    if let Some((id, true, true)) = F::fragment(ctx) {
+        F::frag_put(&p, id);
+    }
+    Ok(p)
 }
 
 /// Rewrite addresses and ports, keeping the IP and L4 checksums right.
 #[inline(always)]
 fn rewrite<F: Net>(ctx: &TcContext, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> Result<(), i64> {
+    if p.later {
+        // No L4 header here: the first fragment's checksum covers the
+        // whole datagram, and was fixed with it.
+        if p.saddr != e.to_saddr {
+            F::set_addr(ctx, F::SRC, 0, false, 0, p.saddr, e.to_saddr)?;
+        }
+        if p.daddr != e.to_daddr {
+            F::set_addr(ctx, F::DST, 0, false, 0, p.daddr, e.to_daddr)?;
+        }
+        return Ok(());
+    }
     let csum = p.l4 + if p.proto == PROTO_TCP { 16 } else { 6 };
     // UDP over IPv4 may carry no checksum (0); it must stay 0.
     let l4_csum = p.proto == PROTO_TCP || ctx.load::<u16>(csum)? != 0;
@@ -541,7 +740,7 @@ fn reject<F: Net>(skb: *mut __sk_buff) -> i32 {
     if F::l4(ctx).is_some_and(|(_, proto)| proto == PROTO_TCP) {
         return send_reset::<F>(ctx);
     }
-    match F::icmp_unreachable(ctx) {
+    match F::icmp_reply(ctx, F::PORT_UNREACHABLE, 0) {
         Ok(()) => bounce(ctx),
         Err(_) => TC_ACT_SHOT,
     }
@@ -587,6 +786,8 @@ pub struct Scratch<A> {
     rkey: NatKey<A>,
     fwd: NatEntry<A>,
     reply: NatEntry<A>,
+    /// The path MTU for ACT_TOO_BIG.
+    mtu: u32,
 }
 
 #[btf_map]
@@ -601,9 +802,9 @@ static LB6_SCRATCH: PerCpuArray<Scratch<A6>, 1> = PerCpuArray::new();
 fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
     let Some(p) = parse::<F>(&TcContext::new(skb)) else { return TC_ACT_OK };
     let syn = p.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN;
-    // Only a SYN creates a TCP flow; anything else without an entry is
-    // not ours to rewrite.
-    if p.proto == PROTO_TCP && !syn {
+    // Only a SYN creates a TCP flow, only a first fragment a UDP flow;
+    // anything else without an entry is not ours to rewrite.
+    if (p.proto == PROTO_TCP && !syn) || p.later {
         return TC_ACT_OK;
     }
     let Some(sc) = F::scratch() else { return TC_ACT_SHOT };
@@ -635,8 +836,8 @@ fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
     }
 }
 
-/// Create the flow's two entries (for the backend in the scratch value) and
-/// translate its first packet.
+/// Create the flow's two entries (for the backend in the scratch value);
+/// its first packet is translated by the forward step.
 #[inline(never)]
 fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
@@ -700,12 +901,40 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
             Some(e) => {
                 // SAFETY: copied out at once.
                 sc.fwd = unsafe { core::ptr::read_volatile(e) };
-                verdict(rewrite::<F>(ctx, &p, &sc.fwd))
+                ACT_FORWARD
             }
             None => TC_ACT_SHOT,
         };
     }
     lb::count(stats::NAT_NEW);
+    ACT_FORWARD
+}
+
+/// Translate a client's packet by the forward entry in the scratch value.
+/// A SNATed packet leaves this node again, and what the stack would answer
+/// about it goes to the SNAT address, this node, where nobody listens: a
+/// TTL that runs out here, a packet too big for the path to the backend.
+/// Answer those to the client, from the frontend, as kube-proxy's node
+/// does (path MTU discovery through a NodePort needs it).
+#[inline(never)]
+fn forward<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let Some(p) = parse::<F>(ctx) else { return TC_ACT_OK };
+    let Some(sc) = F::scratch() else { return TC_ACT_SHOT };
+    // SAFETY: this CPU's scratch value, filled by an earlier step for this packet.
+    let sc = unsafe { &mut *sc };
+    if sc.fwd.flags & nat_flags::SNAT != 0 && !p.later {
+        if F::ttl(ctx) <= 1 {
+            return ACT_TIME_EXCEEDED;
+        }
+        if ctx.len() as usize > ETH_HLEN + icmp::MTU_CHECK_ABOVE {
+            let mtu = icmp::path_mtu::<F>(skb, &p, &sc.fwd);
+            if mtu != 0 {
+                sc.mtu = mtu;
+                return ACT_TOO_BIG;
+            }
+        }
+    }
     verdict(rewrite::<F>(ctx, &p, &sc.fwd))
 }
 
@@ -715,9 +944,12 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
 #[inline(never)]
 fn claim_port<F: Net>(rkey: &mut NatKey<F::A>, reply: &NatEntry<F::A>, h: u32, min: u16, max: u16) -> u16 {
     let range = (max as u32).saturating_sub(min as u32) + 1;
+    // One stride per flow: with a common stride, flows whose first probes
+    // collide would walk the same taken ports (linear probing's clusters).
+    let stride = lb::mix(h as u64 ^ 0x9e37_79b9_7f4a_7c15) | 1;
     let mut i = 0;
     while i < SNAT_TRIES {
-        let port = min + ((h.wrapping_add(i.wrapping_mul(7919))) % range) as u16;
+        let port = min + ((h.wrapping_add(i.wrapping_mul(stride))) % range) as u16;
         rkey.dport = port;
         if F::nat_put(rkey, reply, BPF_NOEXIST as u64) {
             return port;
@@ -783,7 +1015,10 @@ fn clear_leftover<F: Net>(skb: *mut __sk_buff) -> i32 {
 #[inline(never)]
 fn ingress<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
-    let Some(p) = parse::<F>(ctx) else { return TC_ACT_OK };
+    let p = match parse_first::<F>(ctx) {
+        Ok(p) => p,
+        Err(act) => return act,
+    };
     let key = p.key();
     if let Some(e) = F::nat_get(&key) {
         // SAFETY: a map value, alive for this program run (RCU); the agent
@@ -813,6 +1048,15 @@ fn ingress<F: Net>(skb: *mut __sk_buff) -> i32 {
             // The client reuses the port of a finished flow: a new flow.
             return ACT_NEW_FLOW;
         }
+        // A SNATed flow leaves this node again: the forward step checks it.
+        if entry.flags & nat_flags::SNAT != 0
+            && let Some(sc) = F::scratch()
+        {
+            touch(e, p.tcp_flags);
+            // SAFETY: this CPU's scratch value; a copy of the map value.
+            unsafe { (*sc).fwd = *entry };
+            return ACT_FORWARD;
+        }
         touch(e, p.tcp_flags);
         return verdict(rewrite::<F>(ctx, &p, entry));
     }
@@ -822,7 +1066,10 @@ fn ingress<F: Net>(skb: *mut __sk_buff) -> i32 {
 #[inline(never)]
 fn egress<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
-    let Some(p) = parse::<F>(ctx) else { return TC_ACT_OK };
+    let p = match parse_first::<F>(ctx) {
+        Ok(p) => p,
+        Err(act) => return act,
+    };
     // Replies of local backends leave here: backend -> client becomes
     // frontend -> client.
     if let Some(e) = F::nat_get(&p.key()) {
@@ -850,11 +1097,27 @@ fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
     if act == ACT_NEW_FLOW {
         act = new_flow::<F>(skb);
     }
+    if act == ACT_ESTABLISH {
+        act = establish::<F>(skb);
+    }
+    if act == ACT_FORWARD {
+        act = forward::<F>(skb);
+    }
     match act {
-        ACT_ESTABLISH => establish::<F>(skb),
         ACT_CLEAR_LEFTOVER => clear_leftover::<F>(skb),
         ACT_REJECT => reject::<F>(skb),
         ACT_RESET => reset::<F>(skb),
+        ACT_ICMP => icmp::translate_error::<F>(skb, true),
+        ACT_TOO_BIG => icmp::too_big::<F>(skb),
+        ACT_TIME_EXCEEDED => icmp::time_exceeded::<F>(skb),
+        act => act,
+    }
+}
+
+#[inline(always)]
+fn egress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
+    match egress::<F>(skb) {
+        ACT_ICMP => icmp::translate_error::<F>(skb, false),
         act => act,
     }
 }
@@ -871,8 +1134,8 @@ pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn lb_nodeport_egress(ctx: TcContext) -> i32 {
     match ethertype(&ctx) {
-        ETH_P_IP => egress::<V4>(ctx.skb.skb),
-        ETH_P_IPV6 => egress::<V6>(ctx.skb.skb),
+        ETH_P_IP => egress_then::<V4>(ctx.skb.skb),
+        ETH_P_IPV6 => egress_then::<V6>(ctx.skb.skb),
         _ => TC_ACT_OK,
     }
 }

@@ -1,0 +1,234 @@
+//! ICMP for translated flows, as conntrack's NAT does it for kube-proxy:
+//!
+//! - an ICMP error about a packet of a translated flow (fragmentation
+//!   needed / packet too big, unreachable, time exceeded, parameter problem)
+//!   is translated too: the quoted packet back to what its sender sent (its
+//!   IP header checksum recomputed, its L4 checksum fixed when quoted), the
+//!   outer destination to that sender, the outer source to the frontend
+//!   where the flow's translation changed the source (as conntrack does),
+//!   and the ICMP checksum fixed for all of it;
+//! - a packet of a SNATed flow that is too big for the path to its backend
+//!   gets "fragmentation needed" / "packet too big" back to the client, from
+//!   the frontend: the stack would send it to the SNAT address (this node),
+//!   where nobody listens, and path MTU discovery through the NodePort would
+//!   stall. Likewise "time exceeded" when its TTL runs out here.
+use aya_ebpf::{
+    bindings::{__sk_buff, BPF_FIB_LKUP_RET_FRAG_NEEDED, TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup},
+    helpers::{bpf_csum_diff, bpf_fib_lookup as fib_lookup},
+    programs::TcContext,
+};
+use lb_common::{NatEntry, NatKey, PROTO_TCP, PROTO_UDP, nat_flags, stats};
+
+use super::{Buf, ETH_HLEN, Net, Pkt, bounce, load_exact};
+use crate::lb;
+
+/// Packets up to this size (IP header and all) fit every IPv6 path and
+/// skip the route MTU lookup.
+pub const MTU_CHECK_ABOVE: usize = 1280;
+
+/// `!c + d` folded and complemented: checksum `c` after the data it covers
+/// changed by `d` (a bpf_csum_diff result).
+#[inline(always)]
+fn csum_update(c: u16, d: u32) -> u16 {
+    let mut s = (!c) as u64 + d as u64;
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    !(s as u16)
+}
+
+/// The sum of `to` minus the sum of `from` (`len` bytes each, a multiple of
+/// 4, at 4-aligned offsets of stack buffers), added to `seed`.
+#[inline(always)]
+fn diff(from: *const u8, to: *const u8, len: u32, seed: u32) -> u32 {
+    // SAFETY: both point to at least len readable bytes of stack buffers.
+    unsafe { bpf_csum_diff(from as *mut u32, len, to as *mut u32, len, seed) as u32 }
+}
+
+#[inline(always)]
+fn read_addr<A: Copy>(b: &[u8; 60], off: usize) -> A {
+    // SAFETY: callers pass offsets of whole addresses inside the buffer.
+    unsafe { core::ptr::read_unaligned(b.as_ptr().add(off) as *const A) }
+}
+
+#[inline(always)]
+fn write_addr<A: Copy>(b: &mut [u8; 60], off: usize, a: A) {
+    // SAFETY: callers pass offsets of whole addresses inside the buffer.
+    unsafe { core::ptr::write_unaligned(b.as_mut_ptr().add(off) as *mut A, a) }
+}
+
+/// An ICMP packet on the NodePort interface (`ingress` or egress): if it
+/// is an error about a packet of one of our flows, translate it.
+#[inline(never)]
+pub fn translate_error<F: Net>(skb: *mut __sk_buff, ingress: bool) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let Some((l4, _)) = F::l4(ctx) else { return TC_ACT_OK };
+    let Ok(ty) = ctx.load::<u8>(l4) else { return TC_ACT_OK };
+    if !F::icmp_is_error(ty) {
+        return TC_ACT_OK;
+    }
+    // The quote: the IP header, then at least the first 8 bytes of L4 (the
+    // ports, and a UDP checksum); a TCP checksum only if 20 are there.
+    let quoted = (ctx.len() as usize).saturating_sub(l4 + 8 + F::IH);
+    if quoted >= 20 {
+        translate::<F, 20>(ctx, l4, ingress)
+    } else if quoted >= 8 {
+        translate::<F, 8>(ctx, l4, ingress)
+    } else {
+        TC_ACT_OK
+    }
+}
+
+#[inline(always)]
+fn translate<F: Net, const Q: usize>(ctx: &TcContext, l4: usize, ingress: bool) -> i32 {
+    let ih = F::IH;
+    let n = ih + Q;
+    let inner = l4 + 8;
+    let (src, dst) = (F::SRC - ETH_HLEN, F::DST - ETH_HLEN);
+    let alen = F::DST - F::SRC;
+    let mut old = Buf([0u8; 60]);
+    if load_exact(ctx, inner, old.0.as_mut_ptr(), n as u32).is_err() || !F::inner_ok(&old.0) {
+        return TC_ACT_OK;
+    }
+    let proto = old.0[F::PROTO_OFF];
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return TC_ACT_OK;
+    }
+    let isrc: F::A = read_addr(&old.0, src);
+    let idst: F::A = read_addr(&old.0, dst);
+    let isport = u16::from_be_bytes([old.0[ih], old.0[ih + 1]]);
+    let idport = u16::from_be_bytes([old.0[ih + 2], old.0[ih + 3]]);
+    // The quoted packet went out translated; the flow's entry for the
+    // other direction has the reverse of its tuple.
+    let key = NatKey { saddr: idst, daddr: isrc, sport: idport, dport: isport, proto, _pad: [0; 3] };
+    let Some(e) = F::nat_get(&key) else { return TC_ACT_OK };
+    // SAFETY: a map value, alive for this program run (RCU).
+    let e: &NatEntry<F::A> = unsafe { &*e };
+    let (reply, snat) = (e.flags & nat_flags::REPLY != 0, e.flags & nat_flags::SNAT != 0);
+    // Errors about SNATed packets and about replies arrive on ingress;
+    // errors about packets to local backends leave on egress.
+    if ingress != (!reply || snat) {
+        return TC_ACT_OK;
+    }
+    // The quoted packet as its sender sent it: the reverse of what the
+    // entry rewrites to.
+    let mut new = Buf(old.0);
+    write_addr(&mut new.0, src, e.to_daddr);
+    write_addr(&mut new.0, dst, e.to_saddr);
+    new.0[ih..ih + 2].copy_from_slice(&e.to_dport.to_be_bytes());
+    new.0[ih + 2..ih + 4].copy_from_slice(&e.to_sport.to_be_bytes());
+    // Its L4 checksum, if quoted (and, for UDP, in use): the pseudo header
+    // and the ports changed.
+    let csum = ih + if proto == PROTO_TCP { 16 } else { 6 };
+    if csum + 2 <= n {
+        let c = u16::from_ne_bytes([old.0[csum], old.0[csum + 1]]);
+        if proto == PROTO_TCP || c != 0 {
+            // SAFETY: offsets of whole, 4-aligned fields inside 60-byte buffers.
+            let d = unsafe { diff(old.0.as_ptr().add(src), new.0.as_ptr().add(src), 2 * alen as u32, 0) };
+            // SAFETY: as above.
+            let d = unsafe { diff(old.0.as_ptr().add(ih), new.0.as_ptr().add(ih), 4, d) };
+            let mut c = csum_update(c, d);
+            if proto == PROTO_UDP && c == 0 {
+                c = 0xffff;
+            }
+            new.0[csum..csum + 2].copy_from_slice(&c.to_ne_bytes());
+        }
+    }
+    F::inner_fix(&mut new.0);
+    // The ICMP checksum covers the quote.
+    let d = diff(old.0.as_ptr(), new.0.as_ptr(), n as u32, 0);
+    if ctx.l4_csum_replace(l4 + 2, 0, d as u64, 0).is_err() {
+        return TC_ACT_SHOT;
+    }
+    // SAFETY: a stack buffer of at least n bytes; the helper on our own skb.
+    let rc = unsafe { aya_ebpf::helpers::bpf_skb_store_bytes(ctx.skb.skb, inner as u32, new.0.as_ptr().cast(), n as u32, 0) };
+    if rc != 0 {
+        return TC_ACT_SHOT;
+    }
+    // The outer header: to the quoted packet's sender; from the frontend
+    // where the flow's translation changed the source (conntrack's rule).
+    let icmp6 = F::ICMP != super::PROTO_ICMP;
+    let (Ok(osrc), Ok(odst)) = (ctx.load::<F::A>(F::SRC), ctx.load::<F::A>(F::DST)) else { return TC_ACT_SHOT };
+    if odst != e.to_daddr && F::set_addr(ctx, F::DST, l4 + 2, icmp6, 0, odst, e.to_daddr).is_err() {
+        return TC_ACT_SHOT;
+    }
+    if e.to_saddr != key.saddr && osrc != e.to_saddr && F::set_addr(ctx, F::SRC, l4 + 2, icmp6, 0, osrc, e.to_saddr).is_err() {
+        return TC_ACT_SHOT;
+    }
+    lb::count(stats::NAT_ICMP);
+    TC_ACT_OK
+}
+
+/// The MTU of the route the translated packet `p` of flow `e` will take,
+/// if the packet does not fit it and may not be fragmented on the way;
+/// else 0.
+#[inline(never)]
+pub fn path_mtu<F: Net>(skb: *mut __sk_buff, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> u32 {
+    let ctx = &TcContext::new(skb);
+    if F::may_fragment(ctx) {
+        return 0;
+    }
+    // SAFETY: fields of our own skb.
+    let (len, gso, ifindex) = unsafe { ((*skb).len, (*skb).gso_size, (*skb).ifindex) };
+    // A GSO packet leaves as segments: each must fit.
+    let mut need = len.saturating_sub(ETH_HLEN as u32);
+    if gso != 0 {
+        let l4_hdr = if p.proto == PROTO_TCP {
+            match ctx.load::<u8>(p.l4 + 12) {
+                Ok(b) => (b >> 4) as u32 * 4,
+                Err(_) => return 0,
+            }
+        } else {
+            8
+        };
+        need = (p.l4 - ETH_HLEN) as u32 + l4_hdr + gso;
+    }
+    if need as usize <= MTU_CHECK_ABOVE || need > u16::MAX as u32 {
+        return 0;
+    }
+    // SAFETY: an all-zero bpf_fib_lookup is a valid value.
+    let mut f: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    f.family = F::AF;
+    f.l4_protocol = p.proto;
+    f.sport = e.to_sport.to_be();
+    f.dport = e.to_dport.to_be();
+    f.__bindgen_anon_1.tot_len = need as u16;
+    f.ifindex = ifindex;
+    F::fib_addrs(&mut f, e.to_saddr, e.to_daddr);
+    // SAFETY: our own skb and a stack value of the right size.
+    let rc = unsafe { fib_lookup(skb.cast(), &mut f, size_of::<bpf_fib_lookup>() as i32, 0) };
+    if rc as u32 == BPF_FIB_LKUP_RET_FRAG_NEEDED {
+        // SAFETY: the kernel set mtu_result (a union with tot_len).
+        return unsafe { f.__bindgen_anon_1.mtu_result } as u32;
+    }
+    0
+}
+
+/// Answer a packet too big for the path to its backend (ACT_TOO_BIG): an
+/// ICMP "fragmentation needed" / ICMPv6 "packet too big" to the client,
+/// from the frontend, quoting the packet as the client sent it.
+#[inline(never)]
+pub fn too_big<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let Some(sc) = F::scratch() else { return TC_ACT_SHOT };
+    // SAFETY: this CPU's scratch value, set by ingress for this packet.
+    let mtu = unsafe { (*sc).mtu };
+    lb::count(stats::NAT_TOO_BIG);
+    match F::icmp_reply(ctx, F::TOO_BIG, mtu) {
+        Ok(()) => bounce(ctx),
+        Err(_) => TC_ACT_SHOT,
+    }
+}
+
+/// Answer a SNATed packet whose TTL runs out here (ACT_TIME_EXCEEDED):
+/// the stack would tell the SNAT address, this node. Tell the client, from
+/// the frontend, as kube-proxy's node does.
+#[inline(never)]
+pub fn time_exceeded<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    lb::count(stats::NAT_DROPPED);
+    match F::icmp_reply(ctx, F::TIME_EXCEEDED, 0) {
+        Ok(()) => bounce(ctx),
+        Err(_) => TC_ACT_SHOT,
+    }
+}

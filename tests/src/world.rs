@@ -1,0 +1,87 @@
+//! The two-node world of the north-south tests: a Service "web" with
+//! NodePort 30080 (TCP and UDP, target port 8080) on both families, pod-1
+//! on node-1 and pod-2 on node-2 answering with the client address they
+//! see, an outside client, and helpers to look at what happened.
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use anyhow::Result;
+
+use crate::objects::{Endpoint as E, service_typed, slice_of};
+use crate::{Cluster, Pod, Summary};
+
+pub const EP: &[(&str, u16, &str)] = &[("http", 8080, "TCP"), ("dns", 8080, "UDP")];
+pub const LB_IP: &str = "10.100.0.10";
+pub const LB_IP6: &str = "fd00:100::10";
+pub const NODE1: &str = "192.168.77.11";
+pub const NODE1_6: &str = "fd00:77::11";
+pub const CLIENT: &str = "192.168.77.100";
+pub const CLIENT6: &str = "fd00:77::100";
+
+pub struct World {
+    pub c: Cluster,
+    pub p1: Pod,
+    pub p2: Pod,
+    pub outside: Pod,
+    /// The servers of pod-1 and pod-2.
+    pub servers: [u32; 2],
+}
+
+/// Two nodes, pod-1 on node-1 and pod-2 on node-2 (answering with the
+/// client address they see), an outside client with both families that
+/// routes the LB IPs to node-1, agents on both nodes with both node IPs.
+pub fn world(svc: &str) -> Result<World> {
+    let mut c = Cluster::new(2)?;
+    let p1 = c.add_pod(1, "pod-1")?;
+    let p2 = c.add_pod(2, "pod-2")?;
+    let servers = [c.serve_reporting_peer(&p1, 8080)?, c.serve_reporting_peer(&p2, 8080)?];
+    let outside = c.add_outside("outside", 100, &[(&format!("{LB_IP}/32"), 1), (&format!("{LB_IP6}/128"), 1)])?;
+    c.write_object("svc.yaml", svc)?;
+    let mut w = World { c, p1, p2, outside, servers };
+    set_endpoints(&w, &[(&w.p1, E::ready), (&w.p2, E::ready)])?;
+    w.c.start_agent(1)?;
+    w.c.start_agent(2)?;
+    Ok(w)
+}
+
+pub type Make = fn(&str, &str) -> E;
+
+/// The Service's endpoints, in both families.
+pub fn set_endpoints(w: &World, eps: &[(&Pod, Make)]) -> Result<()> {
+    let node = |p: &Pod| format!("node-{}", p.node);
+    let v4: Vec<E> = eps.iter().map(|(p, f)| f(&p.ip, &node(p))).collect();
+    let v6: Vec<E> = eps.iter().map(|(p, f)| f(&p.ip6, &node(p))).collect();
+    w.c.write_object("slice4.yaml", &slice_of("web", "web-v4", "IPv4", EP, &v4))?;
+    w.c.write_object("slice6.yaml", &slice_of("web", "web-v6", "IPv6", EP, &v6))
+}
+
+pub fn web(ty: &str, extra: &str, lb_ips: &[&str]) -> String {
+    let extra = format!("  ipFamilyPolicy: PreferDualStack\n{extra}");
+    service_typed("web", "10.96.0.10", ty, &[("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)], &extra, lb_ips)
+}
+
+pub fn wait_backends(c: &Cluster, node: usize, addr: &str, port: u16, n: usize) -> Result<()> {
+    c.wait_for(&format!("{addr}:{port} on node-{node} programmed with {n} backends"), Duration::from_secs(5), || {
+        Ok(c.programmed(node, addr, port, "TCP")?.is_some_and(|b| b.len() == n))
+    })
+}
+
+pub fn hostport(addr: &str, port: u16) -> String {
+    if addr.contains(':') { format!("[{addr}]:{port}") } else { format!("{addr}:{port}") }
+}
+
+pub fn tcp(c: &Cluster, pod: &Pod, addr: &str, n: u32) -> Result<Summary> {
+    c.probe(pod, &["tcp", "--addr", addr, "--count", &n.to_string(), "--timeout-ms", "1000"])
+}
+
+pub fn keys(s: &Summary) -> BTreeSet<&str> {
+    s.replies.keys().map(String::as_str).collect()
+}
+
+/// A datapath counter from the agent's /metrics.
+pub fn datapath(c: &Cluster, node: usize, result: &str) -> Result<u64> {
+    let (_, m) = c.http(node, "127.0.0.1:10249", "/metrics")?;
+    let name = format!("lb_datapath_events_total{{result=\"{result}\"}} ");
+    Ok(m.lines().find_map(|l| l.strip_prefix(&name)?.parse().ok()).unwrap_or(0))
+}
+

@@ -1,0 +1,147 @@
+//! ICMP and fragments through the TC path, from outside, on both families:
+//! path MTU discovery through a NodePort both ways (the node's own
+//! "fragmentation needed" and a router's beyond it), time exceeded and port
+//! unreachable translated back to the client with the frontend as their
+//! source (conntrack's rule), and fragmented IPv4 datagrams arriving whole.
+use anyhow::Result;
+use lbtest::objects::Endpoint as E;
+use lbtest::world::*;
+use lbtest::{Cluster, Pod, Summary};
+
+const BYTES: &str = "2000000";
+
+/// Give node-1's routes to both pods an MTU of 1300 (the pods and the
+/// outside keep 1500): packets from outside that fit the client's path do
+/// not fit the path on to the pod. Locked: bpf_fib_lookup, like the
+/// stack's path MTU, honours a route's MTU only when locked (a device's
+/// MTU always).
+fn narrow_paths_to_pods(w: &World) -> Result<()> {
+    let n1 = &w.c.nodes[0].netns;
+    for args in [
+        vec!["ip", "route", "change", "10.244.2.0/24", "via", "192.168.77.12", "mtu", "lock", "1300"],
+        vec!["ip", "-6", "route", "change", "fd00:244:2::/64", "via", "fd00:77::12", "mtu", "lock", "1300"],
+        vec!["ip", "route", "add", &w.p1.ip, "dev", "cni0", "mtu", "lock", "1300"],
+        vec!["ip", "-6", "route", "add", &w.p1.ip6, "dev", "cni0", "mtu", "lock", "1300"],
+    ] {
+        w.c.in_netns(n1, &args)?;
+    }
+    Ok(())
+}
+
+fn upload(c: &Cluster, from: &Pod, addr: &str) -> Result<Summary> {
+    c.probe(from, &["upload", "--addr", addr, "--bytes", BYTES, "--timeout-ms", "10000"])
+}
+
+fn download(c: &Cluster, from: &Pod, addr: &str) -> Result<Summary> {
+    c.probe(from, &["bulk", "--addr", addr, "--bytes", BYTES])
+}
+
+#[test]
+fn path_mtu_discovery_works_through_a_node_port_in_both_directions() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    narrow_paths_to_pods(&w)?;
+    // Fresh clients per case: each keeps what it learnt about the path.
+    let up_remote = w.c.add_outside("up-remote", 101, &[])?;
+    let up_local = w.c.add_outside("up-local", 102, &[])?;
+    // Downloads: the clients sit behind a router whose last link has MTU
+    // 1300; its "fragmentation needed" goes to the frontend, and must reach
+    // the pod that sends.
+    let down_remote = w.c.add_outside_via_router("down-remote", 110, 1300, &[])?;
+    let down_local = w.c.add_outside_via_router("down-local", 111, 1300, &[])?;
+    for (pod, up, down) in [(&w.p2, &up_remote, &down_remote), (&w.p1, &up_local, &down_local)] {
+        set_endpoints(&w, &[(pod, E::ready)])?;
+        wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+        wait_backends(&w.c, 1, NODE1_6, 30080, 1)?;
+        for node in [NODE1, NODE1_6] {
+            let addr = hostport(node, 30080);
+            // Upload: node-1 forwards to the pod over the narrow path. For
+            // pod-2 (SNATed) lb answers "fragmentation needed" itself; for
+            // pod-1 the stack's own one is translated on its way out.
+            let s = upload(&w.c, up, &addr)?;
+            assert_eq!(s.ok, 1, "{} upload via {addr}: {s:?}", pod.name);
+            assert!(s.replies.keys().all(|r| r.starts_with(&pod.name) && r.ends_with(&format!("upload {BYTES} ok"))), "{s:?}");
+            // Download through the narrow router.
+            let s = download(&w.c, down, &addr)?;
+            assert_eq!(s.ok, 1, "{} download via {addr} behind a narrow router: {s:?}", pod.name);
+        }
+    }
+    assert!(datapath(&w.c, 1, "nat_too_big")? >= 2, "lb told the clients of SNATed flows");
+    assert!(datapath(&w.c, 1, "nat_icmp")? >= 4, "errors of the other cases were translated");
+    Ok(())
+}
+
+/// What `udp --recverr` saw: the errors and which ICMP said so, from where.
+fn icmp_seen(c: &Cluster, from: &Pod, addr: &str, ttl: Option<&str>) -> Result<Summary> {
+    let mut args = vec!["udp", "--addr", addr, "--count", "2", "--connected", "--recverr", "--timeout-ms", "2000"];
+    if let Some(t) = ttl {
+        args.extend(["--ttl", t]);
+    }
+    c.probe(from, &args)
+}
+
+#[test]
+fn time_exceeded_and_port_unreachable_come_back_from_the_frontend() -> Result<()> {
+    let w = world(&web("LoadBalancer", "", &[LB_IP, LB_IP6]))?;
+    // The nodes' stacks rate-limit the ICMP errors they send to one host;
+    // this test is about what happens to the errors, not how many.
+    for n in &w.c.nodes {
+        w.c.in_netns(&n.netns, &["sysctl", "-qw", "net.ipv4.icmp_ratelimit=0", "net.ipv6.icmp.ratelimit=0"])?;
+    }
+    let cases = [(LB_IP, "icmp type=11 code=0", "icmp type=3 code=3"), (LB_IP6, "icmp6 type=3 code=0", "icmp6 type=1 code=4")];
+    for (pod, server) in [(&w.p2, w.servers[1]), (&w.p1, w.servers[0])] {
+        set_endpoints(&w, &[(pod, E::ready)])?;
+        wait_backends(&w.c, 1, LB_IP, 80, 1)?;
+        wait_backends(&w.c, 1, LB_IP6, 80, 1)?;
+        for (lb, exceeded, _) in cases {
+            let addr = hostport(lb, 80);
+            // TTL 1 runs out at node-1 (for pod-2's SNATed flow lb answers;
+            // for pod-1 the stack does and lb translates), TTL 2 at node-2
+            // (pod-2 only: pod-1 is one hop away).
+            let ttls: &[&str] = if pod.node == 2 { &["1", "2"] } else { &["1"] };
+            for ttl in ttls {
+                let s = icmp_seen(&w.c, &w.outside, &addr, Some(ttl))?;
+                assert_eq!(s.errors.get("EHOSTUNREACH"), Some(&2), "{} ttl {ttl} via {addr}: {s:?}", pod.name);
+                let from = format!("{exceeded} from={lb}");
+                assert!(s.offenders.keys().all(|k| *k == from) && !s.offenders.is_empty(), "{} ttl {ttl}: {from}: {s:?}", pod.name);
+            }
+            let s = icmp_seen(&w.c, &w.outside, &addr, None)?;
+            assert_eq!(s.ok, 2, "{s:?}");
+        }
+        // The pod's server goes away (its endpoint stays): the pod's port
+        // unreachable reaches the client, from the frontend.
+        w.c.stop(server);
+        for (lb, _, unreachable) in cases {
+            let s = icmp_seen(&w.c, &w.outside, &hostport(lb, 80), None)?;
+            assert_eq!(s.errors.get("ECONNREFUSED"), Some(&2), "{} via {lb}: {s:?}", pod.name);
+            let from = format!("{unreachable} from={lb}");
+            assert!(s.offenders.keys().all(|k| *k == from) && !s.offenders.is_empty(), "{from}: {s:?}");
+        }
+    }
+    assert!(datapath(&w.c, 1, "nat_icmp")? >= 6);
+    Ok(())
+}
+
+#[test]
+fn fragmented_ipv4_datagrams_arrive_whole_and_ipv6_extension_headers_pass() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    let np = hostport(NODE1, 30080);
+    for pod in [&w.p1, &w.p2] {
+        set_endpoints(&w, &[(pod, E::ready)])?;
+        wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+        // 4000 bytes: three fragments; only the first carries the ports.
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &np, "--count", "5", "--size", "4000"])?;
+        assert_eq!(s.ok, 5, "{}: {s:?}", pod.name);
+        let seen = if pod.node == 1 { CLIENT } else { NODE1 };
+        assert_eq!(keys(&s), [format!("{} {seen} bytes=4000", pod.name).as_str()].into(), "{s:?}");
+    }
+    // IPv6 fragments carry an extension header: lb leaves them alone (the
+    // node's own stack answers them), and nothing else suffers.
+    let np6 = hostport(NODE1_6, 30080);
+    let s = w.c.probe(&w.outside, &["udp", "--addr", &np6, "--count", "2", "--size", "4000", "--connected"])?;
+    assert_eq!(s.ok, 0, "not translated: {s:?}");
+    let s = w.c.probe(&w.outside, &["udp", "--addr", &np6, "--count", "5"])?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    let s = tcp(&w.c, &w.outside, &np, 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}
