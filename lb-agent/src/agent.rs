@@ -31,9 +31,11 @@ pub struct RunConfig {
     pub capacity: Capacity,
     /// `--node-ip`: the node's addresses (else the Node object's, else the interfaces').
     pub node_ips: Vec<std::net::IpAddr>,
-    /// `--nodeport-interface`: where the TC programs attach (else the
-    /// interfaces that hold the node's addresses).
+    /// `--nodeport-interface`: where the TC programs attach (else
+    /// `netdev::nodeport_devices`).
     pub nodeport_interfaces: Vec<String>,
+    /// `--tc-attach`.
+    pub tc_attach: loader::TcAttach,
     /// The NodePort range, kept out of the node's ephemeral ports.
     pub nodeport_range: (u16, u16),
     /// Ports SNATed flows leave from.
@@ -655,6 +657,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
 
     let dp = loader::load(&cfg.bpffs, &cfg.cgroup, cfg.capacity)?;
     let loader::Dataplane { maps, mut tc, adopted } = dp;
+    tc.mode = cfg.tc_attach;
     let v4 = Mirror::new(maps.v4.read_table(&maps.affinity_match, &maps.src_range)?);
     let v6 = Mirror::new(maps.v6.read_table(&maps.affinity_match, &maps.src_range)?);
     let nodeports = maps.read_nodeports()?;
@@ -759,9 +762,10 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         }
         rec.export(&metrics, &cfg.capacity);
         health_checks.reconcile(&rec.health_checks).await;
-        // The TC programs go where the node's addresses are, unless told,
-        // once some Service takes traffic from outside: until then there is
-        // no per-packet work at all.
+        // The TC programs go where outside traffic and replies of SNATed
+        // flows arrive, unless told, once some Service takes traffic from
+        // outside: until then there is no per-packet work at all. Devices
+        // that appear later are picked up at the next sync.
         if cfg.nodeport_interfaces.is_empty() && rec.has_external {
             for iface in crate::nodeport::interfaces_for(&rec.node_addresses) {
                 if let Err(e) = tc.attach_tc(&iface) {

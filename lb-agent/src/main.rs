@@ -10,6 +10,7 @@ mod agent;
 mod dataplane;
 mod health;
 mod model;
+mod netdev;
 mod nodeport;
 mod source;
 mod stale;
@@ -77,9 +78,17 @@ enum Cmd {
         #[arg(long = "node-ip")]
         node_ips: Vec<std::net::IpAddr>,
         /// Interface to handle NodePort/LoadBalancer/externalIP traffic on
-        /// (repeatable). Default: the interfaces that hold the node's addresses.
+        /// (repeatable). Default: the devices that hold the node's
+        /// addresses, every other NIC with an address (a second NIC), and
+        /// every Ethernet overlay (VXLAN, Geneve, GRETAP), where replies of
+        /// SNATed flows may arrive. Pod devices (veth, bridge) are left out.
         #[arg(long = "nodeport-interface")]
         nodeport_interfaces: Vec<String>,
+        /// How the TC programs attach: tcx (bpf_link, kernel 6.6+), netlink
+        /// (a clsact qdisc and filters, any kernel), or auto (tcx where the
+        /// kernel has it).
+        #[arg(long, default_value = "auto", value_parser = ["auto", "tcx", "netlink"])]
+        tc_attach: String,
         /// The NodePort range, kept out of local ephemeral ports.
         #[arg(long, default_value = "30000-32767")]
         nodeport_range: String,
@@ -197,6 +206,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             max_nat,
             node_ips,
             nodeport_interfaces,
+            tc_attach,
             nodeport_range,
             snat_ports,
             external_ip_socket_lb,
@@ -238,6 +248,11 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 },
                 node_ips,
                 nodeport_interfaces,
+                tc_attach: match tc_attach.as_str() {
+                    "tcx" => loader::TcAttach::Tcx,
+                    "netlink" => loader::TcAttach::Netlink,
+                    _ => loader::TcAttach::Auto,
+                },
                 nodeport_range: port_range("--nodeport-range", &nodeport_range)?,
                 snat_ports: port_range("--snat-ports", &snat_ports)?,
                 nat_timeouts: nodeport::NatTimeouts {

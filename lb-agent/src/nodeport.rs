@@ -37,12 +37,21 @@ pub fn interface_addrs() -> Vec<(String, IpAddr)> {
         .collect()
 }
 
-/// The interfaces that hold any of `addrs`.
+/// The devices the TC programs go on for a node with addresses `addrs`
+/// (see `netdev::nodeport_devices`). Without rtnetlink: the devices that
+/// hold `addrs`.
 pub fn interfaces_for(addrs: &[IpAddr]) -> Vec<String> {
-    let mut v: Vec<String> = interface_addrs().into_iter().filter(|(_, a)| addrs.contains(a)).map(|(i, _)| i).collect();
-    v.sort();
-    v.dedup();
-    v
+    let held = interface_addrs();
+    match crate::netdev::links() {
+        Ok(links) => crate::netdev::nodeport_devices(&links, &held, addrs),
+        Err(e) => {
+            tracing::warn!("cannot list network devices ({e:#}); NodePort programs go only where the node's addresses are");
+            let mut v: Vec<String> = held.into_iter().filter(|(_, a)| addrs.contains(a)).map(|(i, _)| i).collect();
+            v.sort();
+            v.dedup();
+            v
+        }
+    }
 }
 
 /// This network namespace's cookie (SO_NETNS_COOKIE).

@@ -595,6 +595,14 @@ impl Cluster {
             .arg(&n.ip)
             .arg("--node-ip")
             .arg(&n.ip6)
+            // The whole suite can run with another TC attach mode.
+            .args(
+                std::env::var("LB_TC_ATTACH")
+                    .ok()
+                    .filter(|_| !extra.contains(&"--tc-attach"))
+                    .map(|m| vec!["--tc-attach".to_string(), m])
+                    .unwrap_or_default(),
+            )
             .args(extra)
             .env("RUST_LOG", std::env::var("LB_AGENT_RUST_LOG").unwrap_or_else(|_| "info".into()))
             .env("NO_COLOR", "1")

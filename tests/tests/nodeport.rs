@@ -208,3 +208,37 @@ fn node_ports_cannot_be_taken_by_local_processes() -> Result<()> {
     assert!(reserved.contains("30000-32767"), "{reserved}");
     Ok(())
 }
+
+#[test]
+fn netlink_filters_are_replaced_in_place_on_restart_and_removed_by_teardown() -> Result<()> {
+    let netlink = ["--tc-attach", "netlink"];
+    let mut w = world(&web("NodePort", "", &[]), &netlink)?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let netns = w.c.nodes[0].netns.clone();
+    let filters = |c: &Cluster| -> Result<usize> {
+        let mut n = 0;
+        for dir in ["ingress", "egress"] {
+            n += c.in_netns(&netns, &["tc", "filter", "show", "dev", "eth0", dir])?.lines().filter(|l| l.contains(" lb_nodeport_")).count();
+        }
+        Ok(n)
+    };
+    w.c.wait_for("the clsact filters", Duration::from_secs(5), || Ok(filters(&w.c)? == 2))?;
+    // A held connection through the NodePort while the agent restarts: the
+    // new agent swaps its programs into the same filters.
+    let np = format!("{}:30080", w.c.nodes[0].ip);
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "3000", "--interval-ms", "20"])?;
+    std::thread::sleep(Duration::from_millis(500));
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &netlink)?;
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "no gap: {s:?}");
+    assert_eq!(filters(&w.c)?, 2, "replaced, not doubled");
+    let s = tcp(&w.c, &w.outside, &np, 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    // Netlink filters are no links: teardown removes them.
+    w.c.kill_agent(1);
+    let bpffs = w.c.nodes[0].bpffs.to_str().unwrap().to_string();
+    lbtest::run("nsenter", &[&format!("--net=/run/netns/{netns}"), "--", lbtest::bin("lb-agent").to_str().unwrap(), "teardown", "--bpffs", &bpffs])?;
+    assert_eq!(filters(&w.c)?, 0);
+    Ok(())
+}

@@ -236,3 +236,54 @@ fn twenty_thousand_concurrent_snat_flows_to_one_backend() -> Result<()> {
     assert_eq!(datapath(&w.c, 1, "nat_failed")?, 0, "no flow lacked a SNAT port");
     Ok(())
 }
+
+/// Packets node-1 received on `dev`.
+fn rx_packets(c: &Cluster, netns: &str, dev: &str) -> Result<u64> {
+    let out = c.in_netns(netns, &["ip", "-j", "-s", "link", "show", "dev", dev])?;
+    let v: serde_json::Value = serde_json::from_str(&out)?;
+    Ok(v[0]["stats64"]["rx"]["packets"].as_u64().unwrap_or(0))
+}
+
+#[test]
+fn replies_of_snated_flows_arriving_on_an_overlay_device_are_translated() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    // A VXLAN between the nodes (over a second address of each node's NIC)
+    // carries pod traffic, and node-2 reaches node-1's addresses over it:
+    // the replies of flows SNATed to node-1 come back on vx0, not on eth0.
+    for (n, other) in [(&w.c.nodes[0], &w.c.nodes[1]), (&w.c.nodes[1], &w.c.nodes[0])] {
+        let (i, j) = (n.index, other.index);
+        for args in [
+            vec!["ip".to_string(), "addr".into(), "add".into(), format!("192.168.78.{}/24", 10 + i), "dev".into(), "eth0".into()],
+            format!("ip link add vx0 type vxlan id 42 dstport 4789 local 192.168.78.{} dev eth0", 10 + i).split(' ').map(String::from).collect(),
+            format!("bridge fdb append 00:00:00:00:00:00 dev vx0 dst 192.168.78.{}", 10 + j).split(' ').map(String::from).collect(),
+            format!("ip addr add 10.250.0.{i}/24 dev vx0").split(' ').map(String::from).collect(),
+            format!("ip addr add fd00:250::{i}/64 dev vx0 nodad").split(' ').map(String::from).collect(),
+            "ip link set vx0 up".split(' ').map(String::from).collect(),
+            format!("ip route replace 10.244.{j}.0/24 via 10.250.0.{j} dev vx0").split(' ').map(String::from).collect(),
+            format!("ip -6 route replace fd00:244:{j}::/64 via fd00:250::{j} dev vx0").split(' ').map(String::from).collect(),
+        ] {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            w.c.in_netns(&n.netns, &args)?;
+        }
+    }
+    let n2 = &w.c.nodes[1].netns;
+    w.c.in_netns(n2, &["ip", "route", "add", "192.168.77.11/32", "via", "10.250.0.1", "dev", "vx0"])?;
+    w.c.in_netns(n2, &["ip", "-6", "route", "add", "fd00:77::11/128", "via", "fd00:250::1", "dev", "vx0"])?;
+    // Only pod-2: SNATed. The next sync attaches to the new device.
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+    w.c.wait_for("the programs on vx0", Duration::from_secs(10), || {
+        let log = std::fs::read_to_string(w.c.agent_log(1))?;
+        Ok(log.lines().any(|l| l.contains("NodePort programs attached") && l.contains("vx0")))
+    })?;
+    let before = rx_packets(&w.c, &w.c.nodes[0].netns, "vx0")?;
+    for (np, node) in [(hostport(NODE1, 30080), NODE1), (hostport(NODE1_6, 30080), NODE1_6)] {
+        let s = tcp(&w.c, &w.outside, &np, 10)?;
+        assert_eq!(s.ok, 10, "{np}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-2 {node}").as_str()].into(), "{s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &np, "--count", "10"])?;
+        assert_eq!(s.ok, 10, "{np}: {s:?}");
+    }
+    assert!(rx_packets(&w.c, &w.c.nodes[0].netns, "vx0")? >= before + 40, "the replies came over the overlay");
+    Ok(())
+}

@@ -191,6 +191,9 @@ fn build_bins(release: bool) -> Result<()> {
     status(&mut c)
 }
 
+/// The test suites that `cargo xtask test` also runs with `--tc-attach netlink`.
+const NETLINK_SUITES: [&str; 3] = ["nodeport", "north_south", "north_south_icmp"];
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
@@ -218,6 +221,16 @@ fn main() -> Result<()> {
             setup()?;
             build_bins(false)?;
             status(cargo().args(["test", "--workspace"]).args(&args))?;
+            if args.is_empty() {
+                // The north-south suites again with the TC programs attached
+                // the way kernels before 6.6 need (clsact + netlink filters).
+                let mut c = cargo();
+                c.args(["test", "-p", "tests"]);
+                for suite in NETLINK_SUITES {
+                    c.args(["--test", suite]);
+                }
+                status(c.env("LB_TC_ATTACH", "netlink"))?;
+            }
             status(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
         }
     }

@@ -204,8 +204,21 @@ pub struct Dataplane {
     pub adopted: bool,
 }
 
+/// How the TC programs attach (`--tc-attach`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TcAttach {
+    /// TCX where the kernel has it (6.6+), else netlink.
+    #[default]
+    Auto,
+    /// TCX links, pinned like the cgroup links.
+    Tcx,
+    /// A clsact qdisc and netlink filters (what kernels before 6.6 have).
+    Netlink,
+}
+
 /// The loaded object, for attaching the TC programs to interfaces.
 pub struct Tc {
+    pub mode: TcAttach,
     ebpf: Ebpf,
     bpffs: PathBuf,
     attached: std::collections::BTreeSet<String>,
@@ -288,7 +301,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
         prog.load().with_context(|| format!("verify program {name}"))?;
     }
     let maps = Maps::open_pinned(bpffs)?;
-    let tc = Tc { ebpf, bpffs: bpffs.to_path_buf(), attached: Default::default(), _lock: lock };
+    let tc = Tc { mode: TcAttach::Auto, ebpf, bpffs: bpffs.to_path_buf(), attached: Default::default(), _lock: lock };
     Ok(Dataplane { maps, tc, adopted })
 }
 
@@ -313,7 +326,11 @@ impl Tc {
         if self.attached.contains(iface) {
             return Ok(());
         }
-        let tcx = aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0));
+        let tcx = match self.mode {
+            TcAttach::Auto => aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0)),
+            TcAttach::Tcx => true,
+            TcAttach::Netlink => false,
+        };
         if !tcx {
             // The netlink fallback needs a clsact qdisc.
             // It may exist already; a real failure shows in the attach below.
@@ -324,12 +341,15 @@ impl Tc {
         let safe: String = iface.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
         for (name, ty) in TC_PROGRAMS {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
-            let id = prog.attach(iface, ty).with_context(|| format!("attach {name} to {iface}"))?;
-            let link = prog.take_link(id)?;
-            match FdLink::try_from(link) {
-                Ok(fd) => pin_link(&self.bpffs, &format!("{name}_{safe}"), fd)?,
-                Err(_) => tracing::warn!(iface, "TC attached with a netlink filter (no TCX); it stays attached after the agent exits"),
+            if !tcx {
+                attach_netlink(prog, iface, ty).with_context(|| format!("attach {name} to {iface} (netlink)"))?;
+                continue;
             }
+            let opts = aya::programs::tc::TcAttachOptions::TcxOrder(Default::default());
+            let id = prog.attach_with_options(iface, ty, opts).with_context(|| format!("attach {name} to {iface} (tcx)"))?;
+            let link = prog.take_link(id)?;
+            let fd = FdLink::try_from(link).map_err(|_| anyhow::anyhow!("attach {name} to {iface}: not a TCX link"))?;
+            pin_link(&self.bpffs, &format!("{name}_{safe}"), fd)?;
         }
         // A SNATed flow's packets re-enter the stack with this node's own
         // address as their source: accept them (as Cilium does).
@@ -343,6 +363,32 @@ impl Tc {
         tracing::info!(iface, tcx, "NodePort programs attached");
         Ok(())
     }
+}
+
+/// The netlink filters' place: one priority and handle for lb, so that a
+/// new agent replaces the filters of the one before atomically (no gap, no
+/// second copy) and teardown finds them.
+const NL_PRIORITY: u16 = 0x4c42;
+const NL_HANDLE: u32 = 1;
+
+/// Attach `prog` as the clsact filter at lb's place on `iface`, replacing
+/// what an earlier agent put there. The filter stays after the agent exits
+/// (netlink filters are not links); `lb-agent teardown` removes it.
+fn attach_netlink(prog: &mut SchedClassifier, iface: &str, ty: TcAttachType) -> Result<()> {
+    use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle};
+    let handle = TcHandle::from(NL_HANDLE);
+    let opts = TcAttachOptions::Netlink(NlOptions { priority: NL_PRIORITY, handle, ..Default::default() });
+    let id = match prog.attach_with_options(iface, ty, opts) {
+        Ok(id) => id,
+        // An earlier agent's filter is there: swap the program in place.
+        Err(_) => {
+            let old = SchedClassifierLink::attached(iface, ty, NL_PRIORITY, handle, None)?;
+            prog.attach_to_link(old)?
+        }
+    };
+    // Dropping the link would detach the filter: keep it attached.
+    std::mem::forget(prog.take_link(id)?);
+    Ok(())
 }
 
 /// Detach and unpin everything under `bpffs`. Idempotent.
@@ -359,6 +405,15 @@ pub fn teardown(bpffs: &Path) -> Result<()> {
             fs::remove_file(&p).with_context(|| format!("unpin {}", p.display()))?;
         }
         fs::remove_dir(&links).with_context(|| format!("remove {}", links.display()))?;
+    }
+    // Netlink filters (--tc-attach netlink) are not links: remove ours from
+    // this network namespace's devices.
+    if let Ok(links) = crate::netdev::links() {
+        for l in links {
+            for (name, ty) in TC_PROGRAMS {
+                let _ = aya::programs::tc::qdisc_detach_program(&l.name, ty, name);
+            }
+        }
     }
     for m in maps::ALL {
         let p = bpffs.join(m);

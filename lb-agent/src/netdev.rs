@@ -1,0 +1,179 @@
+//! The network devices of the agent's network namespace, from rtnetlink,
+//! and which of them carry traffic from outside the node.
+use std::net::IpAddr;
+
+use anyhow::{Context as _, Result};
+use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload};
+use netlink_packet_route::RouteNetlinkMessage;
+use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+
+/// A network device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    pub name: String,
+    /// The rtnetlink kind ("vxlan", "veth", "bridge", ...); None for a
+    /// physical device.
+    pub kind: Option<String>,
+    /// Enslaved to a bridge or a bond.
+    pub has_master: bool,
+    pub up: bool,
+    pub loopback: bool,
+}
+
+/// Every device of this network namespace.
+pub fn links() -> Result<Vec<Link>> {
+    let mut sock = Socket::new(NETLINK_ROUTE).context("rtnetlink socket")?;
+    sock.bind_auto().context("rtnetlink bind")?;
+    sock.connect(&SocketAddr::new(0, 0)).context("rtnetlink connect")?;
+    let mut hdr = NetlinkHeader::default();
+    hdr.flags = NLM_F_REQUEST | NLM_F_DUMP;
+    let mut msg = NetlinkMessage::new(hdr, NetlinkPayload::InnerMessage(RouteNetlinkMessage::GetLink(LinkMessage::default())));
+    msg.finalize();
+    let mut buf = vec![0; msg.buffer_len()];
+    msg.serialize(&mut buf);
+    sock.send(&buf, 0).context("rtnetlink send")?;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = sock.recv(&mut &mut buf[..], 0).context("rtnetlink recv")?;
+        let mut off = 0;
+        while off < n {
+            let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[off..n]).context("rtnetlink parse")?;
+            let len = msg.header.length as usize;
+            match msg.payload {
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => out.push(link_of(&l)),
+                NetlinkPayload::Done(_) => return Ok(out),
+                NetlinkPayload::Error(e) => anyhow::bail!("rtnetlink link dump: {e:?}"),
+                _ => {}
+            }
+            if len == 0 {
+                break;
+            }
+            off += len;
+        }
+    }
+}
+
+fn link_of(l: &LinkMessage) -> Link {
+    let mut link = Link {
+        name: String::new(),
+        kind: None,
+        has_master: false,
+        up: l.header.flags.contains(LinkFlags::Up),
+        loopback: l.header.flags.contains(LinkFlags::Loopback),
+    };
+    for a in &l.attributes {
+        match a {
+            LinkAttribute::IfName(n) => link.name = n.clone(),
+            LinkAttribute::Controller(_) => link.has_master = true,
+            LinkAttribute::LinkInfo(infos) => {
+                for i in infos {
+                    if let LinkInfo::Kind(k) = i {
+                        link.kind = Some(kind_name(k));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    link
+}
+
+fn kind_name(k: &InfoKind) -> String {
+    match k {
+        InfoKind::Vxlan => "vxlan".into(),
+        InfoKind::Geneve => "geneve".into(),
+        InfoKind::GreTap => "gretap".into(),
+        InfoKind::GreTap6 => "ip6gretap".into(),
+        InfoKind::Veth => "veth".into(),
+        InfoKind::Bridge => "bridge".into(),
+        InfoKind::Dummy => "dummy".into(),
+        InfoKind::Vlan => "vlan".into(),
+        InfoKind::Bond => "bond".into(),
+        InfoKind::Team => "team".into(),
+        InfoKind::MacVlan => "macvlan".into(),
+        InfoKind::IpVlan => "ipvlan".into(),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+/// Whether traffic from outside the node may arrive on a device of this
+/// kind: NICs (physical, VLAN, bond, team, macvlan, ipvlan) and the
+/// Ethernet overlays (VXLAN, Geneve, GRETAP) that carry pod traffic between
+/// nodes. Not pod-facing devices (veth, bridge), not dummies, and not L3
+/// tunnels (IPIP, GRE, WireGuard): the programs parse Ethernet frames.
+fn outside_kind(kind: Option<&str>) -> bool {
+    matches!(kind, None | Some("vlan" | "bond" | "team" | "macvlan" | "ipvlan" | "vxlan" | "geneve" | "gretap" | "ip6gretap"))
+}
+
+/// Where the TC programs go when no `--nodeport-interface` is given: every
+/// device that holds one of the node's addresses (`node_addrs`), and every
+/// other up device outside traffic or replies of SNATed flows may arrive
+/// on: a NIC holding a global address, or an Ethernet overlay. Devices
+/// enslaved to a bridge or bond are left out (their master is the device).
+pub fn nodeport_devices(links: &[Link], addrs: &[(String, IpAddr)], node_addrs: &[IpAddr]) -> Vec<String> {
+    let mut v: Vec<String> = Vec::new();
+    for l in links {
+        if l.loopback || !l.up || l.has_master {
+            continue;
+        }
+        let holds_node_addr = addrs.iter().any(|(i, a)| *i == l.name && node_addrs.contains(a));
+        let holds_addr = addrs.iter().any(|(i, _)| *i == l.name);
+        let overlay = matches!(l.kind.as_deref(), Some("vxlan" | "geneve" | "gretap" | "ip6gretap"));
+        if holds_node_addr || (outside_kind(l.kind.as_deref()) && (holds_addr || overlay)) {
+            v.push(l.name.clone());
+        }
+    }
+    v.sort();
+    v.dedup();
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn link(name: &str, kind: Option<&str>) -> Link {
+        Link { name: name.into(), kind: kind.map(Into::into), has_master: false, up: true, loopback: false }
+    }
+
+    #[test]
+    fn nodeport_devices_are_nics_overlays_and_the_node_address_holders() {
+        let node: IpAddr = "192.168.77.11".parse().unwrap();
+        let links = vec![
+            Link { loopback: true, ..link("lo", None) },
+            link("eth0", Some("veth")),
+            link("eth1", None),
+            link("eth2", None),
+            link("cni0", Some("bridge")),
+            Link { has_master: true, ..link("v10", Some("veth")) },
+            link("vx0", Some("vxlan")),
+            link("tunl0", Some("ipip")),
+            link("kube-ipvs0", Some("dummy")),
+            Link { up: false, ..link("eth3", None) },
+            Link { has_master: true, ..link("eth4", None) },
+            link("bond0", Some("bond")),
+        ];
+        let addrs = vec![
+            ("lo".to_string(), "127.0.0.1".parse().unwrap()),
+            ("eth0".to_string(), node),
+            ("eth1".to_string(), "10.0.0.5".parse().unwrap()),
+            ("cni0".to_string(), "10.244.1.1".parse().unwrap()),
+            ("kube-ipvs0".to_string(), "10.96.0.10".parse().unwrap()),
+            ("tunl0".to_string(), "10.244.1.0".parse().unwrap()),
+            ("bond0".to_string(), "10.1.0.5".parse().unwrap()),
+        ];
+        // eth0: a veth, but it holds the node address (a netns node); eth1
+        // and bond0: NICs with addresses; vx0: an overlay. Not: eth2 (no
+        // address), the bridge, bridge ports, the dummy, the L3 tunnel, a
+        // down device, a bond slave.
+        assert_eq!(nodeport_devices(&links, &addrs, &[node]), ["bond0", "eth0", "eth1", "vx0"]);
+    }
+
+    #[test]
+    fn links_lists_this_namespaces_devices() {
+        let l = links().expect("rtnetlink dump");
+        assert!(l.iter().any(|l| l.loopback && l.name == "lo"), "{l:?}");
+    }
+}
