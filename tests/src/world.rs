@@ -66,6 +66,16 @@ pub fn wait_backends(c: &Cluster, node: usize, addr: &str, port: u16, n: usize) 
     })
 }
 
+/// Wait until node-1's agent programmed `addr:port` (TCP) with exactly
+/// `pod`'s address of the same family as its one backend (port 8080).
+pub fn wait_only(c: &Cluster, addr: &str, port: u16, pod: &Pod) -> Result<()> {
+    let ip = if addr.contains(':') { &pod.ip6 } else { &pod.ip };
+    let want = vec![format!("{ip}:8080")];
+    c.wait_for(&format!("{addr}:{port} on node-1 programmed with only {want:?}"), Duration::from_secs(5), || {
+        Ok(c.programmed(1, addr, port, "TCP")?.is_some_and(|b| b == want))
+    })
+}
+
 pub fn hostport(addr: &str, port: u16) -> String {
     if addr.contains(':') { format!("[{addr}]:{port}") } else { format!("{addr}:{port}") }
 }

@@ -124,7 +124,7 @@ fn a_udp_flow_moves_off_an_endpoint_that_left() -> Result<()> {
     let w = world(&web("NodePort", "", &[]))?;
     for (addr, node_addr) in [(hostport(NODE1, 30080), NODE1), (hostport(NODE1_6, 30080), NODE1_6)] {
         set_endpoints(&w, &[(&w.p1, E::ready)])?;
-        wait_backends(&w.c, 1, node_addr, 30080, 1)?;
+        wait_only(&w.c, node_addr, 30080, &w.p1)?;
         // One socket, one flow: a datagram every 100 ms for 4 s.
         let udp = w.c.probe_bg(&w.outside, &["udp", "--addr", &addr, "--one-socket", "--count", "40", "--interval-ms", "100"])?;
         std::thread::sleep(Duration::from_millis(1000));
@@ -145,7 +145,7 @@ fn a_tcp_flow_to_an_endpoint_that_left_gets_a_reset_and_a_draining_one_keeps_goi
     let w = world(&web("NodePort", "", &[]))?;
     for (addr, node_addr) in [(hostport(NODE1, 30080), NODE1), (hostport(NODE1_6, 30080), NODE1_6)] {
         set_endpoints(&w, &[(&w.p1, E::ready)])?;
-        wait_backends(&w.c, 1, node_addr, 30080, 1)?;
+        wait_only(&w.c, node_addr, 30080, &w.p1)?;
         // Terminating but still serving: the held connection drains.
         let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &addr, "--hold-ms", "2500", "--interval-ms", "50"])?;
         std::thread::sleep(Duration::from_millis(500));
@@ -156,7 +156,7 @@ fn a_tcp_flow_to_an_endpoint_that_left_gets_a_reset_and_a_draining_one_keeps_goi
 
         // Gone for good: the next packet of the flow is answered with a RST.
         set_endpoints(&w, &[(&w.p1, E::ready)])?;
-        wait_backends(&w.c, 1, node_addr, 30080, 1)?;
+        wait_only(&w.c, node_addr, 30080, &w.p1)?;
         let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &addr, "--hold-ms", "3000", "--interval-ms", "50", "--timeout-ms", "5000"])?;
         std::thread::sleep(Duration::from_millis(500));
         set_endpoints(&w, &[(&w.p2, E::ready)])?;

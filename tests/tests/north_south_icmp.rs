@@ -50,8 +50,8 @@ fn path_mtu_discovery_works_through_a_node_port_in_both_directions() -> Result<(
     let down_local = w.c.add_outside_via_router("down-local", 111, 1300, &[])?;
     for (pod, up, down) in [(&w.p2, &up_remote, &down_remote), (&w.p1, &up_local, &down_local)] {
         set_endpoints(&w, &[(pod, E::ready)])?;
-        wait_backends(&w.c, 1, NODE1, 30080, 1)?;
-        wait_backends(&w.c, 1, NODE1_6, 30080, 1)?;
+        wait_only(&w.c, NODE1, 30080, pod)?;
+        wait_only(&w.c, NODE1_6, 30080, pod)?;
         for node in [NODE1, NODE1_6] {
             let addr = hostport(node, 30080);
             // Upload: node-1 forwards to the pod over the narrow path. For
@@ -90,8 +90,8 @@ fn time_exceeded_and_port_unreachable_come_back_from_the_frontend() -> Result<()
     let cases = [(LB_IP, "icmp type=11 code=0", "icmp type=3 code=3"), (LB_IP6, "icmp6 type=3 code=0", "icmp6 type=1 code=4")];
     for (pod, server) in [(&w.p2, w.servers[1]), (&w.p1, w.servers[0])] {
         set_endpoints(&w, &[(pod, E::ready)])?;
-        wait_backends(&w.c, 1, LB_IP, 80, 1)?;
-        wait_backends(&w.c, 1, LB_IP6, 80, 1)?;
+        wait_only(&w.c, LB_IP, 80, pod)?;
+        wait_only(&w.c, LB_IP6, 80, pod)?;
         for (lb, exceeded, _) in cases {
             let addr = hostport(lb, 80);
             // TTL 1 runs out at node-1 (for pod-2's SNATed flow lb answers;
@@ -127,7 +127,7 @@ fn fragmented_ipv4_datagrams_arrive_whole_and_ipv6_extension_headers_pass() -> R
     let np = hostport(NODE1, 30080);
     for pod in [&w.p1, &w.p2] {
         set_endpoints(&w, &[(pod, E::ready)])?;
-        wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+        wait_only(&w.c, NODE1, 30080, pod)?;
         // 4000 bytes: three fragments; only the first carries the ports.
         let s = w.c.probe(&w.outside, &["udp", "--addr", &np, "--count", "5", "--size", "4000"])?;
         assert_eq!(s.ok, 5, "{}: {s:?}", pod.name);

@@ -462,32 +462,40 @@ fn main() -> Result<()> {
     // iptables NodePort rules (node 12) and direct to the pod.
     let mut np_series: BTreeMap<String, Series> = BTreeMap::new();
     let mut np_tput: BTreeMap<String, Series> = BTreeMap::new();
-    let np_cases: Vec<(String, String)> = vec![
-        ("direct (pod IP)".into(), format!("{}:8080", server.ip)),
-        ("lb (TC), nodeIP:nodePort".into(), format!("{}:{NP_HTTP}", c.nodes[10].ip)),
-        ("iptables-legacy, nodeIP:nodePort".into(), format!("{}:{NP_HTTP}", c.nodes[11].ip)),
+    // (case, short-connection address, bulk address); each "direct" case is
+    // the baseline of the cases after it (IPv4, then IPv6).
+    let np_cases: Vec<(String, String, String)> = vec![
+        ("direct (pod IP)".into(), format!("{}:8080", server.ip), format!("{}:9090", server.ip)),
+        ("lb (TC), nodeIP:nodePort".into(), format!("{}:{NP_HTTP}", c.nodes[10].ip), format!("{}:{NP_BULK}", c.nodes[10].ip)),
+        ("iptables-legacy, nodeIP:nodePort".into(), format!("{}:{NP_HTTP}", c.nodes[11].ip), format!("{}:{NP_BULK}", c.nodes[11].ip)),
+        ("direct (pod IPv6)".into(), format!("[{}]:8080", server.ip6), format!("[{}]:9090", server.ip6)),
+        ("lb (TC), [nodeIPv6]:nodePort".into(), format!("[{}]:{NP_HTTP}", c.nodes[10].ip6), format!("[{}]:{NP_BULK}", c.nodes[10].ip6)),
     ];
     if rounds > 0 {
         eprintln!("bench: NodePort");
         let np_dir = work.join("objects-np");
         std::fs::create_dir_all(&np_dir)?;
-        let mut doc = lbtest::objects::service_typed("np", NP_VIP, "NodePort", &[("http", 80, 8080, "TCP", NP_HTTP), ("bulk", 90, 9090, "TCP", NP_BULK)], "", &[]);
+        let ports = [("http", 80, 8080, "TCP", NP_HTTP), ("bulk", 90, 9090, "TCP", NP_BULK)];
+        let mut doc = lbtest::objects::service_typed("np", NP_VIP, "NodePort", &ports, "  ipFamilyPolicy: PreferDualStack\n", &[]);
         doc += "---\n";
         let e: Vec<(&str, &str, bool)> = server_ips.iter().map(|ip| (ip.as_str(), "node-2", true)).collect();
         doc += &lbtest::objects::slice("np", "np-1", &[("http", 8080, "TCP"), ("bulk", 9090, "TCP")], &e);
+        doc += "---\n";
+        let e6 = [lbtest::objects::Endpoint::ready(&server.ip6, "node-2")];
+        doc += &lbtest::objects::slice_of("np", "np-6", "IPv6", &[("http", 8080, "TCP"), ("bulk", 9090, "TCP")], &e6);
         std::fs::write(np_dir.join("np.yaml"), doc)?;
         c.start_agent_from(11, &np_dir, &[])?;
         let rules = work.join("ipt-np.rules");
         std::fs::write(&rules, nodeport_rules(&[(80, NP_HTTP, 8080), (90, NP_BULK, 9090)], NP_VIP, &server_ips))?;
         timed(&c.nodes[11].netns, "iptables-legacy-restore", &[], &rules)?;
-        let outside = c.add_outside("outside", 100, &[("10.244.2.0/24", 2)])?;
+        let outside = c.add_outside("outside", 100, &[("10.244.2.0/24", 2), ("fd00:244:2::/64", 2)])?;
         c.in_netns(&outside.netns, &["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])?;
         for round in 0..rounds {
             eprintln!("bench: NodePort round {} of {rounds}", round + 1);
             let mut direct = 0.0;
-            for (i, (name, addr)) in np_cases.iter().enumerate() {
+            for (name, addr, _) in &np_cases {
                 let r = rate(&c, &outside, addr, a.secs)?;
-                if i == 0 {
+                if name.starts_with("direct") {
                     direct = r;
                 }
                 let s = np_series.entry(name.clone()).or_default();
@@ -496,13 +504,15 @@ fn main() -> Result<()> {
             }
         }
         for _ in 0..rounds.min(3) {
-            let d = bulk_rate(&c, &outside, &format!("{}:9090", server.ip), a.bulk_bytes)?;
-            let l = bulk_rate(&c, &outside, &format!("{}:{NP_BULK}", c.nodes[10].ip), a.bulk_bytes)?;
-            let i = bulk_rate(&c, &outside, &format!("{}:{NP_BULK}", c.nodes[11].ip), a.bulk_bytes)?;
-            for ((k, _), v) in np_cases.iter().zip([d, l, i]) {
+            let mut direct = 0.0;
+            for (k, _, addr) in &np_cases {
+                let v = bulk_rate(&c, &outside, addr, a.bulk_bytes)?;
+                if k.starts_with("direct") {
+                    direct = v;
+                }
                 let s = np_tput.entry(k.clone()).or_default();
                 s.values.push(v);
-                s.ratios.push(v / d);
+                s.ratios.push(v / direct);
             }
         }
     }
@@ -556,7 +566,7 @@ fn main() -> Result<()> {
     }
     let _ = writeln!(md, "\nNodePort from an outside client, {} rounds of {} s, interleaved:\n", a.rounds, a.secs);
     let _ = writeln!(md, "| case | conn/s (median) | min–max | ratio to direct (median) | MB/s, one stream (median) | ratio |\n|---|---|---|---|---|---|");
-    for (name, _) in &np_cases {
+    for (name, _, _) in &np_cases {
         let Some(s) = np_series.get(name) else { continue };
         let (lo, hi) = minmax(&s.values);
         let t = np_tput.get(name);
