@@ -102,7 +102,11 @@ pub struct NatTimeouts {
 pub fn expired<A>(proto: u8, fwd: &NatEntry<A>, reply: Option<&NatEntry<A>>, now_ns: u64, t: &NatTimeouts) -> bool {
     let last = reply.map_or(fwd.last_seen_ns, |r| r.last_seen_ns.max(fwd.last_seen_ns));
     let idle = Duration::from_nanos(now_ns.saturating_sub(last));
-    let replied = reply.is_some_and(|r| r.state & nat_state::SEEN != 0);
+    // Assured, in conntrack's words: answered, and for TCP the client went
+    // on after its SYN (the handshake's ACK). A SYN flood from spoofed
+    // addresses, answered by the backend, never gets there and expires
+    // like an unanswered one.
+    let replied = reply.is_some_and(|r| r.state & nat_state::SEEN != 0) && (proto == PROTO_UDP || fwd.state & nat_state::SEEN != 0);
     let mut timeout = if proto == PROTO_UDP {
         t.udp
     } else {
@@ -284,8 +288,8 @@ mod tests {
         // The newest of both directions counts.
         assert!(!expired(PROTO_UDP, &entry(10, 0), Some(&entry(100, SEEN)), 129 * S, &T));
         // TCP open: the long timeout; FIN one way only is still open.
-        assert!(!expired(PROTO_TCP, &entry(100, nat_state::FIN), Some(&entry(100, SEEN)), 150 * S, &T));
-        assert!(expired(PROTO_TCP, &entry(100, 0), Some(&entry(100, SEEN)), 201 * S, &T));
+        assert!(!expired(PROTO_TCP, &entry(100, SEEN | nat_state::FIN), Some(&entry(100, SEEN)), 150 * S, &T));
+        assert!(expired(PROTO_TCP, &entry(100, SEEN), Some(&entry(100, SEEN)), 201 * S, &T));
         // FIN both ways, or a RST: the close grace period.
         assert!(expired(PROTO_TCP, &entry(100, nat_state::FIN), Some(&entry(100, SEEN | nat_state::FIN)), 111 * S, &T));
         assert!(!expired(PROTO_TCP, &entry(100, nat_state::FIN), Some(&entry(100, SEEN | nat_state::FIN)), 109 * S, &T));
@@ -297,8 +301,12 @@ mod tests {
         // A SYN that was never answered: gone after 60 s, not 100.
         assert!(!expired(PROTO_TCP, &entry(100, 0), Some(&entry(100, 0)), 159 * S, &T));
         assert!(expired(PROTO_TCP, &entry(100, 0), Some(&entry(100, 0)), 161 * S, &T));
-        // Answered: the established timeout.
-        assert!(!expired(PROTO_TCP, &entry(100, 0), Some(&entry(100, SEEN)), 161 * S, &T));
+        // Answered, and the client went on: the established timeout.
+        assert!(!expired(PROTO_TCP, &entry(100, SEEN), Some(&entry(100, SEEN)), 161 * S, &T));
+        // Answered, but the client never sent its ACK (a spoofed SYN): unreplied.
+        assert!(expired(PROTO_TCP, &entry(100, 0), Some(&entry(100, SEEN)), 161 * S, &T));
+        // UDP: an answer is enough.
+        assert!(!expired(PROTO_UDP, &entry(100, 0), Some(&entry(100, SEEN)), 129 * S, &T));
         // Never shorter than the UDP timeout when that is shorter.
         assert!(expired(PROTO_UDP, &entry(100, 0), Some(&entry(100, 0)), 131 * S, &T));
         // A forward entry whose reply entry is gone counts as unreplied.

@@ -31,6 +31,11 @@ pub struct World {
 /// client address they see), an outside client with both families that
 /// routes the LB IPs to node-1, agents on both nodes with both node IPs.
 pub fn world(svc: &str) -> Result<World> {
+    world_with(svc, &[])
+}
+
+/// `world` with extra `lb-agent run` flags for both agents.
+pub fn world_with(svc: &str, agent_args: &[&str]) -> Result<World> {
     let mut c = Cluster::new(2)?;
     let p1 = c.add_pod(1, "pod-1")?;
     let p2 = c.add_pod(2, "pod-2")?;
@@ -39,8 +44,8 @@ pub fn world(svc: &str) -> Result<World> {
     c.write_object("svc.yaml", svc)?;
     let mut w = World { c, p1, p2, outside, servers };
     set_endpoints(&w, &[(&w.p1, E::ready), (&w.p2, E::ready)])?;
-    w.c.start_agent(1)?;
-    w.c.start_agent(2)?;
+    w.c.start_agent_with(1, agent_args)?;
+    w.c.start_agent_with(2, agent_args)?;
     Ok(w)
 }
 

@@ -192,7 +192,7 @@ fn build_bins(release: bool) -> Result<()> {
 }
 
 /// The test suites that `cargo xtask test` also runs with `--tc-attach netlink`.
-const NETLINK_SUITES: [&str; 3] = ["nodeport", "north_south", "north_south_icmp"];
+const NETLINK_SUITES: [&str; 4] = ["nodeport", "north_south", "north_south_icmp", "north_south_abuse"];
 
 fn main() -> Result<()> {
     let cli = Cli::parse();

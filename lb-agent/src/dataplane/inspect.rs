@@ -201,6 +201,8 @@ where
                 _ if fin_both => "CLOSED",
                 (_, s) if s & nat_state::FIN != 0 => "FIN_WAIT",
                 _ if reply.is_none_or(|r| r.state & nat_state::SEEN == 0) => "SYN_SENT",
+                // Answered, but the client never went on after its SYN.
+                _ if e.state & nat_state::SEEN == 0 => "SYN_RECV",
                 _ => "ESTABLISHED",
             };
             let last = reply.map_or(e.last_seen_ns, |r| r.last_seen_ns.max(e.last_seen_ns));

@@ -589,7 +589,14 @@ fn parse<F: Net>(ctx: &TcContext) -> Option<Pkt<F::A>> {
         return None;
     }
     let (saddr, daddr) = (ctx.load(F::SRC).ok()?, ctx.load(F::DST).ok()?);
-    if let Some((id, false, _)) = F::fragment(ctx) {
+    let frag = F::fragment(ctx);
+    // A whole L4 header, or it is not ours (RFC 1858's tiny first fragment
+    // included).
+    let hdr = if proto == PROTO_TCP { 20 } else { 8 };
+    if !matches!(frag, Some((_, false, _))) && (ctx.len() as usize) < l4 + hdr {
+        return None;
+    }
+    if let Some((id, false, _)) = frag {
         // A later fragment: the ports its first fragment carried (that one
         // came first on this path; if not, it passes untouched).
         let (sport, dport) = F::frag_get(saddr, daddr, proto, id)?;

@@ -1,0 +1,135 @@
+//! Hand-made frames for the malformed-packet and SYN-flood tests, sent from
+//! inside a test netns with an AF_PACKET socket: whatever bytes we like,
+//! bad headers included, which no socket API would send.
+use anyhow::{Context as _, Result, bail};
+
+/// Sum 16-bit words, folded and complemented (the Internet checksum).
+pub fn csum(data: &[u8], seed: u32) -> u16 {
+    let mut s = seed;
+    for c in data.chunks(2) {
+        s += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
+    }
+    while s >> 16 != 0 {
+        s = (s & 0xffff) + (s >> 16);
+    }
+    !(s as u16)
+}
+
+fn pseudo_sum(src: &[u8], dst: &[u8], proto: u8, len: usize) -> u32 {
+    let mut s = 0u32;
+    for c in src.chunks(2).chain(dst.chunks(2)) {
+        s += u32::from(u16::from_be_bytes([c[0], c[1]]));
+    }
+    s + u32::from(proto) + len as u32
+}
+
+/// A TCP SYN header (20 bytes) with a correct checksum.
+pub fn tcp_syn(src: &[u8], dst: &[u8], sport: u16, dport: u16) -> Vec<u8> {
+    let mut t = vec![0u8; 20];
+    t[0..2].copy_from_slice(&sport.to_be_bytes());
+    t[2..4].copy_from_slice(&dport.to_be_bytes());
+    t[4..8].copy_from_slice(&0x1234_5678u32.to_be_bytes());
+    t[12] = 5 << 4;
+    t[13] = 0x02;
+    t[14..16].copy_from_slice(&64240u16.to_be_bytes());
+    let c = csum(&t, pseudo_sum(src, dst, 6, t.len()));
+    t[16..18].copy_from_slice(&c.to_be_bytes());
+    t
+}
+
+/// An IPv4 packet: `ihl` words of header (5 unless testing bad ones), the
+/// given fragment field and ID, and `payload`.
+pub fn ipv4(src: [u8; 4], dst: [u8; 4], proto: u8, ihl: u8, frag: u16, id: u16, payload: &[u8]) -> Vec<u8> {
+    let mut h = vec![0u8; 20];
+    h[0] = 0x40 | (ihl & 0x0f);
+    let total = 20 + payload.len();
+    h[2..4].copy_from_slice(&(total as u16).to_be_bytes());
+    h[4..6].copy_from_slice(&id.to_be_bytes());
+    h[6..8].copy_from_slice(&frag.to_be_bytes());
+    h[8] = 64;
+    h[9] = proto;
+    h[12..16].copy_from_slice(&src);
+    h[16..20].copy_from_slice(&dst);
+    let c = csum(&h, 0);
+    h[10..12].copy_from_slice(&c.to_be_bytes());
+    h.extend_from_slice(payload);
+    h
+}
+
+/// An IPv6 packet with next header `next` and `payload`.
+pub fn ipv6(src: [u8; 16], dst: [u8; 16], next: u8, payload: &[u8]) -> Vec<u8> {
+    let mut h = vec![0u8; 40];
+    h[0] = 0x60;
+    h[4..6].copy_from_slice(&(payload.len() as u16).to_be_bytes());
+    h[6] = next;
+    h[7] = 64;
+    h[8..24].copy_from_slice(&src);
+    h[24..40].copy_from_slice(&dst);
+    h.extend_from_slice(payload);
+    h
+}
+
+/// An Ethernet frame.
+pub fn ether(dst: [u8; 6], src: [u8; 6], ethertype: u16, payload: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(14 + payload.len());
+    f.extend_from_slice(&dst);
+    f.extend_from_slice(&src);
+    f.extend_from_slice(&ethertype.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// The MAC address of `dev` in `netns`.
+pub fn mac(c: &crate::Cluster, netns: &str, dev: &str) -> Result<[u8; 6]> {
+    let out = c.in_netns(netns, &["ip", "-j", "link", "show", "dev", dev])?;
+    let v: serde_json::Value = serde_json::from_str(&out)?;
+    let s = v[0]["address"].as_str().context("no MAC address")?;
+    let b: Vec<u8> = s.split(':').map(|h| u8::from_str_radix(h, 16)).collect::<Result<_, _>>()?;
+    b.try_into().map_err(|_| anyhow::anyhow!("bad MAC {s}"))
+}
+
+/// Send `frames` as they are out of `dev` in `netns` (from a thread of its
+/// own that enters the netns; the caller's thread stays where it is).
+pub fn send(netns: &str, dev: &str, frames: Vec<Vec<u8>>) -> Result<()> {
+    let (netns, dev) = (netns.to_string(), dev.to_string());
+    std::thread::spawn(move || -> Result<()> {
+        let f = std::fs::File::open(format!("/run/netns/{netns}"))?;
+        nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET)?;
+        let name = std::ffi::CString::new(dev.clone())?;
+        // SAFETY: plain syscalls with valid arguments; the socket is closed below.
+        unsafe {
+            let ifindex = libc::if_nametoindex(name.as_ptr());
+            if ifindex == 0 {
+                bail!("no device {dev} in {netns}");
+            }
+            let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
+            if fd < 0 {
+                bail!("AF_PACKET socket: {}", std::io::Error::last_os_error());
+            }
+            let mut sll: libc::sockaddr_ll = std::mem::zeroed();
+            sll.sll_family = libc::AF_PACKET as u16;
+            sll.sll_ifindex = ifindex as i32;
+            sll.sll_halen = 6;
+            let mut result = Ok(());
+            for fr in &frames {
+                sll.sll_addr[..6].copy_from_slice(&fr[..6]);
+                let n = libc::sendto(
+                    fd,
+                    fr.as_ptr().cast(),
+                    fr.len(),
+                    0,
+                    (&sll as *const libc::sockaddr_ll).cast(),
+                    std::mem::size_of::<libc::sockaddr_ll>() as u32,
+                );
+                if n < 0 {
+                    result = Err(anyhow::anyhow!("sendto: {}", std::io::Error::last_os_error()));
+                    break;
+                }
+            }
+            libc::close(fd);
+            result
+        }
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("sender thread panicked"))?
+}

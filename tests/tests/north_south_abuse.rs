@@ -1,0 +1,150 @@
+//! Bad input on the TC path, from outside: a SYN flood from spoofed
+//! addresses and malformed packets (bad IHL, short headers, truncated ICMP
+//! quotes, unknown fragments, IPv6 extension headers). Nothing crashes, no
+//! entry leaks, other flows go on.
+use std::time::Duration;
+
+use anyhow::Result;
+use lbtest::objects::Endpoint as E;
+use lbtest::raw::{ether, ipv4, ipv6, tcp_syn};
+use lbtest::world::*;
+use lbtest::{Cluster, Pod, raw};
+
+const FLOOD: [u8; 4] = [192, 168, 77, 201];
+const BAD: [u8; 4] = [192, 168, 77, 202];
+const BAD6: &str = "fd00:77::202";
+const NODE1_B: [u8; 4] = [192, 168, 77, 11];
+
+fn v6(s: &str) -> [u8; 16] {
+    s.parse::<std::net::Ipv6Addr>().unwrap().octets()
+}
+
+/// The NAT flows node-1 lists from source `src`.
+fn flows_from(c: &Cluster, src: &str) -> Result<Vec<String>> {
+    let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", c.nodes[0].bpffs.to_str().unwrap()])?;
+    Ok(nat.lines().filter(|l| l.contains(&format!("src={src} "))).map(String::from).collect())
+}
+
+/// Frames from the outside client's interface to node-1's.
+struct Wire {
+    dst: [u8; 6],
+    src: [u8; 6],
+    netns: String,
+}
+
+impl Wire {
+    fn new(c: &Cluster, from: &Pod) -> Result<Self> {
+        Ok(Wire { dst: raw::mac(c, &c.nodes[0].netns, "eth0")?, src: raw::mac(c, &from.netns, "eth0")?, netns: from.netns.clone() })
+    }
+    fn send4(&self, packets: Vec<Vec<u8>>) -> Result<()> {
+        raw::send(&self.netns, "eth0", packets.iter().map(|p| ether(self.dst, self.src, 0x0800, p)).collect())
+    }
+    fn send6(&self, packets: Vec<Vec<u8>>) -> Result<()> {
+        raw::send(&self.netns, "eth0", packets.iter().map(|p| ether(self.dst, self.src, 0x86dd, p)).collect())
+    }
+}
+
+#[test]
+fn a_syn_flood_from_spoofed_addresses_expires_and_other_flows_go_on() -> Result<()> {
+    let w = world_with(&web("NodePort", "", &[]), &["--nat-unreplied-timeout", "2", "--nat-gc-interval", "1"])?;
+    // pod-2 only: every flood flow is SNATed, and pod-2 answers each SYN.
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    let np = hostport(NODE1, 30080);
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "4000", "--interval-ms", "20"])?;
+    let wire = Wire::new(&w.c, &w.outside)?;
+    let syns: Vec<Vec<u8>> = (0..3000u16).map(|i| ipv4(FLOOD, NODE1_B, 6, 5, 0x4000, i, &tcp_syn(&FLOOD, &NODE1_B, 10000 + i, 30080))).collect();
+    wire.send4(syns)?;
+    // The table holds them as answered but never assured...
+    let flood = "192.168.77.201";
+    w.c.wait_for("the flood's flows", Duration::from_secs(5), || Ok(flows_from(&w.c, flood)?.len() >= 2900))?;
+    let f = flows_from(&w.c, flood)?;
+    assert!(f.iter().filter(|l| l.contains("SYN_RECV")).count() >= 2900, "answered by pod-2, never acknowledged: {:?}", &f[..3]);
+    // ...and lets them go after --nat-unreplied-timeout (2 s here, 60 s by default).
+    w.c.wait_for("the flood's flows to expire", Duration::from_secs(10), || Ok(flows_from(&w.c, flood)?.is_empty()))?;
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "a flow through the flood: {s:?}");
+    assert!(s.ok > 50, "{s:?}");
+    let s = tcp(&w.c, &w.outside, &np, 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn malformed_packets_pass_or_drop_without_entries_and_other_flows_go_on() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let np = hostport(NODE1, 30080);
+    let np6 = hostport(NODE1_6, 30080);
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "3000", "--interval-ms", "20"])?;
+    let held6 = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np6, "--hold-ms", "3000", "--interval-ms", "20"])?;
+    let wire = Wire::new(&w.c, &w.outside)?;
+    let syn = tcp_syn(&BAD, &NODE1_B, 40000, 30080);
+    let udp = {
+        let mut u = vec![0u8; 8 + 4];
+        u[0..2].copy_from_slice(&40001u16.to_be_bytes());
+        u[2..4].copy_from_slice(&30080u16.to_be_bytes());
+        u[4..6].copy_from_slice(&12u16.to_be_bytes());
+        u
+    };
+    // An ICMP "port unreachable" quoting an IPv4 header cut after 10 bytes,
+    // and one quoting a tuple no flow has.
+    let inner = ipv4(NODE1_B, BAD, 17, 5, 0, 7, &udp);
+    let icmp = |quote: &[u8]| {
+        let mut m = vec![3u8, 3, 0, 0, 0, 0, 0, 0];
+        m.extend_from_slice(quote);
+        let c = raw::csum(&m, 0);
+        m[2..4].copy_from_slice(&c.to_be_bytes());
+        m
+    };
+    let mut bad_ihl = ipv4(BAD, NODE1_B, 6, 5, 0x4000, 1, &syn);
+    bad_ihl[0] = 0x43;
+    let mut long_ihl = ipv4(BAD, NODE1_B, 6, 5, 0x4000, 2, &syn);
+    long_ihl[0] = 0x4f;
+    wire.send4(vec![
+        // IHL 3 (below the minimum) and 15 (past the packet's end).
+        bad_ihl,
+        long_ihl,
+        // A SYN cut to 4 bytes of TCP header, a UDP header cut to 2 bytes.
+        ipv4(BAD, NODE1_B, 6, 5, 0x4000, 3, &syn[..4]),
+        ipv4(BAD, NODE1_B, 17, 5, 0, 4, &udp[..2]),
+        // A later fragment nobody saw the first of; a first fragment cut
+        // inside its UDP header.
+        ipv4(BAD, NODE1_B, 17, 5, 100, 5, &[0u8; 16]),
+        ipv4(BAD, NODE1_B, 17, 5, 0x2000, 6, &udp[..4]),
+        // ICMP errors: truncated quote, and a tuple without a flow.
+        ipv4(BAD, NODE1_B, 1, 5, 0, 8, &icmp(&inner[..10])),
+        ipv4(BAD, NODE1_B, 1, 5, 0, 9, &icmp(&inner)),
+        // Only an Ethernet header and 3 bytes.
+        vec![0x45, 0, 0],
+    ])?;
+    let (bad6, node6) = (v6(BAD6), v6(NODE1_6));
+    let syn6 = tcp_syn(&bad6, &node6, 40002, 30080);
+    // Hop-by-hop options (8 bytes: next header TCP, PadN) before a SYN.
+    let mut hbh = vec![6u8, 0, 1, 4, 0, 0, 0, 0];
+    hbh.extend_from_slice(&syn6);
+    wire.send6(vec![
+        ipv6(bad6, node6, 0, &hbh),
+        // A header cut short, and a SYN cut to 4 bytes.
+        ipv6(bad6, node6, 6, &syn6)[..30].to_vec(),
+        ipv6(bad6, node6, 6, &syn6[..4]),
+        // An ICMPv6 error whose quote stops inside the IPv6 header.
+        ipv6(bad6, node6, 58, &[1, 4, 0, 0, 0, 0, 0, 0, 0x60, 0, 0, 0, 0, 8, 17, 64]),
+    ])?;
+    std::thread::sleep(Duration::from_millis(300));
+    // Nothing created a flow from the bad sources...
+    assert_eq!(flows_from(&w.c, "192.168.77.202")?, Vec::<String>::new());
+    assert_eq!(flows_from(&w.c, BAD6)?, Vec::<String>::new());
+    // ...the agents are still there, and other flows never noticed.
+    for n in 1..=2 {
+        let pid = w.c.agent_pid(n).expect("agent running");
+        assert!(std::path::Path::new(&format!("/proc/{pid}")).exists(), "agent on node-{n} alive");
+    }
+    for h in [held, held6] {
+        let s = Cluster::finish(h)?;
+        assert_eq!(s.failed(), 0, "{s:?}");
+    }
+    let s = tcp(&w.c, &w.outside, &np6, 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}
