@@ -148,3 +148,43 @@ fn malformed_packets_pass_or_drop_without_entries_and_other_flows_go_on() -> Res
     assert_eq!(s.ok, 5, "{s:?}");
     Ok(())
 }
+
+#[test]
+fn a_forged_rst_does_not_end_a_live_flow_and_a_reused_port_gets_a_new_flow() -> Result<()> {
+    let w = world_with(&web("NodePort", "", &[]), &["--nat-tcp-close-timeout", "1", "--nat-gc-interval", "1"])?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let np = hostport(NODE1, 30080);
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "4000", "--interval-ms", "20"])?;
+    let client = "192.168.77.100";
+    w.c.wait_for("the held flow", Duration::from_secs(5), || Ok(flows_from(&w.c, client)?.iter().any(|l| l.contains("ESTABLISHED"))))?;
+    let flow = flows_from(&w.c, client)?.into_iter().find(|l| l.contains("ESTABLISHED")).unwrap();
+    let sport: u16 = flow.split_whitespace().find_map(|f| f.strip_prefix("sport=")).unwrap().parse()?;
+    // A RST with the flow's tuple and a made-up sequence number, as an
+    // attacker who guessed the ports would send it.
+    let src = [192, 168, 77, 100];
+    let mut rst = tcp_syn(&src, &NODE1_B, sport, 30080);
+    rst[13] = 0x04;
+    rst[16] = 0;
+    rst[17] = 0;
+    let c = raw::csum(&rst, {
+        let mut s = 0u32;
+        for ch in src.chunks(2).chain(NODE1_B.chunks(2)) {
+            s += u32::from(u16::from_be_bytes([ch[0], ch[1]]));
+        }
+        s + 6 + 20
+    });
+    rst[16..18].copy_from_slice(&c.to_be_bytes());
+    let wire = Wire::new(&w.c, &w.outside)?;
+    wire.send4(vec![ipv4(src, NODE1_B, 6, 5, 0x4000, 99, &rst)])?;
+    // The client goes on: the RST mark is undone, and the flow outlives the
+    // close timeout (1 s here) and the GC.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(flows_from(&w.c, client)?.iter().any(|l| l.contains(&format!("sport={sport} ")) && l.contains("ESTABLISHED")), "{:?}", flows_from(&w.c, client)?);
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the forged RST ended nothing: {s:?}");
+    // One source port, five connections in a row, each closed with a RST:
+    // each is a new flow (the closed one is replaced), none hangs.
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", &np, "--count", "5", "--sport", "41000", "--linger0", "--timeout-ms", "1000"])?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}
