@@ -23,6 +23,8 @@ pub struct RunConfig {
     pub metrics_bind: Option<std::net::SocketAddr>,
     /// /healthz fails when a change waits longer than this.
     pub stall_after: Duration,
+    /// `--resync-period`: how often the maps are re-read and drift repaired.
+    pub resync_period: Duration,
     pub node_name: String,
     /// `--zone`: overrides the Node object's zone label.
     pub zone: Option<String>,
@@ -532,6 +534,22 @@ impl Reconciler {
     fn frontends(&self) -> usize {
         self.v4.index.frontends() + self.v6.index.frontends()
     }
+
+    /// Re-read the maps; where they differ from what this agent programmed
+    /// (an entry deleted or changed by hand), take them as they are, so
+    /// that the next sync plans the way back. Returns how many entries
+    /// differ.
+    fn repair_drift(&mut self) -> Result<usize> {
+        let t4 = self.maps.v4.read_table(&self.maps.affinity_match, &self.maps.src_range)?;
+        let t6 = self.maps.v6.read_table(&self.maps.affinity_match, &self.maps.src_range)?;
+        let n = writer::drift(&self.v4.table, &t4) + writer::drift(&self.v6.table, &t6);
+        if n > 0 {
+            self.v4 = Mirror::new(t4);
+            self.v6 = Mirror::new(t6);
+            self.full_needed = true;
+        }
+        Ok(n)
+    }
 }
 
 /// The Service an op belongs to, for error messages.
@@ -644,6 +662,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     tracing::debug!("starting");
     // Check the source before touching the kernel: bad input fails first.
     let (tx, mut rx): (crate::source::Publisher, crate::source::Subscriber) = tokio::sync::watch::channel(None);
+    let source_status = Arc::new(crate::source::Status::default());
     let mut source: tokio::task::JoinHandle<Result<()>> = match &cfg.source {
         SourceSpec::Dir(dir) => {
             let state = DirState::new(dir)?;
@@ -651,7 +670,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         }
         SourceSpec::Kube => {
             let (client, server) = crate::source::kube::client(cfg.kubeconfig.as_deref()).await?;
-            tokio::spawn(crate::source::kube::run(client, server, cfg.node_name.clone(), tx))
+            tokio::spawn(crate::source::kube::run(client, server, cfg.node_name.clone(), tx, source_status.clone()))
         }
     };
 
@@ -661,7 +680,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let v4 = Mirror::new(maps.v4.read_table(&maps.affinity_match, &maps.src_range)?);
     let v6 = Mirror::new(maps.v6.read_table(&maps.affinity_match, &maps.src_range)?);
     let nodeports = maps.read_nodeports()?;
-    if let Err(e) = crate::nodeport::reserve_ports(cfg.nodeport_range.0, cfg.nodeport_range.1) {
+    if let Err(e) = crate::nodeport::reserve_ports(cfg.nodeport_range.0, cfg.nodeport_range.1, &cfg.bpffs) {
         tracing::warn!("cannot reserve the NodePort range for local ports: {e:#}");
     }
     for iface in &cfg.nodeport_interfaces {
@@ -713,19 +732,41 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         pending_left: BTreeSet::new(),
         nat_left,
         destroyer: if cfg.destroy_stale_sockets {
-            Some(crate::stale::Destroyer::spawn(&cfg.bpffs, cfg.cgroup.clone(), metrics.sockets_destroyed.clone())?)
+            Some(crate::stale::Destroyer::spawn(
+                &cfg.bpffs,
+                cfg.cgroup.clone(),
+                metrics.sockets_destroyed.clone(),
+                metrics.cgroup_invisible.clone(),
+            )?)
         } else {
             None
         },
     };
     let mut health_checks = crate::nodeport::HealthChecks::default();
     rec.export(&metrics, &cfg.capacity);
+    // How long the watches have been failing, for the metric.
+    {
+        let (status, metrics) = (source_status.clone(), metrics.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                metrics.source_failing.set(status.failing_for().as_secs_f64());
+            }
+        });
+    }
+    let mut changes = crate::changes::Changes::new();
+    let mut resync = tokio::time::interval(if cfg.resync_period.is_zero() { Duration::from_secs(86400 * 365) } else { cfg.resync_period });
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    resync.tick().await;
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut retry = tokio::time::interval(Duration::from_secs(1));
     let mut last: Option<Arc<Update>> = None;
     let mut dirty = false;
     let mut first = true;
+    // Trigger times of EndpointSlice changes not programmed yet.
+    let mut triggers: Vec<std::time::SystemTime> = Vec::new();
     loop {
         tokio::select! {
             r = rx.changed() => {
@@ -739,9 +780,30 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 let Some(upd) = rx.borrow_and_update().clone() else { continue };
                 tracing::debug!(waited_us = upd.since.elapsed().as_micros() as u64, "update received");
                 health.changed(upd.since);
+                let ch = changes.observe(&upd.snapshot);
+                metrics.kp_service_changes.inc_by(ch.services);
+                metrics.kp_endpoint_changes.inc_by(ch.slices);
+                triggers.extend(ch.triggers);
+                let deleting = upd.snapshot.nodes.iter().any(|n| {
+                    n.metadata.name.as_deref() == Some(cfg.node_name.as_str()) && n.metadata.deletion_timestamp.is_some()
+                });
+                health.node_deleting(deleting);
                 last = Some(upd);
             }
             _ = retry.tick(), if dirty => {}
+            _ = resync.tick(), if !cfg.resync_period.is_zero() && last.is_some() && !dirty => {
+                match rec.repair_drift() {
+                    Ok(0) => continue,
+                    Ok(n) => {
+                        metrics.drift_repaired.inc_by(n as u64);
+                        tracing::warn!(entries = n, "the maps differed from what this agent programmed (changed by hand?); writing them back");
+                    }
+                    Err(e) => {
+                        tracing::error!("resync: {e:#}");
+                        continue;
+                    }
+                }
+            }
             _ = term.recv() => break,
             _ = int.recv() => break,
         }
@@ -751,8 +813,15 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             Ok(()) => {
                 dirty = false;
                 health.synced();
-                metrics.sync_duration.observe(started.elapsed().as_secs_f64());
+                let took = started.elapsed().as_secs_f64();
+                metrics.sync_duration.observe(took);
+                metrics.kp_sync_duration.observe(took);
                 metrics.event_to_programmed.observe(upd.since.elapsed().as_secs_f64());
+                let now = std::time::SystemTime::now();
+                metrics.kp_last_sync.set(now.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()));
+                for t in triggers.drain(..) {
+                    metrics.kp_network_programming.observe(now.duration_since(t).map_or(0.0, |d| d.as_secs_f64()));
+                }
             }
             Err(e) => {
                 dirty = true;

@@ -1,6 +1,9 @@
 //! Health and metrics, where kube-proxy users expect them:
 //! `/healthz` and `/livez` on `--healthz-bind` (default `0.0.0.0:10256`),
-//! `/metrics` on `--metrics-bind` (default `0.0.0.0:10249`).
+//! `/metrics` on `--metrics-bind` (default `127.0.0.1:10249`), with
+//! kube-proxy's semantics: `/healthz` fails while the Node is being deleted
+//! (KEP-3836), `/livez` does not; an API outage fails neither (the pinned
+//! dataplane keeps serving) but shows in `lb_source_watch_failing_seconds`.
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -32,6 +35,9 @@ struct HealthState {
     last_updated: Option<SystemTime>,
     /// The oldest change received and not programmed yet.
     pending_since: Option<Instant>,
+    /// The Node is being deleted (a deletionTimestamp): load balancers
+    /// should stop sending here (KEP-3836).
+    node_deleting: bool,
 }
 
 fn rfc3339(t: SystemTime) -> String {
@@ -58,16 +64,24 @@ impl Health {
         s.pending_since = None;
     }
 
-    /// 200 once the first full sync is programmed and no change waits
-    /// longer than `stall_after`; 503 otherwise. The body is kube-proxy's.
-    pub fn report(&self) -> (bool, serde_json::Value) {
+    /// Whether this node's Node object is being deleted.
+    pub fn node_deleting(&self, deleting: bool) {
+        self.state.lock().unwrap().node_deleting = deleting;
+    }
+
+    /// `/healthz`: 200 once the first full sync is programmed, no change
+    /// waits longer than `stall_after`, and the Node is not being deleted;
+    /// 503 otherwise. `/livez` (`liveness`): the same without the Node.
+    /// The body is kube-proxy's.
+    pub fn report(&self, liveness: bool) -> (bool, serde_json::Value) {
         let s = self.state.lock().unwrap();
         let stalled = s.pending_since.is_some_and(|t| t.elapsed() > self.stall_after);
-        let healthy = s.last_updated.is_some() && !stalled;
+        let eligible = !s.node_deleting;
+        let healthy = s.last_updated.is_some() && !stalled && (liveness || eligible);
         let body = serde_json::json!({
             "lastUpdated": s.last_updated.map(rfc3339).unwrap_or_default(),
             "currentTime": rfc3339(SystemTime::now()),
-            "nodeEligible": true,
+            "nodeEligible": eligible,
         });
         (healthy, body)
     }
@@ -110,6 +124,19 @@ pub struct Metrics {
     pub map_capacity: Family<[(&'static str, &'static str); 1], Gauge>,
     pub not_programmed: Gauge,
     pub sockets_destroyed: Counter,
+    /// kube-proxy's metrics, under its names and meanings.
+    pub kp_sync_duration: Histogram,
+    pub kp_network_programming: Histogram,
+    pub kp_last_sync: Gauge<f64, std::sync::atomic::AtomicU64>,
+    pub kp_endpoint_changes: Counter,
+    pub kp_service_changes: Counter,
+    /// How long the source's watches have been failing (0: they work).
+    pub source_failing: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// Map entries that were found changed or missing by the periodic
+    /// resync, and written back.
+    pub drift_repaired: Counter,
+    /// Processes of the attached cgroup the agent cannot see (no hostPID).
+    pub cgroup_invisible: Gauge,
     registry: Mutex<Registry>,
 }
 
@@ -125,6 +152,16 @@ impl Metrics {
             map_capacity: Family::default(),
             not_programmed: Gauge::default(),
             sockets_destroyed: Counter::default(),
+            // kube-proxy's buckets: 1 ms doubling (sync), and up to about
+            // 20 minutes for programming latency.
+            kp_sync_duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            kp_network_programming: Histogram::new(exponential_buckets(0.001, 2.0, 21)),
+            kp_last_sync: Gauge::default(),
+            kp_endpoint_changes: Counter::default(),
+            kp_service_changes: Counter::default(),
+            source_failing: Gauge::default(),
+            drift_repaired: Counter::default(),
+            cgroup_invisible: Gauge::default(),
             registry: Mutex::new(Registry::default()),
         };
         {
@@ -150,6 +187,42 @@ impl Metrics {
                 "Connected sockets destroyed because their backend left the Service",
                 m.sockets_destroyed.clone(),
             );
+            r.register(
+                "kubeproxy_sync_proxy_rules_duration_seconds",
+                "SyncProxyRules latency in seconds (kube-proxy's name: one sync of the maps)",
+                m.kp_sync_duration.clone(),
+            );
+            r.register(
+                "kubeproxy_network_programming_duration_seconds",
+                "In-cluster network programming latency in seconds, from an EndpointSlice's last-change-trigger-time to the maps holding it",
+                m.kp_network_programming.clone(),
+            );
+            r.register(
+                "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                "The last time the maps were successfully synced (Unix seconds)",
+                m.kp_last_sync.clone(),
+            );
+            r.register(
+                "kubeproxy_sync_proxy_rules_endpoint_changes",
+                "Cumulative EndpointSlice changes seen",
+                m.kp_endpoint_changes.clone(),
+            );
+            r.register("kubeproxy_sync_proxy_rules_service_changes", "Cumulative Service changes seen", m.kp_service_changes.clone());
+            r.register(
+                "lb_source_watch_failing_seconds",
+                "How long the source's watches have been failing (0: working); the dataplane keeps serving meanwhile",
+                m.source_failing.clone(),
+            );
+            r.register(
+                "lb_drift_repaired",
+                "Map entries the periodic resync found changed or missing (by hand, e.g. bpftool) and wrote back",
+                m.drift_repaired.clone(),
+            );
+            r.register(
+                "lb_cgroup_processes_invisible",
+                "Processes of the attached cgroup the agent cannot see in /proc (a PID namespace of its own: stale sockets cannot be destroyed)",
+                m.cgroup_invisible.clone(),
+            );
             r.register_collector(Box::new(DatapathCollector(datapath)));
         }
         Arc::new(m)
@@ -163,10 +236,18 @@ impl Metrics {
     }
 }
 
-async fn healthz(State(h): State<Arc<Health>>) -> impl IntoResponse {
-    let (ok, body) = h.report();
+fn health_response(h: &Health, liveness: bool) -> impl IntoResponse + use<> {
+    let (ok, body) = h.report(liveness);
     let code = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, [(header::CONTENT_TYPE, "application/json")], body.to_string())
+}
+
+async fn healthz(State(h): State<Arc<Health>>) -> impl IntoResponse {
+    health_response(&h, false)
+}
+
+async fn livez(State(h): State<Arc<Health>>) -> impl IntoResponse {
+    health_response(&h, true)
 }
 
 async fn metrics(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
@@ -186,7 +267,7 @@ pub async fn serve(
     if let Some(addr) = healthz_bind {
         let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--healthz-bind {addr}"))?;
         bound.0 = Some(l.local_addr()?);
-        let app = Router::new().route("/healthz", get(healthz)).route("/livez", get(healthz)).with_state(health);
+        let app = Router::new().route("/healthz", get(healthz)).route("/livez", get(livez)).with_state(health);
         tokio::spawn(async move { axum::serve(l, app).await });
     }
     if let Some(addr) = metrics_bind {
@@ -248,6 +329,15 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(get(h, "/healthz").await.0, 503);
         health.synced();
+        assert_eq!(get(h, "/healthz").await.0, 200);
+
+        // The Node is being deleted: /healthz fails (KEP-3836), /livez not.
+        health.node_deleting(true);
+        let (code, body) = get(h, "/healthz").await;
+        assert_eq!(code, 503);
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&body).unwrap()["nodeEligible"], false);
+        assert_eq!(get(h, "/livez").await.0, 200);
+        health.node_deleting(false);
         assert_eq!(get(h, "/healthz").await.0, 200);
     }
 

@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 mod agent;
+mod changes;
 mod dataplane;
 mod health;
 mod model;
@@ -40,9 +41,15 @@ enum Cmd {
         /// Serve /healthz and /livez here ("" to disable).
         #[arg(long, default_value = "0.0.0.0:10256")]
         healthz_bind: String,
-        /// Serve /metrics here ("" to disable).
-        #[arg(long, default_value = "0.0.0.0:10249")]
+        /// Serve /metrics here ("" to disable). Loopback only by default,
+        /// as kube-proxy's metricsBindAddress.
+        #[arg(long, default_value = "127.0.0.1:10249")]
         metrics_bind: String,
+        /// Re-read the maps this often and write back what differs from
+        /// what the agent programmed (an entry deleted or changed by hand),
+        /// like kube-proxy's periodic sync; 0 turns it off.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        resync_period: std::time::Duration,
         /// /healthz turns 503 when a change waits longer than this many seconds.
         #[arg(long, default_value_t = 60)]
         healthz_stall_seconds: u64,
@@ -196,6 +203,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             healthz_bind,
             metrics_bind,
             healthz_stall_seconds,
+            resync_period,
             node_name,
             zone,
             cgroup,
@@ -236,6 +244,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 healthz_bind: bind("--healthz-bind", &healthz_bind)?,
                 metrics_bind: bind("--metrics-bind", &metrics_bind)?,
                 stall_after: std::time::Duration::from_secs(healthz_stall_seconds),
+                resync_period,
                 node_name: node_name.unwrap_or_else(hostname),
                 zone,
                 cgroup,

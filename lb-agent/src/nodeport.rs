@@ -73,15 +73,49 @@ pub fn netns_cookie() -> Result<u64> {
 /// Keep the NodePort range out of the ephemeral ports the kernel hands out
 /// in this netns (ip_local_reserved_ports), so an outgoing connection never
 /// takes a NodePort. Explicit bind()s are refused by the post_bind hook.
-pub fn reserve_ports(min: u16, max: u16) -> Result<()> {
-    const PATH: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
-    let current = std::fs::read_to_string(PATH).with_context(|| format!("read {PATH}"))?;
+pub fn reserve_ports(min: u16, max: u16, bpffs: &std::path::Path) -> Result<()> {
+    let current = std::fs::read_to_string(RESERVED).with_context(|| format!("read {RESERVED}"))?;
     let range = format!("{min}-{max}");
     if current.split(',').any(|r| r.trim() == range) {
         return Ok(());
     }
-    let new = if current.trim().is_empty() { range } else { format!("{},{range}", current.trim()) };
-    std::fs::write(PATH, &new).with_context(|| format!("write {PATH}"))
+    let new = if current.trim().is_empty() { range.clone() } else { format!("{},{range}", current.trim()) };
+    std::fs::write(RESERVED, &new).with_context(|| format!("write {RESERVED}"))?;
+    // Remember that lb added it, and in which netns (a directory in the pin
+    // dir: bpffs holds nothing else), so that teardown takes out exactly
+    // that, and only there.
+    let marker = bpffs.join(format!("{RESERVED_MARKER}{}_{range}", netns_cookie()?));
+    if let Err(e) = std::fs::create_dir_all(&marker) {
+        tracing::warn!("cannot record {}: {e}; teardown will leave {range} in {RESERVED}", marker.display());
+    }
+    Ok(())
+}
+
+const RESERVED: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
+/// The pin-dir entry that records a range lb added to ip_local_reserved_ports.
+pub const RESERVED_MARKER: &str = "reserved_ports_";
+
+/// Take out the reserved port ranges this agent added (teardown): each has
+/// a marker in `bpffs`, removed with it. The sysctl is per network
+/// namespace: run in the node's.
+pub fn unreserve_ports(bpffs: &std::path::Path) -> Result<()> {
+    let Ok(rd) = std::fs::read_dir(bpffs) else { return Ok(()) };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some((cookie, range)) = name.strip_prefix(RESERVED_MARKER).and_then(|r| r.split_once('_')) else { continue };
+        if cookie != netns_cookie()?.to_string() {
+            tracing::warn!("{range} was reserved in another network namespace: run teardown in the node's to take it out of {RESERVED}");
+            std::fs::remove_dir(e.path()).with_context(|| format!("remove {}", e.path().display()))?;
+            continue;
+        }
+        let current = std::fs::read_to_string(RESERVED).with_context(|| format!("read {RESERVED}"))?;
+        let kept: Vec<&str> = current.trim().split(',').map(str::trim).filter(|r| !r.is_empty() && *r != range).collect();
+        // The kernel refuses an empty write; a lone newline clears the list.
+        let new = if kept.is_empty() { "\n".to_string() } else { kept.join(",") };
+        std::fs::write(RESERVED, &new).with_context(|| format!("write {RESERVED}"))?;
+        std::fs::remove_dir(e.path()).with_context(|| format!("remove {}", e.path().display()))?;
+    }
+    Ok(())
 }
 
 /// How long NAT entries live.

@@ -48,6 +48,14 @@ pub fn stale<T: Copy>(candidates: &[Candidate<T>], left: &BTreeSet<Pair>) -> Vec
 /// One process per network namespace with processes in `cgroup` (and the
 /// cgroups below it).
 pub fn netns_pids(cgroup: &Path) -> Vec<u32> {
+    scan(cgroup).0
+}
+
+/// `netns_pids`, and how many of the cgroup's processes the agent cannot
+/// see: in a PID namespace of its own (a container without hostPID),
+/// `cgroup.procs` lists other namespaces' processes as 0 and /proc has no
+/// entry for them, so no pod's sockets could ever be found.
+pub fn scan(cgroup: &Path) -> (Vec<u32>, usize) {
     let mut pids = Vec::new();
     let mut dirs = vec![cgroup.to_path_buf()];
     while let Some(d) = dirs.pop() {
@@ -59,12 +67,33 @@ pub fn netns_pids(cgroup: &Path) -> Vec<u32> {
         }
     }
     let mut seen: HashMap<(u64, u64), u32> = HashMap::new();
+    let mut invisible = 0;
     for pid in pids {
-        if let Ok(md) = std::fs::metadata(format!("/proc/{pid}/ns/net")) {
-            seen.entry((md.dev(), md.ino())).or_insert(pid);
+        match std::fs::metadata(format!("/proc/{pid}/ns/net")) {
+            Ok(md) => {
+                seen.entry((md.dev(), md.ino())).or_insert(pid);
+            }
+            Err(_) => invisible += 1,
         }
     }
-    seen.into_values().collect()
+    (seen.into_values().collect(), invisible)
+}
+
+/// Say loudly when the agent cannot see the processes of its cgroup (see
+/// `scan`): stale sockets would never be destroyed, silently.
+fn check_visibility(cgroup: &Path, gauge: &prometheus_client::metrics::gauge::Gauge, logged: &mut bool) {
+    let (visible, invisible) = scan(cgroup);
+    gauge.set(invisible as i64);
+    let blind = visible.is_empty() && invisible > 0;
+    if blind && !*logged {
+        tracing::error!(
+            cgroup = %cgroup.display(),
+            processes = invisible,
+            "cannot see the processes of the cgroup (the agent runs in a PID namespace of its own?): sockets to endpoints \
+             that leave cannot be destroyed; run the agent with hostPID: true (the DaemonSet in deploy/ does)"
+        );
+    }
+    *logged = blind;
 }
 
 fn send<T: netlink_packet_core::NetlinkSerializable + std::fmt::Debug>(sock: &Socket, flags: u16, payload: T) -> Result<()> {
@@ -215,13 +244,22 @@ fn open_lru<K: aya::Pod, V: aya::Pod>(bpffs: &Path, name: &str) -> Result<SockMa
 
 impl Destroyer {
     /// `destroyed` counts the sockets (the `lb_sockets_destroyed` metric).
-    pub fn spawn(bpffs: &Path, cgroup: std::path::PathBuf, destroyed: prometheus_client::metrics::counter::Counter) -> Result<Self> {
+    /// `invisible` is the number of the cgroup's processes the agent cannot see
+    /// (the `lb_cgroup_processes_invisible` metric).
+    pub fn spawn(
+        bpffs: &Path,
+        cgroup: std::path::PathBuf,
+        destroyed: prometheus_client::metrics::counter::Counter,
+        invisible: prometheus_client::metrics::gauge::Gauge,
+    ) -> Result<Self> {
         use lb_common::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, maps};
         let mut s4: SockMap<SockRevNat4Key, SockRevNat4Value> = open_lru(bpffs, maps::SOCK_REVNAT4)?;
         let mut s6: SockMap<SockRevNat6Key, SockRevNat6Value> = open_lru(bpffs, maps::SOCK_REVNAT6)?;
         let (tx, rx) = std::sync::mpsc::channel::<Work>();
         let counter = destroyed;
         std::thread::Builder::new().name("stale-sockets".into()).spawn(move || {
+            let mut logged = false;
+            check_visibility(&cgroup, &invisible, &mut logged);
             while let Ok(first) = rx.recv() {
                 // Everything queued, at once.
                 let mut left = BTreeSet::new();
@@ -249,6 +287,7 @@ impl Destroyer {
                 if left.is_empty() {
                     continue;
                 }
+                check_visibility(&cgroup, &invisible, &mut logged);
                 let peers: BTreeSet<(IpAddr, u16)> = left.iter().map(|(_, _, b, bp)| (*b, *bp)).collect();
                 let mut n = 0;
                 for (pid, sock) in netns_sockets(&cgroup) {

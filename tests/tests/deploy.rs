@@ -86,7 +86,12 @@ fn the_daemon_set_runs_on_every_node_with_pinned_state_and_health() {
     let ds: DaemonSet = typed(&docs("daemonset.yaml")[0]);
     let pod = ds.spec.unwrap().template.spec.unwrap();
     assert_eq!(pod.host_network, Some(true));
+    // Without the host's PID namespace no pod netns is visible.
+    assert_eq!(pod.host_pid, Some(true));
     assert_eq!(pod.service_account_name.as_deref(), Some("lb-agent"));
+    // bpffs is checked by type: the hostPath is always a mount point.
+    let init = pod.init_containers.as_ref().unwrap()[0].command.clone().unwrap().join(" ");
+    assert!(init.contains("stat -f -c %T /sys/fs/bpf") && init.contains("bpf_fs"), "{init}");
     assert!(pod.tolerations.unwrap().iter().any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none()));
     let c = &pod.containers[0];
     let args = c.args.clone().unwrap();
@@ -108,4 +113,18 @@ fn the_daemon_set_runs_on_every_node_with_pinned_state_and_health() {
     let vols = pod.volumes.unwrap();
     let paths: BTreeSet<String> = vols.iter().filter_map(|v| v.host_path.as_ref().map(|h| h.path.clone())).collect();
     assert_eq!(paths, ["/sys/fs/bpf".to_string(), "/sys/fs/cgroup".to_string()].into());
+}
+
+#[test]
+fn the_uninstall_daemon_set_tears_down_in_the_nodes_network_namespace() {
+    let ds: DaemonSet = typed(&docs("uninstall.yaml")[0]);
+    let pod = ds.spec.unwrap().template.spec.unwrap();
+    assert_eq!(pod.host_network, Some(true), "TC filters and the reserved ports are per network namespace");
+    let init = &pod.init_containers.unwrap()[0];
+    assert_eq!(init.args.clone().unwrap(), ["teardown", "--bpffs=/sys/fs/bpf/lb"]);
+    // The same pin directory as the agent's.
+    let agent: DaemonSet = typed(&docs("daemonset.yaml")[0]);
+    let args = agent.spec.unwrap().template.spec.unwrap().containers[0].args.clone().unwrap();
+    assert!(args.contains(&"--bpffs=/sys/fs/bpf/lb".to_string()), "{args:?}");
+    assert_eq!(init.volume_mounts.as_ref().unwrap()[0].mount_path, "/sys/fs/bpf");
 }

@@ -85,3 +85,126 @@ fn an_unreachable_api_server_is_a_clear_error_and_healthz_stays_503() -> Result<
     let _ = agent.wait();
     res
 }
+
+fn slice_with_trigger(ip: &str, trigger: &str) -> String {
+    slice("web", "web-1", &[("http", 8080, "TCP")], &[(ip, "node-1", true)])
+        .replacen("metadata:\n", &format!("metadata:\n  annotations:\n    endpoints.kubernetes.io/last-change-trigger-time: \"{trigger}\"\n"), 1)
+}
+
+#[test]
+fn kube_proxys_operational_contract() -> Result<()> {
+    let mut c = Cluster::new(1)?;
+    let (a, b) = (c.add_pod(1, "pod-a")?, c.add_pod(1, "pod-b")?);
+    c.serve(&a, 8080)?;
+    c.serve(&b, 8080)?;
+    let client = c.add_pod(1, "client")?;
+    c.write_object("node.yaml", &lbtest::objects::node("node-1", "z1"))?;
+    c.write_object("svc.yaml", &service("web", "10.96.0.10", &[("http", 80, 8080, "TCP")]))?;
+    c.write_object("slice.yaml", &slice("web", "web-1", &[("http", 8080, "TCP")], &[(&a.ip, "node-1", true)]))?;
+    c.start_agent_with(1, &["--resync-period", "1s"])?;
+    c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&format!("{}:8080", a.ip)]))?;
+
+    // Metrics on loopback only, as kube-proxy's.
+    assert!(c.http(1, &format!("{}:10249", c.nodes[0].ip), "/metrics").is_err(), "not on the node's address");
+    let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+    assert!(metric(&m, "kubeproxy_sync_proxy_rules_duration_seconds_count").unwrap() >= 1.0, "{m}");
+    let last = metric(&m, "kubeproxy_sync_proxy_rules_last_timestamp_seconds").unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs_f64();
+    assert!((now - last).abs() < 60.0, "{last} vs {now}");
+    let endpoint_changes = metric(&m, "kubeproxy_sync_proxy_rules_endpoint_changes_total").unwrap();
+    let service_changes = metric(&m, "kubeproxy_sync_proxy_rules_service_changes_total").unwrap();
+    assert_eq!(metric(&m, "lb_source_watch_failing_seconds"), Some(0.0), "{m}");
+
+    // An endpoint change that happened 2 s ago (its trigger time): counted,
+    // and its programming latency measured from then.
+    let two_ago = humantime::format_rfc3339_seconds(std::time::SystemTime::now() - Duration::from_secs(2)).to_string();
+    c.write_object("slice.yaml", &slice_with_trigger(&b.ip, &two_ago))?;
+    c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&format!("{}:8080", b.ip)]))?;
+    let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+    assert!(metric(&m, "kubeproxy_sync_proxy_rules_endpoint_changes_total").unwrap() > endpoint_changes, "{m}");
+    assert_eq!(metric(&m, "kubeproxy_sync_proxy_rules_service_changes_total").unwrap(), service_changes, "{m}");
+    assert!(metric(&m, "kubeproxy_network_programming_duration_seconds_count").unwrap() >= 1.0, "{m}");
+    assert!(metric(&m, "kubeproxy_network_programming_duration_seconds_sum").unwrap() >= 1.5, "{m}");
+
+    // The Node is being deleted: /healthz says 503 (KEP-3836), /livez 200.
+    c.write_object("node.yaml", &lbtest::objects::node("node-1", "z1").replacen("metadata:\n", "metadata:\n  deletionTimestamp: \"2026-12-01T10:00:00Z\"\n", 1))?;
+    c.wait_for("/healthz 503", Duration::from_secs(5), || Ok(c.http(1, "127.0.0.1:10256", "/healthz")?.0 == 503))?;
+    let (_, body) = c.http(1, "127.0.0.1:10256", "/healthz")?;
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&body)?["nodeEligible"], false, "{body}");
+    assert_eq!(c.http(1, "127.0.0.1:10256", "/livez")?.0, 200);
+    c.write_object("node.yaml", &lbtest::objects::node("node-1", "z1"))?;
+    c.wait_for("/healthz 200", Duration::from_secs(5), || Ok(c.http(1, "127.0.0.1:10256", "/healthz")?.0 == 200))?;
+
+    // Drift: the frontend's entry deleted by hand comes back within the
+    // resync period, counted and logged.
+    let pin = c.nodes[0].bpffs.join(lb_common::maps::SERVICES4);
+    let mut svc: aya::maps::HashMap<_, [u8; 12], [u8; 16]> =
+        aya::maps::HashMap::try_from(aya::maps::Map::HashMap(aya::maps::MapData::from_pin(&pin)?))?;
+    let mut key = [0u8; 12];
+    key[..4].copy_from_slice(&[10, 96, 0, 10]);
+    key[4..6].copy_from_slice(&80u16.to_ne_bytes());
+    key[6] = 6;
+    svc.remove(&key)?;
+    assert_eq!(c.programmed(1, "10.96.0.10", 80, "TCP")?, None, "deleted by hand");
+    c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&format!("{}:8080", b.ip)]))?;
+    let s = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "3"])?;
+    assert_eq!(s.ok, 3, "{s:?}");
+    let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+    assert!(metric(&m, "lb_drift_repaired_total").unwrap() >= 1.0, "{m}");
+    assert!(std::fs::read_to_string(c.agent_log(1))?.contains("writing them back"));
+    Ok(())
+}
+
+#[test]
+fn teardown_gives_back_the_reserved_nodeport_range() -> Result<()> {
+    let mut c = Cluster::new(1)?;
+    let netns = c.nodes[0].netns.clone();
+    let reserved = |c: &Cluster| -> Result<String> { Ok(c.in_netns(&netns, &["cat", "/proc/sys/net/ipv4/ip_local_reserved_ports"])?.trim().to_string()) };
+    c.in_netns(&netns, &["sysctl", "-qw", "net.ipv4.ip_local_reserved_ports=2000-2001"])?;
+    c.start_agent(1)?;
+    assert_eq!(reserved(&c)?, "2000-2001,30000-32767");
+    c.kill_agent(1);
+    let bpffs = c.nodes[0].bpffs.to_str().unwrap().to_string();
+    lbtest::run("nsenter", &[&format!("--net=/run/netns/{netns}"), "--", lbtest::bin("lb-agent").to_str().unwrap(), "teardown", "--bpffs", &bpffs])?;
+    assert_eq!(reserved(&c)?, "2000-2001", "what was there before stays; lb's range goes");
+    assert!(!std::path::Path::new(&bpffs).exists(), "no pins left");
+    Ok(())
+}
+
+#[test]
+fn an_agent_that_cannot_see_the_pods_processes_says_so() -> Result<()> {
+    let mut c = Cluster::new(1)?;
+    let pod = c.add_pod(1, "pod-a")?;
+    c.serve(&pod, 8080)?;
+    c.write_object("svc.yaml", &service("web", "10.96.0.10", &[("http", 80, 8080, "TCP")]))?;
+    c.write_object("slice.yaml", &slice("web", "web-1", &[("http", 8080, "TCP")], &[(&pod.ip, "node-1", true)]))?;
+    let n = &c.nodes[0];
+    // A PID namespace of its own, as a container without hostPID.
+    let log = c.agent_log(1);
+    let mut agent = std::process::Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "--kill-child", "--", "nsenter"])
+        .arg(format!("--net=/run/netns/{}", n.netns))
+        .arg("--")
+        .arg(lbtest::bin("lb-agent"))
+        .args(["run", "--node-name", "node-1"])
+        .arg("--source")
+        .arg(format!("dir:{}", c.objects.display()))
+        .arg("--cgroup")
+        .arg(&n.cgroup)
+        .arg("--bpffs")
+        .arg(&n.bpffs)
+        .stderr(std::fs::File::create(&log)?)
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
+    let res = (|| -> Result<()> {
+        c.wait_for("the error", Duration::from_secs(20), || Ok(std::fs::read_to_string(&log)?.contains("cannot see the processes of the cgroup")))?;
+        let text = std::fs::read_to_string(&log)?;
+        assert!(text.contains("hostPID"), "the error says what to do: {text}");
+        let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+        assert!(metric(&m, "lb_cgroup_processes_invisible").unwrap() >= 1.0, "{m}");
+        Ok(())
+    })();
+    let _ = agent.kill();
+    let _ = agent.wait();
+    res
+}

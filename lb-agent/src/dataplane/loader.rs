@@ -144,6 +144,12 @@ pub fn check_cgroup(dir: &Path) -> Result<()> {
              --cgroup with its mount, e.g. /sys/fs/cgroup/unified on a hybrid host)",
             dir.display()
         ),
+        Ok(TMPFS_MAGIC) => bail!(
+            "no cgroup v2: {} is a tmpfs, the top of a hybrid or cgroup v1 hierarchy; lb needs the cgroup v2 mount: \
+             on a hybrid host pass its unified mount (usually /sys/fs/cgroup/unified; in the DaemonSet, the hostPath of \
+             the `cgroup` volume)",
+            dir.display()
+        ),
         Ok(_) => bail!("no cgroup v2: {} is not a cgroup v2 directory", dir.display()),
         Err(e) => bail!("no cgroup v2: {}: {e}", dir.display()),
     }
@@ -397,6 +403,8 @@ pub fn teardown(bpffs: &Path) -> Result<()> {
     if !bpffs.exists() {
         return Ok(());
     }
+    // The NodePort range lb reserved in this netns goes too.
+    crate::nodeport::unreserve_ports(bpffs)?;
     // Links first, so that nothing reads the maps while they go away.
     let links = bpffs.join("links");
     if links.exists() {

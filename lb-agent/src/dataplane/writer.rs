@@ -74,6 +74,22 @@ pub struct Table<A> {
     pub src_ranges: BTreeSet<(u16, A, u8)>,
 }
 
+/// How many entries of `a` and `b` differ: in one and not the other, or
+/// with another value.
+pub fn drift<A: Ord + Copy>(a: &Table<A>, b: &Table<A>) -> usize {
+    fn maps<K: Ord, V: PartialEq>(x: &BTreeMap<K, V>, y: &BTreeMap<K, V>) -> usize {
+        x.iter().filter(|(k, v)| y.get(k) != Some(v)).count() + y.keys().filter(|k| !x.contains_key(k)).count()
+    }
+    fn sets<K: Ord>(x: &BTreeSet<K>, y: &BTreeSet<K>) -> usize {
+        x.symmetric_difference(y).count()
+    }
+    maps(&a.services, &b.services)
+        + maps(&a.backends, &b.backends)
+        + maps(&a.revnat, &b.revnat)
+        + sets(&a.affinity_match, &b.affinity_match)
+        + sets(&a.src_ranges, &b.src_ranges)
+}
+
 /// One map write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op<A> {

@@ -25,6 +25,9 @@ use smallvec::SmallVec;
 
 use super::{LABEL_SERVICE_NAME, LABEL_SERVICE_PROXY_NAME};
 
+/// The EndpointSlice annotation kube-proxy measures programming latency from.
+pub const LAST_CHANGE_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
 /// Object metadata: name, namespace, and the labels the model reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Meta {
@@ -34,6 +37,24 @@ pub struct Meta {
     pub namespace: Option<String>,
     #[serde(default, deserialize_with = "null_as_default")]
     pub labels: Labels,
+    #[serde(default, deserialize_with = "null_as_default", skip_serializing_if = "Annotations::is_empty")]
+    pub annotations: Annotations,
+}
+
+/// The one annotation the agent reads; the others are dropped.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Annotations {
+    /// `endpoints.kubernetes.io/last-change-trigger-time` (RFC 3339) on an
+    /// EndpointSlice: when the change it carries happened, for kube-proxy's
+    /// network programming latency.
+    #[serde(rename = "endpoints.kubernetes.io/last-change-trigger-time", default, skip_serializing_if = "Option::is_none")]
+    pub last_change_trigger_time: Option<String>,
+}
+
+impl Annotations {
+    fn is_empty(&self) -> bool {
+        self.last_change_trigger_time.is_none()
+    }
 }
 
 /// The two labels the model reads; the others are dropped.
@@ -54,10 +75,12 @@ fn null_as_default<'de, D: Deserializer<'de>, T: Deserialize<'de> + Default>(d: 
 impl From<&k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta> for Meta {
     fn from(m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> Self {
         let label = |k: &str| m.labels.as_ref().and_then(|l| l.get(k)).cloned();
+        let annotation = |k: &str| m.annotations.as_ref().and_then(|a| a.get(k)).cloned();
         Meta {
             name: m.name.clone(),
             namespace: m.namespace.clone(),
             labels: Labels { service_name: label(LABEL_SERVICE_NAME), proxy_name: label(LABEL_SERVICE_PROXY_NAME) },
+            annotations: Annotations { last_change_trigger_time: annotation(LAST_CHANGE_TRIGGER_TIME) },
         }
     }
 }
@@ -216,7 +239,7 @@ mod tests {
             let mut e = e;
             let labels: BTreeMap<String, String> = [("app".to_string(), "x".to_string()), (LABEL_SERVICE_PROXY_NAME.to_string(), "other".to_string())].into();
             s.metadata.labels = Some(labels);
-            e.metadata.annotations = Some([("a".to_string(), "b".to_string())].into());
+            e.metadata.annotations = Some([("a".to_string(), "b".to_string()), (LAST_CHANGE_TRIGGER_TIME.to_string(), "2026-12-01T10:00:00Z".to_string())].into());
             let via_json: Service = serde_json::from_value(serde_json::to_value(&s).unwrap()).unwrap();
             prop_assert_eq!(via_json, Service::from(&s));
             let via_json: EndpointSlice = serde_json::from_value(serde_json::to_value(&e).unwrap()).unwrap();

@@ -27,7 +27,7 @@ use kube::{Api, Client, Config, Resource};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
-use super::{Publisher, Snapshot, Update};
+use super::{Publisher, Snapshot, Status, Update};
 use crate::model::{EndpointSlice, Service};
 
 /// The API's own types, converted on arrival.
@@ -36,6 +36,11 @@ mod k8s {
     pub use k8s_openapi::api::discovery::v1::EndpointSlice;
 }
 
+
+/// kube-proxy's label selector for Services and EndpointSlices: Services
+/// another proxy serves, and headless ones, are filtered at the API server
+/// and never cached.
+pub const LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
 /// The shortest time between two snapshots: a burst of changes goes out as
 /// one snapshot per this much time, a lone change at once.
@@ -93,6 +98,7 @@ fn spawn_watch<K, C>(
     changed: mpsc::UnboundedSender<Instant>,
     kind: &'static str,
     server: String,
+    status: Arc<Status>,
 ) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
@@ -106,10 +112,13 @@ fn spawn_watch<K, C>(
                 Ok(ev) => ev,
                 Err(e) => {
                     failing = true;
+                    let for_s = status.failed(kind).as_secs();
                     tracing::error!(
                         kind,
-                        "cannot watch {kind}s on the API server {server}: {e}; retrying with backoff \
-                         (in a cluster without kube-proxy, KUBERNETES_SERVICE_HOST/PORT must name the real API server)"
+                        failing_for_s = for_s,
+                        "cannot watch {kind}s on the API server {server}: {e}; retrying with backoff; the maps keep \
+                         what they hold meanwhile (in a cluster without kube-proxy, KUBERNETES_SERVICE_HOST/PORT must \
+                         name the real API server)"
                     );
                     continue;
                 }
@@ -143,7 +152,8 @@ fn spawn_watch<K, C>(
             };
             if publish {
                 if failing {
-                    tracing::info!(kind, "watch recovered");
+                    tracing::info!(kind, after_s = status.failing_for().as_secs(), "watch recovered");
+                    status.recovered(kind);
                     failing = false;
                 }
                 if changed.send(Instant::now()).is_err() {
@@ -163,8 +173,8 @@ fn ready<C>(store: &Shared<C>) -> bool {
 }
 
 /// Watch the API server and publish snapshots until the watchers end.
-pub async fn run(client: Client, server: String, node_name: String, tx: Publisher) -> Result<()> {
-    run_with(client, server, node_name, move |u| tx.send(Some(u)).is_ok()).await
+pub async fn run(client: Client, server: String, node_name: String, tx: Publisher, status: Arc<Status>) -> Result<()> {
+    run_with(client, server, node_name, status, move |u| tx.send(Some(u)).is_ok()).await
 }
 
 /// `run`, handing each snapshot to `publish` (false: stop).
@@ -172,25 +182,36 @@ pub async fn run_with(
     client: Client,
     server: String,
     node_name: String,
+    status: Arc<Status>,
     mut publish: impl FnMut(Arc<Update>) -> bool,
 ) -> Result<()> {
     let svcs: Shared<Service> = Default::default();
     let slices: Shared<EndpointSlice> = Default::default();
     let nodes: Shared<Node> = Default::default();
     let (changed_tx, mut changed) = mpsc::unbounded_channel();
-    let all = watcher::Config::default();
-    spawn_watch(Api::<k8s::Service>::all(client.clone()), all.clone(), svcs.clone(), |o| Service::from(o), changed_tx.clone(), "Service", server.clone());
+    let proxied = watcher::Config::default().labels(LABEL_SELECTOR);
+    spawn_watch(
+        Api::<k8s::Service>::all(client.clone()),
+        proxied.clone(),
+        svcs.clone(),
+        |o| Service::from(o),
+        changed_tx.clone(),
+        "Service",
+        server.clone(),
+        status.clone(),
+    );
     spawn_watch(
         Api::<k8s::EndpointSlice>::all(client.clone()),
-        all,
+        proxied,
         slices.clone(),
         |o| EndpointSlice::from(o),
         changed_tx.clone(),
         "EndpointSlice",
         server.clone(),
+        status.clone(),
     );
     let this_node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-    spawn_watch(Api::<Node>::all(client), this_node, nodes.clone(), Node::clone, changed_tx, "Node", server);
+    spawn_watch(Api::<Node>::all(client), this_node, nodes.clone(), Node::clone, changed_tx, "Node", server, status);
 
     // The first full view of all three before anything is published.
     let first = Instant::now();

@@ -34,6 +34,31 @@ pub struct Update {
 pub type Publisher = tokio::sync::watch::Sender<Option<Arc<Update>>>;
 pub type Subscriber = tokio::sync::watch::Receiver<Option<Arc<Update>>>;
 
+/// How a source is doing, shared with the agent's metrics: since when each
+/// of its watches has been failing.
+#[derive(Debug, Default)]
+pub struct Status {
+    failing: std::sync::Mutex<std::collections::BTreeMap<&'static str, Instant>>,
+}
+
+impl Status {
+    /// Watch `what` failed (the first failure of a spell counts).
+    pub fn failed(&self, what: &'static str) -> std::time::Duration {
+        let mut f = self.failing.lock().unwrap();
+        f.entry(what).or_insert_with(Instant::now).elapsed()
+    }
+
+    /// Watch `what` works again.
+    pub fn recovered(&self, what: &'static str) {
+        self.failing.lock().unwrap().remove(what);
+    }
+
+    /// How long the longest-failing watch has been failing (zero: none is).
+    pub fn failing_for(&self) -> std::time::Duration {
+        self.failing.lock().unwrap().values().map(|t| t.elapsed()).max().unwrap_or_default()
+    }
+}
+
 /// `--source` parsed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SourceSpec {
@@ -60,6 +85,21 @@ impl std::str::FromStr for SourceSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn status_reports_the_longest_failing_watch() {
+        let st = Status::default();
+        assert_eq!(st.failing_for(), std::time::Duration::ZERO);
+        st.failed("Service");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        st.failed("Service");
+        st.failed("Node");
+        assert!(st.failing_for() >= std::time::Duration::from_millis(20), "the first failure of the spell counts");
+        st.recovered("Service");
+        assert!(st.failing_for() < std::time::Duration::from_millis(20));
+        st.recovered("Node");
+        assert_eq!(st.failing_for(), std::time::Duration::ZERO);
+    }
 
     #[test]
     fn source_specs() {

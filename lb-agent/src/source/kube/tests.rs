@@ -21,6 +21,8 @@ struct Kind {
     /// Status codes to answer the next lists with.
     fail_lists: Vec<u16>,
     lists: u32,
+    /// The query strings of the requests for this kind.
+    queries: Vec<String>,
 }
 
 #[derive(Default)]
@@ -49,6 +51,10 @@ impl Fake {
 
     fn fail_next_list(&self, path: &'static str, code: u16) {
         self.0.lock().unwrap().kinds.entry(path).or_default().fail_lists.push(code);
+    }
+
+    fn queries(&self, path: &'static str) -> Vec<String> {
+        self.0.lock().unwrap().kinds.get(path).map_or(Vec::new(), |k| k.queries.clone())
     }
 
     fn lists(&self, path: &'static str) -> u32 {
@@ -123,6 +129,7 @@ impl Fake {
             st.rv += 1;
             let rv = st.rv;
             let kind = st.kinds.entry(key).or_default();
+            kind.queries.push(query.clone());
             if query.contains("watch=true") {
                 // Hold the watch open until the test sends an event.
                 kind.parked = Some(send);
@@ -169,6 +176,7 @@ fn node(name: &str, zone: &str) -> Value {
 
 struct Harness {
     rx: crate::source::Subscriber,
+    status: Arc<crate::source::Status>,
     /// Every snapshot seen, as the set of Service names.
     seen: Vec<BTreeSet<String>>,
 }
@@ -179,8 +187,9 @@ impl Harness {
         let client = Client::new(mock, "default");
         tokio::spawn(fake.clone().serve(handle));
         let (tx, rx) = tokio::sync::watch::channel(None);
-        tokio::spawn(run(client, "mock".into(), "node-a".into(), tx));
-        Harness { rx, seen: Vec::new() }
+        let status = Arc::new(crate::source::Status::default());
+        tokio::spawn(run(client, "mock".into(), "node-a".into(), tx, status.clone()));
+        Harness { rx, status, seen: Vec::new() }
     }
 
     /// Wait until the published snapshot satisfies `pred`; return it.
@@ -274,6 +283,25 @@ async fn an_api_error_delays_the_first_snapshot_until_a_retry_succeeds() {
     // EndpointSlice list succeeded on retry.
     assert!(fake.lists(SLICES) >= 2);
     assert_eq!(backends(&u.snapshot, "10.96.0.1"), ["10.0.0.1"]);
+    // The failure showed while it lasted, and cleared with the recovery.
+    assert_eq!(h.status.failing_for(), Duration::ZERO);
+}
+
+#[tokio::test]
+async fn services_and_slices_are_filtered_at_the_api_server_as_kube_proxy_does() {
+    let fake = Fake::default();
+    fake.set(SERVICES, vec![svc("a", "10.96.0.1")]);
+    fake.set(SLICES, vec![slice("a", "a-1", &["10.0.0.1"])]);
+    fake.set(NODES, vec![]);
+    let mut h = Harness::start(fake.clone());
+    h.until("first snapshot", |_| true).await;
+    let selector = "labelSelector=%21service.kubernetes.io%2Fservice-proxy-name%2C%21service.kubernetes.io%2Fheadless";
+    for path in [SERVICES, SLICES] {
+        let q = fake.queries(path);
+        assert!(!q.is_empty() && q.iter().all(|q| q.contains(selector)), "{path}: {q:?}");
+    }
+    // The Node watch asks for this node only, without the label selector.
+    assert!(fake.queries(NODES).iter().all(|q| q.contains("fieldSelector=metadata.name%3Dnode-a") && !q.contains("labelSelector")));
 }
 
 #[tokio::test]
@@ -286,7 +314,7 @@ async fn a_burst_of_a_thousand_changes_is_published_as_a_few_snapshots() {
     tokio::spawn(fake.clone().serve(handle));
     let published = Arc::new(Mutex::new(Vec::<Arc<Update>>::new()));
     let p = published.clone();
-    tokio::spawn(run_with(Client::new(mock, "default"), "mock".into(), "node-a".into(), move |u| {
+    tokio::spawn(run_with(Client::new(mock, "default"), "mock".into(), "node-a".into(), Default::default(), move |u| {
         p.lock().unwrap().push(u);
         true
     }));
