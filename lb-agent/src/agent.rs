@@ -575,7 +575,7 @@ fn owner_of<A: Addr>(op: &Op<A>, target: &writer::Target<A>) -> Option<(model::S
 /// removed, TCP marked for a RST). It logs when new flows were refused.
 fn spawn_nat_gc(cfg: &RunConfig) -> Result<std::sync::mpsc::Sender<BTreeSet<model::Pair>>> {
     use aya::maps::{HashMap, Map, MapData, PerCpuArray};
-    let open = |name: &str| MapData::from_pin(cfg.bpffs.join(name)).with_context(|| format!("open pinned {name}"));
+    let open = |name: &str| MapData::from_pin(loader::pin_path(&cfg.bpffs, name)).with_context(|| format!("open pinned {name}"));
     let mut nat4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT4)?))?;
     let mut nat6: HashMap<MapData, lb_common::Nat6Key, lb_common::Nat6Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT6)?))?;
     let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(open(lb_common::maps::STATS)?))?;
@@ -675,7 +675,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     };
 
     let dp = loader::load(&cfg.bpffs, &cfg.cgroup, cfg.capacity)?;
-    let loader::Dataplane { maps, mut tc, adopted } = dp;
+    let loader::Dataplane { maps, mut tc, adopted, mut upgrade } = dp;
     tc.mode = cfg.tc_attach;
     let v4 = Mirror::new(maps.v4.read_table(&maps.affinity_match, &maps.src_range)?);
     let v6 = Mirror::new(maps.v6.read_table(&maps.affinity_match, &maps.src_range)?);
@@ -683,8 +683,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     if let Err(e) = crate::nodeport::reserve_ports(cfg.nodeport_range.0, cfg.nodeport_range.1, &cfg.bpffs) {
         tracing::warn!("cannot reserve the NodePort range for local ports: {e:#}");
     }
-    for iface in &cfg.nodeport_interfaces {
-        tc.attach_tc(iface)?;
+    // During an upgrade the programs attach once the new maps are filled.
+    if upgrade.is_none() {
+        for iface in &cfg.nodeport_interfaces {
+            tc.attach_tc(iface)?;
+        }
     }
     let nat_left = spawn_nat_gc(&cfg)?;
     if adopted {
@@ -702,7 +705,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     );
 
     let stats = aya::maps::PerCpuArray::try_from(aya::maps::Map::PerCpuArray(aya::maps::MapData::from_pin(
-        cfg.bpffs.join(lb_common::maps::STATS),
+        loader::pin_path(&cfg.bpffs, lb_common::maps::STATS),
     )?))?;
     let metrics = Metrics::new(Arc::new(PinnedStats(std::sync::Mutex::new(stats))));
     let health = Arc::new(Health::new(cfg.stall_after));
@@ -830,12 +833,20 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             }
         }
         rec.export(&metrics, &cfg.capacity);
+        // An upgrade: the staged maps hold the first full sync now; move the
+        // programs to them (the old ones served from the old maps meanwhile).
+        if !dirty && let Some(replaced) = upgrade.take() {
+            tc.finish_upgrade(&replaced)?;
+            for iface in &cfg.nodeport_interfaces {
+                tc.attach_tc(iface)?;
+            }
+        }
         health_checks.reconcile(&rec.health_checks).await;
         // The TC programs go where outside traffic and replies of SNATed
         // flows arrive, unless told, once some Service takes traffic from
         // outside: until then there is no per-packet work at all. Devices
         // that appear later are picked up at the next sync.
-        if cfg.nodeport_interfaces.is_empty() && rec.has_external {
+        if upgrade.is_none() && cfg.nodeport_interfaces.is_empty() && rec.has_external {
             for iface in crate::nodeport::interfaces_for(&rec.node_addresses) {
                 if let Err(e) = tc.attach_tc(&iface) {
                     tracing::error!("{e:#}");

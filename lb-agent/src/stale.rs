@@ -238,7 +238,7 @@ enum Work {
 type SockMap<K, V> = aya::maps::HashMap<aya::maps::MapData, K, V>;
 
 fn open_lru<K: aya::Pod, V: aya::Pod>(bpffs: &Path, name: &str) -> Result<SockMap<K, V>> {
-    let data = aya::maps::MapData::from_pin(bpffs.join(name)).with_context(|| format!("open pinned map {name}"))?;
+    let data = aya::maps::MapData::from_pin(crate::dataplane::loader::pin_path(bpffs, name)).with_context(|| format!("open pinned map {name}"))?;
     Ok(aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?)
 }
 

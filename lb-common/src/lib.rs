@@ -338,6 +338,12 @@ pub mod stats {
     ];
 }
 
+/// The version of the pinned maps' layout: bump it whenever a map changes
+/// meaning without changing size (the loader compares sizes, types and
+/// max_entries by itself). Pins of another version are replaced by an
+/// upgrade, and the state maps' entries carried over where sizes agree.
+pub const LAYOUT_VERSION: u32 = 2;
+
 /// Map names, shared by the loader, `lb-agent list` and the pin layout.
 pub mod maps {
     pub const SERVICES4: &str = "LB4_SERVICES";

@@ -180,6 +180,148 @@ impl Summary {
     }
 }
 
+/// How `Cluster::launch_agent` runs `lb-agent run`.
+#[derive(Default)]
+struct AgentLaunch {
+    /// `--source`.
+    source: String,
+    /// More flags before the caller's.
+    flags: Vec<String>,
+    env: Vec<(String, String)>,
+    env_remove: Vec<String>,
+    /// Show this directory at /var/run/secrets/kubernetes.io/serviceaccount,
+    /// in a private mount namespace.
+    service_account: Option<PathBuf>,
+}
+
+/// Run `f` on a thread inside netns `netns` (None: this one): sockets it
+/// opens live there. The caller's threads stay where they are.
+pub fn with_netns<T: Send>(netns: Option<&str>, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            if let Some(ns) = netns {
+                let fd = std::fs::File::open(format!("/run/netns/{ns}")).with_context(|| format!("open netns {ns}"))?;
+                nix::sched::setns(&fd, nix::sched::CloneFlags::CLONE_NEWNET).with_context(|| format!("setns {ns}"))?;
+            }
+            f()
+        });
+        h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))
+    })
+}
+
+/// A running `lb-apiserver` (tests/src/bin/lb-apiserver.rs), killed on drop.
+pub struct ApiServer {
+    /// `IP:PORT` it listens on, inside `netns`.
+    pub addr: String,
+    /// None: the test's own netns.
+    pub netns: Option<String>,
+    /// A kubeconfig for it (with TLS: CA data and the token).
+    pub kubeconfig: PathBuf,
+    /// With TLS: ca.crt, token and namespace, as a service account has them.
+    pub tls_dir: Option<PathBuf>,
+    pub log: PathBuf,
+    child: Child,
+}
+
+impl ApiServer {
+    /// Start it serving `objects` on 127.0.0.1 (any port) in `netns`
+    /// (None: here); HTTPS when `tls_dir` is given. Returns once it listens.
+    pub fn start(netns: Option<&str>, objects: &Path, tls_dir: Option<&Path>, kubeconfig: &Path, log: &Path) -> Result<Self> {
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}")).arg("--").arg(bin("lb-apiserver"));
+                c
+            }
+            None => Command::new(bin("lb-apiserver")),
+        };
+        cmd.arg("--objects").arg(objects).args(["--listen", "127.0.0.1:0"]).arg("--kubeconfig-out").arg(kubeconfig);
+        if let Some(d) = tls_dir {
+            cmd.arg("--tls-dir").arg(d);
+        }
+        let f = std::fs::OpenOptions::new().create(true).append(true).open(log)?;
+        let mut child = cmd.stdout(Stdio::piped()).stderr(f).spawn().context("spawn lb-apiserver")?;
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line)?;
+        let Some(addr) = line.trim().strip_prefix("ready ").map(str::to_string) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("lb-apiserver did not start: {line:?}: {}", std::fs::read_to_string(log).unwrap_or_default());
+        };
+        Ok(ApiServer {
+            addr,
+            netns: netns.map(str::to_string),
+            kubeconfig: kubeconfig.to_path_buf(),
+            tls_dir: tls_dir.map(Path::to_path_buf),
+            log: log.to_path_buf(),
+            child,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// A plain-HTTP request (no TLS) from inside its netns: (status, body).
+    pub fn request(&self, method: &str, path: &str) -> Result<(u16, String)> {
+        use std::io::{Read as _, Write as _};
+        if self.tls_dir.is_some() {
+            bail!("ApiServer::request speaks plain HTTP only");
+        }
+        let addr: std::net::SocketAddr = self.addr.parse()?;
+        let req = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Length: 0\r\n\r\n");
+        let raw = with_netns(self.netns.as_deref(), || {
+            let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            s.write_all(req.as_bytes())?;
+            let mut out = Vec::new();
+            s.read_to_end(&mut out)?;
+            Ok(out)
+        })?;
+        let text = String::from_utf8_lossy(&raw);
+        let (head, body) = text.split_once("\r\n\r\n").context("no HTTP header")?;
+        let code = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).context("no HTTP status")?;
+        Ok((code, body.to_string()))
+    }
+
+    /// POST a test control (`/lbtest/compact`, `/lbtest/fail?code=500&count=3`, ...).
+    pub fn control(&self, path: &str) -> Result<()> {
+        let (code, body) = self.request("POST", path)?;
+        if code != 200 {
+            bail!("POST {path}: {code} {body}");
+        }
+        Ok(())
+    }
+
+    /// The requests it saw, as "METHOD /path?query" (the query as sent).
+    pub fn requests(&self) -> Result<Vec<String>> {
+        let (code, body) = self.request("GET", "/lbtest/requests")?;
+        if code != 200 {
+            bail!("GET /lbtest/requests: {code} {body}");
+        }
+        Ok(serde_json::from_str(&body)?)
+    }
+
+    /// `GET /lbtest/state`: resourceVersion, compacted, failRemaining, ...
+    pub fn state(&self) -> Result<serde_json::Value> {
+        let (code, body) = self.request("GET", "/lbtest/state")?;
+        if code != 200 {
+            bail!("GET /lbtest/state: {code} {body}");
+        }
+        Ok(serde_json::from_str(&body)?)
+    }
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- lb-apiserver log ---\n{}", std::fs::read_to_string(&self.log).unwrap_or_default());
+        }
+    }
+}
+
 pub struct Cluster {
     pub id: String,
     pub nodes: Vec<Node>,
@@ -575,17 +717,75 @@ impl Cluster {
     /// `start_agent_with`, reading objects from `dir` instead of the
     /// cluster's shared directory.
     pub fn start_agent_from(&mut self, node: usize, dir: &Path, extra: &[&str]) -> Result<()> {
+        self.start_agent_env(node, dir, extra, &[])
+    }
+
+    /// `start_agent_from` with extra environment variables for the agent.
+    pub fn start_agent_env(&mut self, node: usize, dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Result<()> {
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        self.launch_agent(node, AgentLaunch { source: format!("dir:{}", dir.display()), env, ..Default::default() }, extra)
+    }
+
+    /// `start_agent_with`, with `--source kube --kubeconfig KUBECONFIG`:
+    /// the agent lists and watches an API server (see `start_apiserver`).
+    pub fn start_agent_kube(&mut self, node: usize, kubeconfig: &Path, extra: &[&str]) -> Result<()> {
+        let launch = AgentLaunch {
+            source: "kube".into(),
+            flags: vec!["--kubeconfig".into(), kubeconfig.display().to_string()],
+            ..Default::default()
+        };
+        self.launch_agent(node, launch, extra)
+    }
+
+    /// `start_agent_with`, with `--source kube` and nothing but the
+    /// in-cluster configuration of a pod: `KUBERNETES_SERVICE_HOST`/`_PORT`
+    /// name `api` (a TLS one), and its service-account files appear at
+    /// /var/run/secrets/kubernetes.io/serviceaccount in a private mount
+    /// namespace of the agent (a tmpfs over /var there), so nothing on the
+    /// machine changes. No KUBECONFIG, and a HOME without ~/.kube.
+    pub fn start_agent_in_cluster(&mut self, node: usize, api: &ApiServer, extra: &[&str]) -> Result<()> {
+        let sa = api.tls_dir.clone().context("the in-cluster configuration needs an API server with TLS")?;
+        let (host, port) = api.addr.rsplit_once(':').context("API server address")?;
+        let home = self.objects.parent().context("cluster directory")?.join("agent-home");
+        std::fs::create_dir_all(&home)?;
+        let launch = AgentLaunch {
+            source: "kube".into(),
+            env: vec![
+                ("KUBERNETES_SERVICE_HOST".into(), host.trim_matches(['[', ']']).to_string()),
+                ("KUBERNETES_SERVICE_PORT".into(), port.to_string()),
+                ("HOME".into(), home.display().to_string()),
+            ],
+            env_remove: vec!["KUBECONFIG".into()],
+            service_account: Some(sa),
+            ..Default::default()
+        };
+        self.launch_agent(node, launch, extra)
+    }
+
+    /// Start `lb-agent run` as `launch` says in node `node`'s netns,
+    /// attached to its cgroup, and wait for its first full sync.
+    fn launch_agent(&mut self, node: usize, launch: AgentLaunch, extra: &[&str]) -> Result<()> {
         let log = self.agent_log(node);
         let before = std::fs::read_to_string(&log).map(|s| s.matches("initial sync complete").count()).unwrap_or(0);
         let n = &self.nodes[node - 1];
         let f = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
-        let child = Command::new("nsenter")
-            .arg(format!("--net=/run/netns/{}", n.netns))
-            .arg("--")
-            .arg(bin("lb-agent"))
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/run/netns/{}", n.netns)).arg("--");
+        if let Some(sa) = &launch.service_account {
+            // $0 is the directory, "$@" the agent's command line.
+            cmd.args(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c"])
+                .arg(
+                    "mount -t tmpfs -o size=1m,mode=0755 lb-serviceaccount /var && \
+                     mkdir -p /var/run/secrets/kubernetes.io && \
+                     ln -s \"$0\" /var/run/secrets/kubernetes.io/serviceaccount && exec \"$@\"",
+                )
+                .arg(sa);
+        }
+        cmd.arg(bin("lb-agent"))
             .arg("run")
             .arg("--source")
-            .arg(format!("dir:{}", dir.display()))
+            .arg(&launch.source)
+            .args(&launch.flags)
             .arg("--node-name")
             .arg(&n.name)
             .arg("--cgroup")
@@ -606,10 +806,12 @@ impl Cluster {
             )
             .args(extra)
             .env("RUST_LOG", std::env::var("LB_AGENT_RUST_LOG").unwrap_or_else(|_| "info".into()))
-            .env("NO_COLOR", "1")
-            .stdout(f.try_clone()?)
-            .stderr(f)
-            .spawn()?;
+            .env("NO_COLOR", "1");
+        for k in &launch.env_remove {
+            cmd.env_remove(k);
+        }
+        cmd.envs(launch.env.iter().map(|(k, v)| (k, v)));
+        let child = cmd.stdout(f.try_clone()?).stderr(f).spawn()?;
         self.nodes[node - 1].agent = Some(child);
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
@@ -627,6 +829,20 @@ impl Cluster {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+    }
+
+    /// Start `lb-apiserver` (the wire-level list/watch stand-in) on this
+    /// cluster's object directory, inside node `node`'s netns on
+    /// 127.0.0.1, where that node's agent reaches it (127.0.0.1 is each
+    /// netns' own loopback). `tls`: HTTPS with a bearer token, and the
+    /// service-account files in `ApiServer::tls_dir`.
+    pub fn start_apiserver(&self, node: usize, tls: bool) -> Result<ApiServer> {
+        let k = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let dir = self.objects.parent().context("cluster directory")?.join(format!("apiserver-{k}"));
+        std::fs::create_dir_all(&dir)?;
+        let log = self.logs.join(format!("apiserver-{k}.log"));
+        let tls_dir = tls.then(|| dir.join("serviceaccount"));
+        ApiServer::start(Some(&self.nodes[node - 1].netns), &self.objects, tls_dir.as_deref(), &dir.join("kubeconfig"), &log)
     }
 
     /// Kill node `node`'s agent with SIGKILL (the pins stay).

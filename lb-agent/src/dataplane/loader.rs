@@ -6,6 +6,7 @@
 //!   DIR/<MAP>          every map, reused by the next agent
 //!   DIR/links/<PROG>   the cgroup links; they keep the programs attached
 //!                      while no agent runs
+use std::collections::BTreeSet;
 use std::fs;
 use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
@@ -155,55 +156,107 @@ pub fn check_cgroup(dir: &Path) -> Result<()> {
     }
 }
 
-/// Refuse to adopt a pinned map whose layout this agent does not understand:
-/// another map type, key or value size.
-fn check_pinned_layout(dir: &Path) -> Result<()> {
+/// The staging directory of an upgrade: new maps wait here, pinned, until
+/// the agent has filled them and swaps them in.
+const NEXT: &str = "next";
+/// The pin-dir entry that records the layout version of the pins.
+const LAYOUT_MARKER: &str = "layout-";
+
+/// Where the pin of map `name` is now: staged in `next/` during an upgrade
+/// that replaces it, else in `bpffs`.
+pub fn pin_path(bpffs: &Path, name: &str) -> PathBuf {
+    let staged = bpffs.join(NEXT).join(name);
+    if staged.exists() { staged } else { bpffs.join(name) }
+}
+
+/// The layout version of the maps this agent uses (lb_common::LAYOUT_VERSION;
+/// LB_LAYOUT_VERSION overrides it, for the upgrade test only).
+fn layout_version() -> String {
+    std::env::var("LB_LAYOUT_VERSION").unwrap_or_else(|_| lb_common::LAYOUT_VERSION.to_string())
+}
+
+/// The layout version the pins in `dir` carry ("1": pinned by an agent from
+/// before versions were recorded).
+fn pinned_layout_version(dir: &Path) -> String {
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .find_map(|e| e.file_name().to_string_lossy().strip_prefix(LAYOUT_MARKER).map(String::from))
+        .unwrap_or_else(|| "1".into())
+}
+
+/// Record `version` as the layout of the pins in `dir`.
+fn mark_layout(dir: &Path, version: &str) -> Result<()> {
+    for e in fs::read_dir(dir)?.flatten() {
+        if e.file_name().to_string_lossy().starts_with(LAYOUT_MARKER) {
+            fs::remove_dir(e.path())?;
+        }
+    }
+    fs::create_dir_all(dir.join(format!("{LAYOUT_MARKER}{version}"))).context("record the layout version")
+}
+
+/// Every map with the type, key size, value size and max_entries this agent
+/// gives it.
+fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 16] {
     use aya::maps::MapType as T;
-    let expect: [(&str, T, usize, usize); 16] = [
-        (maps::NAT4, T::Hash, size_of::<Nat4Key>(), size_of::<Nat4Entry>()),
-        (maps::NAT6, T::Hash, size_of::<Nat6Key>(), size_of::<Nat6Entry>()),
-        (maps::SRC_RANGE, T::LpmTrie, 4 + size_of::<lb_common::SrcRange>(), size_of::<u8>()),
-        (maps::NODE_CONFIG, T::Array, size_of::<u32>(), size_of::<NodeConfig>()),
-        (maps::NODEPORTS, T::Hash, size_of::<NodePortKey>(), size_of::<u8>()),
-        (maps::SERVICES4, T::Hash, size_of::<Svc4Key>(), size_of::<SvcValue>()),
-        (maps::BACKENDS4, T::Hash, size_of::<u32>(), size_of::<Backend4>()),
-        (maps::REVNAT4, T::Hash, size_of::<u16>(), size_of::<RevNat4>()),
-        (maps::SOCK_REVNAT4, T::LruHash, size_of::<SockRevNat4Key>(), size_of::<SockRevNat4Value>()),
-        (maps::SERVICES6, T::Hash, size_of::<Svc6Key>(), size_of::<SvcValue>()),
-        (maps::BACKENDS6, T::Hash, size_of::<u32>(), size_of::<Backend6>()),
-        (maps::REVNAT6, T::Hash, size_of::<u16>(), size_of::<RevNat6>()),
-        (maps::SOCK_REVNAT6, T::LruHash, size_of::<SockRevNat6Key>(), size_of::<SockRevNat6Value>()),
-        (maps::AFFINITY, T::LruHash, size_of::<AffinityKey>(), size_of::<AffinityValue>()),
-        (maps::AFFINITY_MATCH, T::Hash, size_of::<AffinityMatchKey>(), size_of::<u8>()),
-        (maps::STATS, T::PerCpuArray, size_of::<u32>(), size_of::<u64>()),
-    ];
-    for (name, ty, k, v) in expect {
+    use lb_common::capacity as c;
+    let revnat = cap.services.min(u16::MAX as u32);
+    [
+        (maps::NAT4, T::Hash, size_of::<Nat4Key>(), size_of::<Nat4Entry>(), cap.nat),
+        (maps::NAT6, T::Hash, size_of::<Nat6Key>(), size_of::<Nat6Entry>(), cap.nat),
+        (maps::SRC_RANGE, T::LpmTrie, 4 + size_of::<lb_common::SrcRange>(), size_of::<u8>(), c::SRC_RANGE),
+        (maps::NODE_CONFIG, T::Array, size_of::<u32>(), size_of::<NodeConfig>(), 1),
+        (maps::NODEPORTS, T::Hash, size_of::<NodePortKey>(), size_of::<u8>(), c::NODEPORTS),
+        (maps::SERVICES4, T::Hash, size_of::<Svc4Key>(), size_of::<SvcValue>(), cap.services),
+        (maps::BACKENDS4, T::Hash, size_of::<u32>(), size_of::<Backend4>(), cap.backends),
+        (maps::REVNAT4, T::Hash, size_of::<u16>(), size_of::<RevNat4>(), revnat),
+        (maps::SOCK_REVNAT4, T::LruHash, size_of::<SockRevNat4Key>(), size_of::<SockRevNat4Value>(), cap.sock_revnat),
+        (maps::SERVICES6, T::Hash, size_of::<Svc6Key>(), size_of::<SvcValue>(), cap.services),
+        (maps::BACKENDS6, T::Hash, size_of::<u32>(), size_of::<Backend6>(), cap.backends),
+        (maps::REVNAT6, T::Hash, size_of::<u16>(), size_of::<RevNat6>(), revnat),
+        (maps::SOCK_REVNAT6, T::LruHash, size_of::<SockRevNat6Key>(), size_of::<SockRevNat6Value>(), cap.sock_revnat),
+        (maps::AFFINITY, T::LruHash, size_of::<AffinityKey>(), size_of::<AffinityValue>(), c::AFFINITY),
+        (maps::AFFINITY_MATCH, T::Hash, size_of::<AffinityMatchKey>(), size_of::<u8>(), cap.backends),
+        (maps::STATS, T::PerCpuArray, size_of::<u32>(), size_of::<u64>(), lb_common::stats::COUNT),
+    ]
+}
+
+/// The pinned maps in `dir` this agent cannot use as they are: another map
+/// type, key or value size, or max_entries (a `--max-*` flag changed), or
+/// all of them when the pins carry another layout version (a change of
+/// meaning at the same size). Each is replaced by an upgrade.
+fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static str>> {
+    let version_changed = pinned_layout_version(dir) != layout_version();
+    let mut out = Vec::new();
+    for (name, ty, k, v, max) in expected_layout(cap) {
         let path = dir.join(name);
         if !path.exists() {
             continue;
         }
-        let info = aya::maps::MapInfo::from_pin(&path)
-            .with_context(|| format!("inspect pinned map {}", path.display()))?;
+        let info = aya::maps::MapInfo::from_pin(&path).with_context(|| format!("inspect pinned map {}", path.display()))?;
         let got = info.map_type().ok();
-        if got != Some(ty) || info.key_size() as usize != k || info.value_size() as usize != v {
-            bail!(
-                "pinned map {} ({got:?}, key/value size {}/{}) is not the layout this agent uses ({ty:?}, {}/{}); \
-                 run `lb-agent teardown --bpffs {}` to start over",
-                path.display(),
-                info.key_size(),
-                info.value_size(),
-                k,
-                v,
-                dir.display()
+        let same = got == Some(ty) && info.key_size() as usize == k && info.value_size() as usize == v && info.max_entries() == max;
+        if version_changed || !same {
+            tracing::info!(
+                map = name,
+                pinned = format!("{got:?} {}/{} x{}", info.key_size(), info.value_size(), info.max_entries()),
+                wanted = format!("{ty:?} {k}/{v} x{max}"),
+                version_changed,
+                "pinned map gets a new layout"
             );
+            out.push(name);
         }
     }
-    Ok(())
+    Ok(out)
 }
 
 /// The loaded dataplane. Dropping it leaves everything pinned and attached.
 pub struct Dataplane {
     pub maps: Maps,
+    /// Maps replaced by an upgrade, staged until the agent has filled them;
+    /// the programs attach when `Tc::finish_upgrade` swaps them in.
+    pub upgrade: Option<Vec<&'static str>>,
     /// Keeps the object, the TC programs and the pin-dir lock for the
     /// agent's lifetime.
     pub tc: Tc,
@@ -225,6 +278,7 @@ pub enum TcAttach {
 /// The loaded object, for attaching the TC programs to interfaces.
 pub struct Tc {
     pub mode: TcAttach,
+    cgroup: PathBuf,
     ebpf: Ebpf,
     bpffs: PathBuf,
     attached: std::collections::BTreeSet<String>,
@@ -245,49 +299,47 @@ fn lock(dir: &Path) -> Result<fs::File> {
 }
 
 /// Load the programs, reusing pinned maps, and attach them to `cgroup`,
-/// replacing links an earlier agent pinned without a gap.
+/// replacing links an earlier agent pinned without a gap. Pinned maps of
+/// another layout are not touched: new ones are staged beside them, and
+/// nothing is attached until `Tc::finish_upgrade`.
 pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
     check_bpffs(bpffs)?;
     check_cgroup(cgroup)?;
     fs::create_dir_all(bpffs.join("links")).with_context(|| format!("create {}", bpffs.display()))?;
     let lock = lock(bpffs)?;
-    check_pinned_layout(bpffs)?;
+    // An upgrade an earlier agent did not finish (killed in the middle): its
+    // staged maps were never used; start over.
+    let next = bpffs.join(NEXT);
+    if next.exists() {
+        tracing::warn!("an earlier upgrade did not finish; its staged maps are dropped and it starts over");
+        for e in fs::read_dir(&next)?.flatten() {
+            fs::remove_file(e.path()).with_context(|| format!("unpin {}", e.path().display()))?;
+        }
+        fs::remove_dir(&next)?;
+    }
     let adopted = bpffs.join(maps::SERVICES4).exists();
+    let replaced = if adopted { incompatible(bpffs, &cap)? } else { Vec::new() };
+    if !replaced.is_empty() {
+        fs::create_dir_all(&next).with_context(|| format!("create {}", next.display()))?;
+        tracing::info!(maps = ?replaced, "upgrade: new maps are staged and filled before the programs move to them");
+    }
 
-    let pins: Vec<(&str, PathBuf)> = maps::ALL.iter().map(|m| (*m, bpffs.join(m))).collect();
+    let pins: Vec<(&str, PathBuf)> =
+        maps::ALL.iter().map(|m| (*m, if replaced.contains(m) { next.join(m) } else { bpffs.join(m) })).collect();
     let mut loader = EbpfLoader::new();
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }
-    let revnat = cap.services.min(u16::MAX as u32);
-    loader
-        .map_max_entries(maps::SERVICES4, cap.services)
-        .map_max_entries(maps::BACKENDS4, cap.backends)
-        .map_max_entries(maps::REVNAT4, revnat)
-        .map_max_entries(maps::SOCK_REVNAT4, cap.sock_revnat)
-        .map_max_entries(maps::SERVICES6, cap.services)
-        .map_max_entries(maps::BACKENDS6, cap.backends)
-        .map_max_entries(maps::REVNAT6, revnat)
-        .map_max_entries(maps::SOCK_REVNAT6, cap.sock_revnat)
-        .map_max_entries(maps::AFFINITY_MATCH, cap.backends)
-        .map_max_entries(maps::NAT4, cap.nat)
-        .map_max_entries(maps::NAT6, cap.nat);
+    for (name, _, _, _, max) in expected_layout(&cap) {
+        loader.map_max_entries(name, max);
+    }
     let mut ebpf = loader.load(OBJ).context("load the BPF object")?;
-
-    let cg = fs::File::open(cgroup).with_context(|| format!("open cgroup {}", cgroup.display()))?;
     for name in PROGRAMS {
         let prog: &mut CgroupSockAddr = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the object"))?
             .try_into()?;
         prog.load().with_context(|| format!("verify program {name}"))?;
-        // A cgroup bpf_link is always multi-attach; the kernel rejects any
-        // flag on link_create, and Single passes none.
-        let id = prog
-            .attach(cg.as_fd(), CgroupAttachMode::Single)
-            .with_context(|| format!("attach {name} to {}", cgroup.display()))?;
-        let link: FdLink = prog.take_link(id)?.try_into().context("link is not an fd link")?;
-        pin_link(bpffs, name, link)?;
     }
     for name in SOCK_PROGRAMS {
         let prog: &mut CgroupSock = ebpf
@@ -295,9 +347,6 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
             .with_context(|| format!("program {name} missing from the object"))?
             .try_into()?;
         prog.load().with_context(|| format!("verify program {name}"))?;
-        let id = prog.attach(cg.as_fd(), CgroupAttachMode::Single).with_context(|| format!("attach {name} to {}", cgroup.display()))?;
-        let link: FdLink = prog.take_link(id)?.try_into().context("link is not an fd link")?;
-        pin_link(bpffs, name, link)?;
     }
     for (name, _) in TC_PROGRAMS {
         let prog: &mut SchedClassifier = ebpf
@@ -307,8 +356,22 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
         prog.load().with_context(|| format!("verify program {name}"))?;
     }
     let maps = Maps::open_pinned(bpffs)?;
-    let tc = Tc { mode: TcAttach::Auto, ebpf, bpffs: bpffs.to_path_buf(), attached: Default::default(), _lock: lock };
-    Ok(Dataplane { maps, tc, adopted })
+    let mut tc = Tc {
+        mode: TcAttach::Auto,
+        cgroup: cgroup.to_path_buf(),
+        ebpf,
+        bpffs: bpffs.to_path_buf(),
+        attached: Default::default(),
+        _lock: lock,
+    };
+    let upgrade = if replaced.is_empty() {
+        tc.attach_cgroup()?;
+        mark_layout(bpffs, &layout_version())?;
+        None
+    } else {
+        Some(replaced)
+    };
+    Ok(Dataplane { maps, upgrade, tc, adopted })
 }
 
 /// Pin a new link beside the old one, then rename it over the old one: the
@@ -325,6 +388,77 @@ fn pin_link(bpffs: &Path, name: &str, link: FdLink) -> Result<()> {
 }
 
 impl Tc {
+    /// Attach the cgroup programs, each replacing an earlier agent's link
+    /// without a gap.
+    fn attach_cgroup(&mut self) -> Result<()> {
+        let cg = fs::File::open(&self.cgroup).with_context(|| format!("open cgroup {}", self.cgroup.display()))?;
+        for name in PROGRAMS {
+            let prog: &mut CgroupSockAddr = self.ebpf.program_mut(name).context("cgroup program")?.try_into()?;
+            // A cgroup bpf_link is always multi-attach; the kernel rejects any
+            // flag on link_create, and Single passes none.
+            let id = prog
+                .attach(cg.as_fd(), CgroupAttachMode::Single)
+                .with_context(|| format!("attach {name} to {}", self.cgroup.display()))?;
+            let link: FdLink = prog.take_link(id)?.try_into().context("link is not an fd link")?;
+            pin_link(&self.bpffs, name, link)?;
+        }
+        for name in SOCK_PROGRAMS {
+            let prog: &mut CgroupSock = self.ebpf.program_mut(name).context("cgroup program")?.try_into()?;
+            let id = prog
+                .attach(cg.as_fd(), CgroupAttachMode::Single)
+                .with_context(|| format!("attach {name} to {}", self.cgroup.display()))?;
+            let link: FdLink = prog.take_link(id)?.try_into().context("link is not an fd link")?;
+            pin_link(&self.bpffs, name, link)?;
+        }
+        Ok(())
+    }
+
+    /// Finish an upgrade once the staged maps hold what the agent programs
+    /// (its first full sync): carry the state the old programs keep
+    /// (sessionAffinity, socket tracking, NAT flows) over where the layout
+    /// allows, move every program to the new maps (each link replaced
+    /// without a gap, TC ones on every device an earlier agent used), put
+    /// the new maps' pins in place of the old ones, and drop links of
+    /// programs this agent does not have.
+    pub fn finish_upgrade(&mut self, replaced: &[&'static str]) -> Result<()> {
+        let copied = carry_state(&self.bpffs, replaced);
+        self.attach_cgroup()?;
+        let links = self.bpffs.join("links");
+        let mut ifaces = BTreeSet::new();
+        for e in fs::read_dir(&links)?.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            for (prog, _) in TC_PROGRAMS {
+                if let Some(iface) = n.strip_prefix(prog).and_then(|r| r.strip_prefix('_')) {
+                    ifaces.insert(iface.to_string());
+                }
+            }
+        }
+        for iface in ifaces {
+            if let Err(e) = self.attach_tc(&iface) {
+                tracing::warn!(iface, "upgrade: {e:#}");
+            }
+        }
+        // What the old programs added between the copy and the switch.
+        let late = carry_state(&self.bpffs, replaced);
+        for name in replaced {
+            let staged = self.bpffs.join(NEXT).join(name);
+            fs::rename(&staged, self.bpffs.join(name)).with_context(|| format!("move {} in place", staged.display()))?;
+        }
+        fs::remove_dir(self.bpffs.join(NEXT))?;
+        let known: BTreeSet<&str> = PROGRAMS.iter().chain(SOCK_PROGRAMS.iter()).copied().collect();
+        for e in fs::read_dir(&links)?.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            let tc = TC_PROGRAMS.iter().any(|(p, _)| n.starts_with(&format!("{p}_")));
+            if !known.contains(n.as_str()) && !tc {
+                tracing::info!(link = n, "upgrade: unpinning the link of a program this agent does not have");
+                fs::remove_file(e.path())?;
+            }
+        }
+        mark_layout(&self.bpffs, &layout_version())?;
+        tracing::info!(maps = ?replaced, entries_carried = copied + late, "upgrade finished: programs moved to the new maps");
+        Ok(())
+    }
+
     /// Attach the TC programs to `iface` (ingress and egress), once per agent.
     /// With TCX (kernel 6.6+) the links are pinned like the cgroup ones;
     /// otherwise aya falls back to a clsact qdisc and netlink filters.
@@ -397,6 +531,55 @@ fn attach_netlink(prog: &mut SchedClassifier, iface: &str, ty: TcAttachType) -> 
     Ok(())
 }
 
+/// Copy the entries of the state maps the datapath writes (sessionAffinity,
+/// socket tracking, NAT) from their old pins to the staged new maps, where
+/// key and value sizes agree (the new map may be larger or smaller: a
+/// `--max-*` change); entries already in the new map win. Returns how many
+/// were copied.
+fn carry_state(bpffs: &Path, replaced: &[&'static str]) -> usize {
+    fn copy<K: aya::Pod, V: aya::Pod>(old: &Path, new: &Path, lru: bool) -> Result<usize> {
+        use aya::maps::{HashMap, Map, MapData};
+        let wrap = |d: MapData| if lru { Map::LruHashMap(d) } else { Map::HashMap(d) };
+        let from: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(old)?))?;
+        let mut to: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(new)?))?;
+        let mut n = 0;
+        for (k, v) in from.iter().filter_map(|r| r.ok()) {
+            // BPF_NOEXIST: never overwrite what the new programs wrote.
+            if to.insert(k, v, 1).is_ok() {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+    let mut total = 0;
+    for name in replaced {
+        let (old, new) = (bpffs.join(name), bpffs.join(NEXT).join(name));
+        let same_sizes = match (aya::maps::MapInfo::from_pin(&old), aya::maps::MapInfo::from_pin(&new)) {
+            (Ok(a), Ok(b)) => a.key_size() == b.key_size() && a.value_size() == b.value_size() && a.map_type().ok() == b.map_type().ok(),
+            _ => false,
+        };
+        if !same_sizes {
+            if [maps::AFFINITY, maps::SOCK_REVNAT4, maps::SOCK_REVNAT6, maps::NAT4, maps::NAT6].contains(name) {
+                tracing::warn!(map = name, "upgrade: its entries have another layout and are not carried over");
+            }
+            continue;
+        }
+        let r = match *name {
+            maps::AFFINITY => copy::<AffinityKey, AffinityValue>(&old, &new, true),
+            maps::SOCK_REVNAT4 => copy::<SockRevNat4Key, SockRevNat4Value>(&old, &new, true),
+            maps::SOCK_REVNAT6 => copy::<SockRevNat6Key, SockRevNat6Value>(&old, &new, true),
+            maps::NAT4 => copy::<Nat4Key, Nat4Entry>(&old, &new, false),
+            maps::NAT6 => copy::<Nat6Key, Nat6Entry>(&old, &new, false),
+            _ => Ok(0),
+        };
+        match r {
+            Ok(n) => total += n,
+            Err(e) => tracing::warn!(map = name, "upgrade: carrying entries over: {e:#}"),
+        }
+    }
+    total
+}
+
 /// Detach and unpin everything under `bpffs`. Idempotent.
 pub fn teardown(bpffs: &Path) -> Result<()> {
     check_bpffs(bpffs)?;
@@ -421,6 +604,18 @@ pub fn teardown(bpffs: &Path) -> Result<()> {
             for (name, ty) in TC_PROGRAMS {
                 let _ = aya::programs::tc::qdisc_detach_program(&l.name, ty, name);
             }
+        }
+    }
+    let next = bpffs.join(NEXT);
+    if next.exists() {
+        for e in fs::read_dir(&next)?.flatten() {
+            fs::remove_file(e.path()).with_context(|| format!("unpin {}", e.path().display()))?;
+        }
+        fs::remove_dir(&next)?;
+    }
+    for e in fs::read_dir(bpffs)?.flatten() {
+        if e.file_name().to_string_lossy().starts_with(LAYOUT_MARKER) {
+            fs::remove_dir(e.path())?;
         }
     }
     for m in maps::ALL {

@@ -156,7 +156,8 @@ pub fn range_key(id: u16, addr: std::net::IpAddr, len: u8) -> Key<SrcRange> {
 }
 
 fn open_pinned(dir: &Path, name: &str) -> Result<MapData> {
-    let path = dir.join(name);
+    // During an upgrade, the new layout's map is staged beside the old.
+    let path = super::loader::pin_path(dir, name);
     MapData::from_pin(&path).with_context(|| format!("open pinned map {}", path.display()))
 }
 

@@ -88,6 +88,14 @@ fn key<K: Resource>(o: &K) -> (String, String) {
     (o.meta().namespace.clone().unwrap_or_default(), o.meta().name.clone().unwrap_or_default())
 }
 
+/// What every watch shares: where to report changes and failures.
+struct WatchCtx {
+    changed: mpsc::UnboundedSender<Instant>,
+    kind: &'static str,
+    server: String,
+    status: Arc<Status>,
+}
+
 /// Watch one kind; keep its objects in `store`, converted by `convert`
 /// (the full API objects are not kept); report every change on `changed`.
 fn spawn_watch<K, C>(
@@ -95,15 +103,13 @@ fn spawn_watch<K, C>(
     cfg: watcher::Config,
     store: Shared<C>,
     convert: fn(&K) -> C,
-    changed: mpsc::UnboundedSender<Instant>,
-    kind: &'static str,
-    server: String,
-    status: Arc<Status>,
+    ctx: WatchCtx,
 ) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
     C: Send + Sync + 'static,
 {
+    let WatchCtx { changed, kind, server, status } = ctx;
     tokio::spawn(async move {
         let mut events = watcher(api, cfg).default_backoff().boxed();
         let mut failing = false;
@@ -190,28 +196,12 @@ pub async fn run_with(
     let nodes: Shared<Node> = Default::default();
     let (changed_tx, mut changed) = mpsc::unbounded_channel();
     let proxied = watcher::Config::default().labels(LABEL_SELECTOR);
-    spawn_watch(
-        Api::<k8s::Service>::all(client.clone()),
-        proxied.clone(),
-        svcs.clone(),
-        |o| Service::from(o),
-        changed_tx.clone(),
-        "Service",
-        server.clone(),
-        status.clone(),
-    );
-    spawn_watch(
-        Api::<k8s::EndpointSlice>::all(client.clone()),
-        proxied,
-        slices.clone(),
-        |o| EndpointSlice::from(o),
-        changed_tx.clone(),
-        "EndpointSlice",
-        server.clone(),
-        status.clone(),
-    );
+    let ctx = |kind| WatchCtx { changed: changed_tx.clone(), kind, server: server.clone(), status: status.clone() };
+    spawn_watch(Api::<k8s::Service>::all(client.clone()), proxied.clone(), svcs.clone(), |o| Service::from(o), ctx("Service"));
+    spawn_watch(Api::<k8s::EndpointSlice>::all(client.clone()), proxied, slices.clone(), |o| EndpointSlice::from(o), ctx("EndpointSlice"));
     let this_node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-    spawn_watch(Api::<Node>::all(client), this_node, nodes.clone(), Node::clone, changed_tx, "Node", server, status);
+    spawn_watch(Api::<Node>::all(client), this_node, nodes.clone(), Node::clone, ctx("Node"));
+    drop(changed_tx);
 
     // The first full view of all three before anything is published.
     let first = Instant::now();

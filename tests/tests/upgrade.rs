@@ -1,0 +1,92 @@
+//! Upgrades that change the pinned maps' layout: a `--max-*` flag changed
+//! on a running node, and a new layout version (a change of meaning at the
+//! same size). The new agent stages new maps beside the old ones, fills
+//! them, moves every program over without a gap and carries the NAT and
+//! affinity state; connections never notice, and no pin is left behind.
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use anyhow::Result;
+use lbtest::Cluster;
+use lbtest::world::*;
+
+fn pins(c: &Cluster) -> Result<BTreeSet<String>> {
+    Ok(std::fs::read_dir(&c.nodes[0].bpffs)?.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+}
+
+fn max_entries(c: &Cluster, map: &str) -> Result<u32> {
+    Ok(aya::maps::MapInfo::from_pin(c.nodes[0].bpffs.join(map))?.max_entries())
+}
+
+fn upgrades_in_log(c: &Cluster) -> Result<usize> {
+    Ok(std::fs::read_to_string(c.agent_log(1))?.matches("upgrade finished").count())
+}
+
+#[test]
+fn upgrades_to_new_map_layouts_drop_no_connection_and_leave_no_pins() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    // Under load: short ClusterIP connections from a pod, one long NodePort
+    // flow from outside (its NAT entries must survive), through two upgrades.
+    let conns = w.c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "1000000", "--interval-ms", "2", "--max-ms", "7000", "--timeout-ms", "1000"])?;
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "7000", "--interval-ms", "20", "--timeout-ms", "1000"])?;
+    std::thread::sleep(Duration::from_millis(700));
+    let objects = w.c.objects.clone();
+
+    // 1. --max-services changes on a running node: those maps get the new size.
+    w.c.kill_agent(1);
+    w.c.start_agent_env(1, &objects, &["--max-services", "100000"], &[])?;
+    w.c.wait_for("the first upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    assert_eq!(max_entries(&w.c, lb_common::maps::SERVICES4)?, 100000);
+    assert_eq!(max_entries(&w.c, lb_common::maps::REVNAT4)?, 65535, "REVNAT is capped at u16");
+    std::thread::sleep(Duration::from_millis(700));
+
+    // 2. A new layout version: every map is replaced, state carried over.
+    w.c.kill_agent(1);
+    w.c.start_agent_env(1, &objects, &["--max-services", "100000"], &[("LB_LAYOUT_VERSION", "99")])?;
+    w.c.wait_for("the second upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 2))?;
+    let log = std::fs::read_to_string(w.c.agent_log(1))?;
+    let last = log.lines().rfind(|l| l.contains("upgrade finished")).unwrap();
+    assert!(!last.contains("entries_carried=0"), "the NAT flow and the socket tracking came along: {last}");
+
+    let s = Cluster::finish(conns)?;
+    assert_eq!(s.failed(), 0, "no connect failed across both upgrades: {s:?}");
+    assert!(s.ok > 500, "{s:?}");
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the NodePort flow kept going: {s:?}");
+
+    // Nothing left of the old layout.
+    let got = pins(&w.c)?;
+    let mut want: BTreeSet<String> = lb_common::maps::ALL.iter().map(|m| m.to_string()).collect();
+    want.insert("links".into());
+    want.insert("layout-99".into());
+    let extra: Vec<&String> = got.iter().filter(|p| !want.contains(*p) && !p.starts_with("reserved_ports_")).collect();
+    assert!(extra.is_empty(), "leftover pins: {extra:?}");
+    let links: BTreeSet<String> =
+        std::fs::read_dir(w.c.nodes[0].bpffs.join("links"))?.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    assert!(links.iter().all(|l| !l.ends_with("_new")), "{links:?}");
+    Ok(())
+}
+
+#[test]
+fn a_half_finished_upgrade_is_started_over() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    // What an agent killed in the middle of an upgrade leaves: a staged map.
+    w.c.kill_agent(1);
+    let next = w.c.nodes[0].bpffs.join("next");
+    std::fs::create_dir_all(&next)?;
+    lbtest::run(
+        "bpftool",
+        &["map", "create", next.join(lb_common::maps::SERVICES4).to_str().unwrap(), "type", "hash", "key", "12", "value", "16", "entries", "16", "name", "staged"],
+    )?;
+    let objects = w.c.objects.clone();
+    w.c.start_agent_env(1, &objects, &[], &[])?;
+    assert!(std::fs::read_to_string(w.c.agent_log(1))?.contains("an earlier upgrade did not finish"));
+    assert!(!next.exists(), "the staged leftovers are gone");
+    let s = w.c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "5"])?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}
