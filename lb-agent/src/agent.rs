@@ -669,7 +669,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             tokio::spawn(dir::run(state, tx))
         }
         SourceSpec::Kube => {
-            let (client, server) = crate::source::kube::client(cfg.kubeconfig.as_deref()).await?;
+            let (client, server) = crate::source::kube::client(cfg.kubeconfig.as_deref(), source_status.clone()).await?;
             tokio::spawn(crate::source::kube::run(client, server, cfg.node_name.clone(), tx, source_status.clone()))
         }
     };

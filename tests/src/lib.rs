@@ -333,6 +333,20 @@ pub struct Cluster {
 }
 
 impl Cluster {
+    /// One node with backend pods `names` serving on 8080 (answering with
+    /// their names) and a client pod; no agent yet.
+    pub fn one_node(names: &[&str]) -> Result<(Self, Vec<Pod>, Pod)> {
+        let mut c = Cluster::new(1)?;
+        let mut pods = Vec::new();
+        for n in names {
+            let p = c.add_pod(1, n)?;
+            c.serve(&p, 8080)?;
+            pods.push(p);
+        }
+        let client = c.add_pod(1, "client")?;
+        Ok((c, pods, client))
+    }
+
     /// A cluster of `n` nodes, with no pods and no agents yet.
     pub fn new(n: usize) -> Result<Self> {
         assert!((1..=16).contains(&n));

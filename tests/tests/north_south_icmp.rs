@@ -1,8 +1,9 @@
 //! ICMP and fragments through the TC path, from outside, on both families:
 //! path MTU discovery through a NodePort both ways (the node's own
-//! "fragmentation needed" and a router's beyond it), time exceeded and port
-//! unreachable translated back to the client with the frontend as their
-//! source (conntrack's rule), and fragmented IPv4 datagrams arriving whole.
+//! "fragmentation needed" and a router's beyond it), time exceeded, host
+//! and port unreachable translated back to the client with the frontend as
+//! their source (conntrack's rule), and fragmented IPv4 datagrams arriving
+//! whole.
 use anyhow::Result;
 use lbtest::objects::Endpoint as E;
 use lbtest::world::*;
@@ -80,7 +81,7 @@ fn icmp_seen(c: &Cluster, from: &Pod, addr: &str, ttl: Option<&str>) -> Result<S
 }
 
 #[test]
-fn time_exceeded_and_port_unreachable_come_back_from_the_frontend() -> Result<()> {
+fn time_exceeded_host_and_port_unreachable_come_back_from_the_frontend() -> Result<()> {
     let w = world(&web("LoadBalancer", "", &[LB_IP, LB_IP6]))?;
     // The nodes' stacks rate-limit the ICMP errors they send to one host;
     // this test is about what happens to the errors, not how many.
@@ -106,6 +107,26 @@ fn time_exceeded_and_port_unreachable_come_back_from_the_frontend() -> Result<()
             }
             let s = icmp_seen(&w.c, &w.outside, &addr, None)?;
             assert_eq!(s.ok, 2, "{s:?}");
+        }
+        // pod-2's node loses its route to pod-2: its "host unreachable"
+        // reaches the client, from the frontend.
+        if pod.node == 2 {
+            let n2 = &w.c.nodes[1].netns;
+            w.c.in_netns(n2, &["ip", "route", "add", "unreachable", &format!("{}/32", pod.ip)])?;
+            w.c.in_netns(n2, &["ip", "-6", "route", "add", "unreachable", &format!("{}/128", pod.ip6)])?;
+            // IPv6's "no route" is ENETUNREACH to the socket. IPv4's comes
+            // from ip_error, which sends one per second per host whatever
+            // the ICMP sysctls say (net.ipv4.route.error_cost is global):
+            // one datagram, a second after node-2's last error to node-1.
+            for (lb, host_unreachable, errno) in [(LB_IP, "icmp type=3 code=1", "EHOSTUNREACH"), (LB_IP6, "icmp6 type=1 code=0", "ENETUNREACH")] {
+                std::thread::sleep(std::time::Duration::from_millis(1100));
+                let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(lb, 80), "--count", "1", "--connected", "--recverr", "--timeout-ms", "2000"])?;
+                assert_eq!(s.errors.get(errno), Some(&1), "{} via {lb}: {s:?}", pod.name);
+                let from = format!("{host_unreachable} from={lb}");
+                assert!(s.offenders.keys().all(|k| *k == from) && !s.offenders.is_empty(), "{from}: {s:?}");
+            }
+            w.c.in_netns(n2, &["ip", "route", "del", "unreachable", &format!("{}/32", pod.ip)])?;
+            w.c.in_netns(n2, &["ip", "-6", "route", "del", "unreachable", &format!("{}/128", pod.ip6)])?;
         }
         // The pod's server goes away (its endpoint stays): the pod's port
         // unreachable reaches the client, from the frontend.

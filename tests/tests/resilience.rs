@@ -29,14 +29,7 @@ fn set_endpoints(c: &Cluster, pods: &[&Pod]) -> Result<()> {
 
 /// One node with backend pods `names` serving on 8080, a client, the agent.
 fn setup(names: &[&str], agent: &[&str]) -> Result<(Cluster, Vec<Pod>, Pod)> {
-    let mut c = Cluster::new(1)?;
-    let mut pods = Vec::new();
-    for n in names {
-        let p = c.add_pod(1, n)?;
-        c.serve(&p, 8080)?;
-        pods.push(p);
-    }
-    let client = c.add_pod(1, "client")?;
+    let (mut c, pods, client) = Cluster::one_node(names)?;
     c.write_object("svc.yaml", &service_ips("web", &[VIP], SP, ""))?;
     let eps: Vec<E> = pods.iter().map(|p| E::ready(&p.ip, "node-1")).collect();
     c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &eps))?;

@@ -35,15 +35,7 @@ fn be(ip: &str, port: u16) -> String {
 
 /// A node with `pods` backend pods serving on 8080 and a client pod.
 fn one_node(pods: &[&str]) -> Result<(Cluster, Vec<Pod>, Pod)> {
-    let mut c = Cluster::new(1)?;
-    let mut v = Vec::new();
-    for name in pods {
-        let p = c.add_pod(1, name)?;
-        c.serve(&p, 8080)?;
-        v.push(p);
-    }
-    let client = c.add_pod(1, "client")?;
-    Ok((c, v, client))
+    Cluster::one_node(pods)
 }
 
 fn ready4(pods: &[&Pod]) -> Vec<E> {

@@ -127,7 +127,9 @@ pub fn run(root: &Path, keep: bool) -> Result<()> {
     let _ = sh("kind", &["delete", "cluster", "--name", CLUSTER]);
     sh("kind", &["create", "cluster", "--name", CLUSTER, "--config", root.join("deploy/kind.yaml").to_str().unwrap()])?;
     let result = (|| -> Result<()> {
-        sh("docker", &["build", "-f", root.join("deploy/Dockerfile").to_str().unwrap(), "-t", IMAGE, root.to_str().unwrap()])?;
+        // The e2e stage: the runtime image plus lbprobe (the pods' client/server).
+        let dockerfile = root.join("deploy/Dockerfile");
+        sh("docker", &["build", "-f", dockerfile.to_str().unwrap(), "--target", "e2e", "-t", IMAGE, root.to_str().unwrap()])?;
         sh("kind", &["load", "docker-image", IMAGE, "--name", CLUSTER])?;
         // The API server override: the control-plane node's address.
         let host = sh("docker", &["inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", &format!("{CLUSTER}-control-plane")])?;

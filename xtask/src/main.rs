@@ -1,13 +1,15 @@
-//! cargo xtask: setup, demo, test.
+//! cargo xtask: setup, demo, test, image.
 //!
 //! Every command runs `setup` first; setup is idempotent and installs only
 //! what is missing.
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Instant;
 
 use anyhow::{Context as _, Result, bail};
 use clap::{Parser, Subcommand};
 
+mod container;
 mod e2e;
 
 #[derive(Parser)]
@@ -36,6 +38,30 @@ enum Cmd {
         #[arg(trailing_var_arg = true)]
         args: Vec<String>,
     },
+    /// The lb-agent image without a registry: release binaries built here,
+    /// a debootstrap base image, `podman build` (BINS=prebuilt).
+    Image {
+        /// Build the e2e stage (runtime + lbprobe) as localhost/lb-agent:e2e.
+        #[arg(long)]
+        e2e: bool,
+    },
+    /// Print (not run) the `podman run` commands kubelet's view of
+    /// deploy/daemonset.yaml becomes on one node: init containers, then the
+    /// agent. ConfigMaps come from deploy/kustomization.yaml's literals.
+    PodCommands {
+        /// spec.nodeName (downward API) and the hostname.
+        #[arg(long, default_value = "node-a")]
+        node: String,
+        /// The netns (under /run/netns) that stands in for hostNetwork.
+        #[arg(long, default_value = "lb-node-a")]
+        netns: String,
+        /// hostPath substitution FROM=TO (repeatable), e.g. /sys/fs/bpf=/sys/fs/bpf/t1.
+        #[arg(long = "host-path", value_name = "FROM=TO")]
+        host_paths: Vec<String>,
+        /// The image the manifest's lb-agent:latest becomes.
+        #[arg(long, default_value = container::IMAGE)]
+        image: String,
+    },
     /// Build, then run every test (unit and netns-cluster), plus clippy.
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
@@ -54,6 +80,10 @@ const APT_PACKAGES: &[&str] = &[
     "nftables",
     "iproute2",
     "util-linux",
+    // cargo xtask image: the image without a registry.
+    "podman",
+    "runc",
+    "debootstrap",
 ];
 
 fn root() -> PathBuf {
@@ -115,7 +145,7 @@ fn setup() -> Result<()> {
     }
     let missing_pkg = !Path::new(&format!("/usr/lib/llvm-{}/bin/llvm-config", Pins::load()?.llvm)).exists()
         || !Path::new("/usr/include/zstd.h").exists()
-        || ["bpftool", "ip", "iptables", "nft", "nsenter"].iter().any(|c| !has(c));
+        || ["bpftool", "ip", "iptables", "nft", "nsenter", "podman", "runc", "debootstrap"].iter().any(|c| !has(c));
     if missing_pkg {
         status(Command::new("apt-get").arg("update"))?;
         status(Command::new("apt-get").args(["install", "-y", "--no-install-recommends"]).args(APT_PACKAGES).env("DEBIAN_FRONTEND", "noninteractive"))?;
@@ -216,6 +246,41 @@ fn main() -> Result<()> {
             setup()?;
             build_bins(true)?;
             status(Command::new(root().join("target/release/lb-bench")).args(&args).current_dir(root()))
+        }
+        Cmd::Image { e2e } => {
+            let t0 = Instant::now();
+            setup()?;
+            let t = Instant::now();
+            // The same build as bench: lb-agent and lbprobe (the e2e stage's).
+            build_bins(true)?;
+            eprintln!("xtask: release binaries in {:.0?}", t.elapsed());
+            let t = Instant::now();
+            container::ensure_base_image()?;
+            eprintln!("xtask: base image in {:.0?}", t.elapsed());
+            let t = Instant::now();
+            let tag = container::build_image(&root(), e2e)?;
+            eprintln!("xtask: {tag} built in {:.0?} ({:.0?} in all)", t.elapsed(), t0.elapsed());
+            Ok(())
+        }
+        Cmd::PodCommands { node, netns, host_paths, image } => {
+            let ds = container::daemonset_from_yaml(&std::fs::read_to_string(root().join("deploy/daemonset.yaml"))?)?;
+            let mut ctx = container::PodContext::new(&node, &format!("lb-agent-{node}"), &netns);
+            ctx.config_maps =
+                container::kustomize_config_maps(&std::fs::read_to_string(root().join("deploy/kustomization.yaml"))?)?;
+            for hp in &host_paths {
+                let (from, to) = hp.split_once('=').with_context(|| format!("--host-path {hp}: not FROM=TO"))?;
+                ctx.host_paths.insert(from.into(), to.into());
+            }
+            ctx.images.insert("lb-agent:latest".into(), image);
+            let pod = container::pod_runs(&ds, &ctx)?;
+            for dir in &pod.mkdirs {
+                println!("mkdir -p {}", container::shell_quote(dir));
+            }
+            for run in &pod.runs {
+                let args: Vec<String> = run.args.iter().map(|a| container::shell_quote(a)).collect();
+                println!("podman {}", args.join(" "));
+            }
+            Ok(())
         }
         Cmd::Test { args } => {
             setup()?;

@@ -49,7 +49,7 @@ pub const DEBOUNCE: Duration = Duration::from_millis(5);
 /// A client from `--kubeconfig`, else `KUBECONFIG` / `~/.kube/config`, else
 /// the in-cluster config (`KUBERNETES_SERVICE_HOST`/`_PORT` and the
 /// service account).
-pub async fn client(kubeconfig: Option<&Path>) -> Result<(Client, String)> {
+pub async fn client(kubeconfig: Option<&Path>, status: Arc<Status>) -> Result<(Client, String)> {
     let config = match kubeconfig {
         Some(p) => {
             let kc = kube::config::Kubeconfig::read_from(p).with_context(|| format!("--kubeconfig {}", p.display()))?;
@@ -64,7 +64,68 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<(Client, String)> {
     };
     let url = config.cluster_url.to_string();
     tracing::info!(url, "API server");
-    Ok((Client::try_from(config).context("build the Kubernetes client")?, url))
+    let builder = kube::client::ClientBuilder::try_from(config).context("build the Kubernetes client")?;
+    Ok((builder.with_layer(&ObserveLayer(status)).build(), url))
+}
+
+/// The watched kind a request path is for.
+fn kind_of(path: &str) -> Option<&'static str> {
+    let last = path.rsplit('/').next()?;
+    match last {
+        "services" => Some("Service"),
+        "endpointslices" => Some("EndpointSlice"),
+        "nodes" => Some("Node"),
+        _ => None,
+    }
+}
+
+/// Marks a kind's watch as working again at any successful answer to its
+/// list or watch: kube-rs' watcher says nothing when a watch resumes
+/// quietly, so without this a recovered watch would count as failing
+/// until its kind next changed.
+#[derive(Clone)]
+struct ObserveLayer(Arc<Status>);
+
+impl<S> tower::Layer<S> for ObserveLayer {
+    type Service = Observe<S>;
+    fn layer(&self, inner: S) -> Observe<S> {
+        Observe { inner, status: self.0.clone() }
+    }
+}
+
+#[derive(Clone)]
+struct Observe<S> {
+    inner: S,
+    status: Arc<Status>,
+}
+
+impl<S, B> tower::Service<http::Request<kube::client::Body>> for Observe<S>
+where
+    S: tower::Service<http::Request<kube::client::Body>, Response = http::Response<B>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<kube::client::Body>) -> Self::Future {
+        let kind = kind_of(req.uri().path());
+        let status = self.status.clone();
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let r = fut.await;
+            if let (Some(kind), Ok(resp)) = (kind, &r)
+                && resp.status().is_success()
+            {
+                status.recovered(kind);
+            }
+            r
+        })
+    }
 }
 
 /// The objects of one kind, as the model wants them, by namespace and name.
@@ -116,6 +177,12 @@ fn spawn_watch<K, C>(
         while let Some(ev) = events.next().await {
             let ev = match ev {
                 Ok(ev) => ev,
+                // A resourceVersion too old to resume from: the watcher
+                // relists, as it should; nothing is failing.
+                Err(watcher::Error::WatchError(st)) if st.code == 410 => {
+                    tracing::info!(kind, "{kind} watch expired (410 Gone); relisting");
+                    continue;
+                }
                 Err(e) => {
                     failing = true;
                     let for_s = status.failed(kind).as_secs();
@@ -156,15 +223,13 @@ fn spawn_watch<K, C>(
                     }
                 }
             };
-            if publish {
-                if failing {
-                    tracing::info!(kind, after_s = status.failing_for().as_secs(), "watch recovered");
-                    status.recovered(kind);
-                    failing = false;
-                }
-                if changed.send(Instant::now()).is_err() {
-                    return;
-                }
+            if failing {
+                tracing::info!(kind, "watch recovered");
+                status.recovered(kind);
+                failing = false;
+            }
+            if publish && changed.send(Instant::now()).is_err() {
+                return;
             }
         }
     });
@@ -195,7 +260,10 @@ pub async fn run_with(
     let slices: Shared<EndpointSlice> = Default::default();
     let nodes: Shared<Node> = Default::default();
     let (changed_tx, mut changed) = mpsc::unbounded_channel();
-    let proxied = watcher::Config::default().labels(LABEL_SELECTOR);
+    // Lists from the API server's watch cache (resourceVersion=0), as
+    // kube-proxy's informers do: when every node relists at once (an API
+    // server restart), etcd does not take them all.
+    let proxied = watcher::Config::default().labels(LABEL_SELECTOR).any_semantic();
     let ctx = |kind| WatchCtx { changed: changed_tx.clone(), kind, server: server.clone(), status: status.clone() };
     spawn_watch(Api::<k8s::Service>::all(client.clone()), proxied.clone(), svcs.clone(), |o| Service::from(o), ctx("Service"));
     spawn_watch(Api::<k8s::EndpointSlice>::all(client.clone()), proxied, slices.clone(), |o| EndpointSlice::from(o), ctx("EndpointSlice"));
