@@ -11,6 +11,8 @@ use std::fs;
 use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 
+use nix::sys::statfs;
+
 use anyhow::{Context as _, Result, bail};
 use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier, TcAttachType, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
@@ -44,10 +46,6 @@ pub const SOCK_PROGRAMS: [&str; 2] = ["lb_post_bind4", "lb_post_bind6"];
 pub const TC_PROGRAMS: [(&str, TcAttachType); 2] =
     [("lb_nodeport_ingress", TcAttachType::Ingress), ("lb_nodeport_egress", TcAttachType::Egress)];
 
-const BPF_FS_MAGIC: i64 = 0xcafe4a11;
-const CGROUP2_SUPER_MAGIC: i64 = 0x63677270;
-const CGROUP_SUPER_MAGIC: i64 = 0x27e0eb;
-const TMPFS_MAGIC: i64 = 0x01021994;
 
 /// Map capacities (max_entries), overridable by flags.
 #[derive(Clone, Copy, Debug)]
@@ -69,15 +67,8 @@ impl Default for Capacity {
     }
 }
 
-fn statfs_magic(p: &Path) -> std::io::Result<i64> {
-    use std::os::unix::ffi::OsStrExt as _;
-    let c = std::ffi::CString::new(p.as_os_str().as_bytes())?;
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: valid C string and out pointer.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(st.f_type as i64)
+fn fs_type(p: &Path) -> nix::Result<statfs::FsType> {
+    statfs::statfs(p).map(|s| s.filesystem_type())
 }
 
 /// The cgroup v2 mount point, from /proc/mounts.
@@ -127,8 +118,8 @@ pub fn check_caps() -> Result<()> {
 /// `dir` must be on a bpffs, or be a directory we can create on one.
 pub fn check_bpffs(dir: &Path) -> Result<()> {
     let probe = if dir.exists() { dir } else { dir.parent().unwrap_or(dir) };
-    match statfs_magic(probe) {
-        Ok(BPF_FS_MAGIC) => Ok(()),
+    match fs_type(probe) {
+        Ok(t) if t == statfs::BPF_FS_MAGIC => Ok(()),
         Ok(_) => bail!(
             "no bpffs: {} is not on a BPF filesystem (mount one with `mount -t bpf bpf /sys/fs/bpf`, or pass --bpffs)",
             probe.display()
@@ -138,22 +129,29 @@ pub fn check_bpffs(dir: &Path) -> Result<()> {
 }
 
 pub fn check_cgroup(dir: &Path) -> Result<()> {
-    match statfs_magic(dir) {
-        Ok(CGROUP2_SUPER_MAGIC) => Ok(()),
-        Ok(m) if m == CGROUP_SUPER_MAGIC || (m == TMPFS_MAGIC && dir.starts_with("/sys/fs/cgroup")) => bail!(
+    let t = match fs_type(dir) {
+        Ok(t) => t,
+        Err(e) => bail!("no cgroup v2: {}: {e}", dir.display()),
+    };
+    if t == statfs::CGROUP2_SUPER_MAGIC {
+        return Ok(());
+    }
+    if t == statfs::CGROUP_SUPER_MAGIC || (t == statfs::TMPFS_MAGIC && dir.starts_with("/sys/fs/cgroup")) {
+        bail!(
             "no cgroup v2: {} is a cgroup v1 hierarchy; lb needs cgroup v2 (boot with the unified hierarchy, or pass \
              --cgroup with its mount, e.g. /sys/fs/cgroup/unified on a hybrid host)",
             dir.display()
-        ),
-        Ok(TMPFS_MAGIC) => bail!(
+        );
+    }
+    if t == statfs::TMPFS_MAGIC {
+        bail!(
             "no cgroup v2: {} is a tmpfs, the top of a hybrid or cgroup v1 hierarchy; lb needs the cgroup v2 mount: \
              on a hybrid host pass its unified mount (usually /sys/fs/cgroup/unified; in the DaemonSet, the hostPath of \
              the `cgroup` volume)",
             dir.display()
-        ),
-        Ok(_) => bail!("no cgroup v2: {} is not a cgroup v2 directory", dir.display()),
-        Err(e) => bail!("no cgroup v2: {}: {e}", dir.display()),
+        );
     }
+    bail!("no cgroup v2: {} is not a cgroup v2 directory", dir.display())
 }
 
 /// The staging directory of an upgrade: new maps wait here, pinned, until
