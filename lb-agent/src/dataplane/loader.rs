@@ -93,23 +93,17 @@ pub fn check_root() -> Result<()> {
 }
 
 /// The capabilities the agent needs, with what each is for.
-const CAPS: [(u32, &str, &str); 3] = [
-    (39, "CAP_BPF", "load programs and create maps"),
-    (12, "CAP_NET_ADMIN", "attach to cgroups and interfaces, destroy sockets"),
-    (21, "CAP_SYS_ADMIN", "enter network namespaces and pin to bpffs"),
+const CAPS: [(caps::Capability, &str); 3] = [
+    (caps::Capability::CAP_BPF, "load programs and create maps"),
+    (caps::Capability::CAP_NET_ADMIN, "attach to cgroups and interfaces, destroy sockets"),
+    (caps::Capability::CAP_SYS_ADMIN, "enter network namespaces and pin to bpffs"),
 ];
 
-/// One line naming the first missing capability, from /proc/self/status.
+/// One line naming the first missing capability.
 pub fn check_caps() -> Result<()> {
-    let status = fs::read_to_string("/proc/self/status").context("read /proc/self/status")?;
-    let eff = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
-        .context("no CapEff in /proc/self/status")?;
-    for (bit, name, why) in CAPS {
-        if eff & (1 << bit) == 0 {
-            bail!("missing capability {name} (needed to {why}); run lb-agent privileged, or grant CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_SYS_RESOURCE and CAP_PERFMON");
+    for (cap, why) in CAPS {
+        if !caps::has_cap(None, caps::CapSet::Effective, cap).context("read the process's capabilities")? {
+            bail!("missing capability {cap} (needed to {why}); run lb-agent privileged, or grant CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_SYS_RESOURCE and CAP_PERFMON");
         }
     }
     Ok(())
