@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 
 pub mod objects;
+pub mod podspec;
 pub mod raw;
 pub mod world;
 

@@ -1,4 +1,4 @@
-//! cargo xtask: setup, demo, test, image.
+//! cargo xtask: setup, demo, test, image, e2e-container.
 //!
 //! Every command runs `setup` first; setup is idempotent and installs only
 //! what is missing.
@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context as _, Result, bail};
 use clap::{Parser, Subcommand};
+use lbtest::podspec;
 
 mod container;
 mod e2e;
@@ -61,8 +62,20 @@ enum Cmd {
         /// The image the manifest's lb-agent:latest becomes.
         #[arg(long, default_value = container::IMAGE)]
         image: String,
+        /// A directory with the service account's token, ca.crt and
+        /// namespace, mounted read-only where kubelet mounts the token.
+        #[arg(long, value_name = "DIR")]
+        service_account: Option<String>,
     },
-    /// Build, then run every test (unit and netns-cluster), plus clippy.
+    /// Build the image (as `image`), then run the DaemonSet's pod in the
+    /// netns mini-cluster: `cargo test -p tests --test container`.
+    E2eContainer {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(trailing_var_arg = true)]
+        args: Vec<String>,
+    },
+    /// Build (the image included), then run every test (unit,
+    /// netns-cluster and container), plus clippy.
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter).
         #[arg(trailing_var_arg = true)]
@@ -224,6 +237,22 @@ fn build_bins(release: bool) -> Result<()> {
 /// The test suites that `cargo xtask test` also runs with `--tc-attach netlink`.
 const NETLINK_SUITES: [&str; 4] = ["nodeport", "north_south", "north_south_icmp", "north_south_abuse"];
 
+/// `cargo xtask image`, after setup: the release binaries, the base image,
+/// then the lb-agent image (`e2e`: the e2e stage). Returns its tag.
+fn image(e2e: bool) -> Result<&'static str> {
+    let t0 = Instant::now();
+    // The same build as bench: lb-agent and lbprobe (the e2e stage's).
+    build_bins(true)?;
+    eprintln!("xtask: release binaries in {:.0?}", t0.elapsed());
+    let t = Instant::now();
+    container::ensure_base_image()?;
+    eprintln!("xtask: base image in {:.0?}", t.elapsed());
+    let t = Instant::now();
+    let tag = container::build_image(&root(), e2e)?;
+    eprintln!("xtask: {tag} built in {:.0?} ({:.0?} in all)", t.elapsed(), t0.elapsed());
+    Ok(tag)
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
@@ -248,42 +277,42 @@ fn main() -> Result<()> {
             status(Command::new(root().join("target/release/lb-bench")).args(&args).current_dir(root()))
         }
         Cmd::Image { e2e } => {
-            let t0 = Instant::now();
             setup()?;
-            let t = Instant::now();
-            // The same build as bench: lb-agent and lbprobe (the e2e stage's).
-            build_bins(true)?;
-            eprintln!("xtask: release binaries in {:.0?}", t.elapsed());
-            let t = Instant::now();
-            container::ensure_base_image()?;
-            eprintln!("xtask: base image in {:.0?}", t.elapsed());
-            let t = Instant::now();
-            let tag = container::build_image(&root(), e2e)?;
-            eprintln!("xtask: {tag} built in {:.0?} ({:.0?} in all)", t.elapsed(), t0.elapsed());
-            Ok(())
+            image(e2e).map(drop)
         }
-        Cmd::PodCommands { node, netns, host_paths, image } => {
-            let ds = container::daemonset_from_yaml(&std::fs::read_to_string(root().join("deploy/daemonset.yaml"))?)?;
-            let mut ctx = container::PodContext::new(&node, &format!("lb-agent-{node}"), &netns);
+        Cmd::E2eContainer { args } => {
+            setup()?;
+            image(false)?;
+            // The harness's own binaries (lb-agent for teardown and
+            // `list`, lbprobe, lb-apiserver), as for every kernel test.
+            build_bins(false)?;
+            status(cargo().args(["test", "-p", "tests", "--test", "container"]).args(&args))
+        }
+        Cmd::PodCommands { node, netns, host_paths, image, service_account } => {
+            let ds = podspec::daemonset_from_yaml(&std::fs::read_to_string(root().join("deploy/daemonset.yaml"))?)?;
+            let mut ctx = podspec::PodContext::new(&node, &format!("lb-agent-{node}"), &netns);
             ctx.config_maps =
-                container::kustomize_config_maps(&std::fs::read_to_string(root().join("deploy/kustomization.yaml"))?)?;
+                podspec::kustomize_config_maps(&std::fs::read_to_string(root().join("deploy/kustomization.yaml"))?)?;
             for hp in &host_paths {
                 let (from, to) = hp.split_once('=').with_context(|| format!("--host-path {hp}: not FROM=TO"))?;
                 ctx.host_paths.insert(from.into(), to.into());
             }
             ctx.images.insert("lb-agent:latest".into(), image);
-            let pod = container::pod_runs(&ds, &ctx)?;
+            ctx.service_account = service_account;
+            let pod = podspec::pod_runs(&ds, &ctx)?;
             for dir in &pod.mkdirs {
-                println!("mkdir -p {}", container::shell_quote(dir));
+                println!("mkdir -p {}", podspec::shell_quote(dir));
             }
             for run in &pod.runs {
-                let args: Vec<String> = run.args.iter().map(|a| container::shell_quote(a)).collect();
+                let args: Vec<String> = run.args.iter().map(|a| podspec::shell_quote(a)).collect();
                 println!("podman {}", args.join(" "));
             }
             Ok(())
         }
         Cmd::Test { args } => {
             setup()?;
+            // tests/tests/container.rs runs this image.
+            image(false)?;
             build_bins(false)?;
             status(cargo().args(["test", "--workspace"]).args(&args))?;
             if args.is_empty() {
