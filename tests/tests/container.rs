@@ -469,3 +469,35 @@ fn the_containerized_agent_destroys_a_held_connection_to_a_removed_endpoint() ->
     assert_eq!(names(&s), [other.name.as_str()].into(), "{s:?}");
     w.pass()
 }
+
+/// Uninstalling: the agent's pod goes (as `kubectl delete -k deploy/`), its
+/// programs keep serving from the pins; then the pod spec of
+/// deploy/uninstall.yaml runs on the node and leaves it clean: no pins, no
+/// programs on the cgroup, the reserved NodePort range given back.
+#[test]
+fn the_uninstall_daemon_set_leaves_the_node_clean() -> Result<()> {
+    let w = setup()?;
+    let (agent, _) = w.start_synced(&w.c.id)?;
+    w.wait_backends(&[&w.pods[0], &w.pods[1]], 10)?;
+    let netns = &w.c.nodes[0].netns;
+    let reserved = || -> Result<String> { Ok(w.c.in_netns(netns, &["cat", "/proc/sys/net/ipv4/ip_local_reserved_ports"])?.trim().to_string()) };
+    assert!(reserved()?.contains("30000-32767"), "{}", reserved()?);
+    // The DaemonSet is deleted: SIGTERM, the agent exits, traffic goes on.
+    let out = podman().args(["stop", "-t", "10", &agent]).output()?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let s = tcp(&w.c, &w.client, 10)?;
+    assert_eq!(s.ok, 10, "the pinned programs serve without an agent: {s:?}");
+
+    let un = podspec::daemonset_from_yaml(&std::fs::read_to_string(root().join("deploy/uninstall.yaml"))?)?;
+    let pod = podspec::pod_runs(&un, &w.pod_context(&format!("{}-cleanup", w.c.id))?)?;
+    for r in &pod.runs {
+        w.ctrs.add(&r.name);
+        let out = Command::new("podman").args(&r.args).output().context("spawn podman")?;
+        assert!(out.status.success(), "{} ({}): {}{}", r.container, r.name, String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    }
+    assert!(!w.bpffs.pins().exists(), "the pins are gone: {:?}", std::fs::read_dir(&w.bpffs.dir)?.flatten().map(|e| e.file_name()).collect::<Vec<_>>());
+    let attached = lbtest::run("bpftool", &["cgroup", "show", w.c.nodes[0].cgroup.to_str().unwrap()])?;
+    assert!(!attached.contains("lb_"), "no program left on the cgroup: {attached}");
+    assert!(!reserved()?.contains("30000-32767"), "the NodePort range is given back: {}", reserved()?);
+    w.pass()
+}
