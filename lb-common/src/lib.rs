@@ -450,3 +450,58 @@ const _: () = {
     assert!(core::mem::size_of::<NodePortKey>() == 4);
     assert!(core::mem::size_of::<NodeConfig>() == 32);
 };
+
+#[cfg(test)]
+mod layout_tests {
+    use super::*;
+
+    /// Every pinned struct's size and field offsets, hashed. A change that
+    /// keeps sizes (a field moved, two swapped) is invisible to the loader's
+    /// size check: it must bump LAYOUT_VERSION, so that an upgrade replaces
+    /// the pinned maps instead of misreading them. Update the expected value
+    /// below together with the version.
+    #[test]
+    fn the_layout_fingerprint_goes_with_the_layout_version() {
+        let layouts: &[(&str, usize, &[usize])] = &[
+            ("Svc4Key", core::mem::size_of::<Svc4Key>(), &[core::mem::offset_of!(Svc4Key, addr), core::mem::offset_of!(Svc4Key, port), core::mem::offset_of!(Svc4Key, proto), core::mem::offset_of!(Svc4Key, scope), core::mem::offset_of!(Svc4Key, slot), core::mem::offset_of!(Svc4Key, _pad)]),
+            ("Svc6Key", core::mem::size_of::<Svc6Key>(), &[core::mem::offset_of!(Svc6Key, addr), core::mem::offset_of!(Svc6Key, port), core::mem::offset_of!(Svc6Key, proto), core::mem::offset_of!(Svc6Key, scope), core::mem::offset_of!(Svc6Key, slot), core::mem::offset_of!(Svc6Key, _pad)]),
+            ("SvcValue", core::mem::size_of::<SvcValue>(), &[core::mem::offset_of!(SvcValue, backend_id), core::mem::offset_of!(SvcValue, count), core::mem::offset_of!(SvcValue, rev_nat_id), core::mem::offset_of!(SvcValue, flags), core::mem::offset_of!(SvcValue, _pad), core::mem::offset_of!(SvcValue, affinity_timeout)]),
+            ("Backend4", core::mem::size_of::<Backend4>(), &[core::mem::offset_of!(Backend4, addr), core::mem::offset_of!(Backend4, port), core::mem::offset_of!(Backend4, proto), core::mem::offset_of!(Backend4, flags)]),
+            ("Backend6", core::mem::size_of::<Backend6>(), &[core::mem::offset_of!(Backend6, addr), core::mem::offset_of!(Backend6, port), core::mem::offset_of!(Backend6, proto), core::mem::offset_of!(Backend6, flags)]),
+            ("RevNat4", core::mem::size_of::<RevNat4>(), &[core::mem::offset_of!(RevNat4, addr), core::mem::offset_of!(RevNat4, port), core::mem::offset_of!(RevNat4, _pad)]),
+            ("RevNat6", core::mem::size_of::<RevNat6>(), &[core::mem::offset_of!(RevNat6, addr), core::mem::offset_of!(RevNat6, port), core::mem::offset_of!(RevNat6, _pad)]),
+            ("SockRevNat4Key", core::mem::size_of::<SockRevNat4Key>(), &[core::mem::offset_of!(SockRevNat4Key, cookie), core::mem::offset_of!(SockRevNat4Key, addr), core::mem::offset_of!(SockRevNat4Key, port), core::mem::offset_of!(SockRevNat4Key, _pad)]),
+            ("SockRevNat6Key", core::mem::size_of::<SockRevNat6Key>(), &[core::mem::offset_of!(SockRevNat6Key, cookie), core::mem::offset_of!(SockRevNat6Key, addr), core::mem::offset_of!(SockRevNat6Key, port), core::mem::offset_of!(SockRevNat6Key, _pad), core::mem::offset_of!(SockRevNat6Key, _pad2)]),
+            ("SockRevNat4Value", core::mem::size_of::<SockRevNat4Value>(), &[core::mem::offset_of!(SockRevNat4Value, addr), core::mem::offset_of!(SockRevNat4Value, port), core::mem::offset_of!(SockRevNat4Value, rev_nat_id)]),
+            ("SockRevNat6Value", core::mem::size_of::<SockRevNat6Value>(), &[core::mem::offset_of!(SockRevNat6Value, addr), core::mem::offset_of!(SockRevNat6Value, port), core::mem::offset_of!(SockRevNat6Value, rev_nat_id)]),
+            ("AffinityKey", core::mem::size_of::<AffinityKey>(), &[core::mem::offset_of!(AffinityKey, netns_cookie), core::mem::offset_of!(AffinityKey, client), core::mem::offset_of!(AffinityKey, rev_nat_id), core::mem::offset_of!(AffinityKey, family), core::mem::offset_of!(AffinityKey, _pad)]),
+            ("AffinityValue", core::mem::size_of::<AffinityValue>(), &[core::mem::offset_of!(AffinityValue, last_used_ns), core::mem::offset_of!(AffinityValue, backend_id), core::mem::offset_of!(AffinityValue, _pad)]),
+            ("AffinityMatchKey", core::mem::size_of::<AffinityMatchKey>(), &[core::mem::offset_of!(AffinityMatchKey, backend_id), core::mem::offset_of!(AffinityMatchKey, rev_nat_id), core::mem::offset_of!(AffinityMatchKey, family), core::mem::offset_of!(AffinityMatchKey, _pad)]),
+            ("Nat4Key", core::mem::size_of::<Nat4Key>(), &[core::mem::offset_of!(Nat4Key, saddr), core::mem::offset_of!(Nat4Key, daddr), core::mem::offset_of!(Nat4Key, sport), core::mem::offset_of!(Nat4Key, dport), core::mem::offset_of!(Nat4Key, proto), core::mem::offset_of!(Nat4Key, _pad)]),
+            ("Nat6Key", core::mem::size_of::<Nat6Key>(), &[core::mem::offset_of!(Nat6Key, saddr), core::mem::offset_of!(Nat6Key, daddr), core::mem::offset_of!(Nat6Key, sport), core::mem::offset_of!(Nat6Key, dport), core::mem::offset_of!(Nat6Key, proto), core::mem::offset_of!(Nat6Key, _pad)]),
+            ("Nat4Entry", core::mem::size_of::<Nat4Entry>(), &[core::mem::offset_of!(Nat4Entry, to_saddr), core::mem::offset_of!(Nat4Entry, to_daddr), core::mem::offset_of!(Nat4Entry, to_sport), core::mem::offset_of!(Nat4Entry, to_dport), core::mem::offset_of!(Nat4Entry, flags), core::mem::offset_of!(Nat4Entry, state), core::mem::offset_of!(Nat4Entry, rev_nat_id), core::mem::offset_of!(Nat4Entry, created_ns), core::mem::offset_of!(Nat4Entry, last_seen_ns)]),
+            ("Nat6Entry", core::mem::size_of::<Nat6Entry>(), &[core::mem::offset_of!(Nat6Entry, to_saddr), core::mem::offset_of!(Nat6Entry, to_daddr), core::mem::offset_of!(Nat6Entry, to_sport), core::mem::offset_of!(Nat6Entry, to_dport), core::mem::offset_of!(Nat6Entry, flags), core::mem::offset_of!(Nat6Entry, state), core::mem::offset_of!(Nat6Entry, rev_nat_id), core::mem::offset_of!(Nat6Entry, created_ns), core::mem::offset_of!(Nat6Entry, last_seen_ns)]),
+            ("SrcRange", core::mem::size_of::<SrcRange>(), &[core::mem::offset_of!(SrcRange, rev_nat_id), core::mem::offset_of!(SrcRange, family), core::mem::offset_of!(SrcRange, _pad), core::mem::offset_of!(SrcRange, addr)]),
+            ("NodePortKey", core::mem::size_of::<NodePortKey>(), &[core::mem::offset_of!(NodePortKey, port), core::mem::offset_of!(NodePortKey, proto), core::mem::offset_of!(NodePortKey, _pad)]),
+            ("NodeConfig", core::mem::size_of::<NodeConfig>(), &[core::mem::offset_of!(NodeConfig, netns_cookie), core::mem::offset_of!(NodeConfig, snat_addr), core::mem::offset_of!(NodeConfig, snat_port_min), core::mem::offset_of!(NodeConfig, snat_port_max), core::mem::offset_of!(NodeConfig, snat_addr6)]),
+        ];
+        // FNV-1a over names, sizes and offsets.
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |b: &[u8]| {
+            for x in b {
+                h ^= *x as u64;
+                h = h.wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        for (name, size, offsets) in layouts {
+            eat(name.as_bytes());
+            eat(&size.to_le_bytes());
+            for o in *offsets {
+                eat(&o.to_le_bytes());
+            }
+        }
+        assert_eq!((LAYOUT_VERSION, h), (2, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION and set FINGERPRINT to {h:#x}");
+    }
+
+    const FINGERPRINT: u64 = 0xcbc8_ae44_ac16_60bd;
+}
