@@ -122,6 +122,28 @@ fn run_kind<A>(op: &Op<A>) -> Option<RunKind> {
     }
 }
 
+/// The phase of the plan a service-map write belongs to (see
+/// `writer::plan`: slots before the slot 0 that counts them, a node-local
+/// slot 0 before the frontend's, VIP markers last; deletions the other way
+/// round). A batch run never spans two phases: its halves are written by
+/// two threads in any order, so a slot 0 could otherwise land before the
+/// slots it counts.
+fn phase<A>(op: &Op<A>) -> u8 {
+    let k = match op {
+        Op::PutSvc(k, _) | Op::DelSvc(k) => k,
+        _ => return 0,
+    };
+    if k.port == 0 && k.proto == 0 {
+        3
+    } else if k.slot != 0 {
+        0
+    } else if k.scope == lb_common::SCOPE_LOCAL {
+        1
+    } else {
+        2
+    }
+}
+
 /// Every map the agent reads or writes.
 pub struct Maps {
     pub v4: FamilyMaps<[u8; 4]>,
@@ -233,8 +255,10 @@ where
     /// How many ops from the start of `ops` one batch can write: a run of
     /// the same kind of write to the same map.
     pub fn batchable(ops: &[Op<A>]) -> usize {
-        let Some(kind) = ops.first().and_then(run_kind) else { return 0 };
-        ops.iter().take_while(|o| run_kind(o) == Some(kind)).count()
+        let Some(first) = ops.first() else { return 0 };
+        let Some(kind) = run_kind(first) else { return 0 };
+        let ph = phase(first);
+        ops.iter().take_while(|o| run_kind(o) == Some(kind) && phase(*o) == ph).count()
     }
 
     /// Write a run of `batchable` ops in one system call. Returns how many
@@ -365,5 +389,35 @@ impl Maps {
             self.node_config.set(0, cfg, 0).context("LB_NODE_CONFIG: set")?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lb_common::{SCOPE_ALL, SCOPE_LOCAL};
+
+    #[test]
+    fn a_batch_run_never_spans_two_phases_of_the_plan() {
+        let v = SvcValue::default();
+        let slot = |n| Op::PutSvc(SvcKey::new([10, 96, 0, n], 80, 6, SCOPE_ALL, 1), v);
+        let head = |n| Op::PutSvc(SvcKey::new([10, 96, 0, n], 80, 6, SCOPE_ALL, 0), v);
+        let local = |n| Op::PutSvc(SvcKey::new([10, 96, 0, n], 80, 6, SCOPE_LOCAL, 0), v);
+        let marker = |n| Op::PutSvc(SvcKey::new([10, 96, 0, n], 0, 0, SCOPE_ALL, 0), v);
+        let ops: Vec<Op<[u8; 4]>> = vec![slot(1), slot(2), slot(3), local(1), head(1), head(2), marker(1)];
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < ops.len() {
+            let n = FamilyMaps::<[u8; 4]>::batchable(&ops[i..]);
+            runs.push(n);
+            i += n;
+        }
+        assert_eq!(runs, [3, 1, 2, 1], "slots, the node-local slot 0, the slot 0s, the markers");
+        let dels: Vec<Op<[u8; 4]>> = vec![
+            Op::DelSvc(SvcKey::new([10, 96, 0, 1], 80, 6, SCOPE_ALL, 0)),
+            Op::DelSvc(SvcKey::new([10, 96, 0, 1], 80, 6, SCOPE_ALL, 1)),
+            Op::DelSvc(SvcKey::new([10, 96, 0, 1], 80, 6, SCOPE_ALL, 2)),
+        ];
+        assert_eq!(FamilyMaps::<[u8; 4]>::batchable(&dels), 1, "the slot 0 alone, then its slots");
     }
 }
