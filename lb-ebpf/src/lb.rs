@@ -153,14 +153,20 @@ pub fn count(index: u32) {
 /// The affine backend of this client for frontend `rev_nat_id`, if it is
 /// still fresh and still one of the frontend's backends.
 #[inline(always)]
-fn affine<F: Family>(key: &AffinityKey, timeout_s: u32, now: u64) -> Option<(u32, Backend<F::A>)> {
-    let v = copy(LB_AFFINITY.get_ptr(key)?);
+fn affine<F: Family>(key: &AffinityKey, timeout_s: u32, now: u64) -> Option<Backend<F::A>> {
+    let p = LB_AFFINITY.get_ptr_mut(key)?;
+    let v = copy(p);
     if now.wrapping_sub(v.last_used_ns) > timeout_s as u64 * 1_000_000_000 {
         return None;
     }
     let m = AffinityMatchKey { backend_id: v.backend_id, rev_nat_id: key.rev_nat_id, family: F::ID, _pad: 0 };
     LB_AFFINITY_MATCH.get_ptr(&m)?;
-    Some((v.backend_id, F::backend(v.backend_id)?))
+    let backend = F::backend(v.backend_id)?;
+    // Used again: refresh the timestamp in place (one aligned store), not
+    // by rewriting the LRU entry.
+    // SAFETY: a map value, alive for this program run (RCU).
+    unsafe { core::ptr::write_volatile(core::ptr::addr_of_mut!((*p).last_used_ns), now) };
+    Some(backend)
 }
 
 /// Pick a backend for `addr:port/proto`. `hash` selects the slot when given
@@ -235,9 +241,7 @@ pub fn select<F: Family>(
                 Client::Sock(ctx) => akey.netns_cookie = unsafe { bpf_get_netns_cookie(ctx) },
                 Client::Addr(a) => akey.client = a,
             }
-            if let Some((id, backend)) = affine::<F>(&akey, front.affinity_timeout, now) {
-                let v = AffinityValue { last_used_ns: now, backend_id: id, _pad: 0 };
-                let _ = LB_AFFINITY.insert(&akey, &v, 0);
+            if let Some(backend) = affine::<F>(&akey, front.affinity_timeout, now) {
                 count(stats::AFFINITY_HIT);
                 return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id };
             }
