@@ -183,7 +183,14 @@ where
     NatEntry<A>: aya::Pod,
 {
     let now = monotonic_ns();
-    let entries: BTreeMap<NatKey<A>, NatEntry<A>> = nat.iter().filter_map(|r| r.ok()).collect();
+    // In batches: at capacity this is half a million entries.
+    let entries: BTreeMap<NatKey<A>, NatEntry<A>> = match crate::dataplane::maps::lookup_all(aya::maps::IterableMap::map(nat)) {
+        Ok(all) => all.into_iter().collect(),
+        Err(e) => {
+            tracing::debug!("NAT batch lookup: {e}; iterating");
+            nat.iter().filter_map(|r| r.ok()).collect()
+        }
+    };
     let mut pass = NatPass::default();
     for (k, e) in &entries {
         if e.flags & nat_flags::REPLY != 0 {

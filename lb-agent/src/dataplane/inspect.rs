@@ -185,7 +185,10 @@ where
     lb_common::NatEntry<A>: aya::Pod,
 {
     use lb_common::{nat_flags, nat_state};
-    let entries: std::collections::BTreeMap<_, _> = nat.iter().filter_map(|r| r.ok()).collect();
+    let entries: std::collections::BTreeMap<_, _> = match super::maps::lookup_all(aya::maps::IterableMap::map(nat)) {
+        Ok(all) => all.into_iter().collect(),
+        Err(_) => nat.iter().filter_map(|r| r.ok()).collect(),
+    };
     let tuple = |s: A, sp: u16, d: A, dp: u16| format!("src={} dst={} sport={sp} dport={dp}", s.to_ip(), d.to_ip());
     entries
         .iter()

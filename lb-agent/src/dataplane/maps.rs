@@ -68,6 +68,50 @@ fn batch<K: Pod, V: Pod>(map_fd: std::os::fd::RawFd, keys: &[K], values: Option<
     }
 }
 
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+
+/// Every entry of a hash map (LRU included), a few thousand per system call
+/// (BPF_MAP_LOOKUP_BATCH), not two calls per entry as iterating does.
+/// Entries added or removed meanwhile may or may not be seen, as with
+/// iterating.
+pub fn lookup_all<K: Pod + Default, V: Pod + Default>(map: &MapData) -> std::io::Result<Vec<(K, V)>> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    const CHUNK: usize = 4096;
+    let fd = map.fd().as_fd().as_raw_fd();
+    let mut out = Vec::new();
+    let mut keys = vec![K::default(); CHUNK];
+    let mut values = vec![V::default(); CHUNK];
+    // The hash map's batch token: a bucket index.
+    let (mut token_in, mut token_out) = (0u32, 0u32);
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { &mut token_in as *mut u32 as u64 },
+            out_batch: &mut token_out as *mut u32 as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd as u32,
+            ..Default::default()
+        };
+        // SAFETY: the buffers hold CHUNK keys and values of the map's
+        // sizes (K and V are its key and value types) and live until the
+        // call returns; the tokens are u32s.
+        let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut attr as *mut BatchAttr, std::mem::size_of::<BatchAttr>()) };
+        let err = (r < 0).then(std::io::Error::last_os_error);
+        let n = attr.count as usize;
+        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        match err {
+            None => {}
+            // The end of the map.
+            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Some(e) => return Err(e),
+        }
+        token_in = token_out;
+        first = false;
+    }
+}
+
 /// Runs at least this long are written by two threads, half each: the
 /// kernel's hash maps take concurrent writers, and a cold start writes
 /// hundreds of thousands of entries.
@@ -214,19 +258,13 @@ where
     /// Read the full contents (the affinity-match and source-range entries
     /// of this family too).
     pub fn read_table(&self, matches: &HashMap<MapData, AffinityMatchKey, u8>, ranges: &LpmTrie<MapData, SrcRange, u8>) -> Result<Table<A>> {
-        let mut t = Table::default();
-        for kv in self.services.iter() {
-            let (k, v) = kv.with_context(|| format!("read {}", self.names[0]))?;
-            t.services.insert(k, v);
-        }
-        for kv in self.backends.iter() {
-            let (k, v) = kv.with_context(|| format!("read {}", self.names[1]))?;
-            t.backends.insert(k, v);
-        }
-        for kv in self.revnat.iter() {
-            let (k, v) = kv.with_context(|| format!("read {}", self.names[2]))?;
-            t.revnat.insert(k, v);
-        }
+        // In batches (the periodic resync reads all of it).
+        let mut t = Table {
+            services: lookup_all(&self.raw[0]).with_context(|| format!("read {}", self.names[0]))?.into_iter().collect(),
+            backends: lookup_all(&self.raw[1]).with_context(|| format!("read {}", self.names[1]))?.into_iter().collect(),
+            revnat: lookup_all(&self.raw[2]).with_context(|| format!("read {}", self.names[2]))?.into_iter().collect(),
+            ..Table::default()
+        };
         for k in matches.keys() {
             let k = k.context("read LB_AFFINITY_MATCH")?;
             if k.family == A::FAMILY {
@@ -396,6 +434,38 @@ impl Maps {
 mod tests {
     use super::*;
     use lb_common::{SCOPE_ALL, SCOPE_LOCAL};
+
+    /// A real kernel hash map (this test needs root, as every test here
+    /// may): lookup_all returns every entry, across several batches.
+    #[test]
+    fn lookup_all_reads_every_entry_of_a_hash_map() {
+        use std::os::fd::{FromRawFd as _, OwnedFd};
+        #[repr(C)]
+        #[derive(Default)]
+        struct CreateAttr {
+            map_type: u32,
+            key_size: u32,
+            value_size: u32,
+            max_entries: u32,
+            map_flags: u32,
+        }
+        const BPF_MAP_CREATE: libc::c_long = 0;
+        const BPF_MAP_TYPE_HASH: u32 = 1;
+        let mut attr = CreateAttr { map_type: BPF_MAP_TYPE_HASH, key_size: 4, value_size: 8, max_entries: 20_000, map_flags: 0 };
+        // SAFETY: a plain bpf(2) call with a valid attr of the size given.
+        let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, &mut attr as *mut CreateAttr, std::mem::size_of::<CreateAttr>()) };
+        assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
+        // SAFETY: a new fd we own.
+        let data = MapData::from_fd(unsafe { OwnedFd::from_raw_fd(fd as i32) }).unwrap();
+        let mut m: HashMap<MapData, u32, u64> = HashMap::try_from(Map::HashMap(data)).unwrap();
+        for k in 0..10_000u32 {
+            m.insert(k, k as u64 * 3, 0).unwrap();
+        }
+        let mut got = lookup_all::<u32, u64>(aya::maps::IterableMap::map(&m)).expect("BPF_MAP_LOOKUP_BATCH");
+        got.sort();
+        assert_eq!(got.len(), 10_000);
+        assert!(got.iter().enumerate().all(|(i, (k, v))| *k == i as u32 && *v == i as u64 * 3));
+    }
 
     #[test]
     fn a_batch_run_never_spans_two_phases_of_the_plan() {
