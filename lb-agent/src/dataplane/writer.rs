@@ -770,6 +770,9 @@ mod tests {
         let ops = plan(&start, &target.table);
         let t = walk(&start, &ops, a, b);
         assert_eq!(t, target.table, "the plan reaches the target");
+        // As the writer really applies it: each batch run may be written by
+        // two threads in any order (here: reversed), and is just as safe.
+        assert_eq!(walk(&start, &as_written(&ops), a, b), target.table, "written in batch runs");
 
         let index = Index::of(&start);
         let units: BTreeSet<([u8; 4], u16)> = a
@@ -794,6 +797,20 @@ mod tests {
         assert!(part_ops.len() <= ops.len(), "{part_ops:?} vs {ops:?}");
         assert_eq!(ix, Index::of(&t2), "the index follows the ops");
         t
+    }
+
+    /// `ops` in an order the writer may really apply them: the entries of
+    /// a batch run (`FamilyMaps::batchable`) go in any order (two threads
+    /// for a long run); here each run is reversed.
+    fn as_written(ops: &[Op<[u8; 4]>]) -> Vec<Op<[u8; 4]>> {
+        let mut out = Vec::with_capacity(ops.len());
+        let mut i = 0;
+        while i < ops.len() {
+            let n = crate::dataplane::maps::FamilyMaps::<[u8; 4]>::batchable(&ops[i..]).max(1);
+            out.extend(ops[i..i + n].iter().rev().copied());
+            i += n;
+        }
+        out
     }
 
     fn walk(start: &Table<[u8; 4]>, ops: &[Op<[u8; 4]>], a: &Desired, b: &Desired) -> Table<[u8; 4]> {
