@@ -346,11 +346,16 @@ fn the_kube_source_programs_services_from_the_api_server_and_follows_changes() -
     assert_eq!(s.ok, 40, "{s:?}");
     assert_eq!(names(&s), ["pod-a", "pod-b"].into(), "{s:?}");
 
-    // What the agent asked: paged lists of each kind, watches from the
-    // list's resourceVersion with bookmarks, and only its own Node.
+    // What the agent asked: Services and EndpointSlices listed from the API
+    // server's cache (resourceVersion=0, as kube-proxy's informers), its
+    // own Node with a paged quorum read, watches from the list's
+    // resourceVersion with bookmarks.
     let reqs = requests_since(&api, 0)?;
+    for path in [SERVICES, SLICES] {
+        assert!(reqs.iter().any(|r| on(r, path) && !is_watch(r) && r.contains("resourceVersion=0")), "a cached list of {path}: {reqs:#?}");
+    }
+    assert!(reqs.iter().any(|r| on(r, NODES) && !is_watch(r) && r.contains("limit=500")), "a paged list of {NODES}: {reqs:#?}");
     for path in [SERVICES, SLICES, NODES] {
-        assert!(reqs.iter().any(|r| on(r, path) && !is_watch(r) && r.contains("limit=500")), "a paged list of {path}: {reqs:#?}");
         assert!(
             reqs.iter().any(|r| on(r, path) && is_watch(r) && r.contains("resourceVersion=") && r.contains("allowWatchBookmarks=true")),
             "a watch of {path}: {reqs:#?}"

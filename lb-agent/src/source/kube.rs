@@ -262,8 +262,11 @@ pub async fn run_with(
     let (changed_tx, mut changed) = mpsc::unbounded_channel();
     // Lists from the API server's watch cache (resourceVersion=0), as
     // kube-proxy's informers do: when every node relists at once (an API
-    // server restart), etcd does not take them all.
-    let proxied = watcher::Config::default().labels(LABEL_SELECTOR).any_semantic();
+    // server restart), etcd does not take them all. The cache answers
+    // whole (it ignores a page size), and kube-rs sends resourceVersion=0
+    // only without one.
+    let mut proxied = watcher::Config::default().labels(LABEL_SELECTOR).any_semantic();
+    proxied.page_size = None;
     let ctx = |kind| WatchCtx { changed: changed_tx.clone(), kind, server: server.clone(), status: status.clone() };
     spawn_watch(Api::<k8s::Service>::all(client.clone()), proxied.clone(), svcs.clone(), |o| Service::from(o), ctx("Service"));
     spawn_watch(Api::<k8s::EndpointSlice>::all(client.clone()), proxied, slices.clone(), |o| EndpointSlice::from(o), ctx("EndpointSlice"));

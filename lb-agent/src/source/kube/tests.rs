@@ -299,6 +299,9 @@ async fn services_and_slices_are_filtered_at_the_api_server_as_kube_proxy_does()
     for path in [SERVICES, SLICES] {
         let q = fake.queries(path);
         assert!(!q.is_empty() && q.iter().all(|q| q.contains(selector)), "{path}: {q:?}");
+        // Lists come from the API server's cache, as kube-proxy's do.
+        let lists: Vec<&String> = q.iter().filter(|q| !q.contains("watch=true")).collect();
+        assert!(!lists.is_empty() && lists.iter().all(|q| q.contains("resourceVersion=0")), "{path}: {lists:?}");
     }
     // The Node watch asks for this node only, without the label selector.
     assert!(fake.queries(NODES).iter().all(|q| q.contains("fieldSelector=metadata.name%3Dnode-a") && !q.contains("labelSelector")));
