@@ -110,6 +110,18 @@ fn cgroup_v1_only() {
 }
 
 #[test]
+fn a_tmpfs_cgroup_path_gets_the_hybrid_host_hint() {
+    // What a container sees when its cgroup volume is the top of a hybrid
+    // host's /sys/fs/cgroup: a tmpfs, at any mount point.
+    let d = tmpdir("cgtmpfs");
+    let (code, err) = agent(&["run", "--source", &format!("dir:{}", d.display()), "--cgroup", "/dev/shm", "--bpffs", "/sys/fs/bpf/lbt-cli-never-created"]);
+    std::fs::remove_dir_all(&d).unwrap();
+    assert_ne!(code, 0);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("lb-agent: no cgroup v2: /dev/shm is a tmpfs") && err.contains("/sys/fs/cgroup/unified"), "{err}");
+}
+
+#[test]
 fn a_missing_capability_is_named() {
     // Root, but without CAP_NET_ADMIN in the bounding set.
     assert_setpriv_error(
