@@ -202,6 +202,11 @@ where
 /// Reconciles a snapshot into the maps, remembering what it programmed.
 struct Reconciler {
     maps: Maps,
+    /// kube-proxy's change counters since the last export, and the trigger
+    /// times of EndpointSlice changes not programmed yet.
+    service_changes: u64,
+    slice_changes: u64,
+    triggers: Vec<std::time::SystemTime>,
     v4: Mirror<[u8; 4]>,
     v6: Mirror<[u8; 16]>,
     node_name: String,
@@ -356,6 +361,10 @@ impl Reconciler {
         let node = model::node_info(&facts, &snap.nodes);
         let t_model = Instant::now();
         let ch = self.model.update(&snap.services, &snap.slices, &node, &self.opts);
+        self.service_changes += ch.service_changes;
+        self.slice_changes += ch.slice_changes;
+        // Measured when programmed: kept across a failed sync.
+        self.triggers.extend(ch.triggers.iter().copied());
         tracing::debug!(
             us = t_model.elapsed().as_micros() as u64,
             changed = ch.frontends.len(),
@@ -715,6 +724,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let netns_cookie = crate::nodeport::netns_cookie()?;
     let mut rec = Reconciler {
         maps,
+        service_changes: 0,
+        slice_changes: 0,
+        triggers: Vec::new(),
         v4,
         v6,
         node_name: cfg.node_name.clone(),
@@ -758,7 +770,6 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             }
         });
     }
-    let mut changes = crate::changes::Changes::new();
     let mut resync = tokio::time::interval(if cfg.resync_period.is_zero() { Duration::from_secs(86400 * 365) } else { cfg.resync_period });
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     resync.tick().await;
@@ -768,8 +779,6 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mut last: Option<Arc<Update>> = None;
     let mut dirty = false;
     let mut first = true;
-    // Trigger times of EndpointSlice changes not programmed yet.
-    let mut triggers: Vec<std::time::SystemTime> = Vec::new();
     loop {
         tokio::select! {
             r = rx.changed() => {
@@ -783,10 +792,6 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 let Some(upd) = rx.borrow_and_update().clone() else { continue };
                 tracing::debug!(waited_us = upd.since.elapsed().as_micros() as u64, "update received");
                 health.changed(upd.since);
-                let ch = changes.observe(&upd.snapshot);
-                metrics.kp_service_changes.inc_by(ch.services);
-                metrics.kp_endpoint_changes.inc_by(ch.slices);
-                triggers.extend(ch.triggers);
                 let deleting = upd.snapshot.nodes.iter().any(|n| {
                     n.metadata.name.as_deref() == Some(cfg.node_name.as_str()) && n.metadata.deletion_timestamp.is_some()
                 });
@@ -822,7 +827,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 metrics.event_to_programmed.observe(upd.since.elapsed().as_secs_f64());
                 let now = std::time::SystemTime::now();
                 metrics.kp_last_sync.set(now.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()));
-                for t in triggers.drain(..) {
+                for t in rec.triggers.drain(..) {
                     metrics.kp_network_programming.observe(now.duration_since(t).map_or(0.0, |d| d.as_secs_f64()));
                 }
             }
@@ -833,6 +838,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             }
         }
         rec.export(&metrics, &cfg.capacity);
+        metrics.kp_service_changes.inc_by(std::mem::take(&mut rec.service_changes));
+        metrics.kp_endpoint_changes.inc_by(std::mem::take(&mut rec.slice_changes));
         // An upgrade: the staged maps hold the first full sync now; move the
         // programs to them (the old ones served from the old maps meanwhile).
         if !dirty && let Some(replaced) = upgrade.take() {

@@ -7,7 +7,6 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 mod agent;
-mod changes;
 mod dataplane;
 mod health;
 mod model;

@@ -3,7 +3,7 @@
 use std::net::IpAddr;
 
 use anyhow::{Context as _, Result};
-use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload};
+use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
 use netlink_packet_route::RouteNetlinkMessage;
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
@@ -26,13 +26,7 @@ pub fn links() -> Result<Vec<Link>> {
     let mut sock = Socket::new(NETLINK_ROUTE).context("rtnetlink socket")?;
     sock.bind_auto().context("rtnetlink bind")?;
     sock.connect(&SocketAddr::new(0, 0)).context("rtnetlink connect")?;
-    let mut hdr = NetlinkHeader::default();
-    hdr.flags = NLM_F_REQUEST | NLM_F_DUMP;
-    let mut msg = NetlinkMessage::new(hdr, NetlinkPayload::InnerMessage(RouteNetlinkMessage::GetLink(LinkMessage::default())));
-    msg.finalize();
-    let mut buf = vec![0; msg.buffer_len()];
-    msg.serialize(&mut buf);
-    sock.send(&buf, 0).context("rtnetlink send")?;
+    crate::stale::send(&sock, NLM_F_REQUEST | NLM_F_DUMP, RouteNetlinkMessage::GetLink(LinkMessage::default())).context("rtnetlink")?;
     let mut out = Vec::new();
     let mut buf = vec![0u8; 1 << 16];
     loop {

@@ -96,14 +96,15 @@ fn check_visibility(cgroup: &Path, gauge: &prometheus_client::metrics::gauge::Ga
     *logged = blind;
 }
 
-fn send<T: netlink_packet_core::NetlinkSerializable + std::fmt::Debug>(sock: &Socket, flags: u16, payload: T) -> Result<()> {
+/// One netlink request on `sock` (sock_diag here, rtnetlink in netdev).
+pub fn send<T: netlink_packet_core::NetlinkSerializable + std::fmt::Debug>(sock: &Socket, flags: u16, payload: T) -> Result<()> {
     let mut hdr = NetlinkHeader::default();
     hdr.flags = flags;
     let mut msg = NetlinkMessage::new(hdr, NetlinkPayload::InnerMessage(payload));
     msg.finalize();
     let mut buf = vec![0; msg.buffer_len()];
     msg.serialize(&mut buf);
-    sock.send(&buf, 0).context("sock_diag send")?;
+    sock.send(&buf, 0).context("netlink send")?;
     Ok(())
 }
 

@@ -36,6 +36,14 @@ pub fn run(cmd: &str, args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// `lb-agent teardown --bpffs BPFFS` inside network namespace `netns`,
+/// where the agent ran: its TC filters and its reserved ports are there.
+pub fn teardown_in(netns: &str, bpffs: &Path) -> Result<()> {
+    let bpffs = bpffs.to_str().context("bpffs path")?;
+    run("nsenter", &[&format!("--net=/run/netns/{netns}"), "--", bin("lb-agent").to_str().context("lb-agent path")?, "teardown", "--bpffs", bpffs])
+        .map(drop)
+}
+
 fn ip(args: &[&str]) -> Result<()> {
     run("ip", args).map(|_| ())
 }
@@ -959,11 +967,8 @@ impl Cluster {
             self.kill_agent(i);
         }
         for n in &self.nodes {
-            if n.bpffs.exists() {
-                let r = Command::new(bin("lb-agent")).args(["teardown", "--bpffs"]).arg(&n.bpffs).output();
-                if r.map(|o| !o.status.success()).unwrap_or(true) {
-                    let _ = std::fs::remove_dir_all(&n.bpffs);
-                }
+            if n.bpffs.exists() && teardown_in(&n.netns, &n.bpffs).is_err() {
+                let _ = std::fs::remove_dir_all(&n.bpffs);
             }
         }
         for p in &self.pods {

@@ -148,20 +148,10 @@ impl TestBpffs {
 
 impl Drop for TestBpffs {
     fn drop(&mut self) {
-        if self.pins().exists() {
-            let out = Command::new("nsenter")
-                .arg(format!("--net=/run/netns/{}", self.netns))
-                .arg("--")
-                .arg(bin("lb-agent"))
-                .arg("teardown")
-                .arg("--bpffs")
-                .arg(self.pins())
-                .output();
-            match out {
-                Ok(o) if o.status.success() => {}
-                Ok(o) => eprintln!("lb-agent teardown --bpffs {}: {}: {}", self.pins().display(), o.status, String::from_utf8_lossy(&o.stderr)),
-                Err(e) => eprintln!("lb-agent teardown: {e}"),
-            }
+        if self.pins().exists()
+            && let Err(e) = lbtest::teardown_in(&self.netns, &self.pins())
+        {
+            eprintln!("{e:#}");
         }
         if let Err(e) = std::fs::remove_dir_all(&self.dir) {
             eprintln!("remove {}: {e}", self.dir.display());

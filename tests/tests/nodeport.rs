@@ -237,8 +237,7 @@ fn netlink_filters_are_replaced_in_place_on_restart_and_removed_by_teardown() ->
     assert_eq!(s.ok, 5, "{s:?}");
     // Netlink filters are no links: teardown removes them.
     w.c.kill_agent(1);
-    let bpffs = w.c.nodes[0].bpffs.to_str().unwrap().to_string();
-    lbtest::run("nsenter", &[&format!("--net=/run/netns/{netns}"), "--", lbtest::bin("lb-agent").to_str().unwrap(), "teardown", "--bpffs", &bpffs])?;
+    lbtest::teardown_in(&netns, &w.c.nodes[0].bpffs)?;
     assert_eq!(filters(&w.c)?, 0);
     Ok(())
 }

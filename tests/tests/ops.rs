@@ -164,10 +164,10 @@ fn teardown_gives_back_the_reserved_nodeport_range() -> Result<()> {
     c.start_agent(1)?;
     assert_eq!(reserved(&c)?, "2000-2001,30000-32767");
     c.kill_agent(1);
-    let bpffs = c.nodes[0].bpffs.to_str().unwrap().to_string();
-    lbtest::run("nsenter", &[&format!("--net=/run/netns/{netns}"), "--", lbtest::bin("lb-agent").to_str().unwrap(), "teardown", "--bpffs", &bpffs])?;
+    let bpffs = c.nodes[0].bpffs.clone();
+    lbtest::teardown_in(&netns, &bpffs)?;
     assert_eq!(reserved(&c)?, "2000-2001", "what was there before stays; lb's range goes");
-    assert!(!std::path::Path::new(&bpffs).exists(), "no pins left");
+    assert!(!bpffs.exists(), "no pins left");
     Ok(())
 }
 

@@ -42,6 +42,23 @@ pub struct Changes {
     /// (frontend, backend) pairs that stopped serving: connections
     /// translated to them are stale.
     pub left: BTreeSet<Pair>,
+    /// Services and EndpointSlices added, changed or removed since the last
+    /// update (kube-proxy's change counters).
+    pub service_changes: u64,
+    pub slice_changes: u64,
+    /// The `endpoints.kubernetes.io/last-change-trigger-time` of every
+    /// added or changed EndpointSlice that has one (none on the first
+    /// update: those changes predate the agent), for kube-proxy's network
+    /// programming latency.
+    pub triggers: Vec<std::time::SystemTime>,
+}
+
+/// How many distinct objects (by namespace and name) `gone` and `added`
+/// hold: a changed object is in both.
+fn changed<T>(gone: &[Arc<T>], added: &[Arc<T>], meta: fn(&T) -> &super::objects::Meta) -> u64 {
+    let names: HashSet<(Option<&str>, Option<&str>)> =
+        gone.iter().chain(added).map(|o| meta(o)).map(|m| (m.namespace.as_deref(), m.name.as_deref())).collect();
+    names.len() as u64
 }
 
 impl Changes {
@@ -103,6 +120,22 @@ fn unclaim(c: &mut Claims, r: &ServiceRef) {
 
 /// The objects of `old` that are not in `new`, and those of `new` that are
 /// not in `old`, by identity. Linear, and cheap when the order is kept.
+/// The objects that went and came from one snapshot to the next.
+struct ObjectDiff {
+    gone_svcs: Vec<Arc<Service>>,
+    new_svcs: Vec<Arc<Service>>,
+    gone_slices: Vec<Arc<EndpointSlice>>,
+    new_slices: Vec<Arc<EndpointSlice>>,
+}
+
+impl ObjectDiff {
+    fn of(old_svcs: &[Arc<Service>], svcs: &[Arc<Service>], old_slices: &[Arc<EndpointSlice>], slices: &[Arc<EndpointSlice>]) -> Self {
+        let (gone_svcs, new_svcs) = diff(old_svcs, svcs);
+        let (gone_slices, new_slices) = diff(old_slices, slices);
+        ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices }
+    }
+}
+
 fn diff<T>(old: &[Arc<T>], new: &[Arc<T>]) -> (Vec<Arc<T>>, Vec<Arc<T>>) {
     let (mut gone, mut added) = (Vec::new(), Vec::new());
     for i in 0..old.len().max(new.len()) {
@@ -158,23 +191,34 @@ impl Incremental {
     /// once) on `node`, and say what changed.
     pub fn update(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], node: &NodeInfo, opts: &Options) -> Changes {
         let mut ch = Changes::default();
+        let objs = ObjectDiff::of(&self.services, services, &self.slices, slices);
+        ch.service_changes = changed(&objs.gone_svcs, &objs.new_svcs, |s: &Service| &s.metadata);
+        ch.slice_changes = changed(&objs.gone_slices, &objs.new_slices, |s: &EndpointSlice| &s.metadata);
+        if self.primed {
+            ch.triggers = objs
+                .new_slices
+                .iter()
+                .filter_map(|e| e.metadata.annotations.last_change_trigger_time.as_deref())
+                .filter_map(|t| humantime::parse_rfc3339_weak(t).ok())
+                .collect();
+        }
         if !self.primed || self.node != *node || self.opts != *opts {
             let before = self.primed.then(|| self.desired.alive_pairs());
             *self = Incremental { primed: true, node: node.clone(), opts: opts.clone(), ..Default::default() };
             ch.full = true;
-            self.apply(services, slices, &mut ch);
+            let all = ObjectDiff::of(&[], services, &[], slices);
+            self.apply(services, slices, all, &mut ch);
             if let Some(before) = before {
                 ch.left = before.difference(&self.desired.alive_pairs()).copied().collect();
             }
         } else {
-            self.apply(services, slices, &mut ch);
+            self.apply(services, slices, objs, &mut ch);
         }
         ch
     }
 
-    fn apply(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], ch: &mut Changes) {
-        let (gone_svcs, new_svcs) = diff(&self.services, services);
-        let (gone_slices, new_slices) = diff(&self.slices, slices);
+    fn apply(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], objs: ObjectDiff, ch: &mut Changes) {
+        let ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices } = objs;
         self.services = services.to_vec();
         self.slices = slices.to_vec();
         let mut affected: BTreeSet<ServiceRef> = BTreeSet::new();

@@ -159,3 +159,37 @@ fn many_services_at_once_equal_full() {
     assert_eq!(inc.desired().frontends.len(), 1500);
     assert_eq!(sorted(inc.desired().clone()), sorted(compute_with(&svcs, &eps, &node(), &opts)));
 }
+
+/// kube-proxy's change counters and trigger times: objects added, changed
+/// and removed are counted once each; only changes after the first update
+/// carry a trigger time; moving objects around is no change.
+#[test]
+fn counts_object_changes_and_collects_trigger_times() {
+    let opts = Options::default();
+    let svc = |name: &str| {
+        let mut s = Service::default();
+        s.metadata.name = Some(name.into());
+        s.metadata.namespace = Some("ns".into());
+        Arc::new(s)
+    };
+    let slice = |name: &str, trigger: Option<&str>| {
+        let mut e = EndpointSlice::default();
+        e.metadata.name = Some(name.into());
+        e.metadata.namespace = Some("ns".into());
+        e.metadata.annotations.last_change_trigger_time = trigger.map(Into::into);
+        Arc::new(e)
+    };
+    let mut inc = Incremental::new();
+    let (a, b, s1) = (svc("a"), svc("b"), slice("a-1", Some("2026-12-01T10:00:00Z")));
+    let ch = inc.update(&[a.clone(), b.clone()], std::slice::from_ref(&s1), &node(), &opts);
+    assert_eq!((ch.service_changes, ch.slice_changes), (2, 1));
+    assert!(ch.triggers.is_empty(), "the initial list's changes predate the agent");
+    let ch = inc.update(&[b, a], std::slice::from_ref(&s1), &node(), &opts);
+    assert_eq!((ch.service_changes, ch.slice_changes, ch.triggers.len()), (0, 0, 0), "moved, not changed");
+    // b removed, a replaced, the slice changed with a new trigger time, a
+    // second slice without one.
+    let s2 = slice("a-1", Some("2026-12-01T10:00:01Z"));
+    let ch = inc.update(&[svc("a")], &[s2, slice("a-2", None)], &node(), &opts);
+    assert_eq!((ch.service_changes, ch.slice_changes), (2, 2));
+    assert_eq!(ch.triggers, [humantime::parse_rfc3339("2026-12-01T10:00:01Z").unwrap()]);
+}
