@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 
+pub mod btfmap;
 pub mod objects;
 pub mod podspec;
 pub mod raw;

@@ -69,6 +69,54 @@ fn upgrades_to_new_map_layouts_drop_no_connection_and_leave_no_pins() -> Result<
     Ok(())
 }
 
+fn lines_with(c: &Cluster, pat: &str) -> Result<Vec<String>> {
+    Ok(std::fs::read_to_string(c.agent_log(1))?.lines().filter(|l| l.contains(pat)).map(String::from).collect())
+}
+
+/// A map whose key and value BTF changed meaning at the same sizes (what a
+/// struct edit without a LAYOUT_VERSION bump would leave) is replaced; a
+/// restart of the same build replaces nothing.
+#[test]
+fn a_map_of_another_btf_layout_is_replaced_and_the_same_layout_is_kept() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let objects = w.c.objects.clone();
+    let backends = w.c.nodes[0].bpffs.join(lb_common::maps::BACKENDS4);
+
+    // The same build again: every map is kept.
+    w.c.kill_agent(1);
+    w.c.start_agent_env(1, &objects, &[], &[])?;
+    assert_eq!(lines_with(&w.c, "gets a new layout")?, Vec::<String>::new(), "a plain restart replaced maps");
+
+    // The backends map now carries another BTF layout at the same sizes.
+    w.c.kill_agent(1);
+    lbtest::btfmap::replace_with_bogus_btf(&backends)?;
+    // and the affinity table too: same sizes, other meaning, so its entries
+    // must not be copied over byte for byte.
+    lbtest::btfmap::replace_with_bogus_btf(&w.c.nodes[0].bpffs.join(lb_common::maps::AFFINITY))?;
+    let conns = w.c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "1000000", "--interval-ms", "5", "--max-ms", "4000", "--timeout-ms", "1000"])?;
+    std::thread::sleep(Duration::from_millis(300));
+    w.c.start_agent_env(1, &objects, &[], &[])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let replaced = lines_with(&w.c, "gets a new layout")?;
+    assert_eq!(replaced.len(), 2, "only the two maps are replaced: {replaced:?}");
+    for (line, map) in replaced.iter().zip([lb_common::maps::BACKENDS4, lb_common::maps::AFFINITY]) {
+        assert!(line.contains(map) && line.contains("btf_changed=true"), "{replaced:?}");
+    }
+    let refused = lines_with(&w.c, "not carried over")?;
+    assert!(refused.len() == 1 && refused[0].contains(lb_common::maps::AFFINITY), "{refused:?}");
+    let s = Cluster::finish(conns)?;
+    assert_eq!(s.failed(), 0, "no connect failed: {s:?}");
+    assert!(s.ok > 100, "{s:?}");
+    // bpftool reads the new map with the agent's own field names.
+    let dump = lbtest::run("bpftool", &["-j", "map", "dump", "pinned", backends.to_str().unwrap()])?;
+    assert!(dump.contains("\"port\""), "{dump}");
+    let s = w.c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "5"])?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}
+
 #[test]
 fn a_half_finished_upgrade_is_started_over() -> Result<()> {
     let mut w = world(&web("NodePort", "", &[]))?;

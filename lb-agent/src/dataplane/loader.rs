@@ -25,7 +25,7 @@ use lb_common::{
 use super::maps::Maps;
 
 /// The BPF object, built by build.rs.
-static OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
+pub(super) static OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
 
 /// The cgroup sock_addr programs, in attach order.
 pub const PROGRAMS: [&str; 8] = [
@@ -215,11 +215,13 @@ fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize,
 }
 
 /// The pinned maps in `dir` this agent cannot use as they are: another map
-/// type, key or value size, or max_entries (a `--max-*` flag changed), or
-/// all of them when the pins carry another layout version (a change of
-/// meaning at the same size). Each is replaced by an upgrade.
+/// type, key or value size, or max_entries (a `--max-*` flag changed),
+/// another BTF layout of key or value (a change of meaning at the same
+/// size: fields swapped, renamed or retyped), or all of them when the pins
+/// carry another layout version. Each is replaced by an upgrade.
 fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static str>> {
     let version_changed = pinned_layout_version(dir) != layout_version();
+    let ours = super::btf::object_layouts(OBJ).context("read the BTF of this agent's maps")?;
     let mut out = Vec::new();
     for (name, ty, k, v, max) in expected_layout(cap) {
         let path = dir.join(name);
@@ -229,12 +231,26 @@ fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static str>> {
         let info = aya::maps::MapInfo::from_pin(&path).with_context(|| format!("inspect pinned map {}", path.display()))?;
         let got = info.map_type().ok();
         let same = got == Some(ty) && info.key_size() as usize == k && info.value_size() as usize == v && info.max_entries() == max;
-        if version_changed || !same {
+        // A map pinned without BTF (by an agent from before BTF maps) is
+        // judged by its sizes and the layout version alone.
+        let btf_changed = match (super::btf::pinned_layout(&path), ours.get(name)) {
+            (Ok(Some(pinned)), Some(want)) if pinned != *want => {
+                tracing::info!(map = name, pinned = ?pinned, wanted = ?want, "pinned map's BTF layout differs");
+                true
+            }
+            (Err(e), _) => {
+                tracing::warn!(map = name, error = format!("{e:#}"), "cannot read the pinned map's BTF; it is replaced");
+                true
+            }
+            _ => false,
+        };
+        if version_changed || btf_changed || !same {
             tracing::info!(
                 map = name,
                 pinned = format!("{got:?} {}/{} x{}", info.key_size(), info.value_size(), info.max_entries()),
                 wanted = format!("{ty:?} {k}/{v} x{max}"),
                 version_changed,
+                btf_changed,
                 "pinned map gets a new layout"
             );
             out.push(name);
@@ -413,7 +429,7 @@ impl Tc {
     /// the new maps' pins in place of the old ones, and drop links of
     /// programs this agent does not have.
     pub fn finish_upgrade(&mut self, replaced: &[&'static str]) -> Result<()> {
-        let copied = carry_state(&self.bpffs, replaced);
+        let copied = carry_state(&self.bpffs, replaced, true);
         self.attach_cgroup()?;
         let links = self.bpffs.join("links");
         let mut ifaces = BTreeSet::new();
@@ -431,7 +447,7 @@ impl Tc {
             }
         }
         // What the old programs added between the copy and the switch.
-        let late = carry_state(&self.bpffs, replaced);
+        let late = carry_state(&self.bpffs, replaced, false);
         for name in replaced {
             let staged = self.bpffs.join(NEXT).join(name);
             fs::rename(&staged, self.bpffs.join(name)).with_context(|| format!("move {} in place", staged.display()))?;
@@ -525,10 +541,11 @@ fn attach_netlink(prog: &mut SchedClassifier, iface: &str, ty: TcAttachType) -> 
 
 /// Copy the entries of the state maps the datapath writes (sessionAffinity,
 /// socket tracking, NAT) from their old pins to the staged new maps, where
-/// key and value sizes agree (the new map may be larger or smaller: a
-/// `--max-*` change); entries already in the new map win. Returns how many
+/// key and value sizes and their BTF layouts agree (the new map may be
+/// larger or smaller: a `--max-*` change); entries already in the new map
+/// win. `warn`: say which maps' entries cannot come along. Returns how many
 /// were copied.
-fn carry_state(bpffs: &Path, replaced: &[&'static str]) -> usize {
+fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -> usize {
     fn copy<K: aya::Pod, V: aya::Pod>(old: &Path, new: &Path, lru: bool) -> Result<usize> {
         use aya::maps::{HashMap, Map, MapData};
         let wrap = |d: MapData| if lru { Map::LruHashMap(d) } else { Map::HashMap(d) };
@@ -550,8 +567,14 @@ fn carry_state(bpffs: &Path, replaced: &[&'static str]) -> usize {
             (Ok(a), Ok(b)) => a.key_size() == b.key_size() && a.value_size() == b.value_size() && a.map_type().ok() == b.map_type().ok(),
             _ => false,
         };
-        if !same_sizes {
-            if [maps::AFFINITY, maps::SOCK_REVNAT4, maps::SOCK_REVNAT6, maps::NAT4, maps::NAT6].contains(name) {
+        // Same sizes but another BTF layout: the bytes mean something else.
+        let same_btf = match (super::btf::pinned_layout(&old), super::btf::pinned_layout(&new)) {
+            (Ok(Some(a)), Ok(Some(b))) => a == b,
+            (Ok(None), Ok(_)) | (Ok(_), Ok(None)) => true,
+            _ => false,
+        };
+        if !same_sizes || !same_btf {
+            if warn && [maps::AFFINITY, maps::SOCK_REVNAT4, maps::SOCK_REVNAT6, maps::NAT4, maps::NAT6].contains(name) {
                 tracing::warn!(map = name, "upgrade: its entries have another layout and are not carried over");
             }
             continue;

@@ -1,5 +1,6 @@
 //! The dataplane: load, pin and attach the BPF programs, and write the maps.
 //! It knows nothing about Kubernetes; it takes desired frontends and backends.
+pub mod btf;
 pub mod inspect;
 pub mod loader;
 pub mod maps;
