@@ -3,9 +3,13 @@
 //! instead of sending into a black hole (kube-proxy only flushes UDP
 //! conntrack; cilium#14844, calico#4509).
 //!
-//! - Only sockets our translation made: their cookie is in the socket
-//!   rev-NAT map with that backend. A direct connection to a pod IP has no
-//!   entry and is never touched.
+//! - Only sockets our translation made: connect4/6 left the translation in
+//!   the socket's own storage (`LB_SOCK_XLATE`), which sock_diag returns
+//!   with each TCP socket (INET_DIAG_REQ_SK_BPF_STORAGES). The kernel fills
+//!   storage only into TCP dumps, so connected UDP sockets (and sockets
+//!   translated before the storage existed) are found in the socket rev-NAT
+//!   LRU by cookie. A direct connection to a pod IP has neither and is never
+//!   touched.
 //! - Only connected sockets: unconnected UDP sockets are left alone
 //!   (cilium#48564); their next sendto picks a live backend.
 //! - In every network namespace that has processes in the attached cgroup
@@ -13,14 +17,20 @@
 //!   netlink sock_diag SOCK_DESTROY.
 //! - Cheap whatever the traffic: the kernel lists only connected sockets
 //!   (not the TIME_WAIT ones a busy client leaves by the thousand), and the
-//!   socket rev-NAT map is looked up per candidate, never walked.
+//!   socket rev-NAT map is looked up per candidate, never walked. A sweep
+//!   after a full sync (endpoints removed while no agent ran) lists every
+//!   connected socket once, with its storage.
 use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
-use netlink_packet_core::{NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload};
+use netlink_packet_core::{
+    Emitable as _, NLA_F_NESTED, NLA_TYPE_MASK, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+    NetlinkSerializable, Nla as _, NlasIterator,
+};
+use netlink_packet_sock_diag::inet::nlas::Nla as InetNla;
 use netlink_packet_sock_diag::constants::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP};
 use netlink_packet_sock_diag::inet::{ExtensionFlags, InetRequest, SocketId, StateFlags};
 use netlink_packet_sock_diag::{SockDiagDestroy, SockDiagMessage};
@@ -115,12 +125,93 @@ struct Conn {
     /// The peer, an IPv4-mapped address as IPv4.
     peer: IpAddr,
     port: u16,
+    /// The translation in the socket's storage, if connect4/6 made one.
+    xlate: Option<lb_common::SockXlate>,
+}
+
+// sock_diag's BPF socket storage attributes (linux/inet_diag.h,
+// linux/sock_diag.h), which netlink-packet-sock-diag does not model.
+const INET_DIAG_REQ_SK_BPF_STORAGES: u16 = 2;
+const SK_DIAG_BPF_STORAGE_REQ_MAP_FD: u16 = 1;
+const INET_DIAG_SK_BPF_STORAGES: u16 = 20;
+const SK_DIAG_BPF_STORAGE: u16 = 1;
+const SK_DIAG_BPF_STORAGE_MAP_VALUE: u16 = 3;
+
+/// A dump request that also asks for each socket's value in one socket
+/// storage map.
+#[derive(Debug)]
+struct DumpWithStorage {
+    req: InetRequest,
+    map_fd: u32,
+}
+
+impl NetlinkSerializable for DumpWithStorage {
+    fn message_type(&self) -> u16 {
+        netlink_packet_sock_diag::constants::SOCK_DIAG_BY_FAMILY
+    }
+    fn buffer_len(&self) -> usize {
+        self.req.buffer_len() + 4 + 8
+    }
+    fn serialize(&self, buf: &mut [u8]) {
+        let n = self.req.buffer_len();
+        self.req.emit(&mut buf[..n]);
+        // One nested attribute holding one map fd.
+        let attr = &mut buf[n..];
+        attr[0..2].copy_from_slice(&12u16.to_ne_bytes());
+        attr[2..4].copy_from_slice(&(INET_DIAG_REQ_SK_BPF_STORAGES | NLA_F_NESTED).to_ne_bytes());
+        attr[4..6].copy_from_slice(&8u16.to_ne_bytes());
+        attr[6..8].copy_from_slice(&SK_DIAG_BPF_STORAGE_REQ_MAP_FD.to_ne_bytes());
+        attr[8..12].copy_from_slice(&self.map_fd.to_ne_bytes());
+    }
+}
+
+/// The socket's value in the storage map the dump asked for.
+fn storage_value(nlas: &[InetNla]) -> Option<lb_common::SockXlate> {
+    let outer = nlas.iter().find_map(|n| match n {
+        InetNla::Other(a) if a.kind() & NLA_TYPE_MASK == INET_DIAG_SK_BPF_STORAGES => {
+            let mut v = vec![0u8; a.value_len()];
+            a.emit_value(&mut v);
+            Some(v)
+        }
+        _ => None,
+    })?;
+    for stg in NlasIterator::new(&outer[..]).flatten() {
+        if stg.kind() & NLA_TYPE_MASK != SK_DIAG_BPF_STORAGE {
+            continue;
+        }
+        for f in NlasIterator::new(stg.value()).flatten() {
+            if f.kind() & NLA_TYPE_MASK == SK_DIAG_BPF_STORAGE_MAP_VALUE {
+                let v = f.value();
+                if v.len() >= size_of::<lb_common::SockXlate>() {
+                    // SAFETY: SockXlate is plain old data; the read is unaligned.
+                    return Some(unsafe { std::ptr::read_unaligned(v.as_ptr().cast()) });
+                }
+            }
+        }
+    }
+    None
+}
+
+/// The frontend of a socket's stored translation, if it was translated to
+/// the peer it has now (a UDP socket may connect again, elsewhere).
+fn xlate_pair(x: &lb_common::SockXlate, peer: IpAddr, port: u16) -> Option<(IpAddr, u16)> {
+    let (front, backend) = match x.family {
+        lb_common::FAMILY_V4 => {
+            let v4 = |a: &[u8; 16]| IpAddr::from([a[0], a[1], a[2], a[3]]);
+            (v4(&x.front), v4(&x.backend))
+        }
+        lb_common::FAMILY_V6 => (IpAddr::from(x.front), IpAddr::from(x.backend)),
+        _ => return None,
+    };
+    (backend == peer && x.backend_port == port).then_some((front, x.front_port))
 }
 
 /// The connected TCP and UDP sockets of `sock`'s netns whose peer is in
-/// `peers`. The kernel leaves out listening, TIME_WAIT and closed sockets
-/// (for UDP: unconnected ones, which are CLOSE, and never touched).
-fn connected_to(sock: &Socket, peers: &BTreeSet<(IpAddr, u16)>) -> Result<Vec<Conn>> {
+/// `peers` (all of them: None), each with its storage in map `storage`.
+/// The kernel leaves out listening, TIME_WAIT and closed sockets (for UDP:
+/// unconnected ones, which are CLOSE, and never touched).
+fn connected_to(sock: &Socket, peers: Option<&BTreeSet<(IpAddr, u16)>>, storage: std::os::fd::BorrowedFd<'_>) -> Result<Vec<Conn>> {
+    use std::os::fd::AsRawFd as _;
     let tcp = StateFlags::ESTABLISHED
         | StateFlags::SYN_SENT
         | StateFlags::SYN_RECV
@@ -134,7 +225,7 @@ fn connected_to(sock: &Socket, peers: &BTreeSet<(IpAddr, u16)>) -> Result<Vec<Co
         let id = if family == AF_INET { SocketId::new_v4() } else { SocketId::new_v6() };
         let states = if proto == IPPROTO_TCP { StateFlags::from_bits_truncate(tcp.bits()) } else { StateFlags::ESTABLISHED };
         let req = InetRequest { family, protocol: proto, extensions: ExtensionFlags::empty(), states, socket_id: id };
-        send(sock, NLM_F_REQUEST | NLM_F_DUMP, SockDiagMessage::InetRequest(req))?;
+        send(sock, NLM_F_REQUEST | NLM_F_DUMP, DumpWithStorage { req, map_fd: storage.as_raw_fd() as u32 })?;
         let mut buf = vec![0u8; 65536];
         'recv: loop {
             let n = sock.recv(&mut &mut buf[..], 0).context("sock_diag recv")?;
@@ -150,8 +241,9 @@ fn connected_to(sock: &Socket, peers: &BTreeSet<(IpAddr, u16)>) -> Result<Vec<Co
                             a => a,
                         };
                         let port = h.socket_id.destination_port;
-                        if peers.contains(&(peer, port)) {
+                        if peers.is_none_or(|p| p.contains(&(peer, port))) {
                             found.push(Conn {
+                                xlate: storage_value(&r.nlas),
                                 req: InetRequest {
                                     family,
                                     protocol: proto,
@@ -232,7 +324,7 @@ enum Work {
     Left(BTreeSet<Pair>),
     /// Every frontend after a full sync: any translated socket to a pair
     /// none of them serves is stale (an endpoint removed while no agent
-    /// ran, say). This one walk of the socket rev-NAT map is the only one.
+    /// ran, say).
     Sweep(Vec<(IpAddr, u16, std::sync::Arc<crate::model::Frontend>)>),
 }
 
@@ -256,9 +348,12 @@ impl Destroyer {
         use lb_common::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, maps};
         let mut s4: SockMap<SockRevNat4Key, SockRevNat4Value> = open_lru(bpffs, maps::SOCK_REVNAT4)?;
         let mut s6: SockMap<SockRevNat6Key, SockRevNat6Value> = open_lru(bpffs, maps::SOCK_REVNAT6)?;
+        let storage = aya::maps::MapData::from_pin(crate::dataplane::loader::pin_path(bpffs, maps::SOCK_XLATE))
+            .with_context(|| format!("open pinned map {}", maps::SOCK_XLATE))?;
         let (tx, rx) = std::sync::mpsc::channel::<Work>();
         let counter = destroyed;
         std::thread::Builder::new().name("stale-sockets".into()).spawn(move || {
+            use std::os::fd::AsFd as _;
             let mut logged = false;
             check_visibility(&cgroup, &invisible, &mut logged);
             while let Ok(first) = rx.recv() {
@@ -271,36 +366,34 @@ impl Destroyer {
                         Work::Sweep(f) => sweep = Some(f),
                     }
                 }
-                if let Some(fronts) = sweep {
-                    // By frontend address and port (TCP and UDP share them).
-                    let mut by_addr: HashMap<(IpAddr, u16), Vec<std::sync::Arc<crate::model::Frontend>>> = HashMap::new();
-                    for (a, p, f) in fronts {
-                        by_addr.entry((a, p)).or_default().push(f);
-                    }
-                    let alive = |(v, vp, b, bp): &Pair| by_addr.get(&(*v, *vp)).is_some_and(|fs| fs.iter().any(|f| f.serves(*b, *bp)));
-                    let entries = s4
-                        .iter()
-                        .filter_map(|r| r.ok())
-                        .map(|(k, v)| (IpAddr::from(v.addr), v.port, IpAddr::from(k.addr), k.port))
-                        .chain(s6.iter().filter_map(|r| r.ok()).map(|(k, v)| (IpAddr::from(v.addr), v.port, IpAddr::from(k.addr), k.port)));
-                    left.extend(entries.filter(|pair| !alive(pair)));
+                // A sweep judges every translated socket by the frontends
+                // that exist now (by address and port: TCP and UDP share them).
+                let mut by_addr: HashMap<(IpAddr, u16), Vec<std::sync::Arc<crate::model::Frontend>>> = HashMap::new();
+                let sweeping = sweep.is_some();
+                for (a, p, f) in sweep.into_iter().flatten() {
+                    by_addr.entry((a, p)).or_default().push(f);
                 }
-                if left.is_empty() {
+                let alive = |(v, vp, b, bp): &Pair| by_addr.get(&(*v, *vp)).is_some_and(|fs| fs.iter().any(|f| f.serves(*b, *bp)));
+                if left.is_empty() && !sweeping {
                     continue;
                 }
                 check_visibility(&cgroup, &invisible, &mut logged);
                 let peers: BTreeSet<(IpAddr, u16)> = left.iter().map(|(_, _, b, bp)| (*b, *bp)).collect();
                 let mut n = 0;
                 for (pid, sock) in netns_sockets(&cgroup) {
-                    let conns = match connected_to(&sock, &peers) {
+                    let conns = match connected_to(&sock, (!sweeping).then_some(&peers), storage.fd().as_fd()) {
                         Ok(c) => c,
                         Err(e) => {
                             tracing::warn!("stale sockets: the netns of pid {pid}: {e:#}");
                             continue;
                         }
                     };
-                    // Which frontend our hook translated each from, by cookie.
+                    // Which frontend our hook translated each from: the
+                    // socket's storage, else the LRU by cookie.
                     let from = |c: &Conn| -> Option<(IpAddr, u16)> {
+                        if let Some(x) = &c.xlate {
+                            return Some(xlate_pair(x, c.peer, c.port)?);
+                        }
                         match c.peer {
                             IpAddr::V4(a) => {
                                 let k = SockRevNat4Key { cookie: c.cookie, addr: a.octets(), port: c.port, _pad: 0 };
@@ -318,12 +411,22 @@ impl Destroyer {
                     };
                     let candidates: Vec<Candidate<usize>> =
                         conns.iter().enumerate().map(|(i, c)| (i, c.peer, c.port, from(c))).collect();
-                    for i in stale(&candidates, &left) {
+                    let mut judged = left.clone();
+                    if sweeping {
+                        judged.extend(
+                            candidates.iter().filter_map(|(_, b, bp, f)| f.map(|(v, vp)| (v, vp, *b, *bp))).filter(|pair| !alive(pair)),
+                        );
+                    }
+                    for i in stale(&candidates, &judged) {
                         let c = &conns[i];
                         match destroy_one(&sock, c.req.clone()) {
                             Ok(true) => n += 1,
                             Ok(false) => {}
                             Err(e) => tracing::warn!("destroying a stale socket in the netns of pid {pid}: {e:#}"),
+                        }
+                        if c.xlate.is_some() {
+                            // Its storage goes with the socket.
+                            continue;
                         }
                         // Gone (or closing): forget its translation.
                         if let IpAddr::V4(a) = c.peer {

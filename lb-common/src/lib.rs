@@ -145,6 +145,28 @@ pub struct SockRevNatValue<A> {
     pub rev_nat_id: u16,
 }
 
+/// Value of the `LB_SOCK_XLATE` socket storage: the translation connect4/6
+/// gave one connected socket (TCP, or connected UDP). The kernel keeps it
+/// with the socket and frees it with the socket: nothing evicts it, and no
+/// capacity flag bounds it. getpeername and recvmsg read it; the agent reads
+/// it through sock_diag to destroy stale sockets. An IPv4 translation (also
+/// for an AF_INET6 socket connecting to `::ffff:a.b.c.d`) has its addresses
+/// in the first 4 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SockXlate {
+    /// The frontend the socket asked for.
+    pub front: [u8; 16],
+    /// The backend it was sent to.
+    pub backend: [u8; 16],
+    pub front_port: u16,
+    pub backend_port: u16,
+    pub rev_nat_id: u16,
+    /// FAMILY_V4 or FAMILY_V6: which maps `rev_nat_id` belongs to.
+    pub family: u8,
+    pub _pad: u8,
+}
+
 pub type SockRevNat4Value = SockRevNatValue<[u8; 4]>;
 pub type SockRevNat6Value = SockRevNatValue<[u8; 16]>;
 
@@ -342,7 +364,7 @@ pub mod stats {
 /// meaning without changing size (the loader compares sizes, types and
 /// max_entries by itself). Pins of another version are replaced by an
 /// upgrade, and the state maps' entries carried over where sizes agree.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
 /// Map names, shared by the loader, `lb-agent list` and the pin layout.
 pub mod maps {
@@ -362,9 +384,10 @@ pub mod maps {
     pub const SRC_RANGE: &str = "LB_SRC_RANGE";
     pub const NODEPORTS: &str = "LB_NODEPORTS";
     pub const NODE_CONFIG: &str = "LB_NODE_CONFIG";
-    pub const ALL: [&str; 16] = [
+    pub const SOCK_XLATE: &str = "LB_SOCK_XLATE";
+    pub const ALL: [&str; 17] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
-        AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG,
+        AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
     ];
 }
 
@@ -414,6 +437,7 @@ mod user {
     unsafe impl aya::Pod for SockRevNat6Key {}
     unsafe impl aya::Pod for SockRevNat4Value {}
     unsafe impl aya::Pod for SockRevNat6Value {}
+    unsafe impl aya::Pod for SockXlate {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for AffinityMatchKey {}
@@ -439,6 +463,7 @@ const _: () = {
     assert!(core::mem::size_of::<RevNat6>() == 20);
     assert!(core::mem::size_of::<SockRevNat6Key>() == 32);
     assert!(core::mem::size_of::<SockRevNat6Value>() == 20);
+    assert!(core::mem::size_of::<SockXlate>() == 40);
     assert!(core::mem::size_of::<AffinityKey>() == 32);
     assert!(core::mem::size_of::<AffinityValue>() == 16);
     assert!(core::mem::size_of::<AffinityMatchKey>() == 8);
@@ -474,6 +499,7 @@ mod layout_tests {
             ("SockRevNat6Key", core::mem::size_of::<SockRevNat6Key>(), &[core::mem::offset_of!(SockRevNat6Key, cookie), core::mem::offset_of!(SockRevNat6Key, addr), core::mem::offset_of!(SockRevNat6Key, port), core::mem::offset_of!(SockRevNat6Key, _pad), core::mem::offset_of!(SockRevNat6Key, _pad2)]),
             ("SockRevNat4Value", core::mem::size_of::<SockRevNat4Value>(), &[core::mem::offset_of!(SockRevNat4Value, addr), core::mem::offset_of!(SockRevNat4Value, port), core::mem::offset_of!(SockRevNat4Value, rev_nat_id)]),
             ("SockRevNat6Value", core::mem::size_of::<SockRevNat6Value>(), &[core::mem::offset_of!(SockRevNat6Value, addr), core::mem::offset_of!(SockRevNat6Value, port), core::mem::offset_of!(SockRevNat6Value, rev_nat_id)]),
+            ("SockXlate", core::mem::size_of::<SockXlate>(), &[core::mem::offset_of!(SockXlate, front), core::mem::offset_of!(SockXlate, backend), core::mem::offset_of!(SockXlate, front_port), core::mem::offset_of!(SockXlate, backend_port), core::mem::offset_of!(SockXlate, rev_nat_id), core::mem::offset_of!(SockXlate, family), core::mem::offset_of!(SockXlate, _pad)]),
             ("AffinityKey", core::mem::size_of::<AffinityKey>(), &[core::mem::offset_of!(AffinityKey, netns_cookie), core::mem::offset_of!(AffinityKey, client), core::mem::offset_of!(AffinityKey, rev_nat_id), core::mem::offset_of!(AffinityKey, family), core::mem::offset_of!(AffinityKey, _pad)]),
             ("AffinityValue", core::mem::size_of::<AffinityValue>(), &[core::mem::offset_of!(AffinityValue, last_used_ns), core::mem::offset_of!(AffinityValue, backend_id), core::mem::offset_of!(AffinityValue, _pad)]),
             ("AffinityMatchKey", core::mem::size_of::<AffinityMatchKey>(), &[core::mem::offset_of!(AffinityMatchKey, backend_id), core::mem::offset_of!(AffinityMatchKey, rev_nat_id), core::mem::offset_of!(AffinityMatchKey, family), core::mem::offset_of!(AffinityMatchKey, _pad)]),
@@ -500,8 +526,8 @@ mod layout_tests {
                 eat(&o.to_le_bytes());
             }
         }
-        assert_eq!((LAYOUT_VERSION, h), (2, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION and set FINGERPRINT to {h:#x}");
+        assert_eq!((LAYOUT_VERSION, h), (3, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0xcbc8_ae44_ac16_60bd;
+    const FINGERPRINT: u64 = 0xbcbd_22e1_f08c_488c;
 }

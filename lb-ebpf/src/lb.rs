@@ -278,6 +278,10 @@ pub fn select<F: Family>(
 pub fn remember4(cookie: u64, backend: &Backend<A4>, front: A4, port: u16, rev_nat_id: u16) {
     let key = SockRevNat4Key { cookie, addr: backend.addr, port: backend.port, _pad: 0 };
     let val = SockRevNatValue { addr: front, port, rev_nat_id };
+    // Every datagram of a socket asks again: write only what changed.
+    if LB4_SOCK_REVNAT.get_ptr(&key).is_some_and(|p| copy(p) == val) {
+        return;
+    }
     let _ = LB4_SOCK_REVNAT.insert(&key, &val, 0);
 }
 
@@ -285,6 +289,9 @@ pub fn remember4(cookie: u64, backend: &Backend<A4>, front: A4, port: u16, rev_n
 pub fn remember6(cookie: u64, backend: &Backend<A6>, front: A6, port: u16, rev_nat_id: u16) {
     let key = SockRevNat6Key { cookie, addr: backend.addr, port: backend.port, _pad: 0, _pad2: 0 };
     let val = SockRevNatValue { addr: front, port, rev_nat_id };
+    if LB6_SOCK_REVNAT.get_ptr(&key).is_some_and(|p| copy(p) == val) {
+        return;
+    }
     let _ = LB6_SOCK_REVNAT.insert(&key, &val, 0);
 }
 
@@ -292,8 +299,14 @@ pub fn remember6(cookie: u64, backend: &Backend<A6>, front: A6, port: u16, rev_n
 /// The entry counts only while its frontend still exists.
 #[inline(always)]
 fn still_valid<F: Family>(v: &SockRevNatValue<F::A>) -> bool {
-    match F::revnat(v.rev_nat_id) {
-        Some(r) => r.addr == v.addr && r.port == v.port,
+    frontend_alive::<F>(v.rev_nat_id, v.addr, v.port)
+}
+
+/// Frontend `rev_nat_id` still is `addr:port`.
+#[inline(always)]
+pub fn frontend_alive<F: Family>(rev_nat_id: u16, addr: F::A, port: u16) -> bool {
+    match F::revnat(rev_nat_id) {
+        Some(r) => r.addr == addr && r.port == port,
         None => false,
     }
 }

@@ -5,18 +5,22 @@
 //! unconnected UDP. recvmsg4/6 rewrite the source of UDP replies, and
 //! getpeername4/6 the peer of a connected socket, back to the ClusterIP.
 //!
+//! A connected socket keeps its translation in its own storage
+//! (`LB_SOCK_XLATE`, freed with the socket); unconnected UDP, which may
+//! send to many frontends from one socket, in the `LB*_SOCK_REVNAT` LRUs.
+//!
 //! An AF_INET6 socket that connects to a v4-mapped address
 //! (`::ffff:a.b.c.d`) runs only the *6 hooks; it is balanced with the IPv4
 //! maps, like an AF_INET socket.
 use core::ffi::c_void;
 
 use aya_ebpf::{
-    btf_maps::HashMap,
+    btf_maps::{HashMap, SkStorage},
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
     macros::{btf_map, cgroup_sock, cgroup_sock_addr},
     programs::{SockAddrContext, SockContext},
 };
-use lb_common::{NodePortKey, PROTO_TCP, PROTO_UDP, capacity, stats};
+use lb_common::{FAMILY_V4, FAMILY_V6, NodePortKey, PROTO_TCP, PROTO_UDP, SockXlate, capacity, stats};
 
 /// The NodePorts in use: processes in the node's network namespace may not
 /// bind() them.
@@ -24,7 +28,76 @@ use lb_common::{NodePortKey, PROTO_TCP, PROTO_UDP, capacity, stats};
 static LB_NODEPORTS: HashMap<NodePortKey, u8, { capacity::NODEPORTS as usize }, { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize }> =
     HashMap::new();
 
+/// Each connected socket's translation, for as long as the socket lives.
+#[btf_map]
+static LB_SOCK_XLATE: SkStorage<SockXlate> = SkStorage::new();
+
 const EADDRINUSE: i32 = 98;
+
+/// Remember a connected socket's translation in its storage.
+#[inline(always)]
+fn track(ctx: &SockAddrContext, x: SockXlate) {
+    let mut v = x;
+    // SAFETY: ctx is this program's context; the helper checks the socket.
+    let p = unsafe { LB_SOCK_XLATE.get_or_insert_ptr_mut(ctx, Some(&mut v)) };
+    if !p.is_null() {
+        // An earlier connect of this socket (UDP may connect again).
+        // SAFETY: p points to this socket's storage.
+        unsafe { core::ptr::write_volatile(p, x) };
+    }
+}
+
+/// The translation connect gave this socket; `family` 0 when none. (Not an
+/// Option: LLVM reads the fields of a None speculatively, and the verifier
+/// refuses the uninitialised registers.)
+#[inline(always)]
+fn tracked(ctx: &SockAddrContext) -> SockXlate {
+    // SAFETY: ctx is this program's context.
+    let p = unsafe { LB_SOCK_XLATE.get_ptr_mut(ctx) };
+    if p.is_null() {
+        return SockXlate::default();
+    }
+    // SAFETY: p points to this socket's storage.
+    unsafe { core::ptr::read_volatile(p) }
+}
+
+#[inline(always)]
+fn wide4(a: [u8; 4]) -> [u8; 16] {
+    let mut w = [0u8; 16];
+    w[..4].copy_from_slice(&a);
+    w
+}
+
+#[inline(always)]
+fn narrow4(w: &[u8; 16]) -> [u8; 4] {
+    [w[0], w[1], w[2], w[3]]
+}
+
+/// Remember where connect (stable = false: the socket's storage) or an
+/// unconnected datagram (the LRU, by cookie) went. A connected UDP socket
+/// goes into both: sock_diag reports storage only with TCP sockets, and the
+/// stale-socket destroyer finds UDP ones in the LRU.
+#[inline(always)]
+fn remember4(ctx: &SockAddrContext, stable: bool, proto: u8, cookie: u64, backend: &lb_common::Backend<[u8; 4]>, front: [u8; 4], port: u16, rev_nat_id: u16) {
+    if stable || proto == PROTO_UDP {
+        let cookie = if stable { cookie } else { self::cookie(ctx) };
+        lb::remember4(cookie, backend, front, port, rev_nat_id);
+    }
+    if !stable {
+        track(
+            ctx,
+            SockXlate {
+                front: wide4(front),
+                backend: wide4(backend.addr),
+                front_port: port,
+                backend_port: backend.port,
+                rev_nat_id,
+                family: FAMILY_V4,
+                _pad: 0,
+            },
+        );
+    }
+}
 
 use crate::lb::{self, Client, V4, V6, Verdict};
 
@@ -141,13 +214,13 @@ fn refuse(errno: i32) -> i32 {
 fn xlate4(ctx: &SockAddrContext, stable: bool) -> i32 {
     let Some(proto) = proto(ctx) else { return ALLOW };
     let (addr, port) = (ip4(ctx), port(ctx));
-    let cookie = cookie(ctx);
+    let cookie = if stable { cookie(ctx) } else { 0 };
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
     match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
         Verdict::Refuse(errno) => refuse(errno),
         Verdict::Backend { backend, rev_nat_id, .. } => {
-            lb::remember4(cookie, &backend, addr, port, rev_nat_id);
+            remember4(ctx, stable, proto, cookie, &backend, addr, port, rev_nat_id);
             set_ip4(ctx, backend.addr);
             set_port(ctx, backend.port);
             lb::count(stats::TRANSLATED);
@@ -161,14 +234,14 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     let Some(proto) = proto(ctx) else { return ALLOW };
     let words = ip6_words(ctx);
     let port = port(ctx);
-    let cookie = cookie(ctx);
+    let cookie = if stable { cookie(ctx) } else { 0 };
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
     if let Some(addr) = v4_mapped(&words) {
         return match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
             Verdict::Pass => ALLOW,
             Verdict::Refuse(errno) => refuse(errno),
             Verdict::Backend { backend, rev_nat_id, .. } => {
-                lb::remember4(cookie, &backend, addr, port, rev_nat_id);
+                remember4(ctx, stable, proto, cookie, &backend, addr, port, rev_nat_id);
                 set_ip6_word(ctx, 3, u32::from_ne_bytes(backend.addr));
                 set_port(ctx, backend.port);
                 lb::count(stats::TRANSLATED);
@@ -181,7 +254,24 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
         Verdict::Pass => ALLOW,
         Verdict::Refuse(errno) => refuse(errno),
         Verdict::Backend { backend, rev_nat_id, .. } => {
-            lb::remember6(cookie, &backend, addr, port, rev_nat_id);
+            if stable || proto == PROTO_UDP {
+                let cookie = if stable { cookie } else { self::cookie(ctx) };
+                lb::remember6(cookie, &backend, addr, port, rev_nat_id);
+            }
+            if !stable {
+                track(
+                    ctx,
+                    SockXlate {
+                        front: addr,
+                        backend: backend.addr,
+                        front_port: port,
+                        backend_port: backend.port,
+                        rev_nat_id,
+                        family: FAMILY_V6,
+                        _pad: 0,
+                    },
+                );
+            }
             set_ip6(ctx, backend.addr);
             set_port(ctx, backend.port);
             lb::count(stats::TRANSLATED);
@@ -190,11 +280,29 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     }
 }
 
+/// The frontend a connected socket's peer `addr:port` stands for, from the
+/// socket's storage (None: not translated there, or the frontend is gone).
+#[inline(always)]
+fn tracked4(x: &SockXlate, addr: [u8; 4], port: u16) -> Option<Option<([u8; 4], u16)>> {
+    if x.family != FAMILY_V4 || narrow4(&x.backend) != addr || x.backend_port != port {
+        return None;
+    }
+    let front = narrow4(&x.front);
+    Some(lb::frontend_alive::<V4>(x.rev_nat_id, front, x.front_port).then_some((front, x.front_port)))
+}
+
 /// Rewrite a backend address the socket sees (reply source, peer) back to
-/// the frontend it connected to.
+/// the frontend it connected to: the socket's storage first (connected
+/// sockets), then the LRU (unconnected UDP, and sockets translated before
+/// the storage existed).
 #[inline(always)]
 fn reverse4(ctx: &SockAddrContext) {
-    if let Some((a, p)) = lb::reverse4(cookie(ctx), ip4(ctx), port(ctx)) {
+    let (addr, port) = (ip4(ctx), port(ctx));
+    let found = match tracked4(&tracked(ctx), addr, port) {
+        Some(f) => f,
+        None => lb::reverse4(cookie(ctx), addr, port),
+    };
+    if let Some((a, p)) = found {
         set_ip4(ctx, a);
         set_port(ctx, p);
         lb::count(stats::REVERSED);
@@ -204,14 +312,28 @@ fn reverse4(ctx: &SockAddrContext) {
 #[inline(always)]
 fn reverse6(ctx: &SockAddrContext) {
     let words = ip6_words(ctx);
-    let (cookie, port) = (cookie(ctx), port(ctx));
+    let port = port(ctx);
+    let x = tracked(ctx);
     if let Some(addr) = v4_mapped(&words) {
-        if let Some((a, p)) = lb::reverse4(cookie, addr, port) {
+        let found = match tracked4(&x, addr, port) {
+            Some(f) => f,
+            None => lb::reverse4(cookie(ctx), addr, port),
+        };
+        if let Some((a, p)) = found {
             set_ip6_word(ctx, 3, u32::from_ne_bytes(a));
             set_port(ctx, p);
             lb::count(stats::REVERSED);
         }
-    } else if let Some((a, p)) = lb::reverse6(cookie, bytes16(&words), port) {
+        return;
+    }
+    let addr = bytes16(&words);
+    let found = match x {
+        x if x.family == FAMILY_V6 && x.backend == addr && x.backend_port == port => {
+            lb::frontend_alive::<V6>(x.rev_nat_id, x.front, x.front_port).then_some((x.front, x.front_port))
+        }
+        _ => lb::reverse6(cookie(ctx), addr, port),
+    };
+    if let Some((a, p)) = found {
         set_ip6(ctx, a);
         set_port(ctx, p);
         lb::count(stats::REVERSED);

@@ -270,6 +270,33 @@ struct Series {
     ratios: Vec<f64>,
 }
 
+/// Run time and run count of every program attached to `cgroup`, by name
+/// (from bpf_stats, which must be on).
+fn prog_stats(cgroup: &Path) -> Result<BTreeMap<String, (u64, u64)>> {
+    let out = lbtest::run("bpftool", &["-j", "cgroup", "show", cgroup.to_str().unwrap()])?;
+    let attached: Vec<serde_json::Value> = serde_json::from_str(&out).with_context(|| format!("bpftool cgroup show: {out}"))?;
+    let ids: BTreeMap<u32, String> =
+        attached.iter().filter_map(|p| Some((p["id"].as_u64()? as u32, p["name"].as_str()?.to_string()))).collect();
+    let mut got = BTreeMap::new();
+    for info in aya::programs::loaded_programs().flatten() {
+        if let Some(name) = ids.get(&info.id()) {
+            got.insert(name.clone(), (info.run_time().as_nanos() as u64, info.run_count()));
+        }
+    }
+    Ok(got)
+}
+
+/// ns per run of each program between two `prog_stats` snapshots.
+fn prog_cost(before: &BTreeMap<String, (u64, u64)>, after: &BTreeMap<String, (u64, u64)>) -> BTreeMap<String, f64> {
+    after
+        .iter()
+        .filter_map(|(k, (t, n))| {
+            let (t0, n0) = before.get(k).copied().unwrap_or((0, 0));
+            (n > &n0).then(|| (k.clone(), (t - t0) as f64 / (n - n0) as f64))
+        })
+        .collect()
+}
+
 fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -339,6 +366,9 @@ fn main() -> Result<()> {
     c.serve_tiny(&server, 8080, 1)?;
     // The throughput server (bulk transfers) on 9090.
     c.serve(&server, 9090)?;
+    // The tight topology: a server pod on the client's node (node 4).
+    let server4 = c.add_pod(4, "server-4")?;
+    c.serve_tiny(&server4, 8080, 1)?;
     let mut clients = BTreeMap::new();
     for node in [1usize, 3, 4, 5, 6, 7, 8, 9, 10] {
         let p = c.add_pod(node, &format!("client-{node}"))?;
@@ -374,6 +404,11 @@ fn main() -> Result<()> {
     bulk += "---\n";
     bulk += &lbtest::objects::slice("bulk", "bulk-1", &[("http", 9090, "TCP")], &[(server.ip.as_str(), "node-2", true)]);
     std::fs::write(large_dir.join("bulk.yaml"), bulk)?;
+    const TIGHT_VIP: &str = "10.96.255.249";
+    let mut tight = lbtest::objects::service("tight", TIGHT_VIP, &[("http", 80, 8080, "TCP")]);
+    tight += "---\n";
+    tight += &lbtest::objects::slice("tight", "tight-1", &[("http", 8080, "TCP")], &[(server4.ip.as_str(), "node-4", true)]);
+    std::fs::write(large_dir.join("tight.yaml"), tight)?;
     c.start_agent_from(3, &small_dir, &[])?;
     let rss_small = c.agent_pid(3).map_or(0.0, rss_mib);
     // Cold starts: a fresh agent on fresh maps, 3 times each (the median
@@ -419,6 +454,8 @@ fn main() -> Result<()> {
     // Datapath: interleaved rounds of short connections.
     let tested = format!("{}:80", vip(n - 1));
     let tested_small = format!("{}:80", vip(small - 1));
+    // (case, client's node, address); a "direct" case is the baseline of
+    // the cases after it.
     let cases: Vec<(String, usize, String)> = vec![
         ("direct (pod IP)".into(), 1, format!("{}:8080", server.ip)),
         (format!("lb, {small} services"), 3, tested_small.clone()),
@@ -429,16 +466,21 @@ fn main() -> Result<()> {
         (format!("iptables-nft, {n} services"), 8, tested.clone()),
         (format!("nftables, {small} services"), 9, tested_small),
         (format!("nftables, {n} services"), 10, tested.clone()),
+        ("direct, server on the client's node (pod IP)".into(), 4, format!("{}:8080", server4.ip)),
+        (format!("lb, server on the client's node, {n} services"), 4, format!("{TIGHT_VIP}:80")),
     ];
     let mut series: BTreeMap<String, Series> = BTreeMap::new();
     let rounds = if a.lb_only { 0 } else { a.rounds };
     let cases: Vec<_> = if a.lb_only { Vec::new() } else { cases };
+    // What each socket program costs per run during these rounds.
+    let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enable bpf_stats")?;
+    let stats_before = [prog_stats(&c.nodes[2].cgroup)?, prog_stats(&c.nodes[3].cgroup)?];
     for round in 0..rounds {
         eprintln!("bench: round {} of {}", round + 1, a.rounds);
         let mut direct = 0.0;
         for (name, node, addr) in &cases {
             let r = rate(&c, &clients[node], addr, a.secs)?;
-            if *node == 1 {
+            if name.starts_with("direct") {
                 direct = r;
             }
             let s = series.entry(name.clone()).or_default();
@@ -446,6 +488,10 @@ fn main() -> Result<()> {
             s.ratios.push(r / direct);
         }
     }
+    let prog_ns = [
+        prog_cost(&stats_before[0], &prog_stats(&c.nodes[2].cgroup)?),
+        prog_cost(&stats_before[1], &prog_stats(&c.nodes[3].cgroup)?),
+    ];
     // Throughput of one established stream.
     let mut tput: BTreeMap<String, Series> = BTreeMap::new();
     for _ in 0..rounds.min(3) {
@@ -554,11 +600,17 @@ fn main() -> Result<()> {
     // Report.
     let mut md = String::new();
     let _ = writeln!(md, "Short connections (connect + 1-byte request/response + close), {} rounds of {} s, interleaved:\n", a.rounds, a.secs);
-    let _ = writeln!(md, "| case | conn/s (median) | min–max | ratio to direct (median) |\n|---|---|---|---|");
+    let _ = writeln!(md, "| case | conn/s (median) | min–max | ratio to direct (median) | lowest ratio |\n|---|---|---|---|---|");
     for (name, _, _) in &cases {
         let s = &series[name];
         let (lo, hi) = minmax(&s.values);
-        let _ = writeln!(md, "| {name} | {:.0} | {:.0}–{:.0} | {:.2} |", median(&s.values), lo, hi, median(&s.ratios));
+        let _ = writeln!(md, "| {name} | {:.0} | {:.0}–{:.0} | {:.2} | {:.2} |", median(&s.values), lo, hi, median(&s.ratios), minmax(&s.ratios).0);
+    }
+    let _ = writeln!(md, "\nBPF program cost during these rounds (bpf_stats run time / run count, ns per run):\n\n| program | {small} services | {n} services |\n|---|---|---|");
+    let names: std::collections::BTreeSet<&String> = prog_ns.iter().flat_map(|m| m.keys()).collect();
+    for p in names {
+        let f = |m: &BTreeMap<String, f64>| m.get(p).map_or("-".to_string(), |v| format!("{v:.0}"));
+        let _ = writeln!(md, "| {p} | {} | {} |", f(&prog_ns[0]), f(&prog_ns[1]));
     }
     let _ = writeln!(md, "\nOne established TCP stream ({} MB):\n\n| case | MB/s (median) | ratio |\n|---|---|---|", a.bulk_bytes >> 20);
     for (k, s) in &tput {
@@ -604,6 +656,7 @@ fn main() -> Result<()> {
         "nodeport": np_series, "nodeport_throughput": np_tput, "map_write_ratio_to_raw": write_ratio,
         "change_latency_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "samples": lat},
         "agent_rss_mib": rss,
+        "program_ns": {"small": prog_ns[0], "large": prog_ns[1]},
         "agent_rss_mib_small": rss_small,
     });
     if let Some(d) = a.out.parent() {
