@@ -165,7 +165,7 @@ pub struct Frontend {
     pub local_backends: Vec<Backend>,
     /// sessionAffinity ClientIP timeout, in seconds.
     pub affinity_timeout: Option<u32>,
-    /// Topology hints narrowed `backends` to this node's zone.
+    /// Topology hints narrowed `backends` to this node or its zone.
     pub topology: bool,
     /// A NodePort, LoadBalancer-IP or externalIP frontend.
     pub external: bool,
@@ -303,46 +303,80 @@ struct Conditions {
     terminating: bool,
     /// The zones of the endpoint's topology hints (empty: no hints).
     zones: BTreeSet<String>,
+    /// The nodes of its hints (`hints.forNodes`, PreferSameNode; empty: none).
+    nodes: BTreeSet<String>,
 }
 
 fn conditions(ep: &Endpoint) -> Conditions {
     let c = ep.conditions.as_ref();
     let ready = c.and_then(|c| c.ready).unwrap_or(true);
+    let h = ep.hints.as_ref();
     Conditions {
         ready,
         serving: c.and_then(|c| c.serving).unwrap_or(ready),
         terminating: c.and_then(|c| c.terminating).unwrap_or(false),
-        zones: ep
-            .hints
-            .as_ref()
-            .and_then(|h| h.for_zones.as_ref())
-            .map(|z| z.iter().map(|z| z.name.clone()).collect())
-            .unwrap_or_default(),
+        zones: h.and_then(|h| h.for_zones.as_ref()).map(|z| z.iter().map(|z| z.name.clone()).collect()).unwrap_or_default(),
+        nodes: h.and_then(|h| h.for_nodes.as_ref()).map(|n| n.iter().map(|n| n.name.clone()).collect()).unwrap_or_default(),
     }
 }
 
-/// kube-proxy's rule for topology hints: use them only when every ready
-/// endpoint has hints, the node has a zone, and some endpoint is hinted
-/// for that zone.
-fn topology_zone<'a>(candidates: &[(Backend, Conditions)], node: &'a NodeInfo) -> Option<&'a str> {
-    let zone = node.zone.as_deref()?;
-    let mut any_for_zone = false;
-    for (_, c) in candidates.iter().filter(|(_, c)| c.ready) {
-        if c.zones.is_empty() {
-            return None;
+/// Which topology hints narrow the cluster set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hint<'a> {
+    /// `forNodes` (trafficDistribution: PreferSameNode): endpoints hinted
+    /// for this node.
+    Node(&'a str),
+    /// `forZones` (PreferSameZone, PreferClose, or the topology-aware-routing
+    /// annotation): endpoints hinted for this node's zone.
+    Zone(&'a str),
+}
+
+impl Hint<'_> {
+    fn admits(&self, c: &Conditions) -> bool {
+        match self {
+            Hint::Node(n) => c.nodes.contains(*n),
+            Hint::Zone(z) => c.zones.contains(*z),
         }
-        any_for_zone |= c.zones.contains(zone);
     }
-    any_for_zone.then_some(zone)
 }
 
-/// KEP-1669: the ready endpoints (in `zone`, when topology applies), or
-/// when there are none, the serving and terminating ones (whatever their
-/// zone: a best effort not to drop connections).
-fn usable(candidates: &[(Backend, Conditions)], zone: Option<&str>) -> Vec<Backend> {
+/// kube-proxy's rule for topology hints (pkg/proxy/topology.go,
+/// topologyModeFromHints): node hints when every ready endpoint has them and
+/// one is for this node; else zone hints when every ready endpoint has them
+/// and one is for this node's zone; else none (all ready endpoints). Hints
+/// come from the EndpointSlice controller, which reads trafficDistribution:
+/// a value it does not know gives no hints, and so changes nothing here.
+fn topology_hint<'a>(candidates: &[(Backend, Conditions)], node: &'a NodeInfo) -> Option<Hint<'a>> {
+    let zone = node.zone.as_deref();
+    let (mut all_nodes, mut for_node, mut all_zones, mut for_zone) = (true, false, true, false);
+    for (_, c) in candidates.iter().filter(|(_, c)| c.ready) {
+        if c.nodes.is_empty() {
+            all_nodes = false;
+        } else if c.nodes.contains(&node.name) {
+            for_node = true;
+        }
+        if c.zones.is_empty() {
+            all_zones = false;
+        } else if zone.is_some_and(|z| c.zones.contains(z)) {
+            for_zone = true;
+        }
+    }
+    if all_nodes && for_node {
+        return Some(Hint::Node(&node.name));
+    }
+    if all_zones && for_zone {
+        return zone.map(Hint::Zone);
+    }
+    None
+}
+
+/// KEP-1669: the ready endpoints (those the hint admits, when topology
+/// applies), or when there are none, the serving and terminating ones
+/// (whatever their hints: a best effort not to drop connections).
+fn usable(candidates: &[(Backend, Conditions)], hint: Option<Hint<'_>>) -> Vec<Backend> {
     let ready: BTreeSet<Backend> = candidates
         .iter()
-        .filter(|(_, c)| c.ready && zone.is_none_or(|z| c.zones.contains(z)))
+        .filter(|(_, c)| c.ready && hint.is_none_or(|h| h.admits(c)))
         .map(|(b, _)| Backend { terminating: false, ..*b })
         .collect();
     if !ready.is_empty() {
@@ -539,14 +573,14 @@ where
         // (cluster set, topology applied, local set, other serving) for one family.
         let sets = |v4: bool, topology: bool| {
             let all = endpoints(v4);
-            let zone = if topology { topology_zone(&all, node) } else { None };
-            let cluster = usable(&all, zone);
+            let hint = if topology { topology_hint(&all, node) } else { None };
+            let cluster = usable(&all, hint);
             let local_candidates: Vec<_> = all.iter().filter(|(b, _)| b.local).cloned().collect();
             let local = usable(&local_candidates, None);
             let picked = |a: IpAddr, p: u16| cluster.iter().chain(&local).any(|b| b.addr == a && b.port == p);
             let extra: Vec<(IpAddr, u16)> =
                 all.iter().filter(|(b, c)| c.serving && !picked(b.addr, b.port)).map(|(b, _)| (b.addr, b.port)).collect();
-            (cluster, zone.is_some(), local, extra)
+            (cluster, hint.is_some(), local, extra)
         };
         for vip in &vips {
             let key = FrontendKey { addr: *vip, port, proto };
@@ -768,10 +802,11 @@ mod tests {
         serving: Option<bool>,
         terminating: Option<bool>,
         zones: &'a [&'a str],
+        nodes: &'a [&'a str],
     }
 
     fn ep(ip: &str) -> Ep<'_> {
-        Ep { ip, node: "node-b", ready: Some(true), serving: Some(true), terminating: Some(false), zones: &[] }
+        Ep { ip, node: "node-b", ready: Some(true), serving: Some(true), terminating: Some(false), zones: &[], nodes: &[] }
     }
 
     fn slice(svc: &str, name: &str, family: &str, ports: &[(Option<&str>, i32, &str)], eps: &[Ep]) -> EndpointSlice {
@@ -804,9 +839,10 @@ mod tests {
                         serving: e.serving,
                         terminating: e.terminating,
                     }),
-                    hints: (!e.zones.is_empty()).then(|| EndpointHints {
-                        for_zones: Some(e.zones.iter().map(|z| ForZone { name: z.to_string() }).collect()),
-                        ..Default::default()
+                    hints: (!e.zones.is_empty() || !e.nodes.is_empty()).then(|| EndpointHints {
+                        for_zones: (!e.zones.is_empty()).then(|| e.zones.iter().map(|z| ForZone { name: z.to_string() }).collect()),
+                        for_nodes: (!e.nodes.is_empty())
+                            .then(|| e.nodes.iter().map(|n| k8s_openapi::api::discovery::v1::ForNode { name: n.to_string() }).collect()),
                     }),
                     ..Default::default()
                 })
@@ -1116,6 +1152,57 @@ mod tests {
         let f = topo(&eps, true, &node());
         assert!(!f.topology);
         assert_eq!(f.backends.len(), 2);
+    }
+
+    /// trafficDistribution: PreferSameNode (hints.forNodes), with kube-proxy's
+    /// fallbacks: zone hints when not every ready endpoint has node hints or
+    /// none is for this node; all ready endpoints when neither applies.
+    #[test]
+    fn node_hints_prefer_this_node_then_fall_back_to_zone_hints_then_to_all() {
+        // node() is node-a in zone-a.
+        let eps = [
+            Ep { nodes: &["node-a"], zones: &["zone-a"], ..ep("10.0.0.1") },
+            Ep { nodes: &["node-b"], zones: &["zone-a"], ..ep("10.0.0.2") },
+            Ep { nodes: &["node-c"], zones: &["zone-b"], ..ep("10.0.0.3") },
+        ];
+        let f = topo(&eps, false, &node());
+        assert!(f.topology);
+        assert_eq!(addrs(&f.backends), ["10.0.0.1:8080"], "only this node's endpoint");
+        // No endpoint for this node: the zone hints decide.
+        let eps = [
+            Ep { nodes: &["node-b"], zones: &["zone-a"], ..ep("10.0.0.2") },
+            Ep { nodes: &["node-c"], zones: &["zone-b"], ..ep("10.0.0.3") },
+        ];
+        let f = topo(&eps, false, &node());
+        assert!(f.topology);
+        assert_eq!(addrs(&f.backends), ["10.0.0.2:8080"]);
+        // One ready endpoint without node hints: node hints are ignored.
+        let eps = [
+            Ep { nodes: &["node-a"], zones: &["zone-b"], ..ep("10.0.0.1") },
+            Ep { zones: &["zone-a"], ..ep("10.0.0.2") },
+        ];
+        let f = topo(&eps, false, &node());
+        assert_eq!(addrs(&f.backends), ["10.0.0.2:8080"], "zone hints");
+        // Node hints only, none for this node, no zone hints: every ready one.
+        let eps = [Ep { nodes: &["node-b"], ..ep("10.0.0.2") }, Ep { nodes: &["node-c"], ..ep("10.0.0.3") }];
+        let f = topo(&eps, false, &node());
+        assert!(!f.topology);
+        assert_eq!(f.backends.len(), 2);
+        // A not-ready endpoint's hints do not count, and it is never used.
+        let eps = [
+            Ep { nodes: &["node-a"], ready: Some(false), serving: Some(false), ..ep("10.0.0.1") },
+            Ep { nodes: &["node-b"], ..ep("10.0.0.2") },
+        ];
+        let f = topo(&eps, false, &node());
+        assert_eq!(addrs(&f.backends), ["10.0.0.2:8080"]);
+        // A zoneless node still uses node hints.
+        let zoneless = NodeInfo { name: "node-a".into(), zone: None, addresses: vec![] };
+        let eps = [Ep { nodes: &["node-a"], ..ep("10.0.0.1") }, Ep { nodes: &["node-b"], ..ep("10.0.0.2") }];
+        let f = topo(&eps, false, &zoneless);
+        assert_eq!(addrs(&f.backends), ["10.0.0.1:8080"]);
+        // internalTrafficPolicy Local: no topology.
+        let f = topo(&eps, true, &node());
+        assert!(!f.topology);
     }
 
     #[test]

@@ -392,7 +392,7 @@ impl Destroyer {
                     // socket's storage, else the LRU by cookie.
                     let from = |c: &Conn| -> Option<(IpAddr, u16)> {
                         if let Some(x) = &c.xlate {
-                            return Some(xlate_pair(x, c.peer, c.port)?);
+                            return xlate_pair(x, c.peer, c.port);
                         }
                         match c.peer {
                             IpAddr::V4(a) => {

@@ -42,11 +42,13 @@ pub struct Endpoint {
     pub serving: bool,
     pub terminating: bool,
     pub zones: Vec<String>,
+    /// `hints.forNodes` (PreferSameNode).
+    pub for_nodes: Vec<String>,
 }
 
 impl Endpoint {
     pub fn ready(ip: &str, node: &str) -> Self {
-        Self { ip: ip.into(), node: node.into(), ready: true, serving: true, terminating: false, zones: vec![] }
+        Self { ip: ip.into(), node: node.into(), ready: true, serving: true, terminating: false, zones: vec![], for_nodes: vec![] }
     }
     pub fn not_ready(ip: &str, node: &str) -> Self {
         Self { ready: false, serving: false, ..Self::ready(ip, node) }
@@ -56,6 +58,10 @@ impl Endpoint {
     }
     pub fn zone(mut self, z: &str) -> Self {
         self.zones.push(z.into());
+        self
+    }
+    pub fn for_node(mut self, n: &str) -> Self {
+        self.for_nodes.push(n.into());
         self
     }
 }
@@ -74,10 +80,19 @@ pub fn slice_of(svc: &str, name: &str, family: &str, ports: &[(&str, u16, &str)]
             "- addresses: [\"{}\"]\n  nodeName: {}\n  conditions:\n    ready: {}\n    serving: {}\n    terminating: {}\n",
             e.ip, e.node, e.ready, e.serving, e.terminating
         );
+        if !e.zones.is_empty() || !e.for_nodes.is_empty() {
+            s += "  hints:\n";
+        }
         if !e.zones.is_empty() {
-            s += "  hints:\n    forZones:\n";
+            s += "    forZones:\n";
             for z in &e.zones {
                 s += &format!("    - name: {z}\n");
+            }
+        }
+        if !e.for_nodes.is_empty() {
+            s += "    forNodes:\n";
+            for n in &e.for_nodes {
+                s += &format!("    - name: {n}\n");
             }
         }
     }

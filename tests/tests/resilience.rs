@@ -262,3 +262,41 @@ fn a_full_services_map_leaves_every_existing_service_intact_and_names_the_one_th
     drop(p);
     Ok(())
 }
+
+/// 1,000 idle translated sockets (500 TCP, 500 connected UDP) while the
+/// node makes more short connections than the socket-tracking LRU holds:
+/// each held socket still reports its ClusterIP (its translation lives in
+/// the socket's own storage, which nothing evicts), and each one to a
+/// backend that leaves is destroyed, while the others keep working.
+#[test]
+fn a_thousand_idle_sockets_keep_their_cluster_ip_through_churn_and_die_with_their_backend() -> Result<()> {
+    let (c, p, client) = setup(&["pod-a", "pod-b"], &["--max-sock-revnat", "2048"])?;
+    let dir = c.objects.parent().unwrap().join("hold");
+    std::fs::create_dir_all(&dir)?;
+    let held = c.probe_bg(
+        &client,
+        &["hold", "--addr", "10.96.0.10:80", "--udp-addr", "10.96.0.10:53", "--tcp", "500", "--udp", "500", "--dir", dir.to_str().unwrap()],
+    )?;
+    c.wait_for("1,000 held sockets", Duration::from_secs(60), || Ok(dir.join("ready").exists()))?;
+    // More short connections than the LRU holds (with the LRU as the
+    // tracking table, these evicted the held sockets' entries).
+    let s = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "5000"])?;
+    assert_eq!(s.ok, 5000, "{s:?}");
+    std::fs::write(dir.join("churned"), "")?;
+    c.wait_for("getpeername of every held socket", Duration::from_secs(30), || Ok(dir.join("checked").exists()))?;
+    set_endpoints(&c, &[&p[1]])?;
+    std::fs::write(dir.join("removed"), "pod-a")?;
+    let s = Cluster::finish(held)?;
+    let n = |k: &str| s.replies.get(k).copied().unwrap_or(0);
+    assert_eq!(
+        s.peers,
+        [("10.96.0.10:80".to_string(), 500), ("10.96.0.10:53".to_string(), 500)].into(),
+        "every held socket reports its ClusterIP: {s:?}"
+    );
+    assert_eq!(n("held:pod-a") + n("held:pod-b"), 1000, "{s:?}");
+    assert!(n("held:pod-a") > 100 && n("held:pod-b") > 100, "{s:?}");
+    assert_eq!(n("cut:pod-a"), n("held:pod-a"), "every socket to the removed pod is destroyed: {s:?}");
+    assert_eq!(n("alive:pod-b"), n("held:pod-b"), "every other socket still works: {s:?}");
+    assert_eq!(n("stuck:pod-a") + n("lost:pod-b"), 0, "{s:?}");
+    Ok(())
+}

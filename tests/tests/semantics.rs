@@ -339,6 +339,38 @@ fn topology_hints_prefer_this_zone_from_the_node_label_or_the_flag() -> Result<(
     Ok(())
 }
 
+/// trafficDistribution: PreferSameNode: the EndpointSlice controller hints
+/// each endpoint for its own node (and zone); kube-proxy's fallbacks apply.
+#[test]
+fn prefer_same_node_uses_this_nodes_endpoints_then_the_zone_then_all() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a", "pod-b", "pod-c"])?;
+    c.write_object("node.yaml", &node("node-1", "zone-a"))?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, "  trafficDistribution: PreferSameNode\n"))?;
+    // pod-a on this node, pod-b elsewhere in this zone, pod-c in another.
+    let hinted = [
+        E::ready(&p[0].ip, "node-1").zone("zone-a").for_node("node-1"),
+        E::ready(&p[1].ip, "node-2").zone("zone-a").for_node("node-2"),
+        E::ready(&p[2].ip, "node-3").zone("zone-b").for_node("node-3"),
+    ];
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &hinted))?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[0].ip, 8080)])?;
+    assert_eq!(names(&tcp(&c, &client, "10.96.0.10:80", 20)?), ["pod-a"].into());
+
+    // This node's endpoint leaves: the zone hints decide.
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &hinted[1..]))?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[1].ip, 8080)])?;
+    assert_eq!(names(&tcp(&c, &client, "10.96.0.10:80", 20)?), ["pod-b"].into());
+
+    // A value the controller does not know gives no hints: every endpoint.
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, "  trafficDistribution: PreferSomewhere\n"))?;
+    let plain = [E::ready(&p[0].ip, "node-1"), E::ready(&p[1].ip, "node-2"), E::ready(&p[2].ip, "node-3")];
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &plain))?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[0].ip, 8080), be(&p[1].ip, 8080), be(&p[2].ip, 8080)])?;
+    assert_eq!(names(&tcp(&c, &client, "10.96.0.10:80", 60)?), ["pod-a", "pod-b", "pod-c"].into());
+    Ok(())
+}
+
 #[test]
 fn objects_kube_proxy_ignores_are_ignored() -> Result<()> {
     let (mut c, p, client) = one_node(&["pod-a"])?;

@@ -124,6 +124,24 @@ enum Cmd {
         #[arg(long)]
         linger0: bool,
     },
+    /// Hold TCP connections to ADDR and connected UDP sockets to UDP_ADDR,
+    /// each asked once (replies "held:POD"); touch DIR/ready. On DIR/churned:
+    /// getpeername of each into peers; touch DIR/checked. On DIR/removed
+    /// (holding a pod's name): ask again until every socket to that pod has
+    /// failed ("cut:POD", errors) or 10 s passed ("stuck:POD"); the others
+    /// once ("alive:POD", or "lost:POD").
+    Hold {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long)]
+        udp_addr: SocketAddr,
+        #[arg(long)]
+        tcp: u32,
+        #[arg(long)]
+        udp: u32,
+        #[arg(long)]
+        dir: std::path::PathBuf,
+    },
     /// UDP: one connected socket, a datagram every interval for MAX_MS; on
     /// an error, note it, open a new socket and go on.
     UdpStream {
@@ -879,6 +897,108 @@ fn main() -> anyhow::Result<()> {
                 trace.record(t, &s, before);
                 if interval_ms > 0 {
                     std::thread::sleep(Duration::from_millis(interval_ms));
+                }
+            }
+        }
+        Cmd::Hold { addr, udp_addr, tcp, udp, dir } => {
+            raise_nofile();
+            enum Held {
+                Tcp(BufReader<TcpStream>),
+                Udp(UdpSocket),
+            }
+            fn ask(h: &mut Held) -> std::io::Result<String> {
+                match h {
+                    Held::Tcp(r) => {
+                        r.get_mut().write_all(b"hi\n")?;
+                        let mut line = String::new();
+                        if r.read_line(&mut line)? == 0 {
+                            return Err(std::io::Error::from_raw_os_error(libc::ECONNRESET));
+                        }
+                        Ok(line.trim().to_string())
+                    }
+                    Held::Udp(u) => {
+                        let mut buf = [0u8; 1500];
+                        u.send(b"hi")?;
+                        let n = u.recv(&mut buf)?;
+                        Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+                    }
+                }
+            }
+            let wait_for = |name: &str| -> anyhow::Result<String> {
+                let deadline = Instant::now() + Duration::from_secs(120);
+                loop {
+                    if let Ok(s) = std::fs::read_to_string(dir.join(name)) {
+                        return Ok(s.trim().to_string());
+                    }
+                    anyhow::ensure!(Instant::now() < deadline, "no {name} cue");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            };
+            let mut held: Vec<(Held, String)> = Vec::new();
+            for i in 0..tcp + udp {
+                let h = if i < tcp {
+                    let c = TcpStream::connect_timeout(&addr, Duration::from_secs(3))?;
+                    c.set_read_timeout(Some(Duration::from_secs(1)))?;
+                    Held::Tcp(BufReader::new(c))
+                } else {
+                    let u = UdpSocket::bind(if udp_addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
+                    u.set_read_timeout(Some(Duration::from_millis(500)))?;
+                    u.connect(udp_addr)?;
+                    Held::Udp(u)
+                };
+                let mut h = h;
+                let pod = ask(&mut h)?;
+                *s.replies.entry(format!("held:{pod}")).or_default() += 1;
+                held.push((h, pod));
+            }
+            std::fs::write(dir.join("ready"), "")?;
+            wait_for("churned")?;
+            for (h, _) in &held {
+                let peer = match h {
+                    Held::Tcp(r) => r.get_ref().peer_addr(),
+                    Held::Udp(u) => u.peer_addr(),
+                };
+                *s.peers.entry(peer.map_or_else(|e| e.to_string(), |p| p.to_string())).or_default() += 1;
+            }
+            std::fs::write(dir.join("checked"), "")?;
+            let removed = wait_for("removed")?;
+            let started = Instant::now();
+            let mut cut = vec![false; held.len()];
+            loop {
+                let mut waiting = 0;
+                for (i, (h, pod)) in held.iter_mut().enumerate() {
+                    if *pod != removed || cut[i] {
+                        continue;
+                    }
+                    s.attempts += 1;
+                    if let Err(e) = ask(h) {
+                        s.fail(&e, started);
+                        cut[i] = true;
+                        *s.replies.entry(format!("cut:{pod}")).or_default() += 1;
+                    } else {
+                        s.ok += 1;
+                        waiting += 1;
+                    }
+                }
+                if waiting == 0 || started.elapsed() > Duration::from_secs(10) {
+                    if waiting > 0 {
+                        *s.replies.entry(format!("stuck:{removed}")).or_default() += waiting;
+                    }
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            for (h, pod) in held.iter_mut().filter(|(_, p)| *p != removed) {
+                s.attempts += 1;
+                match ask(h) {
+                    Ok(_) => {
+                        s.ok += 1;
+                        *s.replies.entry(format!("alive:{pod}")).or_default() += 1;
+                    }
+                    Err(e) => {
+                        s.fail(&e, started);
+                        *s.replies.entry(format!("lost:{pod}")).or_default() += 1;
+                    }
                 }
             }
         }
