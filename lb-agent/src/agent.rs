@@ -47,6 +47,8 @@ pub struct RunConfig {
     pub model: model::Options,
     /// Destroy connected sockets to endpoints that left their Service.
     pub destroy_stale_sockets: bool,
+    /// Per-frontend and per-backend series in /metrics.
+    pub metrics_per_service: bool,
 }
 
 /// What one family's maps hold, as the agent last programmed them.
@@ -155,6 +157,7 @@ where
     let (done, err) = write_ops(ops, fm, shared);
     for op in &ops[..done] {
         mirror.apply(op);
+        shared.forget_stats(op);
     }
     match err {
         Some(e) => Err(write_failed(&ops[done], target, e)),
@@ -472,7 +475,11 @@ impl Reconciler {
         let desired = self.model.desired();
         let mut warnings = desired.warnings.clone();
         let cap = self.capacity;
-        let mut shared = crate::dataplane::maps::Shared { matches: &mut self.maps.affinity_match, src_range: &mut self.maps.src_range };
+        let mut shared = crate::dataplane::maps::Shared {
+            matches: &mut self.maps.affinity_match,
+            src_range: &mut self.maps.src_range,
+            svc_stats: &mut self.maps.svc_stats,
+        };
         let t = Instant::now();
         let Some((n4, stale4)) = sync_changes(desired, ch, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings, &cap)? else {
             return Ok(None);
@@ -513,7 +520,11 @@ impl Reconciler {
             };
             let mut warnings = desired.warnings.clone();
             let mut shared =
-                crate::dataplane::maps::Shared { matches: &mut self.maps.affinity_match, src_range: &mut self.maps.src_range };
+                crate::dataplane::maps::Shared {
+            matches: &mut self.maps.affinity_match,
+            src_range: &mut self.maps.src_range,
+            svc_stats: &mut self.maps.svc_stats,
+        };
             let cap = self.capacity;
             let r = sync_family(desired, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings, &cap).and_then(|(n4, s4)| {
                 sync_family(desired, &mut self.v6, &mut self.maps.v6, &mut shared, &mut warnings, &cap).map(|(n6, s6)| (n4, s4, n6, s6))
@@ -625,8 +636,12 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<std::sync::mpsc::Sender<BTreeSet<mode
     Ok(tx)
 }
 
-/// The datapath counters for /metrics, read from the pinned stats map.
-struct PinnedStats(std::sync::Mutex<aya::maps::PerCpuArray<aya::maps::MapData, u64>>);
+/// The datapath counters for /metrics, read from the pinned maps at each
+/// scrape; with `--metrics-per-service` also each frontend's and backend's.
+struct PinnedStats {
+    stats: std::sync::Mutex<aya::maps::PerCpuArray<aya::maps::MapData, u64>>,
+    per_service: Option<std::sync::Mutex<Maps>>,
+}
 
 impl std::fmt::Debug for PinnedStats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -636,12 +651,51 @@ impl std::fmt::Debug for PinnedStats {
 
 impl crate::health::StatsSource for PinnedStats {
     fn read(&self) -> Vec<(&'static str, u64)> {
-        let m = self.0.lock().unwrap();
+        let m = self.stats.lock().unwrap();
         lb_common::stats::NAMES
             .iter()
             .enumerate()
             .map(|(i, n)| (*n, m.get(&(i as u32), 0).map(|v| v.iter().sum()).unwrap_or(0)))
             .collect()
+    }
+
+    fn per_service(&self) -> Vec<crate::health::ServiceCounters> {
+        let Some(maps) = &self.per_service else { return Vec::new() };
+        let maps = maps.lock().unwrap();
+        let counters = match maps.read_svc_stats() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("per-service metrics: {e:#}");
+                return Vec::new();
+            }
+        };
+        let mut out = Vec::new();
+        let name = |key: &lb_common::SvcStatsKey| -> Option<(bool, String)> {
+            let v4 = key.family == lb_common::FAMILY_V4;
+            if key.kind == lb_common::STATS_FRONTEND {
+                let id = u16::try_from(key.id).ok()?;
+                let (addr, port) = if v4 {
+                    maps.v4.revnat.get(&id, 0).ok().map(|r| (r.addr.to_ip(), r.port))?
+                } else {
+                    maps.v6.revnat.get(&id, 0).ok().map(|r| (r.addr.to_ip(), r.port))?
+                };
+                Some((true, std::net::SocketAddr::new(addr, port).to_string()))
+            } else {
+                let (addr, port) = if v4 {
+                    maps.v4.backends.get(&key.id, 0).ok().map(|b| (b.addr.to_ip(), b.port))?
+                } else {
+                    maps.v6.backends.get(&key.id, 0).ok().map(|b| (b.addr.to_ip(), b.port))?
+                };
+                Some((false, std::net::SocketAddr::new(addr, port).to_string()))
+            }
+        };
+        for (key, c) in &counters {
+            // Ids deleted meanwhile have no name: left out.
+            if let Some((frontend, addr)) = name(key) {
+                out.push(crate::health::ServiceCounters { frontend, addr, counters: *c });
+            }
+        }
+        out
     }
 }
 
@@ -716,7 +770,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let stats = aya::maps::PerCpuArray::try_from(aya::maps::Map::PerCpuArray(aya::maps::MapData::from_pin(
         loader::pin_path(&cfg.bpffs, lb_common::maps::STATS),
     )?))?;
-    let metrics = Metrics::new(Arc::new(PinnedStats(std::sync::Mutex::new(stats))));
+    let per_service = if cfg.metrics_per_service { Some(std::sync::Mutex::new(Maps::open_pinned(&cfg.bpffs)?)) } else { None };
+    let metrics = Metrics::new(Arc::new(PinnedStats { stats: std::sync::Mutex::new(stats), per_service }));
     let health = Arc::new(Health::new(cfg.stall_after));
     let (hz, mt) = crate::health::serve(cfg.healthz_bind, cfg.metrics_bind, health.clone(), metrics.clone()).await?;
     tracing::info!(healthz = ?hz, metrics = ?mt, "serving health and metrics");

@@ -90,6 +90,18 @@ impl Health {
 /// The datapath counters, read from the per-CPU stats map at each scrape.
 pub trait StatsSource: Send + Sync + std::fmt::Debug + 'static {
     fn read(&self) -> Vec<(&'static str, u64)>;
+    /// Each frontend's and backend's counters (`--metrics-per-service`).
+    fn per_service(&self) -> Vec<ServiceCounters> {
+        Vec::new()
+    }
+}
+
+/// The counters of one frontend (`addr` = its address:port) or backend.
+#[derive(Debug, Clone)]
+pub struct ServiceCounters {
+    pub frontend: bool,
+    pub addr: String,
+    pub counters: lb_common::SvcStats,
 }
 
 #[derive(Debug)]
@@ -97,16 +109,49 @@ struct DatapathCollector(Arc<dyn StatsSource>);
 
 impl Collector for DatapathCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let stats = self.0.read();
-        let mut m = encoder.encode_descriptor(
-            "lb_datapath_events",
-            "Socket-LB decisions by the BPF programs (translated, refused_no_endpoints, refused_no_port, unreachable_no_local, reversed, retried, affinity_hit)",
-            None,
-            prometheus_client::metrics::MetricType::Counter,
-        )?;
-        for (name, v) in stats {
-            let labels = [("result", name)];
-            ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+        {
+            let stats = self.0.read();
+            let mut m = encoder.encode_descriptor(
+                "lb_datapath_events",
+                "Socket-LB decisions by the BPF programs (translated, refused_no_endpoints, refused_no_port, unreachable_no_local, reversed, retried, affinity_hit)",
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for (name, v) in stats {
+                let labels = [("result", name)];
+                ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+            }
+        }
+        let per = self.0.per_service();
+        if per.is_empty() {
+            return Ok(());
+        }
+        type Pick = fn(&lb_common::SvcStats) -> u64;
+        let families: [(&str, &str, bool, &str, Pick); 6] = [
+            ("lb_frontend_connections", "Connections translated for a frontend (connect; new TC flows)", true, "", |c| c.conns),
+            ("lb_frontend_refused", "Connections to a frontend refused", true, "no_endpoints", |c| c.refused),
+            ("lb_frontend_refused", "", true, "no_local_endpoint", |c| c.unreachable),
+            ("lb_frontend_packets", "Packets of a frontend's translated TC flows, both directions", true, "", |c| c.packets),
+            ("lb_frontend_bytes", "Bytes of a frontend's translated TC flows, both directions", true, "", |c| c.bytes),
+            ("lb_backend_connections", "Connections translated to a backend", false, "", |c| c.conns),
+        ];
+        let mut i = 0;
+        while i < families.len() {
+            let (name, help, frontend, _, _) = families[i];
+            let mut m = encoder.encode_descriptor(name, help, None, prometheus_client::metrics::MetricType::Counter)?;
+            // The families sharing this name (refusals by reason).
+            while i < families.len() && families[i].0 == name {
+                let (_, _, _, reason, pick) = families[i];
+                for s in per.iter().filter(|s| s.frontend == frontend) {
+                    let key = if frontend { "frontend" } else { "backend" };
+                    if reason.is_empty() {
+                        ConstCounter::new(pick(&s.counters)).encode(m.encode_family(&[(key, s.addr.as_str())])?)?;
+                    } else {
+                        ConstCounter::new(pick(&s.counters)).encode(m.encode_family(&[(key, s.addr.as_str()), ("reason", reason)])?)?;
+                    }
+                }
+                i += 1;
+            }
         }
         Ok(())
     }

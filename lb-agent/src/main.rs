@@ -128,6 +128,11 @@ enum Cmd {
         /// clients fail fast instead of sending into a black hole.
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
         destroy_stale_sockets: bool,
+        /// Export each frontend's and backend's counters in /metrics
+        /// (lb_frontend_*, lb_backend_*; one series per frontend and
+        /// backend, so off by default).
+        #[arg(long)]
+        metrics_per_service: bool,
     },
     /// Print the NAT table of outside flows, like `conntrack -L`.
     Nat {
@@ -143,6 +148,10 @@ enum Cmd {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// With each frontend's and backend's counters, like `ipvsadm -L
+        /// --stats`: connections, refusals by reason, TC packets and bytes.
+        #[arg(long)]
+        stats: bool,
     },
     /// Detach the programs and unpin every map.
     Teardown {
@@ -223,6 +232,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             nat_unreplied_timeout,
             nat_gc_interval,
             destroy_stale_sockets,
+            metrics_per_service,
         } => {
             loader::check_root()?;
             loader::check_caps()?;
@@ -272,11 +282,12 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 nat_gc_interval: Duration::from_secs(nat_gc_interval.max(1)),
                 model: model::Options { external_ip_socket: external_ip_socket_lb },
                 destroy_stale_sockets,
+                metrics_per_service,
             };
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(agent::run(cfg))
         }
-        Cmd::List { bpffs, json } => {
+        Cmd::List { bpffs, json, stats } => {
             loader::check_root()?;
             loader::check_bpffs(&bpffs)?;
             if !bpffs.join(lb_common::maps::SERVICES4).exists() {
@@ -287,6 +298,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 &maps.v4.read_table(&maps.affinity_match, &maps.src_range)?,
                 &maps.v6.read_table(&maps.affinity_match, &maps.src_range)?,
                 maps.read_stats()?,
+                stats.then(|| maps.read_svc_stats()).transpose()?.as_ref(),
             );
             if json {
                 println!("{}", serde_json::to_string_pretty(&v)?);

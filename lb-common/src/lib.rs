@@ -167,6 +167,39 @@ pub struct SockXlate {
     pub _pad: u8,
 }
 
+/// `SvcStatsKey::kind`.
+pub const STATS_FRONTEND: u8 = 0;
+pub const STATS_BACKEND: u8 = 1;
+
+/// Key of the `LB_SVC_STATS` map: one frontend (`id` = its rev_nat_id) or
+/// one backend (`id` = its backend id), of one family.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub struct SvcStatsKey {
+    pub id: u32,
+    pub kind: u8,
+    pub family: u8,
+    pub _pad: u16,
+}
+
+/// Value of the `LB_SVC_STATS` map, like `ipvsadm -L --stats`: added to
+/// atomically by the programs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SvcStats {
+    /// Connections translated (connect; a new TC flow). Unconnected UDP
+    /// datagrams are not counted here.
+    pub conns: u64,
+    /// Frontends: refused, no endpoints (ECONNREFUSED / ICMP reject).
+    pub refused: u64,
+    /// Frontends: no local endpoint (EHOSTUNREACH; TC: dropped).
+    pub unreachable: u64,
+    /// TC: packets of translated flows, both directions.
+    pub packets: u64,
+    /// TC: bytes of those packets (as on the wire, Ethernet header included).
+    pub bytes: u64,
+}
+
 pub type SockRevNat4Value = SockRevNatValue<[u8; 4]>;
 pub type SockRevNat6Value = SockRevNatValue<[u8; 16]>;
 
@@ -385,9 +418,11 @@ pub mod maps {
     pub const NODEPORTS: &str = "LB_NODEPORTS";
     pub const NODE_CONFIG: &str = "LB_NODE_CONFIG";
     pub const SOCK_XLATE: &str = "LB_SOCK_XLATE";
-    pub const ALL: [&str; 17] = [
+    pub const SVC_STATS: &str = "LB_SVC_STATS";
+    pub const ALL: [&str; 18] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
         AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
+        SVC_STATS,
     ];
 }
 
@@ -402,6 +437,8 @@ pub mod capacity {
     pub const NAT: u32 = 262144;
     pub const SRC_RANGE: u32 = 16384;
     pub const NODEPORTS: u32 = 8192;
+    /// Per-frontend and per-backend counters: frontends plus backends.
+    pub const SVC_STATS: u32 = REVNAT + BACKENDS;
 }
 
 /// Value of the `LB_NODE_CONFIG` array (index 0): facts about this node
@@ -438,6 +475,8 @@ mod user {
     unsafe impl aya::Pod for SockRevNat4Value {}
     unsafe impl aya::Pod for SockRevNat6Value {}
     unsafe impl aya::Pod for SockXlate {}
+    unsafe impl aya::Pod for SvcStatsKey {}
+    unsafe impl aya::Pod for SvcStats {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for AffinityMatchKey {}
@@ -464,6 +503,8 @@ const _: () = {
     assert!(core::mem::size_of::<SockRevNat6Key>() == 32);
     assert!(core::mem::size_of::<SockRevNat6Value>() == 20);
     assert!(core::mem::size_of::<SockXlate>() == 40);
+    assert!(core::mem::size_of::<SvcStatsKey>() == 8);
+    assert!(core::mem::size_of::<SvcStats>() == 40);
     assert!(core::mem::size_of::<AffinityKey>() == 32);
     assert!(core::mem::size_of::<AffinityValue>() == 16);
     assert!(core::mem::size_of::<AffinityMatchKey>() == 8);
@@ -500,6 +541,8 @@ mod layout_tests {
             ("SockRevNat4Value", core::mem::size_of::<SockRevNat4Value>(), &[core::mem::offset_of!(SockRevNat4Value, addr), core::mem::offset_of!(SockRevNat4Value, port), core::mem::offset_of!(SockRevNat4Value, rev_nat_id)]),
             ("SockRevNat6Value", core::mem::size_of::<SockRevNat6Value>(), &[core::mem::offset_of!(SockRevNat6Value, addr), core::mem::offset_of!(SockRevNat6Value, port), core::mem::offset_of!(SockRevNat6Value, rev_nat_id)]),
             ("SockXlate", core::mem::size_of::<SockXlate>(), &[core::mem::offset_of!(SockXlate, front), core::mem::offset_of!(SockXlate, backend), core::mem::offset_of!(SockXlate, front_port), core::mem::offset_of!(SockXlate, backend_port), core::mem::offset_of!(SockXlate, rev_nat_id), core::mem::offset_of!(SockXlate, family), core::mem::offset_of!(SockXlate, _pad)]),
+            ("SvcStatsKey", core::mem::size_of::<SvcStatsKey>(), &[core::mem::offset_of!(SvcStatsKey, id), core::mem::offset_of!(SvcStatsKey, kind), core::mem::offset_of!(SvcStatsKey, family), core::mem::offset_of!(SvcStatsKey, _pad)]),
+            ("SvcStats", core::mem::size_of::<SvcStats>(), &[core::mem::offset_of!(SvcStats, conns), core::mem::offset_of!(SvcStats, refused), core::mem::offset_of!(SvcStats, unreachable), core::mem::offset_of!(SvcStats, packets), core::mem::offset_of!(SvcStats, bytes)]),
             ("AffinityKey", core::mem::size_of::<AffinityKey>(), &[core::mem::offset_of!(AffinityKey, netns_cookie), core::mem::offset_of!(AffinityKey, client), core::mem::offset_of!(AffinityKey, rev_nat_id), core::mem::offset_of!(AffinityKey, family), core::mem::offset_of!(AffinityKey, _pad)]),
             ("AffinityValue", core::mem::size_of::<AffinityValue>(), &[core::mem::offset_of!(AffinityValue, last_used_ns), core::mem::offset_of!(AffinityValue, backend_id), core::mem::offset_of!(AffinityValue, _pad)]),
             ("AffinityMatchKey", core::mem::size_of::<AffinityMatchKey>(), &[core::mem::offset_of!(AffinityMatchKey, backend_id), core::mem::offset_of!(AffinityMatchKey, rev_nat_id), core::mem::offset_of!(AffinityMatchKey, family), core::mem::offset_of!(AffinityMatchKey, _pad)]),
@@ -529,5 +572,5 @@ mod layout_tests {
         assert_eq!((LAYOUT_VERSION, h), (3, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0xbcbd_22e1_f08c_488c;
+    const FINGERPRINT: u64 = 0xdaec_497a_1cd0_5228;
 }

@@ -12,8 +12,8 @@ use aya_ebpf::{
 };
 use lb_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, FAMILY_V4, FAMILY_V6, NodeConfig, RevNat,
-    SCOPE_ALL, SCOPE_LOCAL, SockRevNat4Key, SockRevNat6Key, SockRevNatValue, SvcKey, SvcValue,
-    capacity, stats, svc_flags,
+    SCOPE_ALL, SCOPE_LOCAL, STATS_BACKEND, STATS_FRONTEND, SockRevNat4Key, SockRevNat6Key, SockRevNatValue, SvcKey,
+    SvcStats, SvcStatsKey, SvcValue, capacity, stats, svc_flags,
 };
 
 type A4 = [u8; 4];
@@ -55,6 +55,61 @@ static LB_STATS: PerCpuArray<u64, { stats::COUNT as usize }> = PerCpuArray::new(
 #[btf_map]
 static LB_NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
 
+/// Per-frontend and per-backend counters (`lb-agent list --stats`).
+#[btf_map]
+static LB_SVC_STATS: HashMap<SvcStatsKey, SvcStats, { capacity::SVC_STATS as usize }, NO_PREALLOC> = HashMap::new();
+
+/// Which counter of an `SvcStats` to add to.
+#[derive(Clone, Copy)]
+pub enum Acct {
+    Conn,
+    Refused,
+    Unreachable,
+    /// A packet of this many bytes.
+    Packet(u32),
+}
+
+/// Add to a frontend's (`STATS_FRONTEND`, rev_nat_id) or backend's
+/// (`STATS_BACKEND`, backend id) counters, creating them on first use.
+#[inline(always)]
+pub fn account(kind: u8, family: u8, id: u32, what: Acct) {
+    use core::intrinsics::{AtomicOrdering::Relaxed, atomic_xadd};
+    let key = SvcStatsKey { id, kind, family, _pad: 0 };
+    let p = match LB_SVC_STATS.get_ptr_mut(&key) {
+        Some(p) => p,
+        None => {
+            let _ = LB_SVC_STATS.insert(&key, &SvcStats::default(), aya_ebpf::bindings::BPF_NOEXIST as u64);
+            match LB_SVC_STATS.get_ptr_mut(&key) {
+                Some(p) => p,
+                None => return,
+            }
+        }
+    };
+    // SAFETY: a map value, alive for this program run (RCU); other CPUs add
+    // to it at the same time, hence the atomic adds.
+    unsafe {
+        let add = |f: *mut u64, n: u64| {
+            atomic_xadd::<u64, u64, { Relaxed }>(f, n);
+        };
+        match what {
+            Acct::Conn => add(core::ptr::addr_of_mut!((*p).conns), 1),
+            Acct::Refused => add(core::ptr::addr_of_mut!((*p).refused), 1),
+            Acct::Unreachable => add(core::ptr::addr_of_mut!((*p).unreachable), 1),
+            Acct::Packet(len) => {
+                add(core::ptr::addr_of_mut!((*p).packets), 1);
+                add(core::ptr::addr_of_mut!((*p).bytes), len as u64);
+            }
+        }
+    }
+}
+
+/// A new connection (or TC flow) of frontend `rev_nat_id` to `backend_id`.
+#[inline(always)]
+pub fn account_conn(family: u8, rev_nat_id: u16, backend_id: u32) {
+    account(STATS_FRONTEND, family, rev_nat_id as u32, Acct::Conn);
+    account(STATS_BACKEND, family, backend_id, Acct::Conn);
+}
+
 /// This node's configuration, once the agent has written it.
 #[inline(always)]
 pub fn node_config() -> Option<NodeConfig> {
@@ -82,8 +137,8 @@ pub enum Client {
 pub enum Verdict<A> {
     /// Not a frontend we know: leave the socket alone.
     Pass,
-    /// Connect to this backend of frontend `rev_nat_id`.
-    Backend { backend: Backend<A>, rev_nat_id: u16 },
+    /// Connect to this backend (`backend_id`) of frontend `rev_nat_id`.
+    Backend { backend: Backend<A>, rev_nat_id: u16, backend_id: u32 },
     /// Fail the syscall with this errno.
     Refuse(i32),
 }
@@ -153,7 +208,7 @@ pub fn count(index: u32) {
 /// The affine backend of this client for frontend `rev_nat_id`, if it is
 /// still fresh and still one of the frontend's backends.
 #[inline(always)]
-fn affine<F: Family>(key: &AffinityKey, timeout_s: u32, now: u64) -> Option<Backend<F::A>> {
+fn affine<F: Family>(key: &AffinityKey, timeout_s: u32, now: u64) -> Option<(Backend<F::A>, u32)> {
     let p = LB_AFFINITY.get_ptr_mut(key)?;
     let v = copy(p);
     if now.wrapping_sub(v.last_used_ns) > timeout_s as u64 * 1_000_000_000 {
@@ -166,7 +221,7 @@ fn affine<F: Family>(key: &AffinityKey, timeout_s: u32, now: u64) -> Option<Back
     // by rewriting the LRU entry.
     // SAFETY: a map value, alive for this program run (RCU).
     unsafe { core::ptr::write_volatile(core::ptr::addr_of_mut!((*p).last_used_ns), now) };
-    Some(backend)
+    Some((backend, v.backend_id))
 }
 
 /// Pick a backend for `addr:port/proto`. `hash` selects the slot when given
@@ -216,9 +271,11 @@ pub fn select<F: Family>(
             if local == 0 {
                 if front.count == 0 {
                     count(stats::REFUSED_NO_ENDPOINTS);
+                    account(STATS_FRONTEND, F::ID, front.rev_nat_id as u32, Acct::Refused);
                     return Verdict::Refuse(ECONNREFUSED);
                 }
                 count(stats::UNREACH_NO_LOCAL);
+                account(STATS_FRONTEND, F::ID, front.rev_nat_id as u32, Acct::Unreachable);
                 return Verdict::Refuse(EHOSTUNREACH);
             }
             (SCOPE_LOCAL, local)
@@ -227,6 +284,7 @@ pub fn select<F: Family>(
         };
         if n == 0 {
             count(stats::REFUSED_NO_ENDPOINTS);
+            account(STATS_FRONTEND, F::ID, front.rev_nat_id as u32, Acct::Refused);
             return Verdict::Refuse(ECONNREFUSED);
         }
 
@@ -241,9 +299,9 @@ pub fn select<F: Family>(
                 Client::Sock(ctx) => akey.netns_cookie = unsafe { bpf_get_netns_cookie(ctx) },
                 Client::Addr(a) => akey.client = a,
             }
-            if let Some(backend) = affine::<F>(&akey, front.affinity_timeout, now) {
+            if let Some((backend, backend_id)) = affine::<F>(&akey, front.affinity_timeout, now) {
                 count(stats::AFFINITY_HIT);
-                return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id };
+                return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id };
             }
         }
 
@@ -265,7 +323,7 @@ pub fn select<F: Family>(
             let v = AffinityValue { last_used_ns: now, backend_id: sv.backend_id, _pad: 0 };
             let _ = LB_AFFINITY.insert(&akey, &v, 0);
         }
-        return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id };
+        return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id: sv.backend_id };
     }
     // Every attempt raced with an update: refuse rather than guess.
     count(stats::REFUSED_NO_ENDPOINTS);

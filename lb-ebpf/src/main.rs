@@ -2,6 +2,9 @@
 //! on the host this crate is an empty binary so that `cargo build --workspace`
 //! and `cargo clippy --workspace` stay clean.
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
+// atomic_xadd: the BPF target has no atomic types with fetch_add, yet the
+// instruction set has an atomic add (what C's __sync_fetch_and_add emits).
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics), allow(internal_features))]
 
 #[cfg(target_arch = "bpf")]
 mod lb;

@@ -219,7 +219,10 @@ fn xlate4(ctx: &SockAddrContext, stable: bool) -> i32 {
     match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
         Verdict::Refuse(errno) => refuse(errno),
-        Verdict::Backend { backend, rev_nat_id, .. } => {
+        Verdict::Backend { backend, rev_nat_id, backend_id } => {
+            if !stable {
+                lb::account_conn(FAMILY_V4, rev_nat_id, backend_id);
+            }
             remember4(ctx, stable, proto, cookie, &backend, addr, port, rev_nat_id);
             set_ip4(ctx, backend.addr);
             set_port(ctx, backend.port);
@@ -240,7 +243,10 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
         return match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
             Verdict::Pass => ALLOW,
             Verdict::Refuse(errno) => refuse(errno),
-            Verdict::Backend { backend, rev_nat_id, .. } => {
+            Verdict::Backend { backend, rev_nat_id, backend_id } => {
+                if !stable {
+                    lb::account_conn(FAMILY_V4, rev_nat_id, backend_id);
+                }
                 remember4(ctx, stable, proto, cookie, &backend, addr, port, rev_nat_id);
                 set_ip6_word(ctx, 3, u32::from_ne_bytes(backend.addr));
                 set_port(ctx, backend.port);
@@ -253,7 +259,10 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     match lb::select::<V6>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
         Verdict::Refuse(errno) => refuse(errno),
-        Verdict::Backend { backend, rev_nat_id, .. } => {
+        Verdict::Backend { backend, rev_nat_id, backend_id } => {
+            if !stable {
+                lb::account_conn(FAMILY_V6, rev_nat_id, backend_id);
+            }
             if stable || proto == PROTO_UDP {
                 let cookie = if stable { cookie } else { self::cookie(ctx) };
                 lb::remember6(cookie, &backend, addr, port, rev_nat_id);

@@ -879,10 +879,14 @@ impl Cluster {
 
     /// `lb-agent list --json` for node `node`.
     pub fn list(&self, node: usize) -> Result<serde_json::Value> {
-        let out = run(
-            bin("lb-agent").to_str().unwrap(),
-            &["list", "--json", "--bpffs", self.nodes[node - 1].bpffs.to_str().unwrap()],
-        )?;
+        self.list_with(node, &[])
+    }
+
+    /// `lb-agent list --json` with more flags (`--stats`).
+    pub fn list_with(&self, node: usize, flags: &[&str]) -> Result<serde_json::Value> {
+        let mut args = vec!["list", "--json", "--bpffs", self.nodes[node - 1].bpffs.to_str().unwrap()];
+        args.extend(flags);
+        let out = run(bin("lb-agent").to_str().unwrap(), &args)?;
         Ok(serde_json::from_str(&out)?)
     }
 

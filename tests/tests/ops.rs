@@ -43,6 +43,7 @@ fn healthz_and_metrics_in_a_node() -> Result<()> {
     assert!(metric(&m, "lb_event_to_programmed_seconds_count").unwrap() >= 1.0, "{m}");
     assert_eq!(metric(&m, "lb_map_entries{map=\"LB4_BACKENDS\"}"), Some(1.0), "{m}");
     assert_eq!(metric(&m, "lb_sync_errors_total"), Some(0.0), "{m}");
+    assert!(!m.contains("lb_frontend_") && !m.contains("lb_backend_"), "per-service series only with --metrics-per-service: {m}");
     Ok(())
 }
 
@@ -207,4 +208,60 @@ fn an_agent_that_cannot_see_the_pods_processes_says_so() -> Result<()> {
     let _ = agent.kill();
     let _ = agent.wait();
     res
+}
+
+/// `lb-agent list --stats` and `--metrics-per-service`: each frontend's and
+/// backend's connections and refusals (socket and TC paths), and the TC
+/// path's packets and bytes, like `ipvsadm -L --stats`.
+#[test]
+fn per_frontend_and_backend_counters_like_ipvsadm_stats() -> Result<()> {
+    use lbtest::world::*;
+    let mut w = world_with(&web("NodePort", "", &[]), &["--metrics-per-service"])?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    assert_eq!(tcp(&w.c, &client, "10.96.0.10:80", 10)?.ok, 10);
+    assert_eq!(tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 4)?.ok, 4);
+
+    let l = w.c.list_with(1, &["--stats"])?;
+    let front = |addr: &str, port: u64| -> serde_json::Value {
+        l["frontends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["address"] == addr && f["port"] == port && f["protocol"] == "TCP")
+            .unwrap_or_else(|| panic!("no frontend {addr}:{port} in {l}"))
+            .clone()
+    };
+    let cip = front("10.96.0.10", 80);
+    assert_eq!(cip["stats"]["conns"], 10, "{cip}");
+    let per_backend: Vec<u64> = cip["backends"].as_array().unwrap().iter().map(|b| b["stats"]["conns"].as_u64().unwrap()).collect();
+    // A backend counts the connections of every frontend it serves: the
+    // ClusterIP's 10 and the NodePort's 4.
+    assert_eq!(per_backend.iter().sum::<u64>(), 14, "{cip}");
+    assert!(per_backend.iter().all(|n| *n > 0), "{cip}");
+    let np = front(NODE1, 30080);
+    assert_eq!(np["stats"]["conns"], 4, "{np}");
+    let (packets, bytes) = (np["stats"]["packets"].as_u64().unwrap(), np["stats"]["bytes"].as_u64().unwrap());
+    // Each connection: SYN, SYN-ACK, ACK, a request, a reply, FINs, ACKs.
+    assert!(packets >= 4 * 6, "{np}");
+    assert!(bytes >= packets * 54, "{np}");
+    assert_eq!(cip["stats"]["packets"], 0, "socket-LB connections have no per-packet path: {cip}");
+
+    // No endpoints: refusals are counted by reason.
+    set_endpoints(&w, &[])?;
+    wait_backends(&w.c, 1, "10.96.0.10", 80, 0)?;
+    let s = tcp(&w.c, &client, "10.96.0.10:80", 3)?;
+    assert_eq!(s.errors.get("ECONNREFUSED"), Some(&3), "{s:?}");
+    let l = w.c.list_with(1, &["--stats"])?;
+    let cip = l["frontends"].as_array().unwrap().iter().find(|f| f["address"] == "10.96.0.10" && f["port"] == 80 && f["protocol"] == "TCP").unwrap().clone();
+    assert_eq!((cip["stats"]["conns"].as_u64(), cip["stats"]["refused"].as_u64()), (Some(10), Some(3)), "{cip}");
+    let text = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["list", "--stats", "--bpffs", w.c.nodes[0].bpffs.to_str().unwrap()])?;
+    assert!(text.contains("conns=10 refused=3 unreachable=0"), "{text}");
+
+    let (_, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
+    assert_eq!(metric(&m, "lb_frontend_connections_total{frontend=\"10.96.0.10:80\"}"), Some(10.0), "{m}");
+    assert_eq!(metric(&m, "lb_frontend_refused_total{frontend=\"10.96.0.10:80\",reason=\"no_endpoints\"}"), Some(3.0), "{m}");
+    assert_eq!(metric(&m, &format!("lb_frontend_connections_total{{frontend=\"{NODE1}:30080\"}}")), Some(4.0), "{m}");
+    assert!(metric(&m, &format!("lb_frontend_packets_total{{frontend=\"{NODE1}:30080\"}}")).unwrap() >= 24.0, "{m}");
+    Ok(())
 }

@@ -1,7 +1,10 @@
 //! `lb-agent list`: what the pinned maps hold, like `ipvsadm -Ln`.
 use std::fmt::Write as _;
 
-use lb_common::{PROTO_TCP, PROTO_UDP, SCOPE_ALL, SCOPE_LOCAL, SvcKey, backend_flags, svc_flags};
+use lb_common::{
+    PROTO_TCP, PROTO_UDP, SCOPE_ALL, SCOPE_LOCAL, STATS_BACKEND, STATS_FRONTEND, SvcKey, SvcStats, SvcStatsKey, backend_flags,
+    svc_flags,
+};
 use serde::Serialize;
 
 use super::writer::{Addr, Table};
@@ -15,6 +18,32 @@ pub struct BackendView {
     /// "active", or "terminating" (serving while terminating: used only
     /// because no endpoint is ready).
     pub state: &'static str,
+    /// `--stats`: connections translated to it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stats: Option<Counters>,
+}
+
+/// One frontend's or backend's counters (`lb-agent list --stats`).
+#[derive(Debug, Serialize, PartialEq, Eq, Clone, Copy, Default)]
+pub struct Counters {
+    pub conns: u64,
+    pub refused: u64,
+    pub unreachable: u64,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+impl From<SvcStats> for Counters {
+    fn from(s: SvcStats) -> Self {
+        Self { conns: s.conns, refused: s.refused, unreachable: s.unreachable, packets: s.packets, bytes: s.bytes }
+    }
+}
+
+/// The counters of every frontend and backend, when asked for.
+pub type SvcCounters = std::collections::BTreeMap<SvcStatsKey, SvcStats>;
+
+fn counters(svc: Option<&SvcCounters>, kind: u8, family: u8, id: u32) -> Option<Counters> {
+    svc.map(|m| m.get(&SvcStatsKey { id, kind, family, _pad: 0 }).copied().unwrap_or_default().into())
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
@@ -31,6 +60,9 @@ pub struct FrontendView {
     /// Only for internalTrafficPolicy Local: the node-local backends used.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_backends: Option<Vec<BackendView>>,
+    /// `--stats`: its counters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stats: Option<Counters>,
 }
 
 #[derive(Debug, Serialize)]
@@ -49,7 +81,7 @@ fn proto_name(p: u8) -> &'static str {
     }
 }
 
-fn backends<A: Addr>(t: &Table<A>, k: &SvcKey<A>, scope: u8, count: u16) -> Vec<BackendView> {
+fn backends<A: Addr>(t: &Table<A>, k: &SvcKey<A>, scope: u8, count: u16, svc: Option<&SvcCounters>) -> Vec<BackendView> {
     (1..=count)
         .filter_map(|slot| {
             let s = t.services.get(&SvcKey::new(k.addr, k.port, k.proto, scope, slot))?;
@@ -60,12 +92,13 @@ fn backends<A: Addr>(t: &Table<A>, k: &SvcKey<A>, scope: u8, count: u16) -> Vec<
                 port: b.port,
                 local: b.flags & backend_flags::LOCAL != 0,
                 state: if b.flags & backend_flags::TERMINATING != 0 { "terminating" } else { "active" },
+                stats: counters(svc, STATS_BACKEND, A::FAMILY, s.backend_id),
             })
         })
         .collect()
 }
 
-fn add<A: Addr>(t: &Table<A>, out: &mut ListView) {
+fn add<A: Addr>(t: &Table<A>, out: &mut ListView, svc: Option<&SvcCounters>) {
     for (k, v) in &t.services {
         if k.slot != 0 || k.scope != SCOPE_ALL {
             continue;
@@ -100,7 +133,7 @@ fn add<A: Addr>(t: &Table<A>, out: &mut ListView) {
         }
         let local_backends = (local_only || ext_local).then(|| {
             let n = t.services.get(&SvcKey::new(k.addr, k.port, k.proto, SCOPE_LOCAL, 0)).map_or(0, |l| l.count);
-            backends(t, k, SCOPE_LOCAL, n)
+            backends(t, k, SCOPE_LOCAL, n, svc)
         });
         out.frontends.push(FrontendView {
             family: A::NAME,
@@ -110,16 +143,19 @@ fn add<A: Addr>(t: &Table<A>, out: &mut ListView) {
             rev_nat_id: v.rev_nat_id,
             flags,
             affinity_timeout: (v.flags & svc_flags::AFFINITY != 0).then_some(v.affinity_timeout),
-            backends: backends(t, k, SCOPE_ALL, v.count),
+            backends: backends(t, k, SCOPE_ALL, v.count, svc),
             local_backends,
+            stats: counters(svc, STATS_FRONTEND, A::FAMILY, v.rev_nat_id as u32),
         });
     }
 }
 
-pub fn view(v4: &Table<[u8; 4]>, v6: &Table<[u8; 16]>, stats: Vec<(&'static str, u64)>) -> ListView {
+/// What `lb-agent list` shows; `svc`: with each frontend's and backend's
+/// counters (`--stats`).
+pub fn view(v4: &Table<[u8; 4]>, v6: &Table<[u8; 16]>, stats: Vec<(&'static str, u64)>, svc: Option<&SvcCounters>) -> ListView {
     let mut out = ListView { frontends: Vec::new(), vips: Vec::new(), stats: stats.into_iter().collect() };
-    add(v4, &mut out);
-    add(v6, &mut out);
+    add(v4, &mut out, svc);
+    add(v6, &mut out, svc);
     out
 }
 
@@ -138,7 +174,10 @@ pub fn render_text(v: &ListView) -> String {
         };
         let front = if f.family == "IPv6" { format!("[{}]:{}", f.address, f.port) } else { format!("{}:{}", f.address, f.port) };
         let fam = if f.family == "IPv6" { "ip6" } else { "ip4" };
-        let _ = writeln!(s, "{fam:<4} {:<4} {:<33} {:<9} {}", f.protocol, front, shown.len(), flags.join(","));
+        let counted = f.stats.map_or(String::new(), |c| {
+            format!("  conns={} refused={} unreachable={} packets={} bytes={}", c.conns, c.refused, c.unreachable, c.packets, c.bytes)
+        });
+        let _ = writeln!(s, "{fam:<4} {:<4} {:<33} {:<9} {}{counted}", f.protocol, front, shown.len(), flags.join(","));
         if shown.is_empty() {
             let why = if f.flags.contains(&"itp-local") && !f.backends.is_empty() {
                 "no local endpoints: connect fails with EHOSTUNREACH"
@@ -150,7 +189,8 @@ pub fn render_text(v: &ListView) -> String {
         for b in shown {
             let addr = if f.family == "IPv6" { format!("[{}]:{}", b.address, b.port) } else { format!("{}:{}", b.address, b.port) };
             let local = if b.local { " local" } else { "" };
-            let _ = writeln!(s, "  -> {:<33} id={:<6} {}{local}", addr, b.id, b.state);
+            let counted = b.stats.map_or(String::new(), |c| format!("  conns={}", c.conns));
+            let _ = writeln!(s, "  -> {:<33} id={:<6} {}{local}{counted}", addr, b.id, b.state);
         }
     }
     let stats: Vec<String> = v.stats.iter().map(|(k, n)| format!("{k}={n}")).collect();

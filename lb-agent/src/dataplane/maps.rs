@@ -7,7 +7,7 @@ use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use lb_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, Nat4Entry, Nat4Key, Nat6Entry, Nat6Key, NodeConfig, NodePortKey, RevNat, SrcRange,
-    SvcKey, SvcValue, maps, stats,
+    SvcKey, SvcStats, SvcStatsKey, SvcValue, maps, stats,
 };
 
 use super::writer::{Addr, Op, Table};
@@ -200,12 +200,30 @@ pub struct Maps {
     pub nat4: HashMap<MapData, Nat4Key, Nat4Entry>,
     pub nat6: HashMap<MapData, Nat6Key, Nat6Entry>,
     pub stats: PerCpuArray<MapData, u64>,
+    pub svc_stats: HashMap<MapData, SvcStatsKey, SvcStats>,
 }
 
 /// The maps a family's ops touch besides its own.
 pub struct Shared<'a> {
     pub matches: &'a mut HashMap<MapData, AffinityMatchKey, u8>,
     pub src_range: &'a mut LpmTrie<MapData, SrcRange, u8>,
+    pub svc_stats: &'a mut HashMap<MapData, SvcStatsKey, SvcStats>,
+}
+
+impl Shared<'_> {
+    /// A frontend or backend id was deleted: its counters go too, so that
+    /// a later owner of the id starts from zero.
+    pub fn forget_stats<A: Addr>(&mut self, op: &Op<A>) {
+        let (kind, id) = match op {
+            Op::DelRevNat(id) => (lb_common::STATS_FRONTEND, *id as u32),
+            Op::DelBackend(id) => (lb_common::STATS_BACKEND, *id),
+            _ => return,
+        };
+        let key = SvcStatsKey { id, kind, family: A::FAMILY, _pad: 0 };
+        if let Err(e) = ignore_missing(self.svc_stats.remove(&key)) {
+            tracing::debug!("LB_SVC_STATS: delete {key:?}: {e}");
+        }
+    }
 }
 
 /// The LPM key of a loadBalancerSourceRange of frontend `id`.
@@ -372,6 +390,7 @@ impl Maps {
             nat4: hash(dir, maps::NAT4)?,
             nat6: hash(dir, maps::NAT6)?,
             stats: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(dir, maps::STATS)?))?,
+            svc_stats: hash(dir, maps::SVC_STATS)?,
         })
     }
 
@@ -391,6 +410,11 @@ impl Maps {
             ignore_missing(self.affinity.remove(k)).context("LB_AFFINITY: delete")?;
         }
         Ok(stale.len())
+    }
+
+    /// Every frontend's and backend's counters.
+    pub fn read_svc_stats(&self) -> Result<std::collections::BTreeMap<SvcStatsKey, SvcStats>> {
+        self.svc_stats.iter().map(|r| r.context("read LB_SVC_STATS")).collect()
     }
 
     /// The stats counters, summed over CPUs, by name.

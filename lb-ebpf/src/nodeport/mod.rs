@@ -39,7 +39,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
-    Backend, NatEntry, NatKey, NodeConfig, PROTO_TCP, PROTO_UDP, SCOPE_ALL, SrcRange, SvcKey, backend_flags, capacity,
+    Backend, NatEntry, NatKey, NodeConfig, PROTO_TCP, PROTO_UDP, SCOPE_ALL, STATS_FRONTEND, SrcRange, SvcKey, backend_flags, capacity,
     nat_flags, nat_state, stats, svc_flags,
 };
 
@@ -663,6 +663,28 @@ fn rewrite<F: Net>(ctx: &TcContext, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> Result
     Ok(())
 }
 
+/// Rewrite a packet of a translated flow by `e`, and count it for the
+/// flow's frontend.
+#[inline(always)]
+fn translate<F: Net>(ctx: &TcContext, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> i32 {
+    let rev_nat_id = e.rev_nat_id;
+    let r = rewrite::<F>(ctx, p, e);
+    if r.is_ok() {
+        packet_stats(F::ID, rev_nat_id, ctx.len());
+    }
+    verdict(r)
+}
+
+#[inline(never)]
+fn packet_stats(family: u8, rev_nat_id: u16, len: u32) {
+    lb::account(STATS_FRONTEND, family, rev_nat_id as u32, lb::Acct::Packet(len));
+}
+
+#[inline(never)]
+fn flow_stats(family: u8, rev_nat_id: u16, backend_id: u32) {
+    lb::account_conn(family, rev_nat_id, backend_id);
+}
+
 #[inline(always)]
 fn verdict(r: Result<(), i64>) -> i32 {
     match r {
@@ -787,6 +809,7 @@ fn send_reset<F: Net>(ctx: &TcContext) -> i32 {
 #[repr(C)]
 pub struct Scratch<A> {
     backend: Backend<A>,
+    backend_id: u32,
     rev_nat_id: u16,
     hash: u32,
     key: NatKey<A>,
@@ -831,10 +854,11 @@ fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
         // externalTrafficPolicy Local and no endpoint on this node:
         // dropped (kube-proxy DROPs too; the LB's health check steers away).
         Verdict::Refuse(_) => drop_packet(),
-        Verdict::Backend { backend, rev_nat_id } => {
+        Verdict::Backend { backend, rev_nat_id, backend_id } => {
             // SAFETY: this CPU's scratch value.
             unsafe {
                 (*sc).backend = backend;
+                (*sc).backend_id = backend_id;
                 (*sc).rev_nat_id = rev_nat_id;
                 (*sc).hash = h;
             }
@@ -914,6 +938,7 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
         };
     }
     lb::count(stats::NAT_NEW);
+    flow_stats(F::ID, sc.rev_nat_id, sc.backend_id);
     ACT_FORWARD
 }
 
@@ -942,7 +967,7 @@ fn forward<F: Net>(skb: *mut __sk_buff) -> i32 {
             }
         }
     }
-    verdict(rewrite::<F>(ctx, &p, &sc.fwd))
+    translate::<F>(ctx, &p, &sc.fwd)
 }
 
 /// Claim a SNAT port for a reply tuple (`rkey.dport`): the reply tuple must
@@ -1039,7 +1064,7 @@ fn ingress<F: Net>(skb: *mut __sk_buff) -> i32 {
             }
             // A reply to a SNATed flow, from the backend's node.
             touch(e, p.tcp_flags);
-            return verdict(rewrite::<F>(ctx, &p, entry));
+            return translate::<F>(ctx, &p, entry);
         }
         // A packet from a client of a known flow.
         if entry.state & nat_state::STALE != 0 {
@@ -1065,7 +1090,7 @@ fn ingress<F: Net>(skb: *mut __sk_buff) -> i32 {
             return ACT_FORWARD;
         }
         touch(e, p.tcp_flags);
-        return verdict(rewrite::<F>(ctx, &p, entry));
+        return translate::<F>(ctx, &p, entry);
     }
     ACT_NEW_FLOW
 }
@@ -1086,7 +1111,7 @@ fn egress<F: Net>(skb: *mut __sk_buff) -> i32 {
         let entry = unsafe { &*e };
         if entry.flags & nat_flags::REPLY != 0 && entry.flags & nat_flags::SNAT == 0 {
             touch(e, p.tcp_flags);
-            return verdict(rewrite::<F>(ctx, &p, entry));
+            return translate::<F>(ctx, &p, entry);
         }
     }
     TC_ACT_OK
