@@ -240,6 +240,9 @@ struct Reconciler {
     /// Connections to endpoints that stopped serving are destroyed by it,
     /// off the programming path.
     destroyer: Option<crate::stale::Destroyer>,
+    /// Frontends whose Service name `lb-agent monitor` must learn anew
+    /// (None: all of them).
+    names_changed: Option<BTreeSet<model::FrontendKey>>,
 }
 
 /// A write that failed, and the Service it was for (None: a deletion).
@@ -428,6 +431,11 @@ impl Reconciler {
         }
         if full || !ch.frontends.is_empty() {
             self.has_external = desired.frontends.values().any(|f| f.external);
+        }
+        match (&mut self.names_changed, full) {
+            (_, true) => self.names_changed = None,
+            (Some(keys), false) => keys.extend(ch.frontends.iter().copied()),
+            (None, false) => {}
         }
         if ops > 0 {
             tracing::info!(
@@ -719,6 +727,34 @@ impl Reconciler {
             m.map_capacity.get_or_create(&[("map", map)]).set(max as i64);
         }
     }
+
+    /// Bring the frontend names /frontends serves up to date: only the
+    /// frontends that changed, unless a full sync ran.
+    fn export_names(&mut self, m: &Metrics) {
+        let desired = self.model.desired();
+        let name = |k: &model::FrontendKey, f: &model::Frontend| crate::monitor::FrontendName {
+            service: f.service.to_string(),
+            port_name: f.port_name.clone(),
+            address: k.addr,
+            port: k.port,
+            protocol: k.proto.to_string(),
+        };
+        let mut names = m.frontend_names.lock().unwrap();
+        match self.names_changed.replace(BTreeSet::new()) {
+            None => {
+                names.clear();
+                names.extend(desired.frontends.iter().map(|(k, f)| (*k, name(k, f))));
+            }
+            Some(keys) => {
+                for k in keys {
+                    match desired.frontends.get(&k) {
+                        Some(f) => names.insert(k, name(&k, f)),
+                        None => names.remove(&k),
+                    };
+                }
+            }
+        }
+    }
 }
 
 pub async fn run(cfg: RunConfig) -> Result<()> {
@@ -771,6 +807,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         loader::pin_path(&cfg.bpffs, lb_common::maps::STATS),
     )?))?;
     let per_service = if cfg.metrics_per_service { Some(std::sync::Mutex::new(Maps::open_pinned(&cfg.bpffs)?)) } else { None };
+    crate::monitor::spawn_janitor(&cfg.bpffs)?;
     let metrics = Metrics::new(Arc::new(PinnedStats { stats: std::sync::Mutex::new(stats), per_service }));
     let health = Arc::new(Health::new(cfg.stall_after));
     let (hz, mt) = crate::health::serve(cfg.healthz_bind, cfg.metrics_bind, health.clone(), metrics.clone()).await?;
@@ -801,6 +838,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         full_needed: true,
         pending_left: BTreeSet::new(),
         nat_left,
+        names_changed: None,
         destroyer: if cfg.destroy_stale_sockets {
             Some(crate::stale::Destroyer::spawn(
                 &cfg.bpffs,
@@ -814,6 +852,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     };
     let mut health_checks = crate::nodeport::HealthChecks::default();
     rec.export(&metrics, &cfg.capacity);
+    rec.export_names(&metrics);
     // How long the watches have been failing, for the metric.
     {
         let (status, metrics) = (source_status.clone(), metrics.clone());
@@ -893,6 +932,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             }
         }
         rec.export(&metrics, &cfg.capacity);
+        rec.export_names(&metrics);
         metrics.kp_service_changes.inc_by(std::mem::take(&mut rec.service_changes));
         metrics.kp_endpoint_changes.inc_by(std::mem::take(&mut rec.slice_changes));
         // An upgrade: the staged maps hold the first full sync now; move the

@@ -182,6 +182,8 @@ pub struct Metrics {
     pub drift_repaired: Counter,
     /// Processes of the attached cgroup the agent cannot see (no hostPID).
     pub cgroup_invisible: Gauge,
+    /// Each frontend's Service, for `lb-agent monitor` (GET /frontends).
+    pub frontend_names: Mutex<std::collections::BTreeMap<crate::model::FrontendKey, crate::monitor::FrontendName>>,
     registry: Mutex<Registry>,
 }
 
@@ -207,6 +209,7 @@ impl Metrics {
             source_failing: Gauge::default(),
             drift_repaired: Counter::default(),
             cgroup_invisible: Gauge::default(),
+            frontend_names: Mutex::new(Default::default()),
             registry: Mutex::new(Registry::default()),
         };
         {
@@ -295,6 +298,12 @@ async fn livez(State(h): State<Arc<Health>>) -> impl IntoResponse {
     health_response(&h, true)
 }
 
+/// Each frontend and its Service, for `lb-agent monitor`.
+async fn frontends(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
+    let names: Vec<crate::monitor::FrontendName> = m.frontend_names.lock().unwrap().values().cloned().collect();
+    axum::Json(names)
+}
+
 async fn metrics(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], m.encode())
 }
@@ -318,7 +327,7 @@ pub async fn serve(
     if let Some(addr) = metrics_bind {
         let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--metrics-bind {addr}"))?;
         bound.1 = Some(l.local_addr()?);
-        let app = Router::new().route("/metrics", get(metrics)).with_state(m);
+        let app = Router::new().route("/metrics", get(metrics)).route("/frontends", get(frontends)).with_state(m);
         tokio::spawn(async move { axum::serve(l, app).await });
     }
     Ok(bound)

@@ -10,6 +10,7 @@ mod agent;
 mod dataplane;
 mod health;
 mod model;
+mod monitor;
 mod netdev;
 mod nodeport;
 mod source;
@@ -133,6 +134,26 @@ enum Cmd {
         /// backend, so off by default).
         #[arg(long)]
         metrics_per_service: bool,
+    },
+    /// A live stream of the programs' decisions, one line each: time, hook,
+    /// client (netns cookie, or address on the TC path), frontend, backend
+    /// or errno, and why. Costs nothing while no monitor runs; up to 4 at once.
+    Monitor {
+        #[arg(long, default_value = "/sys/fs/bpf/lb")]
+        bpffs: PathBuf,
+        /// Only this Service's frontends (NAMESPACE/NAME); needs the agent's
+        /// /frontends (see --agent).
+        #[arg(long)]
+        service: Option<String>,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+        /// The agent's metrics address, for Service names.
+        #[arg(long, default_value = "127.0.0.1:10249")]
+        agent: String,
+        /// Stop after this many seconds (default: run until SIGINT/SIGTERM).
+        #[arg(long)]
+        seconds: Option<u64>,
     },
     /// Print the NAT table of outside flows, like `conntrack -L`.
     Nat {
@@ -306,6 +327,17 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 print!("{}", inspect::render_text(&v));
             }
             Ok(())
+        }
+        Cmd::Monitor { bpffs, service, json, agent, seconds } => {
+            loader::check_root()?;
+            loader::check_bpffs(&bpffs)?;
+            if let Some(s) = &service
+                && s.split('/').filter(|p| !p.is_empty()).count() != 2
+            {
+                anyhow::bail!("--service {s}: expected NAMESPACE/NAME");
+            }
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(monitor::run(&bpffs, service.as_deref(), json, &agent, seconds.map(Duration::from_secs)))
         }
         Cmd::Nat { bpffs, json } => {
             loader::check_root()?;

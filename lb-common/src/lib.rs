@@ -200,6 +200,78 @@ pub struct SvcStats {
     pub bytes: u64,
 }
 
+/// `lb-agent monitor`: one decision of a program, sent through the ring
+/// buffer of each monitor that runs (`LB_EVENTS<n>`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct MonitorEvent {
+    /// bpf_ktime_get_ns (CLOCK_MONOTONIC).
+    pub ts_ns: u64,
+    /// Socket hooks: the client's network namespace.
+    pub netns_cookie: u64,
+    /// TC: the client's address (an IPv4 address in the first 4 bytes).
+    pub client: [u8; 16],
+    pub front: [u8; 16],
+    /// The chosen backend (zero when refused).
+    pub backend: [u8; 16],
+    pub front_port: u16,
+    pub backend_port: u16,
+    pub rev_nat_id: u16,
+    /// FAMILY_V4 or FAMILY_V6.
+    pub family: u8,
+    pub proto: u8,
+    /// `monitor::HOOK_*`.
+    pub hook: u8,
+    /// `monitor::WHY_*`.
+    pub why: u8,
+    /// The errno a refused connect gets (0: translated).
+    pub errno: u8,
+    pub _pad: [u8; 5],
+}
+
+/// `lb-agent monitor`'s constants.
+pub mod monitor {
+    /// Monitors that can run at once (ring buffers `LB_EVENTS0..`).
+    pub const SLOTS: u32 = 4;
+    /// Bytes of each ring buffer.
+    pub const RING_BYTES: u32 = 256 * 1024;
+    /// A monitor whose heartbeat is older than this gets no events (it
+    /// died without saying so): it refreshes it every 200 ms.
+    pub const HEARTBEAT_NS: u64 = 1_000_000_000;
+    pub const HOOK_CONNECT: u8 = 1;
+    pub const HOOK_SENDMSG: u8 = 2;
+    pub const HOOK_TC: u8 = 3;
+    pub const WHY_TRANSLATED: u8 = 1;
+    /// Translated to a backend topology hints chose (this node or zone).
+    pub const WHY_TOPOLOGY: u8 = 2;
+    /// sessionAffinity: the client's earlier backend.
+    pub const WHY_AFFINITY: u8 = 3;
+    pub const WHY_NO_ENDPOINTS: u8 = 4;
+    /// internalTrafficPolicy / externalTrafficPolicy Local, none here.
+    pub const WHY_NO_LOCAL_ENDPOINT: u8 = 5;
+    /// A ClusterIP on a port that is no service port.
+    pub const WHY_WRONG_PORT: u8 = 6;
+    pub fn hook_name(h: u8) -> &'static str {
+        match h {
+            HOOK_CONNECT => "connect",
+            HOOK_SENDMSG => "sendmsg",
+            HOOK_TC => "tc",
+            _ => "?",
+        }
+    }
+    pub fn why_name(w: u8) -> &'static str {
+        match w {
+            WHY_TRANSLATED => "translated",
+            WHY_TOPOLOGY => "translated (topology)",
+            WHY_AFFINITY => "affinity hit",
+            WHY_NO_ENDPOINTS => "no endpoints",
+            WHY_NO_LOCAL_ENDPOINT => "no local endpoint",
+            WHY_WRONG_PORT => "wrong port",
+            _ => "?",
+        }
+    }
+}
+
 pub type SockRevNat4Value = SockRevNatValue<[u8; 4]>;
 pub type SockRevNat6Value = SockRevNatValue<[u8; 16]>;
 
@@ -419,10 +491,14 @@ pub mod maps {
     pub const NODE_CONFIG: &str = "LB_NODE_CONFIG";
     pub const SOCK_XLATE: &str = "LB_SOCK_XLATE";
     pub const SVC_STATS: &str = "LB_SVC_STATS";
-    pub const ALL: [&str; 18] = [
+    /// `lb-agent monitor`: heartbeats (index 0: any monitor; 1..=SLOTS:
+    /// each monitor's) and one ring buffer per monitor.
+    pub const MONITOR: &str = "LB_MONITOR";
+    pub const EVENTS: [&str; 4] = ["LB_EVENTS0", "LB_EVENTS1", "LB_EVENTS2", "LB_EVENTS3"];
+    pub const ALL: [&str; 23] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
         AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
-        SVC_STATS,
+        SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3],
     ];
 }
 
@@ -477,6 +553,7 @@ mod user {
     unsafe impl aya::Pod for SockXlate {}
     unsafe impl aya::Pod for SvcStatsKey {}
     unsafe impl aya::Pod for SvcStats {}
+    unsafe impl aya::Pod for MonitorEvent {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for AffinityMatchKey {}
@@ -505,6 +582,7 @@ const _: () = {
     assert!(core::mem::size_of::<SockXlate>() == 40);
     assert!(core::mem::size_of::<SvcStatsKey>() == 8);
     assert!(core::mem::size_of::<SvcStats>() == 40);
+    assert!(core::mem::size_of::<MonitorEvent>() == 80);
     assert!(core::mem::size_of::<AffinityKey>() == 32);
     assert!(core::mem::size_of::<AffinityValue>() == 16);
     assert!(core::mem::size_of::<AffinityMatchKey>() == 8);

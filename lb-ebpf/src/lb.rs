@@ -6,14 +6,14 @@
 use core::ffi::c_void;
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_ktime_get_ns},
     macros::btf_map,
 };
 use lb_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, FAMILY_V4, FAMILY_V6, NodeConfig, RevNat,
-    SCOPE_ALL, SCOPE_LOCAL, STATS_BACKEND, STATS_FRONTEND, SockRevNat4Key, SockRevNat6Key, SockRevNatValue, SvcKey,
-    SvcStats, SvcStatsKey, SvcValue, capacity, stats, svc_flags,
+    MonitorEvent, SCOPE_ALL, SCOPE_LOCAL, STATS_BACKEND, STATS_FRONTEND, SockRevNat4Key, SockRevNat6Key, SockRevNatValue, SvcKey,
+    SvcStats, SvcStatsKey, SvcValue, capacity, monitor, stats, svc_flags,
 };
 
 type A4 = [u8; 4];
@@ -54,6 +54,74 @@ static LB_STATS: PerCpuArray<u64, { stats::COUNT as usize }> = PerCpuArray::new(
 
 #[btf_map]
 static LB_NODE_CONFIG: Array<NodeConfig, 1> = Array::new();
+
+/// `lb-agent monitor`: index 0 is the newest heartbeat of any monitor
+/// (0: none runs), 1..=SLOTS each monitor's.
+#[btf_map]
+static LB_MONITOR: Array<u64, { monitor::SLOTS as usize + 1 }> = Array::new();
+#[btf_map]
+static LB_EVENTS0: RingBuf<MonitorEvent, { monitor::RING_BYTES as usize }> = RingBuf::new();
+#[btf_map]
+static LB_EVENTS1: RingBuf<MonitorEvent, { monitor::RING_BYTES as usize }> = RingBuf::new();
+#[btf_map]
+static LB_EVENTS2: RingBuf<MonitorEvent, { monitor::RING_BYTES as usize }> = RingBuf::new();
+#[btf_map]
+static LB_EVENTS3: RingBuf<MonitorEvent, { monitor::RING_BYTES as usize }> = RingBuf::new();
+/// Where an event is put together, one per CPU (not on the stack).
+#[btf_map]
+static LB_EVENT_BUF: PerCpuArray<MonitorEvent, 1> = PerCpuArray::new();
+
+/// Whether a monitor runs: one array read while none does.
+#[inline(always)]
+pub fn monitoring() -> bool {
+    let Some(hb) = LB_MONITOR.get_ptr(0) else { return false };
+    // SAFETY: an array value; one aligned load.
+    let hb = unsafe { core::ptr::read_volatile(hb) };
+    // SAFETY: plain helper.
+    hb != 0 && unsafe { bpf_ktime_get_ns() }.wrapping_sub(hb) < monitor::HEARTBEAT_NS
+}
+
+/// This CPU's event buffer, zeroed, for the caller to fill and `emit`.
+#[inline(always)]
+pub fn event_buf() -> Option<*mut MonitorEvent> {
+    let p = LB_EVENT_BUF.get_ptr_mut(0)?;
+    // SAFETY: this CPU's value; nothing else runs on this CPU meanwhile.
+    // Zeroed in place (a MonitorEvent::default() would be built on the stack).
+    unsafe { core::ptr::write_bytes(p, 0, 1) };
+    Some(p)
+}
+
+/// Send the event in `ev` to every monitor whose heartbeat is fresh.
+#[inline(never)]
+pub fn emit(ev: *mut MonitorEvent) {
+    // SAFETY: plain helper.
+    let now = unsafe { bpf_ktime_get_ns() };
+    // SAFETY: ev is this CPU's event buffer.
+    let ev = unsafe {
+        (*ev).ts_ns = now;
+        &*ev
+    };
+    let fresh = |slot: u32| {
+        LB_MONITOR.get_ptr(slot).is_some_and(|hb| {
+            // SAFETY: an array value; one aligned load.
+            let hb = unsafe { core::ptr::read_volatile(hb) };
+            hb != 0 && now.wrapping_sub(hb) < monitor::HEARTBEAT_NS
+        })
+    };
+    // A full ring buffer loses the event (the monitor counts gaps by time).
+    if fresh(1) {
+        let _ = LB_EVENTS0.output(ev, 0);
+    }
+    if fresh(2) {
+        let _ = LB_EVENTS1.output(ev, 0);
+    }
+    if fresh(3) {
+        let _ = LB_EVENTS2.output(ev, 0);
+    }
+    if fresh(4) {
+        let _ = LB_EVENTS3.output(ev, 0);
+    }
+}
 
 /// Per-frontend and per-backend counters (`lb-agent list --stats`).
 #[btf_map]
@@ -137,10 +205,11 @@ pub enum Client {
 pub enum Verdict<A> {
     /// Not a frontend we know: leave the socket alone.
     Pass,
-    /// Connect to this backend (`backend_id`) of frontend `rev_nat_id`.
-    Backend { backend: Backend<A>, rev_nat_id: u16, backend_id: u32 },
-    /// Fail the syscall with this errno.
-    Refuse(i32),
+    /// Connect to this backend (`backend_id`) of frontend `rev_nat_id`;
+    /// `why`: monitor::WHY_TRANSLATED, WHY_TOPOLOGY or WHY_AFFINITY.
+    Backend { backend: Backend<A>, rev_nat_id: u16, backend_id: u32, why: u8 },
+    /// Fail the syscall with this errno, for monitor reason `why`.
+    Refuse { errno: i32, why: u8, rev_nat_id: u16 },
 }
 
 /// Copy a map value out at once: a concurrent agent update replaces whole
@@ -258,7 +327,7 @@ pub fn select<F: Family>(
                 && m.flags & svc_flags::VIP_MARKER != 0
             {
                 count(stats::REFUSED_NO_PORT);
-                return Verdict::Refuse(ECONNREFUSED);
+                return Verdict::Refuse { errno: ECONNREFUSED, why: monitor::WHY_WRONG_PORT, rev_nat_id: 0 };
             }
             return Verdict::Pass;
         };
@@ -272,11 +341,15 @@ pub fn select<F: Family>(
                 if front.count == 0 {
                     count(stats::REFUSED_NO_ENDPOINTS);
                     account(STATS_FRONTEND, F::ID, front.rev_nat_id as u32, Acct::Refused);
-                    return Verdict::Refuse(ECONNREFUSED);
+                    return Verdict::Refuse { errno: ECONNREFUSED, why: monitor::WHY_NO_ENDPOINTS, rev_nat_id: front.rev_nat_id };
                 }
                 count(stats::UNREACH_NO_LOCAL);
                 account(STATS_FRONTEND, F::ID, front.rev_nat_id as u32, Acct::Unreachable);
-                return Verdict::Refuse(EHOSTUNREACH);
+                return Verdict::Refuse {
+                    errno: EHOSTUNREACH,
+                    why: monitor::WHY_NO_LOCAL_ENDPOINT,
+                    rev_nat_id: front.rev_nat_id,
+                };
             }
             (SCOPE_LOCAL, local)
         } else {
@@ -285,7 +358,7 @@ pub fn select<F: Family>(
         if n == 0 {
             count(stats::REFUSED_NO_ENDPOINTS);
             account(STATS_FRONTEND, F::ID, front.rev_nat_id as u32, Acct::Refused);
-            return Verdict::Refuse(ECONNREFUSED);
+            return Verdict::Refuse { errno: ECONNREFUSED, why: monitor::WHY_NO_ENDPOINTS, rev_nat_id: front.rev_nat_id };
         }
 
         let affinity = front.flags & svc_flags::AFFINITY != 0;
@@ -301,7 +374,7 @@ pub fn select<F: Family>(
             }
             if let Some((backend, backend_id)) = affine::<F>(&akey, front.affinity_timeout, now) {
                 count(stats::AFFINITY_HIT);
-                return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id };
+                return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id, why: monitor::WHY_AFFINITY };
             }
         }
 
@@ -323,11 +396,12 @@ pub fn select<F: Family>(
             let v = AffinityValue { last_used_ns: now, backend_id: sv.backend_id, _pad: 0 };
             let _ = LB_AFFINITY.insert(&akey, &v, 0);
         }
-        return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id: sv.backend_id };
+        let why = if front.flags & svc_flags::TOPOLOGY != 0 { monitor::WHY_TOPOLOGY } else { monitor::WHY_TRANSLATED };
+        return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id: sv.backend_id, why };
     }
     // Every attempt raced with an update: refuse rather than guess.
     count(stats::REFUSED_NO_ENDPOINTS);
-    Verdict::Refuse(ECONNREFUSED)
+    Verdict::Refuse { errno: ECONNREFUSED, why: monitor::WHY_NO_ENDPOINTS, rev_nat_id: 0 }
 }
 
 /// Remember which frontend a socket's translated destination stands for, so

@@ -20,7 +20,7 @@ use aya_ebpf::{
     macros::{btf_map, cgroup_sock, cgroup_sock_addr},
     programs::{SockAddrContext, SockContext},
 };
-use lb_common::{FAMILY_V4, FAMILY_V6, NodePortKey, PROTO_TCP, PROTO_UDP, SockXlate, capacity, stats};
+use lb_common::{FAMILY_V4, FAMILY_V6, NodePortKey, PROTO_TCP, PROTO_UDP, SockXlate, capacity, monitor, stats};
 
 /// The NodePorts in use: processes in the node's network namespace may not
 /// bind() them.
@@ -208,6 +208,47 @@ fn refuse(errno: i32) -> i32 {
     REJECT
 }
 
+/// Tell the monitors, when one runs, what became of a connect or datagram.
+/// `meta` packs what `meta()` packs; `front` and `backend` point to 4 or 16
+/// bytes by family (`backend` null when refused); `ports` is the frontend
+/// port << 16 | the backend port. (Five scalar arguments: a call passes no
+/// more, and the arrays stay where they are instead of on a second stack.)
+#[inline(never)]
+fn report(sock: *mut c_void, meta: u64, front: *const u8, backend: *const u8, ports: u32) {
+    let Some(ev) = lb::event_buf() else { return };
+    let family = meta as u8;
+    let n = if family == FAMILY_V4 { 4 } else { 16 };
+    // SAFETY: this CPU's event buffer; front/backend point to n bytes;
+    // helper valid for sock_addr programs.
+    unsafe {
+        (*ev).netns_cookie = bpf_get_netns_cookie(sock);
+        let mut i = 0;
+        while i < n {
+            (*ev).front[i] = *front.add(i);
+            if !backend.is_null() {
+                (*ev).backend[i] = *backend.add(i);
+            }
+            i += 1;
+        }
+        (*ev).front_port = (ports >> 16) as u16;
+        (*ev).backend_port = ports as u16;
+        (*ev).family = family;
+        (*ev).proto = (meta >> 8) as u8;
+        (*ev).hook = (meta >> 16) as u8;
+        (*ev).why = (meta >> 24) as u8;
+        (*ev).errno = (meta >> 32) as u8;
+        (*ev).rev_nat_id = (meta >> 40) as u16;
+    }
+    lb::emit(ev);
+}
+
+/// `report`'s packed fields.
+#[inline(always)]
+fn meta(family: u8, proto: u8, stable: bool, why: u8, errno: i32, rev_nat_id: u16) -> u64 {
+    let hook = if stable { monitor::HOOK_SENDMSG } else { monitor::HOOK_CONNECT };
+    family as u64 | (proto as u64) << 8 | (hook as u64) << 16 | (why as u64) << 24 | (errno as u8 as u64) << 32 | (rev_nat_id as u64) << 40
+}
+
 /// Translate the destination of a connect (stable = false) or of an
 /// unconnected UDP datagram (stable = true: one backend per socket).
 #[inline(always)]
@@ -218,8 +259,18 @@ fn xlate4(ctx: &SockAddrContext, stable: bool) -> i32 {
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
     match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
-        Verdict::Refuse(errno) => refuse(errno),
-        Verdict::Backend { backend, rev_nat_id, backend_id } => {
+        Verdict::Refuse { errno, why, rev_nat_id } => {
+            if lb::monitoring() {
+                let m = meta(FAMILY_V4, proto, stable, why, errno, rev_nat_id);
+                report(ctx.sock_addr.cast(), m, addr.as_ptr(), core::ptr::null(), (port as u32) << 16);
+            }
+            refuse(errno)
+        }
+        Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
+            if lb::monitoring() {
+                let m = meta(FAMILY_V4, proto, stable, why, 0, rev_nat_id);
+                report(ctx.sock_addr.cast(), m, addr.as_ptr(), backend.addr.as_ptr(), (port as u32) << 16 | backend.port as u32);
+            }
             if !stable {
                 lb::account_conn(FAMILY_V4, rev_nat_id, backend_id);
             }
@@ -242,8 +293,18 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     if let Some(addr) = v4_mapped(&words) {
         return match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
             Verdict::Pass => ALLOW,
-            Verdict::Refuse(errno) => refuse(errno),
-            Verdict::Backend { backend, rev_nat_id, backend_id } => {
+            Verdict::Refuse { errno, why, rev_nat_id } => {
+                if lb::monitoring() {
+                    let m = meta(FAMILY_V4, proto, stable, why, errno, rev_nat_id);
+                    report(ctx.sock_addr.cast(), m, addr.as_ptr(), core::ptr::null(), (port as u32) << 16);
+                }
+                refuse(errno)
+            }
+            Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
+                if lb::monitoring() {
+                    let m = meta(FAMILY_V4, proto, stable, why, 0, rev_nat_id);
+                    report(ctx.sock_addr.cast(), m, addr.as_ptr(), backend.addr.as_ptr(), (port as u32) << 16 | backend.port as u32);
+                }
                 if !stable {
                     lb::account_conn(FAMILY_V4, rev_nat_id, backend_id);
                 }
@@ -258,8 +319,18 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     let addr = bytes16(&words);
     match lb::select::<V6>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
-        Verdict::Refuse(errno) => refuse(errno),
-        Verdict::Backend { backend, rev_nat_id, backend_id } => {
+        Verdict::Refuse { errno, why, rev_nat_id } => {
+            if lb::monitoring() {
+                let m = meta(FAMILY_V6, proto, stable, why, errno, rev_nat_id);
+                report(ctx.sock_addr.cast(), m, addr.as_ptr(), core::ptr::null(), (port as u32) << 16);
+            }
+            refuse(errno)
+        }
+        Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
+            if lb::monitoring() {
+                let m = meta(FAMILY_V6, proto, stable, why, 0, rev_nat_id);
+                report(ctx.sock_addr.cast(), m, addr.as_ptr(), backend.addr.as_ptr(), (port as u32) << 16 | backend.port as u32);
+            }
             if !stable {
                 lb::account_conn(FAMILY_V6, rev_nat_id, backend_id);
             }

@@ -190,7 +190,7 @@ fn mark_layout(dir: &Path, version: &str) -> Result<()> {
 
 /// Every map with the type, key size, value size and max_entries this agent
 /// gives it.
-fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 18] {
+fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 23] {
     use aya::maps::MapType as T;
     use lb_common::capacity as c;
     let revnat = cap.services.min(u16::MAX as u32);
@@ -213,6 +213,11 @@ fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize,
         (maps::STATS, T::PerCpuArray, size_of::<u32>(), size_of::<u64>(), lb_common::stats::COUNT),
         (maps::SOCK_XLATE, T::SkStorage, size_of::<i32>(), size_of::<lb_common::SockXlate>(), 0),
         (maps::SVC_STATS, T::Hash, size_of::<lb_common::SvcStatsKey>(), size_of::<lb_common::SvcStats>(), revnat + cap.backends),
+        (maps::MONITOR, T::Array, size_of::<u32>(), size_of::<u64>(), lb_common::monitor::SLOTS + 1),
+        (maps::EVENTS[0], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
+        (maps::EVENTS[1], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
+        (maps::EVENTS[2], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
+        (maps::EVENTS[3], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
     ]
 }
 

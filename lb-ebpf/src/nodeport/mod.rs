@@ -847,14 +847,18 @@ fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
         return drop_packet();
     }
     let h = flow_hash::<F>(&p);
-    match lb::select::<F>(Client::Addr(F::wide(p.saddr)), p.daddr, p.dport, p.proto, Some(h), true) {
+    let v = lb::select::<F>(Client::Addr(F::wide(p.saddr)), p.daddr, p.dport, p.proto, Some(h), true);
+    if lb::monitoring() {
+        report::<F>(&p, &v);
+    }
+    match v {
         Verdict::Pass => TC_ACT_OK,
         // No usable endpoint: REJECT, as kube-proxy does.
-        Verdict::Refuse(ECONNREFUSED) => ACT_REJECT,
+        Verdict::Refuse { errno: ECONNREFUSED, .. } => ACT_REJECT,
         // externalTrafficPolicy Local and no endpoint on this node:
         // dropped (kube-proxy DROPs too; the LB's health check steers away).
-        Verdict::Refuse(_) => drop_packet(),
-        Verdict::Backend { backend, rev_nat_id, backend_id } => {
+        Verdict::Refuse { .. } => drop_packet(),
+        Verdict::Backend { backend, rev_nat_id, backend_id, .. } => {
             // SAFETY: this CPU's scratch value.
             unsafe {
                 (*sc).backend = backend;
@@ -865,6 +869,36 @@ fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
             ACT_ESTABLISH
         }
     }
+}
+
+/// Tell the monitors what became of a new outside flow.
+#[inline(never)]
+fn report<F: Net>(p: &Pkt<F::A>, v: &Verdict<F::A>) {
+    let Some(ev) = lb::event_buf() else { return };
+    // SAFETY: this CPU's event buffer.
+    unsafe {
+        (*ev).client = F::wide(p.saddr);
+        (*ev).front = F::wide(p.daddr);
+        (*ev).front_port = p.dport;
+        (*ev).family = F::ID;
+        (*ev).proto = p.proto;
+        (*ev).hook = lb_common::monitor::HOOK_TC;
+        match v {
+            Verdict::Pass => return,
+            Verdict::Refuse { errno, why, rev_nat_id } => {
+                (*ev).errno = *errno as u8;
+                (*ev).why = *why;
+                (*ev).rev_nat_id = *rev_nat_id;
+            }
+            Verdict::Backend { backend, rev_nat_id, why, .. } => {
+                (*ev).backend = F::wide(backend.addr);
+                (*ev).backend_port = backend.port;
+                (*ev).why = *why;
+                (*ev).rev_nat_id = *rev_nat_id;
+            }
+        }
+    }
+    lb::emit(ev);
 }
 
 /// Create the flow's two entries (for the backend in the scratch value);

@@ -1,0 +1,263 @@
+//! `lb-agent monitor`: a live stream of the programs' decisions, one line
+//! each, from a ring buffer of its own.
+//!
+//! Up to `monitor::SLOTS` monitors run at once, each with its own ring
+//! buffer (`LB_EVENTS<n>`): a monitor claims a slot by binding an abstract
+//! unix socket named after the pin directory and the slot (the kernel lets
+//! go of it when the monitor dies, however it dies). It keeps its heartbeat
+//! fresh in `LB_MONITOR` (its slot, and index 0 for "any monitor"); the
+//! programs send events only to slots whose heartbeat is under a second old,
+//! and read nothing but index 0 while no monitor runs. A monitor that exits
+//! clears its slot; one that is killed stops beating and gets no more events
+//! within a second; the agent's janitor (and the next monitor) zero stale
+//! heartbeats, so that even index 0 goes back to 0.
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::os::unix::net::UnixListener;
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context as _, Result, bail};
+use aya::maps::{Array, Map, MapData, RingBuf};
+use lb_common::{FAMILY_V4, MonitorEvent, maps, monitor};
+use serde::{Deserialize, Serialize};
+
+use crate::nodeport::monotonic_ns;
+
+/// How often a monitor refreshes its heartbeat.
+const BEAT: Duration = Duration::from_millis(200);
+/// A heartbeat this old belongs to a monitor that is gone.
+const STALE_NS: u64 = 2 * monitor::HEARTBEAT_NS;
+
+fn heartbeats(bpffs: &Path) -> Result<Array<MapData, u64>> {
+    let path = crate::dataplane::loader::pin_path(bpffs, maps::MONITOR);
+    let data = MapData::from_pin(&path).with_context(|| format!("open pinned map {} (is an agent running with --bpffs {}?)", path.display(), bpffs.display()))?;
+    Ok(Array::try_from(Map::Array(data))?)
+}
+
+/// Zero the heartbeats of monitors that are gone; index 0 follows the
+/// freshest remaining one. Returns how many slots were cleared.
+pub fn clear_stale(hb: &mut Array<MapData, u64>, now: u64) -> Result<usize> {
+    let mut cleared = 0;
+    let mut freshest = 0u64;
+    for slot in 1..=monitor::SLOTS {
+        let v = hb.get(&slot, 0)?;
+        if v != 0 && now.saturating_sub(v) > STALE_NS {
+            hb.set(slot, 0, 0)?;
+            cleared += 1;
+        } else {
+            freshest = freshest.max(v);
+        }
+    }
+    if hb.get(&0, 0)? != freshest {
+        hb.set(0, freshest, 0)?;
+    }
+    Ok(cleared)
+}
+
+/// The agent's janitor: every 2 s, zero what killed monitors left on.
+pub fn spawn_janitor(bpffs: &Path) -> Result<()> {
+    let mut hb = heartbeats(bpffs)?;
+    std::thread::Builder::new().name("monitor-janitor".into()).spawn(move || {
+        loop {
+            std::thread::sleep(Duration::from_secs(2));
+            match clear_stale(&mut hb, monotonic_ns()) {
+                Ok(n) if n > 0 => tracing::info!(slots = n, "cleared the heartbeat of a monitor that died"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!("monitor heartbeats: {e:#}"),
+            }
+        }
+    })?;
+    Ok(())
+}
+
+/// One frontend and its Service, as the agent serves them on /frontends.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FrontendName {
+    pub service: String,
+    pub port_name: String,
+    pub address: IpAddr,
+    pub port: u16,
+    pub protocol: String,
+}
+
+/// One event, as the monitor prints it.
+#[derive(Debug, Serialize)]
+pub struct Line {
+    pub time: String,
+    pub hook: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub netns_cookie: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client: Option<IpAddr>,
+    pub protocol: &'static str,
+    pub frontend: String,
+    pub backend: Option<String>,
+    pub errno: Option<String>,
+    pub why: &'static str,
+    pub service: Option<String>,
+}
+
+fn addr(family: u8, a: &[u8; 16]) -> IpAddr {
+    if family == FAMILY_V4 { IpAddr::from([a[0], a[1], a[2], a[3]]) } else { IpAddr::from(*a) }
+}
+
+fn proto(p: u8) -> &'static str {
+    match p {
+        lb_common::PROTO_TCP => "TCP",
+        lb_common::PROTO_UDP => "UDP",
+        _ => "?",
+    }
+}
+
+/// An event as a line; `wall`: the wall-clock time of monotonic `mono`.
+pub fn line(ev: &MonitorEvent, names: &HashMap<(IpAddr, u16, String), String>, wall: SystemTime, mono: u64) -> Line {
+    let front = addr(ev.family, &ev.front);
+    let at = wall - Duration::from_nanos(mono.saturating_sub(ev.ts_ns));
+    let translated = ev.errno == 0;
+    let protocol = proto(ev.proto);
+    Line {
+        time: humantime::format_rfc3339_millis(at).to_string(),
+        hook: monitor::hook_name(ev.hook),
+        netns_cookie: (ev.hook != monitor::HOOK_TC).then_some(ev.netns_cookie),
+        client: (ev.hook == monitor::HOOK_TC).then(|| addr(ev.family, &ev.client)),
+        protocol,
+        frontend: std::net::SocketAddr::new(front, ev.front_port).to_string(),
+        backend: translated.then(|| std::net::SocketAddr::new(addr(ev.family, &ev.backend), ev.backend_port).to_string()),
+        errno: (!translated).then(|| format!("{:?}", nix::errno::Errno::from_raw(ev.errno as i32))),
+        why: monitor::why_name(ev.why),
+        service: names.get(&(front, ev.front_port, protocol.to_string())).cloned(),
+    }
+}
+
+pub fn render(l: &Line) -> String {
+    let who = match (l.netns_cookie, l.client) {
+        (Some(c), _) => format!("netns={c}"),
+        (_, Some(a)) => format!("client={a}"),
+        _ => String::new(),
+    };
+    let to = l.backend.clone().or_else(|| l.errno.clone()).unwrap_or_default();
+    let svc = l.service.as_deref().map(|s| format!(" [{s}]")).unwrap_or_default();
+    format!("{} {:<7} {who} {} {} -> {to} ({}){svc}", l.time, l.hook, l.protocol, l.frontend, l.why)
+}
+
+/// The agent's frontend names, from its /frontends endpoint.
+async fn fetch_names(agent: &str) -> Result<HashMap<(IpAddr, u16, String), String>> {
+    use http_body_util::{BodyExt as _, Empty};
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
+    let uri: http::Uri = format!("http://{agent}/frontends").parse().with_context(|| format!("--agent {agent}"))?;
+    let resp = tokio::time::timeout(Duration::from_secs(3), client.get(uri)).await.context("timed out")??;
+    if !resp.status().is_success() {
+        bail!("GET /frontends: {}", resp.status());
+    }
+    let body = resp.into_body().collect().await?.to_bytes();
+    let list: Vec<FrontendName> = serde_json::from_slice(&body).context("parse /frontends")?;
+    Ok(list
+        .into_iter()
+        .map(|f| {
+            let name = if f.port_name.is_empty() { f.service.clone() } else { format!("{}:{}", f.service, f.port_name) };
+            ((f.address, f.port, f.protocol), name)
+        })
+        .collect())
+}
+
+/// Claim a free slot: 1..=SLOTS.
+fn claim(bpffs: &Path) -> Result<(u32, UnixListener)> {
+    use std::os::linux::net::SocketAddrExt as _;
+    let dir = std::fs::canonicalize(bpffs).unwrap_or_else(|_| bpffs.to_path_buf());
+    for slot in 1..=monitor::SLOTS {
+        let name = format!("lb-monitor:{}:{slot}", dir.display());
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+        if let Ok(l) = UnixListener::bind_addr(&addr) {
+            return Ok((slot, l));
+        }
+    }
+    bail!("{} monitors already run for {}; stop one", monitor::SLOTS, bpffs.display())
+}
+
+/// Run a monitor until SIGINT or SIGTERM (or `max`, for tests).
+pub async fn run(bpffs: &Path, service: Option<&str>, json: bool, agent: &str, max: Option<Duration>) -> Result<()> {
+    let mut hb = heartbeats(bpffs)?;
+    let (slot, _claim) = claim(bpffs)?;
+    let ring_path = crate::dataplane::loader::pin_path(bpffs, maps::EVENTS[slot as usize - 1]);
+    let ring = RingBuf::try_from(Map::RingBuf(MapData::from_pin(&ring_path).with_context(|| format!("open {}", ring_path.display()))?))?;
+    // SAFETY: the RingBuf owns its descriptor, and the AsyncFd owns the
+    // RingBuf: the descriptor stays open for as long as it is registered.
+    let mut ring = unsafe { tokio::io::unix::AsyncFd::register(ring) }.map_err(std::io::Error::from)?;
+    let mut names = match fetch_names(agent).await {
+        Ok(n) => n,
+        Err(e) if service.is_some() => bail!("--service needs the agent's frontend names from {agent}: {e:#}"),
+        Err(e) => {
+            tracing::warn!("no Service names (the agent at {agent}: {e:#}); frontends are shown by address");
+            HashMap::new()
+        }
+    };
+    let want = service.map(|s| s.to_string());
+    // Whatever a killed monitor left in this slot's ring is not ours.
+    while ring.get_mut().next().is_some() {}
+    clear_stale(&mut hb, monotonic_ns())?;
+    let beat = |hb: &mut Array<MapData, u64>| -> Result<()> {
+        let now = monotonic_ns();
+        hb.set(slot, now, 0)?;
+        hb.set(0, now, 0)?;
+        Ok(())
+    };
+    beat(&mut hb)?;
+    eprintln!("lb-agent monitor: slot {slot}; Ctrl-C to stop");
+    let mut ticker = tokio::time::interval(BEAT);
+    let mut refresh = tokio::time::interval(Duration::from_secs(5));
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let deadline = max.map(|d| tokio::time::Instant::now() + d);
+    let until = async move {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(until);
+    let mut out = std::io::stdout().lock();
+    let result: Result<()> = loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break Ok(()),
+            _ = term.recv() => break Ok(()),
+            _ = &mut until => break Ok(()),
+            _ = ticker.tick() => {
+                if let Err(e) = beat(&mut hb) {
+                    break Err(e);
+                }
+            }
+            _ = refresh.tick() => {
+                if let Ok(n) = fetch_names(agent).await {
+                    names = n;
+                }
+            }
+            guard = ring.readable_mut() => {
+                let mut guard = guard?;
+                let (wall, mono) = (SystemTime::now(), monotonic_ns());
+                while let Some(item) = guard.get_inner_mut().next() {
+                    if item.len() < size_of::<MonitorEvent>() {
+                        continue;
+                    }
+                    // SAFETY: the programs write whole MonitorEvents; read unaligned.
+                    let ev: MonitorEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+                    let l = line(&ev, &names, wall, mono);
+                    if want.as_ref().is_some_and(|w| l.service.as_ref().is_none_or(|s| s != w && !s.starts_with(&format!("{w}:")))) {
+                        continue;
+                    }
+                    use std::io::Write as _;
+                    let text = if json { serde_json::to_string(&l)? } else { render(&l) };
+                    if writeln!(out, "{text}").and_then(|_| out.flush()).is_err() {
+                        // The reader went away (a closed pipe): stop.
+                        break;
+                    }
+                }
+                guard.clear_ready();
+            }
+        }
+    };
+    // Switch this slot off; index 0 follows the others.
+    hb.set(slot, 0, 0)?;
+    let others = (1..=monitor::SLOTS).filter(|s| *s != slot).map(|s| hb.get(&s, 0).unwrap_or(0)).max().unwrap_or(0);
+    hb.set(0, others, 0)?;
+    result
+}

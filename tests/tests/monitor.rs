@@ -1,0 +1,144 @@
+//! `lb-agent monitor`: a live stream of decisions from the programs, with
+//! the reason of each; two at once; nothing left switched on by a monitor
+//! killed with SIGKILL.
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::Result;
+use lbtest::objects::{Endpoint as E, SvcPort, service_ips, slice_of};
+use lbtest::{Cluster, bin};
+
+const SP: &[SvcPort] = &[("http", 80, 8080, "TCP")];
+const EP: &[(&str, u16, &str)] = &[("http", 8080, "TCP")];
+
+/// `lb-agent monitor` in node-1's network namespace (where the agent's
+/// /frontends listens), its stdout piped.
+fn monitor(c: &Cluster, args: &[&str]) -> Result<Child> {
+    Ok(Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{}", c.nodes[0].netns))
+        .arg("--")
+        .arg(bin("lb-agent"))
+        .args(["monitor", "--bpffs", c.nodes[0].bpffs.to_str().unwrap()])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?)
+}
+
+/// LB_MONITOR: [any monitor, slot 1, .., slot 4].
+fn heartbeats(c: &Cluster) -> Result<Vec<u64>> {
+    let data = aya::maps::MapData::from_pin(c.nodes[0].bpffs.join(lb_common::maps::MONITOR))?;
+    let a: aya::maps::Array<_, u64> = aya::maps::Array::try_from(aya::maps::Map::Array(data))?;
+    Ok((0..=lb_common::monitor::SLOTS).map(|i| a.get(&i, 0).unwrap_or(0)).collect())
+}
+
+fn lines(child: Child) -> Result<Vec<serde_json::Value>> {
+    let out = child.wait_with_output()?;
+    assert!(out.status.success(), "monitor failed: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8(out.stdout)?.lines().map(|l| serde_json::from_str(l).unwrap()).collect())
+}
+
+#[test]
+fn the_monitor_shows_each_decision_with_its_reason_two_at_once_and_a_killed_one_leaves_nothing_on() -> Result<()> {
+    let (mut c, p, client) = Cluster::one_node(&["pod-a"])?;
+    let ep = |svc: &str, node: &str| slice_of(svc, &format!("{svc}-1"), "IPv4", EP, &[E::ready(&p[0].ip, node)]);
+    c.write_object("web.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    c.write_object("web-s.yaml", &ep("web", "node-1"))?;
+    c.write_object("empty.yaml", &service_ips("empty", &["10.96.0.11"], SP, ""))?;
+    c.write_object("local.yaml", &service_ips("local", &["10.96.0.12"], SP, "  internalTrafficPolicy: Local\n"))?;
+    c.write_object("local-s.yaml", &ep("local", "node-2"))?;
+    c.write_object("aff.yaml", &service_ips("aff", &["10.96.0.13"], SP, "  sessionAffinity: ClientIP\n"))?;
+    c.write_object("aff-s.yaml", &ep("aff", "node-1"))?;
+    c.start_agent(1)?;
+    let pod_a = format!("{}:8080", p[0].ip);
+    c.wait_programmed("10.96.0.13", 80, "TCP", Some(&[&pod_a]))?;
+    assert_eq!(heartbeats(&c)?, vec![0; 5], "nothing is on before a monitor runs");
+
+    let all = monitor(&c, &["--json", "--seconds", "4"])?;
+    let web = monitor(&c, &["--json", "--seconds", "4", "--service", "default/web"])?;
+    c.wait_for("two monitors beating", Duration::from_secs(5), || Ok(heartbeats(&c)?.iter().filter(|h| **h != 0).count() == 3))?;
+    let tcp = |addr: &str, n: u32| c.probe(&client, &["tcp", "--addr", addr, "--count", &n.to_string(), "--timeout-ms", "500"]);
+    assert_eq!(tcp("10.96.0.10:80", 3)?.ok, 3);
+    assert_eq!(tcp("10.96.0.11:80", 1)?.errors.get("ECONNREFUSED"), Some(&1));
+    assert_eq!(tcp("10.96.0.10:81", 1)?.errors.get("ECONNREFUSED"), Some(&1));
+    assert_eq!(tcp("10.96.0.12:80", 1)?.errors.get("EHOSTUNREACH"), Some(&1));
+    assert_eq!(tcp("10.96.0.13:80", 2)?.ok, 2);
+
+    let got = lines(all)?;
+    let find = |front: &str| -> Vec<&serde_json::Value> { got.iter().filter(|l| l["frontend"] == front).collect() };
+    let web_lines = find("10.96.0.10:80");
+    assert_eq!(web_lines.len(), 3, "{got:#?}");
+    for l in &web_lines {
+        assert_eq!((l["hook"].as_str(), l["backend"].as_str(), l["why"].as_str()), (Some("connect"), Some(pod_a.as_str()), Some("translated")), "{l}");
+        assert_eq!(l["service"], "default/web:http", "{l}");
+        assert!(l["netns_cookie"].as_u64().unwrap() != 0, "{l}");
+        assert!(l["errno"].is_null(), "{l}");
+    }
+    let one = |front: &str| -> serde_json::Value {
+        let v = find(front);
+        assert_eq!(v.len(), 1, "{front}: {got:#?}");
+        v[0].clone()
+    };
+    let l = one("10.96.0.11:80");
+    assert_eq!((l["errno"].as_str(), l["why"].as_str(), l["backend"].is_null()), (Some("ECONNREFUSED"), Some("no endpoints"), true), "{l}");
+    let l = one("10.96.0.10:81");
+    assert_eq!((l["errno"].as_str(), l["why"].as_str()), (Some("ECONNREFUSED"), Some("wrong port")), "{l}");
+    let l = one("10.96.0.12:80");
+    assert_eq!((l["errno"].as_str(), l["why"].as_str()), (Some("EHOSTUNREACH"), Some("no local endpoint")), "{l}");
+    let aff: Vec<&str> = find("10.96.0.13:80").iter().map(|l| l["why"].as_str().unwrap()).collect();
+    assert_eq!(aff, ["translated", "affinity hit"], "{got:#?}");
+
+    // The second monitor saw the same decisions of its Service only.
+    let only_web = lines(web)?;
+    assert_eq!(only_web.len(), 3, "{only_web:#?}");
+    assert!(only_web.iter().all(|l| l["service"] == "default/web:http"), "{only_web:#?}");
+    // Both stopped: both switched themselves off.
+    assert_eq!(heartbeats(&c)?, vec![0; 5]);
+
+    // A monitor killed with SIGKILL: its heartbeat goes stale at once (no
+    // more events for it) and the agent zeroes it.
+    let killed = monitor(&c, &[])?;
+    c.wait_for("the monitor beating", Duration::from_secs(5), || Ok(heartbeats(&c)?[0] != 0))?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(killed.id() as i32), nix::sys::signal::Signal::SIGKILL)?;
+    let mut killed = killed;
+    killed.wait()?;
+    c.wait_for("the agent clearing the dead monitor's heartbeat", Duration::from_secs(6), || Ok(heartbeats(&c)? == vec![0; 5]))?;
+    // And a new monitor takes the free slot.
+    let again = monitor(&c, &["--json", "--seconds", "2"])?;
+    c.wait_for("the new monitor beating", Duration::from_secs(5), || Ok(heartbeats(&c)?[0] != 0))?;
+    assert_eq!(tcp("10.96.0.10:80", 1)?.ok, 1);
+    assert_eq!(lines(again)?.len(), 1);
+    Ok(())
+}
+
+#[test]
+fn a_malformed_service_filter_is_a_clear_error() -> Result<()> {
+    let (mut c, _p, _client) = Cluster::one_node(&[])?;
+    c.write_object("web.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    c.start_agent(1)?;
+    let out = monitor(&c, &["--service", "web"])?.wait_with_output()?;
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--service web: expected NAMESPACE/NAME"), "{}", String::from_utf8_lossy(&out.stderr));
+    Ok(())
+}
+
+/// The TC path reports new outside flows too, with the client's address,
+/// in the text format by default.
+#[test]
+fn the_monitor_shows_outside_flows_with_the_client_address() -> Result<()> {
+    use lbtest::world::*;
+    let w = world(&web("NodePort", "", &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let m = monitor(&w.c, &["--seconds", "3"])?;
+    w.c.wait_for("the monitor beating", Duration::from_secs(5), || Ok(heartbeats(&w.c)?[0] != 0))?;
+    assert_eq!(tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 2)?.ok, 2);
+    let out = m.wait_with_output()?;
+    let text = String::from_utf8(out.stdout)?;
+    let tc: Vec<&str> = text.lines().filter(|l| l.contains(" tc ")).collect();
+    assert_eq!(tc.len(), 2, "{text}");
+    for l in tc {
+        assert!(l.contains(&format!("client={}", w.outside.ip)) && l.contains(&format!("TCP {NODE1}:30080 -> ")), "{l}");
+        assert!(l.contains(":8080 (translated) [default/web:http]"), "{l}");
+    }
+    Ok(())
+}
