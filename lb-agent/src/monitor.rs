@@ -112,7 +112,8 @@ fn proto(p: u8) -> &'static str {
 
 /// An event as a line; `wall`: the wall-clock time of monotonic `mono`.
 pub fn line(ev: &MonitorEvent, names: &HashMap<(IpAddr, u16, String), String>, wall: SystemTime, mono: u64) -> Line {
-    let front = addr(ev.family, &ev.front);
+    let x = &ev.x;
+    let front = addr(x.family, &x.front);
     let at = wall - Duration::from_nanos(mono.saturating_sub(ev.ts_ns));
     let translated = ev.errno == 0;
     let protocol = proto(ev.proto);
@@ -120,13 +121,13 @@ pub fn line(ev: &MonitorEvent, names: &HashMap<(IpAddr, u16, String), String>, w
         time: humantime::format_rfc3339_millis(at).to_string(),
         hook: monitor::hook_name(ev.hook),
         netns_cookie: (ev.hook != monitor::HOOK_TC).then_some(ev.netns_cookie),
-        client: (ev.hook == monitor::HOOK_TC).then(|| addr(ev.family, &ev.client)),
+        client: (ev.hook == monitor::HOOK_TC).then(|| addr(x.family, &ev.client)),
         protocol,
-        frontend: std::net::SocketAddr::new(front, ev.front_port).to_string(),
-        backend: translated.then(|| std::net::SocketAddr::new(addr(ev.family, &ev.backend), ev.backend_port).to_string()),
+        frontend: std::net::SocketAddr::new(front, x.front_port).to_string(),
+        backend: translated.then(|| std::net::SocketAddr::new(addr(x.family, &x.backend), x.backend_port).to_string()),
         errno: (!translated).then(|| format!("{:?}", nix::errno::Errno::from_raw(ev.errno as i32))),
         why: monitor::why_name(ev.why),
-        service: names.get(&(front, ev.front_port, protocol.to_string())).cloned(),
+        service: names.get(&(front, x.front_port, protocol.to_string())).cloned(),
     }
 }
 

@@ -211,14 +211,8 @@ pub struct MonitorEvent {
     pub netns_cookie: u64,
     /// TC: the client's address (an IPv4 address in the first 4 bytes).
     pub client: [u8; 16],
-    pub front: [u8; 16],
-    /// The chosen backend (zero when refused).
-    pub backend: [u8; 16],
-    pub front_port: u16,
-    pub backend_port: u16,
-    pub rev_nat_id: u16,
-    /// FAMILY_V4 or FAMILY_V6.
-    pub family: u8,
+    /// The frontend asked for and the backend chosen (zero when refused).
+    pub x: SockXlate,
     pub proto: u8,
     /// `monitor::HOOK_*`.
     pub hook: u8,
@@ -226,7 +220,7 @@ pub struct MonitorEvent {
     pub why: u8,
     /// The errno a refused connect gets (0: translated).
     pub errno: u8,
-    pub _pad: [u8; 5],
+    pub _pad: [u8; 4],
 }
 
 /// `lb-agent monitor`'s constants.

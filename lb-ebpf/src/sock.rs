@@ -224,20 +224,20 @@ fn report(sock: *mut c_void, meta: u64, front: *const u8, backend: *const u8, po
         (*ev).netns_cookie = bpf_get_netns_cookie(sock);
         let mut i = 0;
         while i < n {
-            (*ev).front[i] = *front.add(i);
+            (*ev).x.front[i] = *front.add(i);
             if !backend.is_null() {
-                (*ev).backend[i] = *backend.add(i);
+                (*ev).x.backend[i] = *backend.add(i);
             }
             i += 1;
         }
-        (*ev).front_port = (ports >> 16) as u16;
-        (*ev).backend_port = ports as u16;
-        (*ev).family = family;
+        (*ev).x.front_port = (ports >> 16) as u16;
+        (*ev).x.backend_port = ports as u16;
+        (*ev).x.family = family;
         (*ev).proto = (meta >> 8) as u8;
         (*ev).hook = (meta >> 16) as u8;
         (*ev).why = (meta >> 24) as u8;
         (*ev).errno = (meta >> 32) as u8;
-        (*ev).rev_nat_id = (meta >> 40) as u16;
+        (*ev).x.rev_nat_id = (meta >> 40) as u16;
     }
     lb::emit(ev);
 }
@@ -254,7 +254,13 @@ fn meta(family: u8, proto: u8, stable: bool, why: u8, errno: i32, rev_nat_id: u1
 #[inline(always)]
 fn xlate4(ctx: &SockAddrContext, stable: bool) -> i32 {
     let Some(proto) = proto(ctx) else { return ALLOW };
-    let (addr, port) = (ip4(ctx), port(ctx));
+    xlate4_to(ctx, stable, proto, ip4(ctx), port(ctx), false)
+}
+
+/// An IPv4 frontend: `mapped` when an AF_INET6 socket asked for it as
+/// `::ffff:a.b.c.d`.
+#[inline(always)]
+fn xlate4_to(ctx: &SockAddrContext, stable: bool, proto: u8, addr: [u8; 4], port: u16, mapped: bool) -> i32 {
     let cookie = if stable { cookie(ctx) } else { 0 };
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
     match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
@@ -275,7 +281,11 @@ fn xlate4(ctx: &SockAddrContext, stable: bool) -> i32 {
                 lb::account_conn(FAMILY_V4, rev_nat_id, backend_id);
             }
             remember4(ctx, stable, proto, cookie, &backend, addr, port, rev_nat_id);
-            set_ip4(ctx, backend.addr);
+            if mapped {
+                set_ip6_word(ctx, 3, u32::from_ne_bytes(backend.addr));
+            } else {
+                set_ip4(ctx, backend.addr);
+            }
             set_port(ctx, backend.port);
             lb::count(stats::TRANSLATED);
             ALLOW
@@ -288,34 +298,11 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     let Some(proto) = proto(ctx) else { return ALLOW };
     let words = ip6_words(ctx);
     let port = port(ctx);
+    if let Some(addr) = v4_mapped(&words) {
+        return xlate4_to(ctx, stable, proto, addr, port, true);
+    }
     let cookie = if stable { cookie(ctx) } else { 0 };
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
-    if let Some(addr) = v4_mapped(&words) {
-        return match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
-            Verdict::Pass => ALLOW,
-            Verdict::Refuse { errno, why, rev_nat_id } => {
-                if lb::monitoring() {
-                    let m = meta(FAMILY_V4, proto, stable, why, errno, rev_nat_id);
-                    report(ctx.sock_addr.cast(), m, addr.as_ptr(), core::ptr::null(), (port as u32) << 16);
-                }
-                refuse(errno)
-            }
-            Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
-                if lb::monitoring() {
-                    let m = meta(FAMILY_V4, proto, stable, why, 0, rev_nat_id);
-                    report(ctx.sock_addr.cast(), m, addr.as_ptr(), backend.addr.as_ptr(), (port as u32) << 16 | backend.port as u32);
-                }
-                if !stable {
-                    lb::account_conn(FAMILY_V4, rev_nat_id, backend_id);
-                }
-                remember4(ctx, stable, proto, cookie, &backend, addr, port, rev_nat_id);
-                set_ip6_word(ctx, 3, u32::from_ne_bytes(backend.addr));
-                set_port(ctx, backend.port);
-                lb::count(stats::TRANSLATED);
-                ALLOW
-            }
-        };
-    }
     let addr = bytes16(&words);
     match lb::select::<V6>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,

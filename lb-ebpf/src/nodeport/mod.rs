@@ -878,9 +878,9 @@ fn report<F: Net>(p: &Pkt<F::A>, v: &Verdict<F::A>) {
     // SAFETY: this CPU's event buffer.
     unsafe {
         (*ev).client = F::wide(p.saddr);
-        (*ev).front = F::wide(p.daddr);
-        (*ev).front_port = p.dport;
-        (*ev).family = F::ID;
+        (*ev).x.front = F::wide(p.daddr);
+        (*ev).x.front_port = p.dport;
+        (*ev).x.family = F::ID;
         (*ev).proto = p.proto;
         (*ev).hook = lb_common::monitor::HOOK_TC;
         match v {
@@ -888,13 +888,13 @@ fn report<F: Net>(p: &Pkt<F::A>, v: &Verdict<F::A>) {
             Verdict::Refuse { errno, why, rev_nat_id } => {
                 (*ev).errno = *errno as u8;
                 (*ev).why = *why;
-                (*ev).rev_nat_id = *rev_nat_id;
+                (*ev).x.rev_nat_id = *rev_nat_id;
             }
             Verdict::Backend { backend, rev_nat_id, why, .. } => {
-                (*ev).backend = F::wide(backend.addr);
-                (*ev).backend_port = backend.port;
+                (*ev).x.backend = F::wide(backend.addr);
+                (*ev).x.backend_port = backend.port;
                 (*ev).why = *why;
-                (*ev).rev_nat_id = *rev_nat_id;
+                (*ev).x.rev_nat_id = *rev_nat_id;
             }
         }
     }
