@@ -49,6 +49,8 @@ pub struct RunConfig {
     pub destroy_stale_sockets: bool,
     /// Per-frontend and per-backend series in /metrics.
     pub metrics_per_service: bool,
+    /// `--bpf-log`.
+    pub bpf_log: loader::BpfLog,
 }
 
 /// What one family's maps hold, as the agent last programmed them.
@@ -644,6 +646,21 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<std::sync::mpsc::Sender<BTreeSet<mode
     Ok(tx)
 }
 
+/// `--bpf-log`: a thread that waits on the programs' log ring buffer and
+/// writes what arrives into the agent's log.
+fn spawn_bpf_logs(mut logs: aya_log::EbpfLogger<loader::BpfLogSink>) -> Result<()> {
+    use std::os::fd::AsRawFd as _;
+    std::thread::Builder::new().name("bpf-log".into()).spawn(move || {
+        loop {
+            let mut pfd = libc::pollfd { fd: logs.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut pfd, 1, 1000) };
+            logs.flush();
+        }
+    })?;
+    Ok(())
+}
+
 /// The datapath counters for /metrics, read from the pinned maps at each
 /// scrape; with `--metrics-per-service` also each frontend's and backend's.
 struct PinnedStats {
@@ -773,8 +790,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         }
     };
 
-    let dp = loader::load(&cfg.bpffs, &cfg.cgroup, cfg.capacity)?;
-    let loader::Dataplane { maps, mut tc, adopted, mut upgrade } = dp;
+    let dp = loader::load(&cfg.bpffs, &cfg.cgroup, cfg.capacity, cfg.bpf_log)?;
+    let loader::Dataplane { maps, logs, mut tc, adopted, mut upgrade } = dp;
+    if let Some(logs) = logs {
+        spawn_bpf_logs(logs)?;
+    }
     tc.mode = cfg.tc_attach;
     let v4 = Mirror::new(maps.v4.read_table(&maps.affinity_match, &maps.src_range)?);
     let v6 = Mirror::new(maps.v6.read_table(&maps.affinity_match, &maps.src_range)?);

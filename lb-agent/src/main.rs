@@ -134,6 +134,11 @@ enum Cmd {
         /// backend, so off by default).
         #[arg(long)]
         metrics_per_service: bool,
+        /// Log the programs' decisions (aya-log) at this level into the
+        /// agent's log: `debug` gives one line per connect and new flow.
+        /// Off costs nothing: the records are removed when the programs load.
+        #[arg(long, value_enum, default_value_t = dataplane::loader::BpfLog::Off)]
+        bpf_log: dataplane::loader::BpfLog,
     },
     /// A live stream of the programs' decisions, one line each: time, hook,
     /// client (netns cookie, or address on the TC path), frontend, backend
@@ -254,6 +259,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             nat_gc_interval,
             destroy_stale_sockets,
             metrics_per_service,
+            bpf_log,
         } => {
             loader::check_root()?;
             loader::check_caps()?;
@@ -304,6 +310,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 model: model::Options { external_ip_socket: external_ip_socket_lb },
                 destroy_stale_sockets,
                 metrics_per_service,
+                bpf_log,
             };
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(agent::run(cfg))

@@ -71,6 +71,48 @@ static LB_EVENTS3: RingBuf<MonitorEvent, { monitor::RING_BYTES as usize }> = Rin
 #[btf_map]
 static LB_EVENT_BUF: PerCpuArray<MonitorEvent, 1> = PerCpuArray::new();
 
+/// `lb-agent run --bpf-log debug`: a log line per decision. The level is a
+/// read-only global the loader sets before the verifier sees the programs,
+/// so with logging off (the default) these branches are removed at load.
+#[inline(always)]
+pub fn logging() -> bool {
+    aya_log_ebpf::macro_support::level_enabled(aya_log_ebpf::macro_support::Level::Debug)
+}
+
+/// A monitor runs or decisions are logged: put an event together.
+#[inline(always)]
+pub fn observed() -> bool {
+    logging() || monitoring()
+}
+
+/// One decision as a debug log line. Few arguments and one string: each
+/// multiplies what the verifier walks through aya-log's record writer.
+#[inline(always)]
+fn log_event(ev: &MonitorEvent) {
+    if ev.x.family == FAMILY_V4 { log4(ev) } else { log6(ev) }
+}
+
+/// Hook and protocol as one number, `hook << 8 | protocol`: the agent's
+/// log sink writes it out as words (`connect TCP`). A second string
+/// argument would multiply the verifier's walk past its limit.
+#[inline(always)]
+fn hook_proto(ev: &MonitorEvent) -> u16 {
+    (ev.hook as u16) << 8 | ev.proto as u16
+}
+
+#[inline(never)]
+fn log4(ev: &MonitorEvent) {
+    let x = &ev.x;
+    let ip4 = |a: &[u8; 16]| u32::from_be_bytes([a[0], a[1], a[2], a[3]]);
+    aya_log_ebpf::debug!(&0u8, "{} {:i}:{} -> {:i}:{} ({}) errno={}", hook_proto(ev), ip4(&x.front), x.front_port, ip4(&x.backend), x.backend_port, monitor::why_name(ev.why), ev.errno);
+}
+
+#[inline(never)]
+fn log6(ev: &MonitorEvent) {
+    let x = &ev.x;
+    aya_log_ebpf::debug!(&0u8, "{} [{:i}]:{} -> [{:i}]:{} ({}) errno={}", hook_proto(ev), x.front, x.front_port, x.backend, x.backend_port, monitor::why_name(ev.why), ev.errno);
+}
+
 /// Whether a monitor runs: one array read while none does.
 #[inline(always)]
 pub fn monitoring() -> bool {
@@ -91,8 +133,10 @@ pub fn event_buf() -> Option<*mut MonitorEvent> {
     Some(p)
 }
 
-/// Send the event in `ev` to every monitor whose heartbeat is fresh.
-#[inline(never)]
+/// Send the event in `ev` to every monitor whose heartbeat is fresh, and
+/// to the debug log when it is on. Inlined into the one frame that fills
+/// the event: the log calls then sit one frame below it.
+#[inline(always)]
 pub fn emit(ev: *mut MonitorEvent) {
     // SAFETY: plain helper.
     let now = unsafe { bpf_ktime_get_ns() };
@@ -120,6 +164,9 @@ pub fn emit(ev: *mut MonitorEvent) {
     }
     if fresh(4) {
         let _ = LB_EVENTS3.output(ev, 0);
+    }
+    if logging() {
+        log_event(ev);
     }
 }
 
@@ -406,7 +453,7 @@ pub fn select<F: Family>(
 
 /// Remember which frontend a socket's translated destination stands for, so
 /// that recvmsg, getpeername (and socket termination) can find it.
-#[inline(always)]
+#[inline(never)]
 pub fn remember4(cookie: u64, backend: &Backend<A4>, front: A4, port: u16, rev_nat_id: u16) {
     let key = SockRevNat4Key { cookie, addr: backend.addr, port: backend.port, _pad: 0 };
     let val = SockRevNatValue { addr: front, port, rev_nat_id };
@@ -417,7 +464,7 @@ pub fn remember4(cookie: u64, backend: &Backend<A4>, front: A4, port: u16, rev_n
     let _ = LB4_SOCK_REVNAT.insert(&key, &val, 0);
 }
 
-#[inline(always)]
+#[inline(never)]
 pub fn remember6(cookie: u64, backend: &Backend<A6>, front: A6, port: u16, rev_nat_id: u16) {
     let key = SockRevNat6Key { cookie, addr: backend.addr, port: backend.port, _pad: 0, _pad2: 0 };
     let val = SockRevNatValue { addr: front, port, rev_nat_id };

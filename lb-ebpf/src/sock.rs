@@ -34,9 +34,12 @@ static LB_SOCK_XLATE: SkStorage<SockXlate> = SkStorage::new();
 
 const EADDRINUSE: i32 = 98;
 
-/// Remember a connected socket's translation in its storage.
-#[inline(always)]
-fn track(ctx: &SockAddrContext, x: SockXlate) {
+/// Remember a connected socket's translation in its storage. (Its own
+/// frame: a leaf, so that the hooks' frames stay small for the monitor and
+/// log calls below them.)
+#[inline(never)]
+fn track(ctx: &SockAddrContext, x: &SockXlate) {
+    let x = *x;
     let mut v = x;
     // SAFETY: ctx is this program's context; the helper checks the socket.
     let p = unsafe { LB_SOCK_XLATE.get_or_insert_ptr_mut(ctx, Some(&mut v)) };
@@ -86,7 +89,7 @@ fn remember4(ctx: &SockAddrContext, stable: bool, proto: u8, cookie: u64, backen
     if !stable {
         track(
             ctx,
-            SockXlate {
+            &SockXlate {
                 front: wide4(front),
                 backend: wide4(backend.addr),
                 front_port: port,
@@ -266,14 +269,14 @@ fn xlate4_to(ctx: &SockAddrContext, stable: bool, proto: u8, addr: [u8; 4], port
     match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
         Verdict::Refuse { errno, why, rev_nat_id } => {
-            if lb::monitoring() {
+            if lb::observed() {
                 let m = meta(FAMILY_V4, proto, stable, why, errno, rev_nat_id);
                 report(ctx.sock_addr.cast(), m, addr.as_ptr(), core::ptr::null(), (port as u32) << 16);
             }
             refuse(errno)
         }
         Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
-            if lb::monitoring() {
+            if lb::observed() {
                 let m = meta(FAMILY_V4, proto, stable, why, 0, rev_nat_id);
                 report(ctx.sock_addr.cast(), m, addr.as_ptr(), backend.addr.as_ptr(), (port as u32) << 16 | backend.port as u32);
             }
@@ -307,14 +310,14 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     match lb::select::<V6>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
         Verdict::Refuse { errno, why, rev_nat_id } => {
-            if lb::monitoring() {
+            if lb::observed() {
                 let m = meta(FAMILY_V6, proto, stable, why, errno, rev_nat_id);
                 report(ctx.sock_addr.cast(), m, addr.as_ptr(), core::ptr::null(), (port as u32) << 16);
             }
             refuse(errno)
         }
         Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
-            if lb::monitoring() {
+            if lb::observed() {
                 let m = meta(FAMILY_V6, proto, stable, why, 0, rev_nat_id);
                 report(ctx.sock_addr.cast(), m, addr.as_ptr(), backend.addr.as_ptr(), (port as u32) << 16 | backend.port as u32);
             }
@@ -328,7 +331,7 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
             if !stable {
                 track(
                     ctx,
-                    SockXlate {
+                    &SockXlate {
                         front: addr,
                         backend: backend.addr,
                         front_port: port,

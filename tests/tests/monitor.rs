@@ -123,11 +123,11 @@ fn a_malformed_service_filter_is_a_clear_error() -> Result<()> {
 }
 
 /// The TC path reports new outside flows too, with the client's address,
-/// in the text format by default.
+/// in the text format by default; and `--bpf-log debug` logs them.
 #[test]
 fn the_monitor_shows_outside_flows_with_the_client_address() -> Result<()> {
     use lbtest::world::*;
-    let w = world(&web("NodePort", "", &[]))?;
+    let w = world_with(&web("NodePort", "", &[]), &["--bpf-log", "debug"])?;
     wait_backends(&w.c, 1, NODE1, 30080, 2)?;
     let m = monitor(&w.c, &["--seconds", "3"])?;
     w.c.wait_for("the monitor beating", Duration::from_secs(5), || Ok(heartbeats(&w.c)?[0] != 0))?;
@@ -140,5 +140,51 @@ fn the_monitor_shows_outside_flows_with_the_client_address() -> Result<()> {
         assert!(l.contains(&format!("client={}", w.outside.ip)) && l.contains(&format!("TCP {NODE1}:30080 -> ")), "{l}");
         assert!(l.contains(":8080 (translated) [default/web:http]"), "{l}");
     }
+    let want = format!("tc TCP {NODE1}:30080 -> ");
+    w.c.wait_for("the TC decisions in the agent's log", Duration::from_secs(5), || {
+        Ok(std::fs::read_to_string(w.c.agent_log(1))?.lines().filter(|l| l.contains("lb_bpf") && l.contains(&want)).count() == 2)
+    })?;
+    Ok(())
+}
+
+/// The program's translated size of `name` attached to node-1's cgroup.
+fn xlated(c: &Cluster, name: &str) -> Result<u64> {
+    let out = lbtest::run("bpftool", &["-j", "cgroup", "show", c.nodes[0].cgroup.to_str().unwrap()])?;
+    let v: Vec<serde_json::Value> = serde_json::from_str(&out)?;
+    let id = v.iter().find(|p| p["name"] == name).unwrap_or_else(|| panic!("{name} not attached: {out}"))["id"].as_u64().unwrap();
+    let p: serde_json::Value = serde_json::from_str(&lbtest::run("bpftool", &["-j", "prog", "show", "id", &id.to_string()])?)?;
+    Ok(p["bytes_xlated"].as_u64().unwrap())
+}
+
+/// `--bpf-log debug`: one aya-log line per decision in the agent's log.
+/// Off (the default), the log records are compiled in but removed when the
+/// programs load: the loaded program is smaller, and nothing is logged.
+#[test]
+fn bpf_log_debug_logs_each_decision_and_off_removes_the_records() -> Result<()> {
+    let (mut c, p, client) = Cluster::one_node(&["pod-a"])?;
+    c.write_object("web.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    c.write_object("web-s.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::ready(&p[0].ip, "node-1")]))?;
+    c.write_object("empty.yaml", &service_ips("empty", &["10.96.0.11"], SP, ""))?;
+    c.start_agent(1)?;
+    let pod_a = format!("{}:8080", p[0].ip);
+    c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&pod_a]))?;
+    let off = xlated(&c, "lb_connect4")?;
+    assert_eq!(c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "2"])?.ok, 2);
+    assert!(!std::fs::read_to_string(c.agent_log(1))?.contains("lb_bpf"), "nothing is logged by default");
+
+    c.kill_agent(1);
+    c.start_agent_with(1, &["--bpf-log", "debug"])?;
+    c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&pod_a]))?;
+    let on = xlated(&c, "lb_connect4")?;
+    assert!(on > off, "the log records are removed at load when off: {off} bytes off, {on} bytes on");
+    assert_eq!(c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "2"])?.ok, 2);
+    assert_eq!(c.probe(&client, &["tcp", "--addr", "10.96.0.11:80", "--count", "1"])?.errors.get("ECONNREFUSED"), Some(&1));
+    let want_ok = format!("connect TCP 10.96.0.10:80 -> {pod_a} (translated)");
+    c.wait_for("the decisions in the agent's log", Duration::from_secs(5), || {
+        let log = std::fs::read_to_string(c.agent_log(1))?;
+        let bpf: Vec<&str> = log.lines().filter(|l| l.contains("lb_bpf")).collect();
+        Ok(bpf.iter().filter(|l| l.contains(&want_ok)).count() == 2
+            && bpf.iter().any(|l| l.contains("connect TCP 10.96.0.11:80 -> ECONNREFUSED (no endpoints)")))
+    })?;
     Ok(())
 }

@@ -269,6 +269,8 @@ fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static str>> {
 /// The loaded dataplane. Dropping it leaves everything pinned and attached.
 pub struct Dataplane {
     pub maps: Maps,
+    /// `--bpf-log`: the programs' log records, when logging is on.
+    pub logs: Option<aya_log::EbpfLogger<BpfLogSink>>,
     /// Maps replaced by an upgrade, staged until the agent has filled them;
     /// the programs attach when `Tc::finish_upgrade` swaps them in.
     pub upgrade: Option<Vec<&'static str>>,
@@ -276,6 +278,74 @@ pub struct Dataplane {
     /// agent's lifetime.
     pub tc: Tc,
     pub adopted: bool,
+}
+
+/// `--bpf-log`: the level of the programs' aya-log records (`off`: none;
+/// the records are compiled in, and removed at load).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum BpfLog {
+    #[default]
+    Off,
+    Error,
+    Warn,
+    Info,
+    Debug,
+    Trace,
+}
+
+impl BpfLog {
+    /// aya-log's level number (Error = 1 .. Trace = 5); 0 turns all off.
+    fn level(self) -> u8 {
+        match self {
+            BpfLog::Off => 0,
+            BpfLog::Error => aya_log::Level::Error as u8,
+            BpfLog::Warn => aya_log::Level::Warn as u8,
+            BpfLog::Info => aya_log::Level::Info as u8,
+            BpfLog::Debug => aya_log::Level::Debug as u8,
+            BpfLog::Trace => aya_log::Level::Trace as u8,
+        }
+    }
+}
+
+/// The programs' log records, into the agent's log (target `lb_bpf`, at
+/// info level whatever their own, so that RUST_LOG=info shows what
+/// `--bpf-log` asked for).
+pub struct BpfLogSink;
+
+impl log::Log for BpfLogSink {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+    fn log(&self, r: &log::Record<'_>) {
+        let msg = r.args().to_string();
+        tracing::info!(target: "lb_bpf", level = %r.level(), "{}", hook_words(&msg));
+    }
+    fn flush(&self) {}
+}
+
+/// The programs' decision lines start with `hook << 8 | protocol` as a
+/// number and end with ` errno=N` (arguments the verifier walks cheaply):
+/// write them as the monitor does, `connect TCP FRONT -> BACKEND (why)` or
+/// `... -> ECONNREFUSED (why)`.
+fn hook_words(msg: &str) -> String {
+    let Some((code, rest)) = msg.split_once(' ') else { return msg.to_string() };
+    let Ok(code) = code.parse::<u16>() else { return msg.to_string() };
+    let proto = match code as u8 {
+        lb_common::PROTO_TCP => "TCP",
+        lb_common::PROTO_UDP => "UDP",
+        _ => return msg.to_string(),
+    };
+    let mut rest = rest.to_string();
+    if let Some((head, errno)) = rest.rsplit_once(" errno=")
+        && let Ok(errno) = errno.parse::<i32>()
+    {
+        rest = match (errno, head.split_once(" -> "), head.rfind(" (")) {
+            (0, _, _) => head.to_string(),
+            (e, Some((front, _)), Some(why)) => format!("{front} -> {:?}{}", nix::errno::Errno::from_raw(e), &head[why..]),
+            _ => head.to_string(),
+        };
+    }
+    format!("{} {proto} {rest}", lb_common::monitor::hook_name((code >> 8) as u8))
 }
 
 /// How the TC programs attach (`--tc-attach`).
@@ -317,7 +387,7 @@ fn lock(dir: &Path) -> Result<fs::File> {
 /// replacing links an earlier agent pinned without a gap. Pinned maps of
 /// another layout are not touched: new ones are staged beside them, and
 /// nothing is attached until `Tc::finish_upgrade`.
-pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
+pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Result<Dataplane> {
     check_bpffs(bpffs)?;
     check_cgroup(cgroup)?;
     fs::create_dir_all(bpffs.join("links")).with_context(|| format!("create {}", bpffs.display()))?;
@@ -348,7 +418,14 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
     for (name, _, _, _, max) in expected_layout(&cap) {
         loader.map_max_entries(name, max);
     }
+    let level = bpf_log.level();
+    loader.override_global(aya_log::LEVEL, &level, true);
     let mut ebpf = loader.load(OBJ).context("load the BPF object")?;
+    let logs = if level == 0 {
+        None
+    } else {
+        Some(aya_log::EbpfLogger::init_with_logger(&mut ebpf, BpfLogSink).context("--bpf-log: the programs' log ring buffer")?)
+    };
     for name in PROGRAMS {
         let prog: &mut CgroupSockAddr = ebpf
             .program_mut(name)
@@ -386,7 +463,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity) -> Result<Dataplane> {
     } else {
         Some(replaced)
     };
-    Ok(Dataplane { maps, upgrade, tc, adopted })
+    Ok(Dataplane { maps, logs, upgrade, tc, adopted })
 }
 
 /// Pin a new link beside the old one, then rename it over the old one: the
@@ -648,4 +725,15 @@ pub fn teardown(bpffs: &Path) -> Result<()> {
     }
     fs::remove_dir(bpffs).with_context(|| format!("remove {} (not empty?)", bpffs.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn decision_lines_name_their_hook_and_protocol() {
+        assert_eq!(super::hook_words("262 10.96.0.10:80 -> 10.0.0.1:8080 (translated) errno=0"), "connect TCP 10.96.0.10:80 -> 10.0.0.1:8080 (translated)");
+        assert_eq!(super::hook_words("785 [fd00::1]:53 -> [::]:0 (no endpoints) errno=111"), "tc UDP [fd00::1]:53 -> ECONNREFUSED (no endpoints)");
+        assert_eq!(super::hook_words("something else"), "something else");
+        assert_eq!(super::hook_words("12 not a hook"), "12 not a hook");
+    }
 }

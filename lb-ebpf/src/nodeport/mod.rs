@@ -848,7 +848,7 @@ fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
     }
     let h = flow_hash::<F>(&p);
     let v = lb::select::<F>(Client::Addr(F::wide(p.saddr)), p.daddr, p.dport, p.proto, Some(h), true);
-    if lb::monitoring() {
+    if lb::observed() {
         report::<F>(&p, &v);
     }
     match v {
