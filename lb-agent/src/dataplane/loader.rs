@@ -11,18 +11,16 @@ use std::fs;
 use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 
-use nix::sys::statfs;
-
 use anyhow::{Context as _, Result, bail};
 use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier, TcAttachType, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
-use lb_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, Nat4Entry, Nat4Key, Nat6Entry, Nat6Key, NodeConfig,
-    NodePortKey, RevNat4,
-    RevNat6, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, Svc4Key, Svc6Key, SvcValue, maps,
-};
+use lb_common::maps;
 
 use super::maps::Maps;
+pub use super::bpflog::{BpfLog, BpfLogSink};
+pub use super::checks::{cgroup2_root, check_bpffs, check_caps, check_cgroup, check_root};
+pub use super::upgrade::pin_path;
+use super::upgrade::{LAYOUT_MARKER, NEXT, carry_state, expected_layout, incompatible, layout_version, mark_layout};
 
 /// The BPF object, built by build.rs.
 pub(super) static OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
@@ -46,7 +44,6 @@ pub const SOCK_PROGRAMS: [&str; 2] = ["lb_post_bind4", "lb_post_bind6"];
 pub const TC_PROGRAMS: [(&str, TcAttachType); 2] =
     [("lb_nodeport_ingress", TcAttachType::Ingress), ("lb_nodeport_egress", TcAttachType::Egress)];
 
-
 /// Map capacities (max_entries), overridable by flags.
 #[derive(Clone, Copy, Debug)]
 pub struct Capacity {
@@ -67,205 +64,6 @@ impl Default for Capacity {
     }
 }
 
-fn fs_type(p: &Path) -> nix::Result<statfs::FsType> {
-    statfs::statfs(p).map(|s| s.filesystem_type())
-}
-
-/// The cgroup v2 mount point, from /proc/mounts.
-pub fn cgroup2_root() -> Result<PathBuf> {
-    let mounts = fs::read_to_string("/proc/mounts").context("read /proc/mounts")?;
-    mounts
-        .lines()
-        .find_map(|l| {
-            let mut f = l.split_whitespace();
-            let (_, mnt, ty) = (f.next()?, f.next()?, f.next()?);
-            (ty == "cgroup2").then(|| PathBuf::from(mnt))
-        })
-        .context("no cgroup v2: no cgroup2 mount in /proc/mounts (mount one with `mount -t cgroup2 none /sys/fs/cgroup`)")
-}
-
-pub fn check_root() -> Result<()> {
-    // SAFETY: trivial syscall.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("not root: lb-agent needs root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN) to load and attach BPF programs");
-    }
-    Ok(())
-}
-
-/// The capabilities the agent needs, with what each is for.
-const CAPS: [(caps::Capability, &str); 3] = [
-    (caps::Capability::CAP_BPF, "load programs and create maps"),
-    (caps::Capability::CAP_NET_ADMIN, "attach to cgroups and interfaces, destroy sockets"),
-    (caps::Capability::CAP_SYS_ADMIN, "enter network namespaces and pin to bpffs"),
-];
-
-/// One line naming the first missing capability.
-pub fn check_caps() -> Result<()> {
-    for (cap, why) in CAPS {
-        if !caps::has_cap(None, caps::CapSet::Effective, cap).context("read the process's capabilities")? {
-            bail!("missing capability {cap} (needed to {why}); run lb-agent privileged, or grant CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_SYS_RESOURCE and CAP_PERFMON");
-        }
-    }
-    Ok(())
-}
-
-/// `dir` must be on a bpffs, or be a directory we can create on one.
-pub fn check_bpffs(dir: &Path) -> Result<()> {
-    let probe = if dir.exists() { dir } else { dir.parent().unwrap_or(dir) };
-    match fs_type(probe) {
-        Ok(t) if t == statfs::BPF_FS_MAGIC => Ok(()),
-        Ok(_) => bail!(
-            "no bpffs: {} is not on a BPF filesystem (mount one with `mount -t bpf bpf /sys/fs/bpf`, or pass --bpffs)",
-            probe.display()
-        ),
-        Err(e) => bail!("no bpffs: {}: {e} (mount one with `mount -t bpf bpf /sys/fs/bpf`)", probe.display()),
-    }
-}
-
-pub fn check_cgroup(dir: &Path) -> Result<()> {
-    let t = match fs_type(dir) {
-        Ok(t) => t,
-        Err(e) => bail!("no cgroup v2: {}: {e}", dir.display()),
-    };
-    if t == statfs::CGROUP2_SUPER_MAGIC {
-        return Ok(());
-    }
-    if t == statfs::CGROUP_SUPER_MAGIC || (t == statfs::TMPFS_MAGIC && dir.starts_with("/sys/fs/cgroup")) {
-        bail!(
-            "no cgroup v2: {} is a cgroup v1 hierarchy; lb needs cgroup v2 (boot with the unified hierarchy, or pass \
-             --cgroup with its mount, e.g. /sys/fs/cgroup/unified on a hybrid host)",
-            dir.display()
-        );
-    }
-    if t == statfs::TMPFS_MAGIC {
-        bail!(
-            "no cgroup v2: {} is a tmpfs, the top of a hybrid or cgroup v1 hierarchy; lb needs the cgroup v2 mount: \
-             on a hybrid host pass its unified mount (usually /sys/fs/cgroup/unified; in the DaemonSet, the hostPath of \
-             the `cgroup` volume)",
-            dir.display()
-        );
-    }
-    bail!("no cgroup v2: {} is not a cgroup v2 directory", dir.display())
-}
-
-/// The staging directory of an upgrade: new maps wait here, pinned, until
-/// the agent has filled them and swaps them in.
-const NEXT: &str = "next";
-/// The pin-dir entry that records the layout version of the pins.
-const LAYOUT_MARKER: &str = "layout-";
-
-/// Where the pin of map `name` is now: staged in `next/` during an upgrade
-/// that replaces it, else in `bpffs`.
-pub fn pin_path(bpffs: &Path, name: &str) -> PathBuf {
-    let staged = bpffs.join(NEXT).join(name);
-    if staged.exists() { staged } else { bpffs.join(name) }
-}
-
-/// The layout version of the maps this agent uses (lb_common::LAYOUT_VERSION;
-/// LB_LAYOUT_VERSION overrides it, for the upgrade test only).
-fn layout_version() -> String {
-    std::env::var("LB_LAYOUT_VERSION").unwrap_or_else(|_| lb_common::LAYOUT_VERSION.to_string())
-}
-
-/// The layout version the pins in `dir` carry ("1": pinned by an agent from
-/// before versions were recorded).
-fn pinned_layout_version(dir: &Path) -> String {
-    fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .find_map(|e| e.file_name().to_string_lossy().strip_prefix(LAYOUT_MARKER).map(String::from))
-        .unwrap_or_else(|| "1".into())
-}
-
-/// Record `version` as the layout of the pins in `dir`.
-fn mark_layout(dir: &Path, version: &str) -> Result<()> {
-    for e in fs::read_dir(dir)?.flatten() {
-        if e.file_name().to_string_lossy().starts_with(LAYOUT_MARKER) {
-            fs::remove_dir(e.path())?;
-        }
-    }
-    fs::create_dir_all(dir.join(format!("{LAYOUT_MARKER}{version}"))).context("record the layout version")
-}
-
-/// Every map with the type, key size, value size and max_entries this agent
-/// gives it.
-fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 23] {
-    use aya::maps::MapType as T;
-    use lb_common::capacity as c;
-    let revnat = cap.services.min(u16::MAX as u32);
-    [
-        (maps::NAT4, T::Hash, size_of::<Nat4Key>(), size_of::<Nat4Entry>(), cap.nat),
-        (maps::NAT6, T::Hash, size_of::<Nat6Key>(), size_of::<Nat6Entry>(), cap.nat),
-        (maps::SRC_RANGE, T::LpmTrie, 4 + size_of::<lb_common::SrcRange>(), size_of::<u8>(), c::SRC_RANGE),
-        (maps::NODE_CONFIG, T::Array, size_of::<u32>(), size_of::<NodeConfig>(), 1),
-        (maps::NODEPORTS, T::Hash, size_of::<NodePortKey>(), size_of::<u8>(), c::NODEPORTS),
-        (maps::SERVICES4, T::Hash, size_of::<Svc4Key>(), size_of::<SvcValue>(), cap.services),
-        (maps::BACKENDS4, T::Hash, size_of::<u32>(), size_of::<Backend4>(), cap.backends),
-        (maps::REVNAT4, T::Hash, size_of::<u16>(), size_of::<RevNat4>(), revnat),
-        (maps::SOCK_REVNAT4, T::LruHash, size_of::<SockRevNat4Key>(), size_of::<SockRevNat4Value>(), cap.sock_revnat),
-        (maps::SERVICES6, T::Hash, size_of::<Svc6Key>(), size_of::<SvcValue>(), cap.services),
-        (maps::BACKENDS6, T::Hash, size_of::<u32>(), size_of::<Backend6>(), cap.backends),
-        (maps::REVNAT6, T::Hash, size_of::<u16>(), size_of::<RevNat6>(), revnat),
-        (maps::SOCK_REVNAT6, T::LruHash, size_of::<SockRevNat6Key>(), size_of::<SockRevNat6Value>(), cap.sock_revnat),
-        (maps::AFFINITY, T::LruHash, size_of::<AffinityKey>(), size_of::<AffinityValue>(), c::AFFINITY),
-        (maps::AFFINITY_MATCH, T::Hash, size_of::<AffinityMatchKey>(), size_of::<u8>(), cap.backends),
-        (maps::STATS, T::PerCpuArray, size_of::<u32>(), size_of::<u64>(), lb_common::stats::COUNT),
-        (maps::SOCK_XLATE, T::SkStorage, size_of::<i32>(), size_of::<lb_common::SockXlate>(), 0),
-        (maps::SVC_STATS, T::Hash, size_of::<lb_common::SvcStatsKey>(), size_of::<lb_common::SvcStats>(), revnat + cap.backends),
-        (maps::MONITOR, T::Array, size_of::<u32>(), size_of::<u64>(), lb_common::monitor::SLOTS + 1),
-        (maps::EVENTS[0], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
-        (maps::EVENTS[1], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
-        (maps::EVENTS[2], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
-        (maps::EVENTS[3], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
-    ]
-}
-
-/// The pinned maps in `dir` this agent cannot use as they are: another map
-/// type, key or value size, or max_entries (a `--max-*` flag changed),
-/// another BTF layout of key or value (a change of meaning at the same
-/// size: fields swapped, renamed or retyped), or all of them when the pins
-/// carry another layout version. Each is replaced by an upgrade.
-fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static str>> {
-    let version_changed = pinned_layout_version(dir) != layout_version();
-    let ours = super::btf::object_layouts(OBJ).context("read the BTF of this agent's maps")?;
-    let mut out = Vec::new();
-    for (name, ty, k, v, max) in expected_layout(cap) {
-        let path = dir.join(name);
-        if !path.exists() {
-            continue;
-        }
-        let info = aya::maps::MapInfo::from_pin(&path).with_context(|| format!("inspect pinned map {}", path.display()))?;
-        let got = info.map_type().ok();
-        let same = got == Some(ty) && info.key_size() as usize == k && info.value_size() as usize == v && info.max_entries() == max;
-        // A map pinned without BTF (by an agent from before BTF maps) is
-        // judged by its sizes and the layout version alone.
-        let btf_changed = match (super::btf::pinned_layout(&path), ours.get(name)) {
-            (Ok(Some(pinned)), Some(want)) if pinned != *want => {
-                tracing::info!(map = name, pinned = ?pinned, wanted = ?want, "pinned map's BTF layout differs");
-                true
-            }
-            (Err(e), _) => {
-                tracing::warn!(map = name, error = format!("{e:#}"), "cannot read the pinned map's BTF; it is replaced");
-                true
-            }
-            _ => false,
-        };
-        if version_changed || btf_changed || !same {
-            tracing::info!(
-                map = name,
-                pinned = format!("{got:?} {}/{} x{}", info.key_size(), info.value_size(), info.max_entries()),
-                wanted = format!("{ty:?} {k}/{v} x{max}"),
-                version_changed,
-                btf_changed,
-                "pinned map gets a new layout"
-            );
-            out.push(name);
-        }
-    }
-    Ok(out)
-}
-
 /// The loaded dataplane. Dropping it leaves everything pinned and attached.
 pub struct Dataplane {
     pub maps: Maps,
@@ -278,74 +76,6 @@ pub struct Dataplane {
     /// agent's lifetime.
     pub tc: Tc,
     pub adopted: bool,
-}
-
-/// `--bpf-log`: the level of the programs' aya-log records (`off`: none;
-/// the records are compiled in, and removed at load).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum BpfLog {
-    #[default]
-    Off,
-    Error,
-    Warn,
-    Info,
-    Debug,
-    Trace,
-}
-
-impl BpfLog {
-    /// aya-log's level number (Error = 1 .. Trace = 5); 0 turns all off.
-    fn level(self) -> u8 {
-        match self {
-            BpfLog::Off => 0,
-            BpfLog::Error => aya_log::Level::Error as u8,
-            BpfLog::Warn => aya_log::Level::Warn as u8,
-            BpfLog::Info => aya_log::Level::Info as u8,
-            BpfLog::Debug => aya_log::Level::Debug as u8,
-            BpfLog::Trace => aya_log::Level::Trace as u8,
-        }
-    }
-}
-
-/// The programs' log records, into the agent's log (target `lb_bpf`, at
-/// info level whatever their own, so that RUST_LOG=info shows what
-/// `--bpf-log` asked for).
-pub struct BpfLogSink;
-
-impl log::Log for BpfLogSink {
-    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
-        true
-    }
-    fn log(&self, r: &log::Record<'_>) {
-        let msg = r.args().to_string();
-        tracing::info!(target: "lb_bpf", level = %r.level(), "{}", hook_words(&msg));
-    }
-    fn flush(&self) {}
-}
-
-/// The programs' decision lines start with `hook << 8 | protocol` as a
-/// number and end with ` errno=N` (arguments the verifier walks cheaply):
-/// write them as the monitor does, `connect TCP FRONT -> BACKEND (why)` or
-/// `... -> ECONNREFUSED (why)`.
-fn hook_words(msg: &str) -> String {
-    let Some((code, rest)) = msg.split_once(' ') else { return msg.to_string() };
-    let Ok(code) = code.parse::<u16>() else { return msg.to_string() };
-    let proto = match code as u8 {
-        lb_common::PROTO_TCP => "TCP",
-        lb_common::PROTO_UDP => "UDP",
-        _ => return msg.to_string(),
-    };
-    let mut rest = rest.to_string();
-    if let Some((head, errno)) = rest.rsplit_once(" errno=")
-        && let Ok(errno) = errno.parse::<i32>()
-    {
-        rest = match (errno, head.split_once(" -> "), head.rfind(" (")) {
-            (0, _, _) => head.to_string(),
-            (e, Some((front, _)), Some(why)) => format!("{front} -> {:?}{}", nix::errno::Errno::from_raw(e), &head[why..]),
-            _ => head.to_string(),
-        };
-    }
-    format!("{} {proto} {rest}", lb_common::monitor::hook_name((code >> 8) as u8))
 }
 
 /// How the TC programs attach (`--tc-attach`).
@@ -623,62 +353,6 @@ fn attach_netlink(prog: &mut SchedClassifier, iface: &str, ty: TcAttachType) -> 
     Ok(())
 }
 
-/// Copy the entries of the state maps the datapath writes (sessionAffinity,
-/// socket tracking, NAT) from their old pins to the staged new maps, where
-/// key and value sizes and their BTF layouts agree (the new map may be
-/// larger or smaller: a `--max-*` change); entries already in the new map
-/// win. `warn`: say which maps' entries cannot come along. Returns how many
-/// were copied.
-fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -> usize {
-    fn copy<K: aya::Pod, V: aya::Pod>(old: &Path, new: &Path, lru: bool) -> Result<usize> {
-        use aya::maps::{HashMap, Map, MapData};
-        let wrap = |d: MapData| if lru { Map::LruHashMap(d) } else { Map::HashMap(d) };
-        let from: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(old)?))?;
-        let mut to: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(new)?))?;
-        let mut n = 0;
-        for (k, v) in from.iter().filter_map(|r| r.ok()) {
-            // BPF_NOEXIST: never overwrite what the new programs wrote.
-            if to.insert(k, v, 1).is_ok() {
-                n += 1;
-            }
-        }
-        Ok(n)
-    }
-    let mut total = 0;
-    for name in replaced {
-        let (old, new) = (bpffs.join(name), bpffs.join(NEXT).join(name));
-        let same_sizes = match (aya::maps::MapInfo::from_pin(&old), aya::maps::MapInfo::from_pin(&new)) {
-            (Ok(a), Ok(b)) => a.key_size() == b.key_size() && a.value_size() == b.value_size() && a.map_type().ok() == b.map_type().ok(),
-            _ => false,
-        };
-        // Same sizes but another BTF layout: the bytes mean something else.
-        let same_btf = match (super::btf::pinned_layout(&old), super::btf::pinned_layout(&new)) {
-            (Ok(Some(a)), Ok(Some(b))) => a == b,
-            (Ok(None), Ok(_)) | (Ok(_), Ok(None)) => true,
-            _ => false,
-        };
-        if !same_sizes || !same_btf {
-            if warn && [maps::AFFINITY, maps::SOCK_REVNAT4, maps::SOCK_REVNAT6, maps::NAT4, maps::NAT6].contains(name) {
-                tracing::warn!(map = name, "upgrade: its entries have another layout and are not carried over");
-            }
-            continue;
-        }
-        let r = match *name {
-            maps::AFFINITY => copy::<AffinityKey, AffinityValue>(&old, &new, true),
-            maps::SOCK_REVNAT4 => copy::<SockRevNat4Key, SockRevNat4Value>(&old, &new, true),
-            maps::SOCK_REVNAT6 => copy::<SockRevNat6Key, SockRevNat6Value>(&old, &new, true),
-            maps::NAT4 => copy::<Nat4Key, Nat4Entry>(&old, &new, false),
-            maps::NAT6 => copy::<Nat6Key, Nat6Entry>(&old, &new, false),
-            _ => Ok(0),
-        };
-        match r {
-            Ok(n) => total += n,
-            Err(e) => tracing::warn!(map = name, "upgrade: carrying entries over: {e:#}"),
-        }
-    }
-    total
-}
-
 /// Detach and unpin everything under `bpffs`. Idempotent.
 pub fn teardown(bpffs: &Path) -> Result<()> {
     check_bpffs(bpffs)?;
@@ -725,15 +399,4 @@ pub fn teardown(bpffs: &Path) -> Result<()> {
     }
     fs::remove_dir(bpffs).with_context(|| format!("remove {} (not empty?)", bpffs.display()))?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn decision_lines_name_their_hook_and_protocol() {
-        assert_eq!(super::hook_words("262 10.96.0.10:80 -> 10.0.0.1:8080 (translated) errno=0"), "connect TCP 10.96.0.10:80 -> 10.0.0.1:8080 (translated)");
-        assert_eq!(super::hook_words("785 [fd00::1]:53 -> [::]:0 (no endpoints) errno=111"), "tc UDP [fd00::1]:53 -> ECONNREFUSED (no endpoints)");
-        assert_eq!(super::hook_words("something else"), "something else");
-        assert_eq!(super::hook_words("12 not a hook"), "12 not a hook");
-    }
 }

@@ -1,7 +1,10 @@
 //! The dataplane: load, pin and attach the BPF programs, and write the maps.
 //! It knows nothing about Kubernetes; it takes desired frontends and backends.
+pub mod bpflog;
 pub mod btf;
+pub mod checks;
 pub mod inspect;
 pub mod loader;
 pub mod maps;
+pub mod upgrade;
 pub mod writer;

@@ -1,0 +1,396 @@
+//! `lb-agent run`: watch a source, compute the model, program the maps.
+//! The run loop and the threads beside it are here; `reconciler` turns a
+//! snapshot into map writes.
+mod reconciler;
+
+use reconciler::{Mirror, Reconciler};
+use std::collections::{BTreeSet, HashSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::dataplane::loader::{self, Capacity};
+use crate::dataplane::maps::Maps;
+use crate::dataplane::writer::Addr;
+use crate::model;
+use crate::health::{Health, Metrics};
+use crate::source::dir::{self, DirState};
+use crate::source::{SourceSpec, Update};
+
+pub struct RunConfig {
+    pub source: SourceSpec,
+    pub kubeconfig: Option<PathBuf>,
+    pub healthz_bind: Option<std::net::SocketAddr>,
+    pub metrics_bind: Option<std::net::SocketAddr>,
+    /// /healthz fails when a change waits longer than this.
+    pub stall_after: Duration,
+    /// `--resync-period`: how often the maps are re-read and drift repaired.
+    pub resync_period: Duration,
+    pub node_name: String,
+    /// `--zone`: overrides the Node object's zone label.
+    pub zone: Option<String>,
+    pub cgroup: PathBuf,
+    pub bpffs: PathBuf,
+    pub capacity: Capacity,
+    /// `--node-ip`: the node's addresses (else the Node object's, else the interfaces').
+    pub node_ips: Vec<std::net::IpAddr>,
+    /// `--nodeport-interface`: where the TC programs attach (else
+    /// `netdev::nodeport_devices`).
+    pub nodeport_interfaces: Vec<String>,
+    /// `--tc-attach`.
+    pub tc_attach: loader::TcAttach,
+    /// The NodePort range, kept out of the node's ephemeral ports.
+    pub nodeport_range: (u16, u16),
+    /// Ports SNATed flows leave from.
+    pub snat_ports: (u16, u16),
+    pub nat_timeouts: crate::nodeport::NatTimeouts,
+    pub nat_gc_interval: Duration,
+    pub model: model::Options,
+    /// Destroy connected sockets to endpoints that left their Service.
+    pub destroy_stale_sockets: bool,
+    /// Per-frontend and per-backend series in /metrics.
+    pub metrics_per_service: bool,
+    /// `--bpf-log`.
+    pub bpf_log: loader::BpfLog,
+}
+
+/// The NAT tables' own thread (off the runtime, whose syncs and /healthz
+/// must not wait for a walk of a large table): every `nat_gc_interval` it
+/// expires flows, and at once when endpoints leave it ends their flows (UDP
+/// removed, TCP marked for a RST). It logs when new flows were refused.
+fn spawn_nat_gc(cfg: &RunConfig) -> Result<std::sync::mpsc::Sender<BTreeSet<model::Pair>>> {
+    use aya::maps::{HashMap, Map, MapData, PerCpuArray};
+    let open = |name: &str| MapData::from_pin(loader::pin_path(&cfg.bpffs, name)).with_context(|| format!("open pinned {name}"));
+    let mut nat4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT4)?))?;
+    let mut nat6: HashMap<MapData, lb_common::Nat6Key, lb_common::Nat6Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT6)?))?;
+    let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(open(lb_common::maps::STATS)?))?;
+    let (timeouts, every) = (cfg.nat_timeouts, cfg.nat_gc_interval);
+    let (tx, rx) = std::sync::mpsc::channel::<BTreeSet<model::Pair>>();
+    let failed = move || -> u64 { stats.get(&lb_common::stats::NAT_FAILED, 0).map(|v| v.iter().sum()).unwrap_or(0) };
+    std::thread::Builder::new().name("nat".into()).spawn(move || {
+        let mut seen_failed = failed();
+        let mut next = Instant::now() + every;
+        loop {
+            let left = match rx.recv_timeout(next.saturating_duration_since(Instant::now())) {
+                Ok(left) => left,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    next = Instant::now() + every;
+                    BTreeSet::new()
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+            };
+            let p4 = crate::nodeport::nat_pass(&mut nat4, &timeouts, &left);
+            let p6 = crate::nodeport::nat_pass(&mut nat6, &timeouts, &left);
+            let (expired, flushed, marked) = (p4.expired + p6.expired, p4.flushed + p6.flushed, p4.marked + p6.marked);
+            if expired > 0 {
+                tracing::debug!(flows = expired, "NAT entries expired");
+            }
+            if flushed + marked > 0 {
+                tracing::info!(udp_removed = flushed, tcp_to_reset = marked, "NAT flows to endpoints that left ended");
+            }
+            let now_failed = failed();
+            if now_failed > seen_failed {
+                tracing::warn!(
+                    refused = now_failed - seen_failed,
+                    "outside flows refused: no free SNAT port for their backend (--snat-ports) or the NAT table is full (--max-nat); see lb_datapath_nat_failed"
+                );
+                seen_failed = now_failed;
+            }
+        }
+    })?;
+    Ok(tx)
+}
+
+/// `--bpf-log`: a thread that waits on the programs' log ring buffer and
+/// writes what arrives into the agent's log.
+fn spawn_bpf_logs(mut logs: aya_log::EbpfLogger<loader::BpfLogSink>) -> Result<()> {
+    use std::os::fd::AsRawFd as _;
+    std::thread::Builder::new().name("bpf-log".into()).spawn(move || {
+        loop {
+            let mut pfd = libc::pollfd { fd: logs.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut pfd, 1, 1000) };
+            logs.flush();
+        }
+    })?;
+    Ok(())
+}
+
+/// The datapath counters for /metrics, read from the pinned maps at each
+/// scrape; with `--metrics-per-service` also each frontend's and backend's.
+struct PinnedStats {
+    stats: std::sync::Mutex<aya::maps::PerCpuArray<aya::maps::MapData, u64>>,
+    per_service: Option<std::sync::Mutex<Maps>>,
+}
+
+impl std::fmt::Debug for PinnedStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PinnedStats")
+    }
+}
+
+impl crate::health::StatsSource for PinnedStats {
+    fn read(&self) -> Vec<(&'static str, u64)> {
+        let m = self.stats.lock().unwrap();
+        lb_common::stats::NAMES
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (*n, m.get(&(i as u32), 0).map(|v| v.iter().sum()).unwrap_or(0)))
+            .collect()
+    }
+
+    fn per_service(&self) -> Vec<crate::health::ServiceCounters> {
+        let Some(maps) = &self.per_service else { return Vec::new() };
+        let maps = maps.lock().unwrap();
+        let counters = match maps.read_svc_stats() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("per-service metrics: {e:#}");
+                return Vec::new();
+            }
+        };
+        let mut out = Vec::new();
+        let name = |key: &lb_common::SvcStatsKey| -> Option<(bool, String)> {
+            let v4 = key.family == lb_common::FAMILY_V4;
+            if key.kind == lb_common::STATS_FRONTEND {
+                let id = u16::try_from(key.id).ok()?;
+                let (addr, port) = if v4 {
+                    maps.v4.revnat.get(&id, 0).ok().map(|r| (r.addr.to_ip(), r.port))?
+                } else {
+                    maps.v6.revnat.get(&id, 0).ok().map(|r| (r.addr.to_ip(), r.port))?
+                };
+                Some((true, std::net::SocketAddr::new(addr, port).to_string()))
+            } else {
+                let (addr, port) = if v4 {
+                    maps.v4.backends.get(&key.id, 0).ok().map(|b| (b.addr.to_ip(), b.port))?
+                } else {
+                    maps.v6.backends.get(&key.id, 0).ok().map(|b| (b.addr.to_ip(), b.port))?
+                };
+                Some((false, std::net::SocketAddr::new(addr, port).to_string()))
+            }
+        };
+        for (key, c) in &counters {
+            // Ids deleted meanwhile have no name: left out.
+            if let Some((frontend, addr)) = name(key) {
+                out.push(crate::health::ServiceCounters { frontend, addr, counters: *c });
+            }
+        }
+        out
+    }
+}
+
+pub async fn run(cfg: RunConfig) -> Result<()> {
+    tracing::debug!("starting");
+    // Check the source before touching the kernel: bad input fails first.
+    let (tx, mut rx): (crate::source::Publisher, crate::source::Subscriber) = tokio::sync::watch::channel(None);
+    let source_status = Arc::new(crate::source::Status::default());
+    let mut source: tokio::task::JoinHandle<Result<()>> = match &cfg.source {
+        SourceSpec::Dir(dir) => {
+            let state = DirState::new(dir)?;
+            tokio::spawn(dir::run(state, tx))
+        }
+        SourceSpec::Kube => {
+            let (client, server) = crate::source::kube::client(cfg.kubeconfig.as_deref(), source_status.clone()).await?;
+            tokio::spawn(crate::source::kube::run(client, server, cfg.node_name.clone(), tx, source_status.clone()))
+        }
+    };
+
+    let dp = loader::load(&cfg.bpffs, &cfg.cgroup, cfg.capacity, cfg.bpf_log)?;
+    let loader::Dataplane { maps, logs, mut tc, adopted, mut upgrade } = dp;
+    if let Some(logs) = logs {
+        spawn_bpf_logs(logs)?;
+    }
+    tc.mode = cfg.tc_attach;
+    let v4 = Mirror::new(maps.v4.read_table(&maps.affinity_match, &maps.src_range)?);
+    let v6 = Mirror::new(maps.v6.read_table(&maps.affinity_match, &maps.src_range)?);
+    let nodeports = maps.read_nodeports()?;
+    if let Err(e) = crate::nodeport::reserve_ports(cfg.nodeport_range.0, cfg.nodeport_range.1, &cfg.bpffs) {
+        tracing::warn!("cannot reserve the NodePort range for local ports: {e:#}");
+    }
+    // During an upgrade the programs attach once the new maps are filled.
+    if upgrade.is_none() {
+        for iface in &cfg.nodeport_interfaces {
+            tc.attach_tc(iface)?;
+        }
+    }
+    let nat_left = spawn_nat_gc(&cfg)?;
+    if adopted {
+        tracing::info!(
+            frontends = v4.index.frontends() + v6.index.frontends(),
+            backends = v4.table.backends.len() + v6.table.backends.len(),
+            "adopted pinned state; programs replaced without a gap; it stays as it is until the source's first full sync"
+        );
+    }
+    tracing::info!(
+        cgroup = %cfg.cgroup.display(),
+        bpffs = %cfg.bpffs.display(),
+        node = %cfg.node_name,
+        "programs attached"
+    );
+
+    let stats = aya::maps::PerCpuArray::try_from(aya::maps::Map::PerCpuArray(aya::maps::MapData::from_pin(
+        loader::pin_path(&cfg.bpffs, lb_common::maps::STATS),
+    )?))?;
+    let per_service = if cfg.metrics_per_service { Some(std::sync::Mutex::new(Maps::open_pinned(&cfg.bpffs)?)) } else { None };
+    crate::monitor::spawn_janitor(&cfg.bpffs)?;
+    let metrics = Metrics::new(Arc::new(PinnedStats { stats: std::sync::Mutex::new(stats), per_service }));
+    let health = Arc::new(Health::new(cfg.stall_after));
+    let (hz, mt) = crate::health::serve(cfg.healthz_bind, cfg.metrics_bind, health.clone(), metrics.clone()).await?;
+    tracing::info!(healthz = ?hz, metrics = ?mt, "serving health and metrics");
+
+    let netns_cookie = crate::nodeport::netns_cookie()?;
+    let mut rec = Reconciler {
+        maps,
+        service_changes: 0,
+        slice_changes: 0,
+        triggers: Vec::new(),
+        v4,
+        v6,
+        node_name: cfg.node_name.clone(),
+        zone: cfg.zone.clone(),
+        node_ips: cfg.node_ips.clone(),
+        opts: cfg.model.clone(),
+        capacity: cfg.capacity,
+        nodeports,
+        snat_ports: cfg.snat_ports,
+        netns_cookie,
+        logged: HashSet::new(),
+        health_checks: Default::default(),
+        node_addresses: Vec::new(),
+        has_external: false,
+        not_programmed: 0,
+        model: model::Incremental::new(),
+        full_needed: true,
+        pending_left: BTreeSet::new(),
+        nat_left,
+        names_changed: None,
+        destroyer: if cfg.destroy_stale_sockets {
+            Some(crate::stale::Destroyer::spawn(
+                &cfg.bpffs,
+                cfg.cgroup.clone(),
+                metrics.sockets_destroyed.clone(),
+                metrics.cgroup_invisible.clone(),
+            )?)
+        } else {
+            None
+        },
+    };
+    let mut health_checks = crate::nodeport::HealthChecks::default();
+    rec.export(&metrics, &cfg.capacity);
+    rec.export_names(&metrics);
+    // How long the watches have been failing, for the metric.
+    {
+        let (status, metrics) = (source_status.clone(), metrics.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                metrics.source_failing.set(status.failing_for().as_secs_f64());
+            }
+        });
+    }
+    let mut resync = tokio::time::interval(if cfg.resync_period.is_zero() { Duration::from_secs(86400 * 365) } else { cfg.resync_period });
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    resync.tick().await;
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut retry = tokio::time::interval(Duration::from_secs(1));
+    let mut last: Option<Arc<Update>> = None;
+    let mut dirty = false;
+    let mut first = true;
+    loop {
+        tokio::select! {
+            r = rx.changed() => {
+                if r.is_err() {
+                    // The source task ended; its result says why.
+                    return match (&mut source).await {
+                        Ok(Err(e)) => Err(e.context("source failed")),
+                        _ => Err(anyhow::anyhow!("source stopped")),
+                    };
+                }
+                let Some(upd) = rx.borrow_and_update().clone() else { continue };
+                tracing::debug!(waited_us = upd.since.elapsed().as_micros() as u64, "update received");
+                health.changed(upd.since);
+                let deleting = upd.snapshot.nodes.iter().any(|n| {
+                    n.metadata.name.as_deref() == Some(cfg.node_name.as_str()) && n.metadata.deletion_timestamp.is_some()
+                });
+                health.node_deleting(deleting);
+                last = Some(upd);
+            }
+            _ = retry.tick(), if dirty => {}
+            _ = resync.tick(), if !cfg.resync_period.is_zero() && last.is_some() && !dirty => {
+                match rec.repair_drift() {
+                    Ok(0) => continue,
+                    Ok(n) => {
+                        metrics.drift_repaired.inc_by(n as u64);
+                        tracing::warn!(entries = n, "the maps differed from what this agent programmed (changed by hand?); writing them back");
+                    }
+                    Err(e) => {
+                        tracing::error!("resync: {e:#}");
+                        continue;
+                    }
+                }
+            }
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+        }
+        let Some(upd) = last.clone() else { continue };
+        let started = Instant::now();
+        match rec.sync(&upd.snapshot) {
+            Ok(()) => {
+                dirty = false;
+                health.synced();
+                let took = started.elapsed().as_secs_f64();
+                metrics.sync_duration.observe(took);
+                metrics.kp_sync_duration.observe(took);
+                metrics.event_to_programmed.observe(upd.since.elapsed().as_secs_f64());
+                let now = std::time::SystemTime::now();
+                metrics.kp_last_sync.set(now.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()));
+                for t in rec.triggers.drain(..) {
+                    metrics.kp_network_programming.observe(now.duration_since(t).map_or(0.0, |d| d.as_secs_f64()));
+                }
+            }
+            Err(e) => {
+                dirty = true;
+                metrics.sync_errors.inc();
+                tracing::error!("{e:#}");
+            }
+        }
+        rec.export(&metrics, &cfg.capacity);
+        rec.export_names(&metrics);
+        metrics.kp_service_changes.inc_by(std::mem::take(&mut rec.service_changes));
+        metrics.kp_endpoint_changes.inc_by(std::mem::take(&mut rec.slice_changes));
+        // An upgrade: the staged maps hold the first full sync now; move the
+        // programs to them (the old ones served from the old maps meanwhile).
+        if !dirty && let Some(replaced) = upgrade.take() {
+            tc.finish_upgrade(&replaced)?;
+            for iface in &cfg.nodeport_interfaces {
+                tc.attach_tc(iface)?;
+            }
+        }
+        health_checks.reconcile(&rec.health_checks).await;
+        // The TC programs go where outside traffic and replies of SNATed
+        // flows arrive, unless told, once some Service takes traffic from
+        // outside: until then there is no per-packet work at all. Devices
+        // that appear later are picked up at the next sync.
+        if upgrade.is_none() && cfg.nodeport_interfaces.is_empty() && rec.has_external {
+            for iface in crate::nodeport::interfaces_for(&rec.node_addresses) {
+                if let Err(e) = tc.attach_tc(&iface) {
+                    tracing::error!("{e:#}");
+                }
+            }
+        }
+        if first {
+            first = false;
+            // The source's first full view is programmed: anything inherited
+            // that it does not have is gone now.
+            tracing::info!(frontends = rec.frontends(), "initial sync complete");
+        }
+    }
+    source.abort();
+    tracing::info!("exiting; programs stay attached and maps stay pinned");
+    Ok(())
+}

@@ -1,0 +1,190 @@
+//! Upgrades of the pinned maps: which pinned maps this agent cannot use as
+//! they are (type, sizes, max_entries, BTF layout, layout version), where
+//! their replacements are staged (`next/`), and carrying the datapath's
+//! state over to them.
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result};
+use lb_common::{
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend4, Backend6, Nat4Entry, Nat4Key, Nat6Entry, Nat6Key, NodeConfig,
+    NodePortKey, RevNat4, RevNat6, SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value, Svc4Key, Svc6Key, SvcValue,
+    maps,
+};
+
+use super::loader::{Capacity, OBJ};
+
+/// The staging directory of an upgrade: new maps wait here, pinned, until
+/// the agent has filled them and swaps them in.
+pub(super) const NEXT: &str = "next";
+
+/// The pin-dir entry that records the layout version of the pins.
+pub(super) const LAYOUT_MARKER: &str = "layout-";
+
+/// Where the pin of map `name` is now: staged in `next/` during an upgrade
+/// that replaces it, else in `bpffs`.
+pub fn pin_path(bpffs: &Path, name: &str) -> PathBuf {
+    let staged = bpffs.join(NEXT).join(name);
+    if staged.exists() { staged } else { bpffs.join(name) }
+}
+
+/// The layout version of the maps this agent uses (lb_common::LAYOUT_VERSION;
+/// LB_LAYOUT_VERSION overrides it, for the upgrade test only).
+pub(super) fn layout_version() -> String {
+    std::env::var("LB_LAYOUT_VERSION").unwrap_or_else(|_| lb_common::LAYOUT_VERSION.to_string())
+}
+
+/// The layout version the pins in `dir` carry ("1": pinned by an agent from
+/// before versions were recorded).
+pub(super) fn pinned_layout_version(dir: &Path) -> String {
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .find_map(|e| e.file_name().to_string_lossy().strip_prefix(LAYOUT_MARKER).map(String::from))
+        .unwrap_or_else(|| "1".into())
+}
+
+/// Record `version` as the layout of the pins in `dir`.
+pub(super) fn mark_layout(dir: &Path, version: &str) -> Result<()> {
+    for e in fs::read_dir(dir)?.flatten() {
+        if e.file_name().to_string_lossy().starts_with(LAYOUT_MARKER) {
+            fs::remove_dir(e.path())?;
+        }
+    }
+    fs::create_dir_all(dir.join(format!("{LAYOUT_MARKER}{version}"))).context("record the layout version")
+}
+
+/// Every map with the type, key size, value size and max_entries this agent
+/// gives it.
+pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 23] {
+    use aya::maps::MapType as T;
+    use lb_common::capacity as c;
+    let revnat = cap.services.min(u16::MAX as u32);
+    [
+        (maps::NAT4, T::Hash, size_of::<Nat4Key>(), size_of::<Nat4Entry>(), cap.nat),
+        (maps::NAT6, T::Hash, size_of::<Nat6Key>(), size_of::<Nat6Entry>(), cap.nat),
+        (maps::SRC_RANGE, T::LpmTrie, 4 + size_of::<lb_common::SrcRange>(), size_of::<u8>(), c::SRC_RANGE),
+        (maps::NODE_CONFIG, T::Array, size_of::<u32>(), size_of::<NodeConfig>(), 1),
+        (maps::NODEPORTS, T::Hash, size_of::<NodePortKey>(), size_of::<u8>(), c::NODEPORTS),
+        (maps::SERVICES4, T::Hash, size_of::<Svc4Key>(), size_of::<SvcValue>(), cap.services),
+        (maps::BACKENDS4, T::Hash, size_of::<u32>(), size_of::<Backend4>(), cap.backends),
+        (maps::REVNAT4, T::Hash, size_of::<u16>(), size_of::<RevNat4>(), revnat),
+        (maps::SOCK_REVNAT4, T::LruHash, size_of::<SockRevNat4Key>(), size_of::<SockRevNat4Value>(), cap.sock_revnat),
+        (maps::SERVICES6, T::Hash, size_of::<Svc6Key>(), size_of::<SvcValue>(), cap.services),
+        (maps::BACKENDS6, T::Hash, size_of::<u32>(), size_of::<Backend6>(), cap.backends),
+        (maps::REVNAT6, T::Hash, size_of::<u16>(), size_of::<RevNat6>(), revnat),
+        (maps::SOCK_REVNAT6, T::LruHash, size_of::<SockRevNat6Key>(), size_of::<SockRevNat6Value>(), cap.sock_revnat),
+        (maps::AFFINITY, T::LruHash, size_of::<AffinityKey>(), size_of::<AffinityValue>(), c::AFFINITY),
+        (maps::AFFINITY_MATCH, T::Hash, size_of::<AffinityMatchKey>(), size_of::<u8>(), cap.backends),
+        (maps::STATS, T::PerCpuArray, size_of::<u32>(), size_of::<u64>(), lb_common::stats::COUNT),
+        (maps::SOCK_XLATE, T::SkStorage, size_of::<i32>(), size_of::<lb_common::SockXlate>(), 0),
+        (maps::SVC_STATS, T::Hash, size_of::<lb_common::SvcStatsKey>(), size_of::<lb_common::SvcStats>(), revnat + cap.backends),
+        (maps::MONITOR, T::Array, size_of::<u32>(), size_of::<u64>(), lb_common::monitor::SLOTS + 1),
+        (maps::EVENTS[0], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
+        (maps::EVENTS[1], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
+        (maps::EVENTS[2], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
+        (maps::EVENTS[3], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
+    ]
+}
+
+/// The pinned maps in `dir` this agent cannot use as they are: another map
+/// type, key or value size, or max_entries (a `--max-*` flag changed),
+/// another BTF layout of key or value (a change of meaning at the same
+/// size: fields swapped, renamed or retyped), or all of them when the pins
+/// carry another layout version. Each is replaced by an upgrade.
+pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static str>> {
+    let version_changed = pinned_layout_version(dir) != layout_version();
+    let ours = super::btf::object_layouts(OBJ).context("read the BTF of this agent's maps")?;
+    let mut out = Vec::new();
+    for (name, ty, k, v, max) in expected_layout(cap) {
+        let path = dir.join(name);
+        if !path.exists() {
+            continue;
+        }
+        let info = aya::maps::MapInfo::from_pin(&path).with_context(|| format!("inspect pinned map {}", path.display()))?;
+        let got = info.map_type().ok();
+        let same = got == Some(ty) && info.key_size() as usize == k && info.value_size() as usize == v && info.max_entries() == max;
+        // A map pinned without BTF (by an agent from before BTF maps) is
+        // judged by its sizes and the layout version alone.
+        let btf_changed = match (super::btf::pinned_layout(&path), ours.get(name)) {
+            (Ok(Some(pinned)), Some(want)) if pinned != *want => {
+                tracing::info!(map = name, pinned = ?pinned, wanted = ?want, "pinned map's BTF layout differs");
+                true
+            }
+            (Err(e), _) => {
+                tracing::warn!(map = name, error = format!("{e:#}"), "cannot read the pinned map's BTF; it is replaced");
+                true
+            }
+            _ => false,
+        };
+        if version_changed || btf_changed || !same {
+            tracing::info!(
+                map = name,
+                pinned = format!("{got:?} {}/{} x{}", info.key_size(), info.value_size(), info.max_entries()),
+                wanted = format!("{ty:?} {k}/{v} x{max}"),
+                version_changed,
+                btf_changed,
+                "pinned map gets a new layout"
+            );
+            out.push(name);
+        }
+    }
+    Ok(out)
+}
+
+/// Copy the entries of the state maps the datapath writes (sessionAffinity,
+/// socket tracking, NAT) from their old pins to the staged new maps, where
+/// key and value sizes and their BTF layouts agree (the new map may be
+/// larger or smaller: a `--max-*` change); entries already in the new map
+/// win. `warn`: say which maps' entries cannot come along. Returns how many
+/// were copied.
+pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -> usize {
+    fn copy<K: aya::Pod, V: aya::Pod>(old: &Path, new: &Path, lru: bool) -> Result<usize> {
+        use aya::maps::{HashMap, Map, MapData};
+        let wrap = |d: MapData| if lru { Map::LruHashMap(d) } else { Map::HashMap(d) };
+        let from: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(old)?))?;
+        let mut to: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(new)?))?;
+        let mut n = 0;
+        for (k, v) in from.iter().filter_map(|r| r.ok()) {
+            // BPF_NOEXIST: never overwrite what the new programs wrote.
+            if to.insert(k, v, 1).is_ok() {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+    let mut total = 0;
+    for name in replaced {
+        let (old, new) = (bpffs.join(name), bpffs.join(NEXT).join(name));
+        let same_sizes = match (aya::maps::MapInfo::from_pin(&old), aya::maps::MapInfo::from_pin(&new)) {
+            (Ok(a), Ok(b)) => a.key_size() == b.key_size() && a.value_size() == b.value_size() && a.map_type().ok() == b.map_type().ok(),
+            _ => false,
+        };
+        // Same sizes but another BTF layout: the bytes mean something else.
+        let same_btf = match (super::btf::pinned_layout(&old), super::btf::pinned_layout(&new)) {
+            (Ok(Some(a)), Ok(Some(b))) => a == b,
+            (Ok(None), Ok(_)) | (Ok(_), Ok(None)) => true,
+            _ => false,
+        };
+        if !same_sizes || !same_btf {
+            if warn && [maps::AFFINITY, maps::SOCK_REVNAT4, maps::SOCK_REVNAT6, maps::NAT4, maps::NAT6].contains(name) {
+                tracing::warn!(map = name, "upgrade: its entries have another layout and are not carried over");
+            }
+            continue;
+        }
+        let r = match *name {
+            maps::AFFINITY => copy::<AffinityKey, AffinityValue>(&old, &new, true),
+            maps::SOCK_REVNAT4 => copy::<SockRevNat4Key, SockRevNat4Value>(&old, &new, true),
+            maps::SOCK_REVNAT6 => copy::<SockRevNat6Key, SockRevNat6Value>(&old, &new, true),
+            maps::NAT4 => copy::<Nat4Key, Nat4Entry>(&old, &new, false),
+            maps::NAT6 => copy::<Nat6Key, Nat6Entry>(&old, &new, false),
+            _ => Ok(0),
+        };
+        match r {
+            Ok(n) => total += n,
+            Err(e) => tracing::warn!(map = name, "upgrade: carrying entries over: {e:#}"),
+        }
+    }
+    total
+}

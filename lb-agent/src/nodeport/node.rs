@@ -1,0 +1,108 @@
+//! The node: its addresses and interfaces, its network namespace, and its
+//! ephemeral port range kept clear of NodePorts.
+use std::net::IpAddr;
+
+use anyhow::{Context as _, Result};
+
+/// The global addresses on this netns' interfaces, with the interface.
+pub fn interface_addrs() -> Vec<(String, IpAddr)> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else { return Vec::new() };
+    addrs
+        .filter_map(|ifa| {
+            let sa = ifa.address?;
+            let ip = if let Some(v4) = sa.as_sockaddr_in() {
+                IpAddr::V4(v4.ip())
+            } else if let Some(v6) = sa.as_sockaddr_in6() {
+                IpAddr::V6(v6.ip())
+            } else {
+                return None;
+            };
+            let global = match ip {
+                IpAddr::V4(a) => !a.is_loopback() && !a.is_link_local(),
+                IpAddr::V6(a) => !a.is_loopback() && !a.is_unicast_link_local(),
+            };
+            global.then_some((ifa.interface_name, ip))
+        })
+        .collect()
+}
+
+/// The devices the TC programs go on for a node with addresses `addrs`
+/// (see `netdev::nodeport_devices`). Without rtnetlink: the devices that
+/// hold `addrs`.
+pub fn interfaces_for(addrs: &[IpAddr]) -> Vec<String> {
+    let held = interface_addrs();
+    match crate::netdev::links() {
+        Ok(links) => crate::netdev::nodeport_devices(&links, &held, addrs),
+        Err(e) => {
+            tracing::warn!("cannot list network devices ({e:#}); NodePort programs go only where the node's addresses are");
+            let mut v: Vec<String> = held.into_iter().filter(|(_, a)| addrs.contains(a)).map(|(i, _)| i).collect();
+            v.sort();
+            v.dedup();
+            v
+        }
+    }
+}
+
+/// This network namespace's cookie (SO_NETNS_COOKIE).
+pub fn netns_cookie() -> Result<u64> {
+    use std::os::fd::AsRawFd as _;
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").or_else(|_| std::net::UdpSocket::bind("[::1]:0")).context("socket for SO_NETNS_COOKIE")?;
+    let mut cookie: u64 = 0;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: valid fd and out buffer of the right size.
+    let rc = unsafe {
+        libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NETNS_COOKIE, (&mut cookie as *mut u64).cast(), &mut len)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error()).context("getsockopt SO_NETNS_COOKIE (kernel 5.14+)");
+    }
+    Ok(cookie)
+}
+
+/// Keep the NodePort range out of the ephemeral ports the kernel hands out
+/// in this netns (ip_local_reserved_ports), so an outgoing connection never
+/// takes a NodePort. Explicit bind()s are refused by the post_bind hook.
+pub fn reserve_ports(min: u16, max: u16, bpffs: &std::path::Path) -> Result<()> {
+    let current = std::fs::read_to_string(RESERVED).with_context(|| format!("read {RESERVED}"))?;
+    let range = format!("{min}-{max}");
+    if current.split(',').any(|r| r.trim() == range) {
+        return Ok(());
+    }
+    let new = if current.trim().is_empty() { range.clone() } else { format!("{},{range}", current.trim()) };
+    std::fs::write(RESERVED, &new).with_context(|| format!("write {RESERVED}"))?;
+    // Remember that lb added it, and in which netns (a directory in the pin
+    // dir: bpffs holds nothing else), so that teardown takes out exactly
+    // that, and only there.
+    let marker = bpffs.join(format!("{RESERVED_MARKER}{}_{range}", netns_cookie()?));
+    if let Err(e) = std::fs::create_dir_all(&marker) {
+        tracing::warn!("cannot record {}: {e}; teardown will leave {range} in {RESERVED}", marker.display());
+    }
+    Ok(())
+}
+
+const RESERVED: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
+/// The pin-dir entry that records a range lb added to ip_local_reserved_ports.
+pub const RESERVED_MARKER: &str = "reserved_ports_";
+
+/// Take out the reserved port ranges this agent added (teardown): each has
+/// a marker in `bpffs`, removed with it. The sysctl is per network
+/// namespace: run in the node's.
+pub fn unreserve_ports(bpffs: &std::path::Path) -> Result<()> {
+    let Ok(rd) = std::fs::read_dir(bpffs) else { return Ok(()) };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some((cookie, range)) = name.strip_prefix(RESERVED_MARKER).and_then(|r| r.split_once('_')) else { continue };
+        if cookie != netns_cookie()?.to_string() {
+            tracing::warn!("{range} was reserved in another network namespace: run teardown in the node's to take it out of {RESERVED}");
+            std::fs::remove_dir(e.path()).with_context(|| format!("remove {}", e.path().display()))?;
+            continue;
+        }
+        let current = std::fs::read_to_string(RESERVED).with_context(|| format!("read {RESERVED}"))?;
+        let kept: Vec<&str> = current.trim().split(',').map(str::trim).filter(|r| !r.is_empty() && *r != range).collect();
+        // The kernel refuses an empty write; a lone newline clears the list.
+        let new = if kept.is_empty() { "\n".to_string() } else { kept.join(",") };
+        std::fs::write(RESERVED, &new).with_context(|| format!("write {RESERVED}"))?;
+        std::fs::remove_dir(e.path()).with_context(|| format!("remove {}", e.path().display()))?;
+    }
+    Ok(())
+}

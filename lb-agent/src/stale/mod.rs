@@ -1,0 +1,262 @@
+//! Stale backends: when an endpoint leaves a Service, destroy the connected
+//! sockets that our hooks translated to it, so that clients fail fast
+//! instead of sending into a black hole (kube-proxy only flushes UDP
+//! conntrack; cilium#14844, calico#4509).
+//!
+//! - Only sockets our translation made: connect4/6 left the translation in
+//!   the socket's own storage (`LB_SOCK_XLATE`), which sock_diag returns
+//!   with each TCP socket (INET_DIAG_REQ_SK_BPF_STORAGES). The kernel fills
+//!   storage only into TCP dumps, so connected UDP sockets (and sockets
+//!   translated before the storage existed) are found in the socket rev-NAT
+//!   LRU by cookie. A direct connection to a pod IP has neither and is never
+//!   touched.
+//! - 100 ms after the maps changed: a connection made just before (its
+//!   request under way, the endpoint still answering) may finish; the
+//!   sockets still open then are the ones that would hang.
+//! - Only connected sockets: unconnected UDP sockets are left alone
+//!   (cilium#48564); their next sendto picks a live backend.
+//! - In every network namespace that has processes in the attached cgroup
+//!   (the node's and each pod's, found through /proc/PID/ns/net), with
+//!   netlink sock_diag SOCK_DESTROY.
+//! - Cheap whatever the traffic: the kernel lists only connected sockets
+//!   (not the TIME_WAIT ones a busy client leaves by the thousand), and the
+//!   socket rev-NAT map is looked up per candidate, never walked. A sweep
+//!   after a full sync (endpoints removed while no agent ran) lists every
+//!   connected socket once, with its storage.
+mod netns;
+mod sock_diag;
+
+use std::collections::{BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+use lb_common::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value};
+
+pub use crate::model::Pair;
+pub use sock_diag::send;
+use netns::{check_visibility, netns_sockets};
+use sock_diag::{Conn, connected_to, destroy_one, xlate_pair};
+
+/// A connected socket (named by `T`), its peer address and port, and the
+/// frontend our hook translated it from (None: not ours).
+pub type Candidate<T> = (T, IpAddr, u16, Option<(IpAddr, u16)>);
+
+/// The candidates to destroy: connected sockets whose peer is a backend
+/// that left, with the frontend our hook translated them from (None: the
+/// socket-LB did not make this connection). Only those translated from a
+/// frontend that this backend left are stale.
+pub fn stale<T: Copy>(candidates: &[Candidate<T>], left: &BTreeSet<Pair>) -> Vec<T> {
+    candidates
+        .iter()
+        .filter(|(_, b, bp, from)| from.is_some_and(|(v, vp)| left.contains(&(v, vp, *b, *bp))))
+        .map(|(t, ..)| *t)
+        .collect()
+}
+
+/// Destroys stale sockets on a thread of its own, off the path that
+/// programs the maps: a sync hands it the pairs that stopped serving and
+/// goes on.
+pub struct Destroyer {
+    tx: std::sync::mpsc::Sender<Work>,
+}
+
+/// What the destroyer is handed.
+enum Work {
+    /// Pairs that stopped serving.
+    Left(BTreeSet<Pair>),
+    /// Every frontend after a full sync: any translated socket to a pair
+    /// none of them serves is stale (an endpoint removed while no agent
+    /// ran, say).
+    Sweep(Vec<(IpAddr, u16, std::sync::Arc<crate::model::Frontend>)>),
+}
+
+type SockMap<K, V> = aya::maps::HashMap<aya::maps::MapData, K, V>;
+
+fn open_lru<K: aya::Pod, V: aya::Pod>(bpffs: &Path, name: &str) -> Result<SockMap<K, V>> {
+    let data = aya::maps::MapData::from_pin(crate::dataplane::loader::pin_path(bpffs, name)).with_context(|| format!("open pinned map {name}"))?;
+    Ok(aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?)
+}
+
+/// The destroyer's thread: the maps it reads and what it reports to.
+struct Worker {
+    s4: SockMap<SockRevNat4Key, SockRevNat4Value>,
+    s6: SockMap<SockRevNat6Key, SockRevNat6Value>,
+    /// `LB_SOCK_XLATE`, whose values sock_diag returns with TCP sockets.
+    storage: aya::maps::MapData,
+    cgroup: std::path::PathBuf,
+    destroyed: prometheus_client::metrics::counter::Counter,
+    invisible: prometheus_client::metrics::gauge::Gauge,
+    /// The "cannot see the processes" error was logged.
+    logged_blind: bool,
+}
+
+/// How long after the maps changed the sockets to endpoints that left are
+/// looked for.
+const GRACE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Frontends by address and port (TCP and UDP share them), to judge every
+/// translated socket in a sweep.
+type Fronts = HashMap<(IpAddr, u16), Vec<std::sync::Arc<crate::model::Frontend>>>;
+
+impl Worker {
+    fn run(mut self, rx: std::sync::mpsc::Receiver<Work>) {
+        check_visibility(&self.cgroup, &self.invisible, &mut self.logged_blind);
+        while let Ok(first) = rx.recv() {
+            // A connection made just before the change (its request under
+            // way, to an endpoint that still answers) may finish: sockets
+            // still open after the grace are the ones left hanging.
+            std::thread::sleep(GRACE);
+            // Everything queued, at once.
+            let mut left = BTreeSet::new();
+            let mut sweep = None;
+            for w in std::iter::once(first).chain(rx.try_iter()) {
+                match w {
+                    Work::Left(l) => left.extend(l),
+                    Work::Sweep(f) => sweep = Some(f),
+                }
+            }
+            let fronts: Option<Fronts> = sweep.map(|s| {
+                let mut by_addr: Fronts = HashMap::new();
+                for (a, p, f) in s {
+                    by_addr.entry((a, p)).or_default().push(f);
+                }
+                by_addr
+            });
+            if left.is_empty() && fronts.is_none() {
+                continue;
+            }
+            check_visibility(&self.cgroup, &self.invisible, &mut self.logged_blind);
+            let n: u64 = netns_sockets(&self.cgroup).into_iter().map(|(pid, sock)| self.netns(pid, &sock, &left, fronts.as_ref())).sum();
+            self.destroyed.inc_by(n);
+            if n > 0 {
+                tracing::info!(sockets = n, "destroyed sockets connected to removed backends");
+            }
+        }
+    }
+
+    /// Destroy the stale sockets of one netns: connected to a pair in
+    /// `left`, or (a sweep) to a pair none of `fronts` serves.
+    fn netns(&mut self, pid: u32, sock: &netlink_sys::Socket, left: &BTreeSet<Pair>, fronts: Option<&Fronts>) -> u64 {
+        use std::os::fd::AsFd as _;
+        let peers: BTreeSet<(IpAddr, u16)> = left.iter().map(|(_, _, b, bp)| (*b, *bp)).collect();
+        let conns = match connected_to(sock, fronts.is_none().then_some(&peers), self.storage.fd().as_fd()) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("stale sockets: the netns of pid {pid}: {e:#}");
+                return 0;
+            }
+        };
+        let candidates: Vec<Candidate<usize>> = conns.iter().enumerate().map(|(i, c)| (i, c.peer, c.port, self.translated_from(c))).collect();
+        let mut judged = left.clone();
+        if let Some(fronts) = fronts {
+            let alive = |(v, vp, b, bp): &Pair| fronts.get(&(*v, *vp)).is_some_and(|fs| fs.iter().any(|f| f.serves(*b, *bp)));
+            judged.extend(candidates.iter().filter_map(|(_, b, bp, f)| f.map(|(v, vp)| (v, vp, *b, *bp))).filter(|pair| !alive(pair)));
+        }
+        let mut n = 0;
+        for i in stale(&candidates, &judged) {
+            let c = &conns[i];
+            match destroy_one(sock, c.req.clone()) {
+                Ok(true) => n += 1,
+                Ok(false) => {}
+                Err(e) => tracing::warn!("destroying a stale socket in the netns of pid {pid}: {e:#}"),
+            }
+            // Gone (or closing): forget its translation (a socket's storage
+            // goes with the socket).
+            if c.xlate.is_none() {
+                self.forget(c);
+            }
+        }
+        n
+    }
+
+    /// Which frontend our hook translated a socket from: its storage, else
+    /// the LRU by cookie (None: not ours).
+    fn translated_from(&self, c: &Conn) -> Option<(IpAddr, u16)> {
+        if let Some(x) = &c.xlate {
+            return xlate_pair(x, c.peer, c.port);
+        }
+        match c.peer {
+            IpAddr::V4(a) => {
+                let k = SockRevNat4Key { cookie: c.cookie, addr: a.octets(), port: c.port, _pad: 0 };
+                if let Ok(v) = self.s4.get(&k, 0) {
+                    return Some((IpAddr::from(v.addr), v.port));
+                }
+                let k = SockRevNat6Key { cookie: c.cookie, addr: a.to_ipv6_mapped().octets(), port: c.port, _pad: 0, _pad2: 0 };
+                self.s6.get(&k, 0).ok().map(|v| (IpAddr::from(v.addr), v.port))
+            }
+            IpAddr::V6(a) => {
+                let k = SockRevNat6Key { cookie: c.cookie, addr: a.octets(), port: c.port, _pad: 0, _pad2: 0 };
+                self.s6.get(&k, 0).ok().map(|v| (IpAddr::from(v.addr), v.port))
+            }
+        }
+    }
+
+    fn forget(&mut self, c: &Conn) {
+        if let IpAddr::V4(a) = c.peer {
+            let _ = self.s4.remove(&SockRevNat4Key { cookie: c.cookie, addr: a.octets(), port: c.port, _pad: 0 });
+        }
+        let a6 = match c.peer {
+            IpAddr::V4(a) => a.to_ipv6_mapped(),
+            IpAddr::V6(a) => a,
+        };
+        let _ = self.s6.remove(&SockRevNat6Key { cookie: c.cookie, addr: a6.octets(), port: c.port, _pad: 0, _pad2: 0 });
+    }
+}
+
+impl Destroyer {
+    /// `destroyed` counts the sockets (the `lb_sockets_destroyed` metric).
+    /// `invisible` is the number of the cgroup's processes the agent cannot see
+    /// (the `lb_cgroup_processes_invisible` metric).
+    pub fn spawn(
+        bpffs: &Path,
+        cgroup: std::path::PathBuf,
+        destroyed: prometheus_client::metrics::counter::Counter,
+        invisible: prometheus_client::metrics::gauge::Gauge,
+    ) -> Result<Self> {
+        use lb_common::maps;
+        let worker = Worker {
+            s4: open_lru(bpffs, maps::SOCK_REVNAT4)?,
+            s6: open_lru(bpffs, maps::SOCK_REVNAT6)?,
+            storage: aya::maps::MapData::from_pin(crate::dataplane::loader::pin_path(bpffs, maps::SOCK_XLATE))
+                .with_context(|| format!("open pinned map {}", maps::SOCK_XLATE))?,
+            cgroup,
+            destroyed,
+            invisible,
+            logged_blind: false,
+        };
+        let (tx, rx) = std::sync::mpsc::channel::<Work>();
+        std::thread::Builder::new().name("stale-sockets".into()).spawn(move || worker.run(rx))?;
+        Ok(Self { tx })
+    }
+
+    /// Hand over pairs that stopped serving.
+    pub fn update(&self, left: BTreeSet<Pair>) {
+        let _ = self.tx.send(Work::Left(left));
+    }
+
+    /// Hand over every frontend after a full sync.
+    pub fn sweep(&self, fronts: Vec<(IpAddr, u16, std::sync::Arc<crate::model::Frontend>)>) {
+        let _ = self.tx.send(Work::Sweep(fronts));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_sockets_to_pairs_that_left_are_stale() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let vip = ip("10.96.0.10");
+        let entries = [
+            (1, ip("10.0.0.1"), 8080, Some((vip, 80))), // backend left
+            (2, ip("10.0.0.2"), 8080, Some((vip, 80))), // still serving
+            (3, ip("10.0.0.2"), 8080, Some((ip("10.96.0.11"), 80))), // same backend, other frontend that dropped it
+        ];
+        let left: BTreeSet<Pair> = [(vip, 80, ip("10.0.0.1"), 8080), (ip("10.96.0.11"), 80, ip("10.0.0.2"), 8080)].into();
+        assert_eq!(stale(&entries, &left), [1, 3]);
+        // A connection the socket-LB did not make is never stale.
+        assert!(stale(&[(4, ip("10.0.0.1"), 8080, None)], &left).is_empty());
+    }
+}

@@ -1,0 +1,84 @@
+//! The network namespaces to search: one process per netns with processes
+//! in the attached cgroup, found through /proc (the agent needs the host's
+//! PID namespace), and a sock_diag socket made inside each.
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt as _;
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
+
+/// One process per network namespace with processes in `cgroup` (and the
+/// cgroups below it).
+pub fn netns_pids(cgroup: &Path) -> Vec<u32> {
+    scan(cgroup).0
+}
+
+/// `netns_pids`, and how many of the cgroup's processes the agent cannot
+/// see: in a PID namespace of its own (a container without hostPID),
+/// `cgroup.procs` lists other namespaces' processes as 0 and /proc has no
+/// entry for them, so no pod's sockets could ever be found.
+pub fn scan(cgroup: &Path) -> (Vec<u32>, usize) {
+    let mut pids = Vec::new();
+    let mut dirs = vec![cgroup.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        if let Ok(s) = std::fs::read_to_string(d.join("cgroup.procs")) {
+            pids.extend(s.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+        }
+        if let Ok(rd) = std::fs::read_dir(&d) {
+            dirs.extend(rd.flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())).map(|e| e.path()));
+        }
+    }
+    let mut seen: HashMap<(u64, u64), u32> = HashMap::new();
+    let mut invisible = 0;
+    for pid in pids {
+        match std::fs::metadata(format!("/proc/{pid}/ns/net")) {
+            Ok(md) => {
+                seen.entry((md.dev(), md.ino())).or_insert(pid);
+            }
+            Err(_) => invisible += 1,
+        }
+    }
+    (seen.into_values().collect(), invisible)
+}
+
+/// Say loudly when the agent cannot see the processes of its cgroup (see
+/// `scan`): stale sockets would never be destroyed, silently.
+pub(super) fn check_visibility(cgroup: &Path, gauge: &prometheus_client::metrics::gauge::Gauge, logged: &mut bool) {
+    let (visible, invisible) = scan(cgroup);
+    gauge.set(invisible as i64);
+    let blind = visible.is_empty() && invisible > 0;
+    if blind && !*logged {
+        tracing::error!(
+            cgroup = %cgroup.display(),
+            processes = invisible,
+            "cannot see the processes of the cgroup (the agent runs in a PID namespace of its own?): sockets to endpoints \
+             that leave cannot be destroyed; run the agent with hostPID: true (the DaemonSet in deploy/ does)"
+        );
+    }
+    *logged = blind;
+}
+
+/// A sock_diag socket in every netns with processes in `cgroup`: a netlink
+/// socket stays in the netns it was made in, so each is made on a thread
+/// that enters the netns and is then dropped.
+pub(super) fn netns_sockets(cgroup: &Path) -> Vec<(u32, Socket)> {
+    let mut out = Vec::new();
+    for pid in netns_pids(cgroup) {
+        let Ok(ns) = std::fs::File::open(format!("/proc/{pid}/ns/net")) else { continue };
+        let made = std::thread::spawn(move || -> Result<Socket> {
+            nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).context("setns")?;
+            let mut sock = Socket::new(NETLINK_SOCK_DIAG).context("netlink sock_diag socket")?;
+            sock.bind_auto()?;
+            sock.connect(&SocketAddr::new(0, 0))?;
+            Ok(sock)
+        })
+        .join();
+        match made {
+            Ok(Ok(sock)) => out.push((pid, sock)),
+            Ok(Err(e)) => tracing::warn!("stale sockets: the netns of pid {pid}: {e:#}"),
+            Err(_) => tracing::warn!("stale sockets: the netns of pid {pid}: thread panicked"),
+        }
+    }
+    out
+}
