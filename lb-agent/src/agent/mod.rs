@@ -265,6 +265,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         model: model::Incremental::new(),
         full_needed: true,
         pending_left: BTreeSet::new(),
+        pending_joined: BTreeSet::new(),
         nat_left,
         names_changed: None,
         destroyer: if cfg.destroy_stale_sockets {

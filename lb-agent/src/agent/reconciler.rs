@@ -197,6 +197,8 @@ pub(super) struct Reconciler {
     pub(super) full_needed: bool,
     /// Pairs that stopped serving, for the destroyer once the maps hold it.
     pub(super) pending_left: BTreeSet<model::Pair>,
+    /// Pairs that started serving since, for the destroyer with them.
+    pub(super) pending_joined: BTreeSet<model::Pair>,
     /// The NAT thread, told of pairs that left so it ends their flows.
     pub(super) nat_left: std::sync::mpsc::Sender<BTreeSet<model::Pair>>,
     /// Connections to endpoints that stopped serving are destroyed by it,
@@ -340,6 +342,10 @@ impl Reconciler {
             "sync: model"
         );
         self.pending_left.extend(ch.left.iter().copied());
+        for p in &ch.joined {
+            self.pending_left.remove(p);
+        }
+        self.pending_joined.extend(ch.joined.iter().copied());
         let full = ch.full || self.full_needed;
         let mut ops = None;
         if !full {
@@ -416,13 +422,14 @@ impl Reconciler {
         if full && let Some(d) = &self.destroyer {
             d.sweep(desired.frontends.iter().map(|(k, f)| (k.addr, k.port, f.clone())).collect());
         }
-        if !self.pending_left.is_empty() {
+        let joined = std::mem::take(&mut self.pending_joined);
+        if !self.pending_left.is_empty() || !joined.is_empty() {
             let left = std::mem::take(&mut self.pending_left);
-            if self.has_external {
+            if self.has_external && !left.is_empty() {
                 let _ = self.nat_left.send(left.clone());
             }
             if let Some(d) = &self.destroyer {
-                d.update(left);
+                d.update(left, joined);
             }
         }
         Ok(())

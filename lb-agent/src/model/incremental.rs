@@ -42,6 +42,9 @@ pub struct Changes {
     /// (frontend, backend) pairs that stopped serving: connections
     /// translated to them are stale.
     pub left: BTreeSet<Pair>,
+    /// (frontend, backend) pairs that started serving (again): a pair that
+    /// left a moment ago and is back is not stale.
+    pub joined: BTreeSet<Pair>,
     /// Services and EndpointSlices added, changed or removed since the last
     /// update (kube-proxy's change counters).
     pub service_changes: u64,
@@ -361,10 +364,17 @@ impl Incremental {
             };
             if before != now {
                 ch.frontends.insert(k);
-                if let Some(b) = before {
+                if let Some(b) = &before {
                     for (a, p) in b.serving() {
                         if !now.as_ref().is_some_and(|f| f.serves(a, p)) {
                             left.push((k, a, p));
+                        }
+                    }
+                }
+                if let Some(n) = &now {
+                    for (a, p) in n.serving() {
+                        if !before.as_ref().is_some_and(|f| f.serves(a, p)) {
+                            ch.joined.insert((k.addr, k.port, a, p));
                         }
                     }
                 }

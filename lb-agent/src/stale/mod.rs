@@ -63,8 +63,9 @@ pub struct Destroyer {
 
 /// What the destroyer is handed.
 enum Work {
-    /// Pairs that stopped serving.
-    Left(BTreeSet<Pair>),
+    /// Pairs that stopped serving, and pairs that started serving (again)
+    /// in the same sync.
+    Changed { left: BTreeSet<Pair>, joined: BTreeSet<Pair> },
     /// Every frontend after a full sync: any translated socket to a pair
     /// none of them serves is stale (an endpoint removed while no agent
     /// ran, say).
@@ -107,21 +108,34 @@ impl Worker {
             // way, to an endpoint that still answers) may finish: sockets
             // still open after the grace are the ones left hanging.
             std::thread::sleep(GRACE);
-            // Everything queued, at once.
+            // Everything queued, at once, in order: a pair that left and
+            // came back is not stale; a sweep is judged by its frontends
+            // as changed since.
             let mut left = BTreeSet::new();
             let mut sweep = None;
+            let mut back = BTreeSet::new();
             for w in std::iter::once(first).chain(rx.try_iter()) {
                 match w {
-                    Work::Left(l) => left.extend(l),
-                    Work::Sweep(f) => sweep = Some(f),
+                    Work::Changed { left: l, joined } => {
+                        for p in &joined {
+                            left.remove(p);
+                        }
+                        back.retain(|p| !l.contains(p));
+                        back.extend(joined);
+                        left.extend(l);
+                    }
+                    Work::Sweep(f) => {
+                        sweep = Some(f);
+                        back.clear();
+                    }
                 }
             }
-            let fronts: Option<Fronts> = sweep.map(|s| {
+            let fronts: Option<(Fronts, BTreeSet<Pair>)> = sweep.map(|s| {
                 let mut by_addr: Fronts = HashMap::new();
                 for (a, p, f) in s {
                     by_addr.entry((a, p)).or_default().push(f);
                 }
-                by_addr
+                (by_addr, back)
             });
             if left.is_empty() && fronts.is_none() {
                 continue;
@@ -137,7 +151,7 @@ impl Worker {
 
     /// Destroy the stale sockets of one netns: connected to a pair in
     /// `left`, or (a sweep) to a pair none of `fronts` serves.
-    fn netns(&mut self, pid: u32, sock: &netlink_sys::Socket, left: &BTreeSet<Pair>, fronts: Option<&Fronts>) -> u64 {
+    fn netns(&mut self, pid: u32, sock: &netlink_sys::Socket, left: &BTreeSet<Pair>, fronts: Option<&(Fronts, BTreeSet<Pair>)>) -> u64 {
         use std::os::fd::AsFd as _;
         let peers: BTreeSet<(IpAddr, u16)> = left.iter().map(|(_, _, b, bp)| (*b, *bp)).collect();
         let conns = match connected_to(sock, fronts.is_none().then_some(&peers), self.storage.fd().as_fd()) {
@@ -149,8 +163,11 @@ impl Worker {
         };
         let candidates: Vec<Candidate<usize>> = conns.iter().enumerate().map(|(i, c)| (i, c.peer, c.port, self.translated_from(c))).collect();
         let mut judged = left.clone();
-        if let Some(fronts) = fronts {
-            let alive = |(v, vp, b, bp): &Pair| fronts.get(&(*v, *vp)).is_some_and(|fs| fs.iter().any(|f| f.serves(*b, *bp)));
+        if let Some((fronts, back)) = fronts {
+            let alive = |pair: &Pair| {
+                let (v, vp, b, bp) = pair;
+                back.contains(pair) || (!left.contains(pair) && fronts.get(&(*v, *vp)).is_some_and(|fs| fs.iter().any(|f| f.serves(*b, *bp))))
+            };
             judged.extend(candidates.iter().filter_map(|(_, b, bp, f)| f.map(|(v, vp)| (v, vp, *b, *bp))).filter(|pair| !alive(pair)));
         }
         let mut n = 0;
@@ -230,9 +247,9 @@ impl Destroyer {
         Ok(Self { tx })
     }
 
-    /// Hand over pairs that stopped serving.
-    pub fn update(&self, left: BTreeSet<Pair>) {
-        let _ = self.tx.send(Work::Left(left));
+    /// Hand over pairs that stopped serving, and those that started.
+    pub fn update(&self, left: BTreeSet<Pair>, joined: BTreeSet<Pair>) {
+        let _ = self.tx.send(Work::Changed { left, joined });
     }
 
     /// Hand over every frontend after a full sync.

@@ -92,12 +92,10 @@ fn storage_value(nlas: &[InetNla]) -> Option<lb_common::SockXlate> {
             continue;
         }
         for f in NlasIterator::new(stg.value()).flatten() {
-            if f.kind() & NLA_TYPE_MASK == SK_DIAG_BPF_STORAGE_MAP_VALUE {
-                let v = f.value();
-                if v.len() >= size_of::<lb_common::SockXlate>() {
-                    // SAFETY: SockXlate is plain old data; the read is unaligned.
-                    return Some(unsafe { std::ptr::read_unaligned(v.as_ptr().cast()) });
-                }
+            if f.kind() & NLA_TYPE_MASK == SK_DIAG_BPF_STORAGE_MAP_VALUE
+                && let Some(v) = f.value().get(..size_of::<lb_common::SockXlate>())
+            {
+                return Some(bytemuck::pod_read_unaligned(v));
             }
         }
     }
