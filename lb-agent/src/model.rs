@@ -8,7 +8,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Node, ServicePort};
+use k8s_openapi::api::core::v1::Node;
 
 pub mod objects;
 pub use objects::{Endpoint, EndpointSlice, Service};
@@ -182,6 +182,24 @@ pub struct Frontend {
 }
 
 impl Frontend {
+    /// A frontend of Service port `port_name` with nothing set yet.
+    pub fn new(service: ServiceRef, port_name: String) -> Self {
+        Frontend {
+            service,
+            port_name,
+            backends: Vec::new(),
+            local_only: false,
+            local_backends: Vec::new(),
+            affinity_timeout: None,
+            topology: false,
+            external: false,
+            ext_local: false,
+            no_socket: false,
+            source_ranges: Vec::new(),
+            extra_serving: Vec::new(),
+        }
+    }
+
     /// Every endpoint that still serves, picked or not: connections to the
     /// others are stale. Sorted.
     pub fn serving(&self) -> Vec<(IpAddr, u16)> {
@@ -294,131 +312,6 @@ fn skip_reason(svc: &Service) -> Option<&'static str> {
     }
 }
 
-/// The endpoint conditions, with the API's defaults: a nil `ready` means
-/// ready, a nil `serving` means the value of `ready`, a nil `terminating` false.
-#[derive(Clone)]
-struct Conditions {
-    ready: bool,
-    serving: bool,
-    terminating: bool,
-    /// The zones of the endpoint's topology hints (empty: no hints).
-    zones: BTreeSet<String>,
-    /// The nodes of its hints (`hints.forNodes`, PreferSameNode; empty: none).
-    nodes: BTreeSet<String>,
-}
-
-fn conditions(ep: &Endpoint) -> Conditions {
-    let c = ep.conditions.as_ref();
-    let ready = c.and_then(|c| c.ready).unwrap_or(true);
-    let h = ep.hints.as_ref();
-    Conditions {
-        ready,
-        serving: c.and_then(|c| c.serving).unwrap_or(ready),
-        terminating: c.and_then(|c| c.terminating).unwrap_or(false),
-        zones: h.and_then(|h| h.for_zones.as_ref()).map(|z| z.iter().map(|z| z.name.clone()).collect()).unwrap_or_default(),
-        nodes: h.and_then(|h| h.for_nodes.as_ref()).map(|n| n.iter().map(|n| n.name.clone()).collect()).unwrap_or_default(),
-    }
-}
-
-/// Which topology hints narrow the cluster set.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Hint<'a> {
-    /// `forNodes` (trafficDistribution: PreferSameNode): endpoints hinted
-    /// for this node.
-    Node(&'a str),
-    /// `forZones` (PreferSameZone, PreferClose, or the topology-aware-routing
-    /// annotation): endpoints hinted for this node's zone.
-    Zone(&'a str),
-}
-
-impl Hint<'_> {
-    fn admits(&self, c: &Conditions) -> bool {
-        match self {
-            Hint::Node(n) => c.nodes.contains(*n),
-            Hint::Zone(z) => c.zones.contains(*z),
-        }
-    }
-}
-
-/// kube-proxy's rule for topology hints (pkg/proxy/topology.go,
-/// topologyModeFromHints): node hints when every ready endpoint has them and
-/// one is for this node; else zone hints when every ready endpoint has them
-/// and one is for this node's zone; else none (all ready endpoints). Hints
-/// come from the EndpointSlice controller, which reads trafficDistribution:
-/// a value it does not know gives no hints, and so changes nothing here.
-fn topology_hint<'a>(candidates: &[(Backend, Conditions)], node: &'a NodeInfo) -> Option<Hint<'a>> {
-    let zone = node.zone.as_deref();
-    let (mut all_nodes, mut for_node, mut all_zones, mut for_zone) = (true, false, true, false);
-    for (_, c) in candidates.iter().filter(|(_, c)| c.ready) {
-        if c.nodes.is_empty() {
-            all_nodes = false;
-        } else if c.nodes.contains(&node.name) {
-            for_node = true;
-        }
-        if c.zones.is_empty() {
-            all_zones = false;
-        } else if zone.is_some_and(|z| c.zones.contains(z)) {
-            for_zone = true;
-        }
-    }
-    if all_nodes && for_node {
-        return Some(Hint::Node(&node.name));
-    }
-    if all_zones && for_zone {
-        return zone.map(Hint::Zone);
-    }
-    None
-}
-
-/// KEP-1669: the ready endpoints (those the hint admits, when topology
-/// applies), or when there are none, the serving and terminating ones
-/// (whatever their hints: a best effort not to drop connections).
-fn usable(candidates: &[(Backend, Conditions)], hint: Option<Hint<'_>>) -> Vec<Backend> {
-    let ready: BTreeSet<Backend> = candidates
-        .iter()
-        .filter(|(_, c)| c.ready && hint.is_none_or(|h| h.admits(c)))
-        .map(|(b, _)| Backend { terminating: false, ..*b })
-        .collect();
-    if !ready.is_empty() {
-        return ready.into_iter().collect();
-    }
-    candidates
-        .iter()
-        .filter(|(_, c)| c.serving && c.terminating)
-        .map(|(b, _)| Backend { terminating: true, ..*b })
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .collect()
-}
-
-/// Deduplicate by address and port: the same endpoint listed twice (in two
-/// slices, say) is one backend. Where copies disagree, the more usable wins.
-fn dedup(v: Vec<(Backend, Conditions)>) -> Vec<(Backend, Conditions)> {
-    let mut by_addr: BTreeMap<(IpAddr, u16), (Backend, Conditions)> = BTreeMap::new();
-    for (b, c) in v {
-        let rank = |c: &Conditions| (c.ready, c.serving, !c.terminating);
-        match by_addr.get(&(b.addr, b.port)) {
-            Some((_, old)) if rank(old) >= rank(&c) => {}
-            _ => {
-                by_addr.insert((b.addr, b.port), (b, c));
-            }
-        }
-    }
-    by_addr.into_values().collect()
-}
-
-/// The EndpointSlice port that a Service port maps to: matched by name
-/// (both unnamed counts as a match) and protocol.
-fn slice_port(slice: &EndpointSlice, sp: &ServicePort, proto: Proto) -> Option<u16> {
-    let want = sp.name.as_deref().unwrap_or("");
-    slice.ports.as_ref()?.iter().find_map(|p| {
-        let name = p.name.as_deref().unwrap_or("");
-        (name == want && parse_proto(p.protocol.as_deref()) == Some(proto))
-            .then_some(p.port)
-            .flatten()
-            .and_then(valid_port)
-    })
-}
 
 /// Compute the desired state of k8s-openapi objects with the default
 /// options.
@@ -433,262 +326,6 @@ pub fn compute(
     compute_with(&services, &slices, node, &Options::default())
 }
 
-/// What one Service contributes to the desired state, before conflicts
-/// with other Services are settled.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ServiceOut {
-    /// Frontends in the order the Service claims them, each key once, and
-    /// whether the claim is external (NodePort, LB IP, externalIP).
-    pub frontends: Vec<(FrontendKey, Arc<Frontend>, bool)>,
-    /// The ClusterIPs it serves (empty: the Service is not served).
-    pub vips: Vec<IpAddr>,
-    pub node_ports: BTreeSet<(u16, Proto)>,
-    pub health_check: Option<(u16, HealthCheck)>,
-    pub warnings: Vec<String>,
-}
-
-/// The warning for a frontend that an earlier Service already has.
-fn lost_warning(sref: &ServiceRef, key: &FrontendKey, external: bool) -> String {
-    if external {
-        format!("Service {sref}: {key} is already a frontend of another Service, ignored")
-    } else {
-        format!("Service {sref}: {key} is already a frontend, ignored")
-    }
-}
-
-/// Sort objects of one name by content, so that duplicates (a mistake in a
-/// directory of files) resolve the same way whatever the input order.
-fn by_content<T: serde::Serialize>(a: &T, b: &T) -> std::cmp::Ordering {
-    serde_json::to_string(a).unwrap_or_default().cmp(&serde_json::to_string(b).unwrap_or_default())
-}
-
-/// The contribution of the Service `sref`: `services` are its definitions
-/// (more than one is a mistake; one is used), `slices` the EndpointSlices
-/// labelled with it (FQDN slices already left out). Any order.
-pub fn compute_service<S, E>(sref: &ServiceRef, services: &[S], slices: &[E], node: &NodeInfo, opts: &Options) -> ServiceOut
-where
-    S: std::borrow::Borrow<Service>,
-    E: std::borrow::Borrow<EndpointSlice>,
-{
-    let mut out = ServiceOut::default();
-    let mut defs: Vec<&Service> = services.iter().map(|s| s.borrow()).collect();
-    if defs.len() > 1 {
-        defs.sort_by(|a, b| by_content(*a, *b));
-        for _ in 1..defs.len() {
-            out.warnings.push(format!("Service {sref} is defined more than once; one definition is used"));
-        }
-    }
-    let Some(svc) = defs.first().copied() else { return out };
-    if let Some(reason) = skip_reason(svc) {
-        tracing::debug!(service = %sref, reason, "not served");
-        return out;
-    }
-    // Slices in a stable order: by name, identical names by content.
-    let mut svc_slices: Vec<&EndpointSlice> = slices.iter().map(|s| s.borrow()).collect();
-    svc_slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name).then_with(|| by_content(*a, *b)));
-    let svc_slices = svc_slices.as_slice();
-    let mut claimed: BTreeSet<FrontendKey> = BTreeSet::new();
-    let Some(spec) = svc.spec.as_ref() else { return out };
-
-    let mut vips: Vec<IpAddr> = Vec::new();
-    let raw: Vec<&String> = match spec.cluster_ips.as_ref().filter(|v| !v.is_empty()) {
-        Some(ips) => ips.iter().collect(),
-        None => spec.cluster_ip.iter().collect(),
-    };
-    for ip in raw {
-        match ip.parse::<IpAddr>() {
-            Ok(a) if !usable_ip(&a) => out.warnings.push(format!("Service {sref}: clusterIP {ip:?} is not usable, ignored")),
-            Ok(a) if !vips.contains(&a) => vips.push(a),
-            Ok(_) => {}
-            Err(_) => out.warnings.push(format!("Service {sref}: invalid clusterIP {ip:?}, ignored")),
-        }
-    }
-    if vips.is_empty() {
-        return out;
-    }
-
-    let local_only = spec.internal_traffic_policy.as_deref() == Some("Local");
-    let affinity_timeout = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
-        spec.session_affinity_config
-            .as_ref()
-            .and_then(|c| c.client_ip.as_ref())
-            .and_then(|c| c.timeout_seconds)
-            .and_then(|t| u32::try_from(t).ok())
-            .filter(|t| *t > 0)
-            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT)
-    });
-
-    for sp in spec.ports.iter().flatten() {
-        let Some(proto) = parse_proto(sp.protocol.as_deref()) else {
-            out.warnings.push(format!(
-                "Service {sref}: port {} protocol {} is not supported, ignored",
-                sp.port,
-                sp.protocol.as_deref().unwrap_or("")
-            ));
-            continue;
-        };
-        let Some(port) = valid_port(sp.port) else {
-            out.warnings.push(format!("Service {sref}: invalid port {}, ignored", sp.port));
-            continue;
-        };
-        // The endpoints of this port, per family.
-        let endpoints = |v4: bool| -> Vec<(Backend, Conditions)> {
-            let mut all = Vec::new();
-            for slice in svc_slices {
-                let family_ok = match slice.address_type.as_str() {
-                    "IPv4" => v4,
-                    "IPv6" => !v4,
-                    _ => false,
-                };
-                if !family_ok {
-                    continue;
-                }
-                let Some(target) = slice_port(slice, sp, proto) else { continue };
-                for ep in &slice.endpoints {
-                    let local = ep.node_name.as_deref() == Some(node.name.as_str()) && !node.name.is_empty();
-                    for addr in ep.addresses.iter().copied() {
-                        if addr.is_ipv4() != v4 || !usable_ip(&addr) {
-                            continue;
-                        }
-                        all.push((Backend { addr, port: target, local, terminating: false }, conditions(ep)));
-                    }
-                }
-            }
-            dedup(all)
-        };
-        let base = Frontend {
-            service: sref.clone(),
-            port_name: sp.name.clone().unwrap_or_default(),
-            backends: Vec::new(),
-            local_only: false,
-            local_backends: Vec::new(),
-            affinity_timeout,
-            topology: false,
-            external: false,
-            ext_local: false,
-            no_socket: false,
-            source_ranges: Vec::new(),
-            extra_serving: Vec::new(),
-        };
-        // (cluster set, topology applied, local set, other serving) for one family.
-        let sets = |v4: bool, topology: bool| {
-            let all = endpoints(v4);
-            let hint = if topology { topology_hint(&all, node) } else { None };
-            let cluster = usable(&all, hint);
-            let local_candidates: Vec<_> = all.iter().filter(|(b, _)| b.local).cloned().collect();
-            let local = usable(&local_candidates, None);
-            let picked = |a: IpAddr, p: u16| cluster.iter().chain(&local).any(|b| b.addr == a && b.port == p);
-            let extra: Vec<(IpAddr, u16)> =
-                all.iter().filter(|(b, c)| c.serving && !picked(b.addr, b.port)).map(|(b, _)| (b.addr, b.port)).collect();
-            (cluster, hint.is_some(), local, extra)
-        };
-        for vip in &vips {
-            let key = FrontendKey { addr: *vip, port, proto };
-            if !claimed.insert(key) {
-                out.warnings.push(lost_warning(sref, &key, false));
-                continue;
-            }
-            // Topology applies to cluster-wide traffic only.
-            let (backends, topology, local_backends, serving) = sets(vip.is_ipv4(), !local_only);
-            out.frontends.push((
-                key,
-                Arc::new(Frontend { backends, local_only, local_backends, topology, extra_serving: serving, ..base.clone() }),
-                false,
-            ));
-        }
-
-        // NodePort, LoadBalancer IPs and externalIPs: traffic from outside.
-        let mut external: Vec<(IpAddr, u16, bool, bool)> = Vec::new(); // addr, port, no_socket, lb_ip
-        if matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"))
-            && let Some(np) = sp.node_port
-        {
-            match valid_port(np) {
-                Some(np) => {
-                    out.node_ports.insert((np, proto));
-                    external.extend(node.addresses.iter().map(|a| (*a, np, false, false)));
-                }
-                None => out.warnings.push(format!("Service {sref}: invalid nodePort {np}, ignored")),
-            }
-        }
-        if spec.type_.as_deref() == Some("LoadBalancer") {
-            let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
-            for ing in ingress.into_iter().flatten() {
-                // ipMode Proxy: the load balancer proxies to the nodes;
-                // its IP is not short-circuited.
-                if ing.ip_mode.as_deref() == Some("Proxy") {
-                    continue;
-                }
-                match ing.ip.as_deref().map(str::parse::<IpAddr>) {
-                    Some(Ok(a)) if usable_ip(&a) => external.push((a, port, false, true)),
-                    Some(_) => out.warnings.push(format!("Service {sref}: invalid load balancer ingress IP {:?}", ing.ip)),
-                    None => {}
-                }
-            }
-        }
-        for ip in spec.external_ips.iter().flatten() {
-            match ip.parse::<IpAddr>() {
-                Ok(a) if usable_ip(&a) => external.push((a, port, !opts.external_ip_socket, false)),
-                _ => out.warnings.push(format!("Service {sref}: invalid externalIP {ip:?}, ignored")),
-            }
-        }
-        let ext_local = spec.external_traffic_policy.as_deref() == Some("Local");
-        let ranges: Vec<(IpAddr, u8)> = spec
-            .load_balancer_source_ranges
-            .iter()
-            .flatten()
-            .filter_map(|r| {
-                let c = parse_cidr(r);
-                if c.is_none() {
-                    out.warnings.push(format!("Service {sref}: invalid loadBalancerSourceRange {r:?}, ignored"));
-                }
-                c
-            })
-            .collect();
-        for (addr, eport, no_socket, lb_ip) in external {
-            let key = FrontendKey { addr, port: eport, proto };
-            if !claimed.insert(key) {
-                out.warnings.push(lost_warning(sref, &key, true));
-                continue;
-            }
-            let (backends, topology, local_backends, serving) = sets(addr.is_ipv4(), true);
-            let source_ranges: Vec<(IpAddr, u8)> = if lb_ip {
-                ranges.iter().filter(|(a, _)| a.is_ipv4() == addr.is_ipv4()).copied().collect()
-            } else {
-                Vec::new()
-            };
-            out.frontends.push((
-                key,
-                Arc::new(Frontend {
-                    backends,
-                    local_backends,
-                    topology,
-                    external: true,
-                    ext_local,
-                    no_socket,
-                    source_ranges,
-                    extra_serving: serving,
-                    ..base.clone()
-                }),
-                true,
-            ));
-        }
-    }
-    // kube-proxy's health check for externalTrafficPolicy Local.
-    if spec.external_traffic_policy.as_deref() == Some("Local")
-        && spec.type_.as_deref() == Some("LoadBalancer")
-        && let Some(hc) = spec.health_check_node_port.and_then(valid_port)
-    {
-        let local: BTreeSet<IpAddr> = svc_slices
-            .iter()
-            .flat_map(|s| s.endpoints.iter())
-            .filter(|ep| ep.node_name.as_deref() == Some(node.name.as_str()) && conditions(ep).ready)
-            .flat_map(|ep| ep.addresses.iter().copied())
-            .collect();
-        out.health_check = Some((hc, HealthCheck { service: sref.clone(), local_endpoints: local.len() }));
-    }
-    out.vips = vips;
-    out
-}
 
 /// The Service an EndpointSlice belongs to: Err(warning) when it has no
 /// owner label, Ok(None) when it is ignored (FQDN).
@@ -751,8 +388,12 @@ where
     out
 }
 
+mod endpoints;
 mod incremental;
+mod service;
 pub use incremental::{Changes, Incremental, Pair};
+pub use service::{ServiceOut, compute_service};
+use service::lost_warning;
 
 #[cfg(test)]
 mod proptests;
@@ -760,6 +401,7 @@ mod proptests;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::ServicePort;
     use k8s_openapi::api::core::v1::{ClientIPConfig, Service, ServiceSpec, SessionAffinityConfig};
     use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointHints, EndpointPort, EndpointSlice, ForZone};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;

@@ -236,11 +236,8 @@ pub async fn run(bpffs: &Path, service: Option<&str>, json: bool, agent: &str, m
                 let mut guard = guard?;
                 let (wall, mono) = (SystemTime::now(), monotonic_ns());
                 while let Some(item) = guard.get_inner_mut().next() {
-                    if item.len() < size_of::<MonitorEvent>() {
-                        continue;
-                    }
-                    // SAFETY: the programs write whole MonitorEvents; read unaligned.
-                    let ev: MonitorEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+                    let Some(bytes) = item.get(..size_of::<MonitorEvent>()) else { continue };
+                    let ev: MonitorEvent = bytemuck::pod_read_unaligned(bytes);
                     let l = line(&ev, &names, wall, mono);
                     if want.as_ref().is_some_and(|w| l.service.as_ref().is_none_or(|s| s != w && !s.starts_with(&format!("{w}:")))) {
                         continue;

@@ -154,6 +154,7 @@ pub struct SockRevNatValue<A> {
 /// in the first 4 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct SockXlate {
     /// The frontend the socket asked for.
     pub front: [u8; 16],
@@ -204,6 +205,7 @@ pub struct SvcStats {
 /// buffer of each monitor that runs (`LB_EVENTS<n>`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct MonitorEvent {
     /// bpf_ktime_get_ns (CLOCK_MONOTONIC).
     pub ts_ns: u64,

@@ -2,9 +2,11 @@
 //! It knows nothing about Kubernetes; it takes desired frontends and backends.
 pub mod bpflog;
 pub mod btf;
+pub mod build;
 pub mod checks;
 pub mod inspect;
 pub mod loader;
 pub mod maps;
+pub mod table;
 pub mod upgrade;
 pub mod writer;

@@ -1,0 +1,280 @@
+//! One Service's contribution to the desired state: its ClusterIP
+//! frontends, its external frontends (NodePort, LoadBalancer IPs,
+//! externalIPs) and kube-proxy's health check for externalTrafficPolicy
+//! Local. Which endpoints serve a port is `endpoints`' job.
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::ServicePort;
+
+use super::endpoints::{PortEndpoints, Sets, conditions};
+use super::objects::ServiceSpec;
+use super::{
+    DEFAULT_AFFINITY_TIMEOUT, EndpointSlice, Frontend, FrontendKey, HealthCheck, NodeInfo, Options, Proto, Service, ServiceRef,
+    parse_cidr, parse_proto, skip_reason, usable_ip, valid_port,
+};
+
+/// What one Service contributes to the desired state, before conflicts
+/// with other Services are settled.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ServiceOut {
+    /// Frontends in the order the Service claims them, each key once, and
+    /// whether the claim is external (NodePort, LB IP, externalIP).
+    pub frontends: Vec<(FrontendKey, Arc<Frontend>, bool)>,
+    /// The ClusterIPs it serves (empty: the Service is not served).
+    pub vips: Vec<IpAddr>,
+    pub node_ports: BTreeSet<(u16, Proto)>,
+    pub health_check: Option<(u16, HealthCheck)>,
+    pub warnings: Vec<String>,
+}
+
+impl ServiceOut {
+    /// Claim `key` for `front` unless this Service has it already.
+    fn claim(&mut self, claimed: &mut BTreeSet<FrontendKey>, sref: &ServiceRef, key: FrontendKey, front: Frontend, external: bool) {
+        if claimed.insert(key) {
+            self.frontends.push((key, Arc::new(front), external));
+        } else {
+            self.warnings.push(lost_warning(sref, &key, external));
+        }
+    }
+}
+
+/// The warning for a frontend that an earlier Service already has.
+pub(super) fn lost_warning(sref: &ServiceRef, key: &FrontendKey, external: bool) -> String {
+    if external {
+        format!("Service {sref}: {key} is already a frontend of another Service, ignored")
+    } else {
+        format!("Service {sref}: {key} is already a frontend, ignored")
+    }
+}
+
+/// Sort objects of one name by content, so that duplicates (a mistake in a
+/// directory of files) resolve the same way whatever the input order.
+pub(super) fn by_content<T: serde::Serialize>(a: &T, b: &T) -> std::cmp::Ordering {
+    serde_json::to_string(a).unwrap_or_default().cmp(&serde_json::to_string(b).unwrap_or_default())
+}
+
+/// The contribution of the Service `sref`: `services` are its definitions
+/// (more than one is a mistake; one is used), `slices` the EndpointSlices
+/// labelled with it (FQDN slices already left out). Any order.
+pub fn compute_service<S, E>(sref: &ServiceRef, services: &[S], slices: &[E], node: &NodeInfo, opts: &Options) -> ServiceOut
+where
+    S: std::borrow::Borrow<Service>,
+    E: std::borrow::Borrow<EndpointSlice>,
+{
+    let mut out = ServiceOut::default();
+    let mut defs: Vec<&Service> = services.iter().map(|s| s.borrow()).collect();
+    if defs.len() > 1 {
+        defs.sort_by(|a, b| by_content(*a, *b));
+        for _ in 1..defs.len() {
+            out.warnings.push(format!("Service {sref} is defined more than once; one definition is used"));
+        }
+    }
+    let Some(svc) = defs.first().copied() else { return out };
+    if let Some(reason) = skip_reason(svc) {
+        tracing::debug!(service = %sref, reason, "not served");
+        return out;
+    }
+    // Slices in a stable order: by name, identical names by content.
+    let mut svc_slices: Vec<&EndpointSlice> = slices.iter().map(|s| s.borrow()).collect();
+    svc_slices.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name).then_with(|| by_content(*a, *b)));
+    let Some(spec) = svc.spec.as_ref() else { return out };
+    let vips = cluster_ips(sref, spec, &mut out.warnings);
+    if vips.is_empty() {
+        return out;
+    }
+    let mut claimed: BTreeSet<FrontendKey> = BTreeSet::new();
+    for sp in spec.ports.iter().flatten() {
+        let Some(proto) = parse_proto(sp.protocol.as_deref()) else {
+            out.warnings.push(format!(
+                "Service {sref}: port {} protocol {} is not supported, ignored",
+                sp.port,
+                sp.protocol.as_deref().unwrap_or("")
+            ));
+            continue;
+        };
+        let Some(port) = valid_port(sp.port) else {
+            out.warnings.push(format!("Service {sref}: invalid port {}, ignored", sp.port));
+            continue;
+        };
+        let p = Port {
+            sref,
+            svc,
+            spec,
+            sp,
+            port,
+            proto,
+            node,
+            opts,
+            eps: PortEndpoints { slices: &svc_slices, sp, proto, node },
+            base: base_frontend(sref, spec, sp),
+        };
+        cluster_frontends(&mut out, &mut claimed, &p, &vips);
+        external_frontends(&mut out, &mut claimed, &p);
+    }
+    out.health_check = health_check(sref, spec, &svc_slices, node);
+    out.vips = vips;
+    out
+}
+
+/// The ClusterIPs, each once, with a warning for each unusable one.
+fn cluster_ips(sref: &ServiceRef, spec: &ServiceSpec, warnings: &mut Vec<String>) -> Vec<IpAddr> {
+    let mut vips: Vec<IpAddr> = Vec::new();
+    let raw: Vec<&String> = match spec.cluster_ips.as_ref().filter(|v| !v.is_empty()) {
+        Some(ips) => ips.iter().collect(),
+        None => spec.cluster_ip.iter().collect(),
+    };
+    for ip in raw {
+        match ip.parse::<IpAddr>() {
+            Ok(a) if !usable_ip(&a) => warnings.push(format!("Service {sref}: clusterIP {ip:?} is not usable, ignored")),
+            Ok(a) if !vips.contains(&a) => vips.push(a),
+            Ok(_) => {}
+            Err(_) => warnings.push(format!("Service {sref}: invalid clusterIP {ip:?}, ignored")),
+        }
+    }
+    vips
+}
+
+/// One Service port and what its frontends are made from.
+struct Port<'a> {
+    sref: &'a ServiceRef,
+    svc: &'a Service,
+    spec: &'a ServiceSpec,
+    sp: &'a ServicePort,
+    port: u16,
+    proto: Proto,
+    node: &'a NodeInfo,
+    opts: &'a Options,
+    eps: PortEndpoints<'a>,
+    /// What every frontend of the port shares.
+    base: Frontend,
+}
+
+/// What every frontend of one Service port shares.
+fn base_frontend(sref: &ServiceRef, spec: &ServiceSpec, sp: &ServicePort) -> Frontend {
+    let affinity_timeout = (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
+        spec.session_affinity_config
+            .as_ref()
+            .and_then(|c| c.client_ip.as_ref())
+            .and_then(|c| c.timeout_seconds)
+            .and_then(|t| u32::try_from(t).ok())
+            .filter(|t| *t > 0)
+            .unwrap_or(DEFAULT_AFFINITY_TIMEOUT)
+    });
+    Frontend { affinity_timeout, ..Frontend::new(sref.clone(), sp.name.clone().unwrap_or_default()) }
+}
+
+/// One frontend per ClusterIP, following internalTrafficPolicy (topology
+/// applies to cluster-wide traffic only).
+fn cluster_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>, p: &Port<'_>, vips: &[IpAddr]) {
+    let local_only = p.spec.internal_traffic_policy.as_deref() == Some("Local");
+    for vip in vips {
+        let Sets { cluster, topology, local, extra } = p.eps.sets(vip.is_ipv4(), !local_only);
+        let front = Frontend { backends: cluster, local_only, local_backends: local, topology, extra_serving: extra, ..p.base.clone() };
+        out.claim(claimed, p.sref, FrontendKey { addr: *vip, port: p.port, proto: p.proto }, front, false);
+    }
+}
+
+/// An address traffic from outside arrives at.
+struct External {
+    addr: IpAddr,
+    port: u16,
+    /// In-cluster connects to it are not translated (externalIPs, by
+    /// `Options::external_ip_socket`).
+    no_socket: bool,
+    /// A LoadBalancer ingress IP: loadBalancerSourceRanges apply.
+    lb_ip: bool,
+}
+
+/// The NodePort on every node address, the LoadBalancer ingress IPs (not
+/// those with ipMode Proxy) and the externalIPs of one Service port.
+fn external_addresses(out: &mut ServiceOut, p: &Port<'_>) -> Vec<External> {
+    let Port { sref, svc, spec, sp, port, proto, node, opts, .. } = *p;
+    let mut external = Vec::new();
+    if matches!(spec.type_.as_deref(), Some("NodePort" | "LoadBalancer"))
+        && let Some(np) = sp.node_port
+    {
+        match valid_port(np) {
+            Some(np) => {
+                out.node_ports.insert((np, proto));
+                external.extend(node.addresses.iter().map(|a| External { addr: *a, port: np, no_socket: false, lb_ip: false }));
+            }
+            None => out.warnings.push(format!("Service {sref}: invalid nodePort {np}, ignored")),
+        }
+    }
+    if spec.type_.as_deref() == Some("LoadBalancer") {
+        let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
+        for ing in ingress.into_iter().flatten() {
+            // ipMode Proxy: the load balancer proxies to the nodes; its IP
+            // is not short-circuited.
+            if ing.ip_mode.as_deref() == Some("Proxy") {
+                continue;
+            }
+            match ing.ip.as_deref().map(str::parse::<IpAddr>) {
+                Some(Ok(a)) if usable_ip(&a) => external.push(External { addr: a, port, no_socket: false, lb_ip: true }),
+                Some(_) => out.warnings.push(format!("Service {sref}: invalid load balancer ingress IP {:?}", ing.ip)),
+                None => {}
+            }
+        }
+    }
+    for ip in spec.external_ips.iter().flatten() {
+        match ip.parse::<IpAddr>() {
+            Ok(a) if usable_ip(&a) => external.push(External { addr: a, port, no_socket: !opts.external_ip_socket, lb_ip: false }),
+            _ => out.warnings.push(format!("Service {sref}: invalid externalIP {ip:?}, ignored")),
+        }
+    }
+    external
+}
+
+/// loadBalancerSourceRanges, with a warning for each invalid one.
+fn source_ranges(sref: &ServiceRef, spec: &ServiceSpec, warnings: &mut Vec<String>) -> Vec<(IpAddr, u8)> {
+    let mut ranges = Vec::new();
+    for r in spec.load_balancer_source_ranges.iter().flatten() {
+        match parse_cidr(r) {
+            Some(c) => ranges.push(c),
+            None => warnings.push(format!("Service {sref}: invalid loadBalancerSourceRange {r:?}, ignored")),
+        }
+    }
+    ranges
+}
+
+/// One frontend per external address, following externalTrafficPolicy.
+fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>, p: &Port<'_>) {
+    let external = external_addresses(out, p);
+    let ext_local = p.spec.external_traffic_policy.as_deref() == Some("Local");
+    let ranges = source_ranges(p.sref, p.spec, &mut out.warnings);
+    for e in external {
+        let Sets { cluster, topology, local, extra } = p.eps.sets(e.addr.is_ipv4(), true);
+        let source_ranges: Vec<(IpAddr, u8)> =
+            if e.lb_ip { ranges.iter().filter(|(a, _)| a.is_ipv4() == e.addr.is_ipv4()).copied().collect() } else { Vec::new() };
+        let front = Frontend {
+            backends: cluster,
+            local_backends: local,
+            topology,
+            external: true,
+            ext_local,
+            no_socket: e.no_socket,
+            source_ranges,
+            extra_serving: extra,
+            ..p.base.clone()
+        };
+        out.claim(claimed, p.sref, FrontendKey { addr: e.addr, port: e.port, proto: p.proto }, front, true);
+    }
+}
+
+/// kube-proxy's health check for a LoadBalancer Service with
+/// externalTrafficPolicy Local: the ready endpoints on this node.
+fn health_check(sref: &ServiceRef, spec: &ServiceSpec, slices: &[&EndpointSlice], node: &NodeInfo) -> Option<(u16, HealthCheck)> {
+    if spec.external_traffic_policy.as_deref() != Some("Local") || spec.type_.as_deref() != Some("LoadBalancer") {
+        return None;
+    }
+    let hc = spec.health_check_node_port.and_then(valid_port)?;
+    let local: BTreeSet<IpAddr> = slices
+        .iter()
+        .flat_map(|s| s.endpoints.iter())
+        .filter(|ep| ep.node_name.as_deref() == Some(node.name.as_str()) && conditions(ep).ready)
+        .flat_map(|ep| ep.addresses.iter().copied())
+        .collect();
+    Some((hc, HealthCheck { service: sref.clone(), local_endpoints: local.len() }))
+}
