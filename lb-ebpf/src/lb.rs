@@ -313,8 +313,12 @@ impl Family for V6 {
     }
 }
 
+/// Count one datapath event (`lb_common::stats`, the per-CPU `LB_STATS`
+/// array behind `lb_datapath_events_total`); not to be confused with a
+/// frontend's backend count (`SvcValue::count`) or its connection counters
+/// (`account`).
 #[inline(always)]
-pub fn count(index: u32) {
+pub fn event(index: u32) {
     if let Some(p) = LB_STATS.get_ptr_mut(index) {
         // SAFETY: per-CPU slot, only this CPU writes it while we run.
         unsafe { *p += 1 };
@@ -373,7 +377,7 @@ pub fn select<F: Family>(
             if let Some(m) = F::svc(&SvcKey::new(addr, 0, 0, SCOPE_ALL, 0))
                 && m.flags & svc_flags::VIP_MARKER != 0
             {
-                count(stats::REFUSED_NO_PORT);
+                event(stats::REFUSED_NO_PORT);
                 return Verdict::Refuse { errno: ECONNREFUSED, why: monitor::WHY_WRONG_PORT, rev_nat_id: 0 };
             }
             return Verdict::Pass;
@@ -386,11 +390,11 @@ pub fn select<F: Family>(
             let local = F::svc(&SvcKey::new(addr, port, proto, SCOPE_LOCAL, 0)).map_or(0, |v| v.count);
             if local == 0 {
                 if front.count == 0 {
-                    count(stats::REFUSED_NO_ENDPOINTS);
+                    event(stats::REFUSED_NO_ENDPOINTS);
                     account(STATS_FRONTEND, F::ID, front.rev_nat_id as u32, Acct::Refused);
                     return Verdict::Refuse { errno: ECONNREFUSED, why: monitor::WHY_NO_ENDPOINTS, rev_nat_id: front.rev_nat_id };
                 }
-                count(stats::UNREACH_NO_LOCAL);
+                event(stats::UNREACH_NO_LOCAL);
                 account(STATS_FRONTEND, F::ID, front.rev_nat_id as u32, Acct::Unreachable);
                 return Verdict::Refuse {
                     errno: EHOSTUNREACH,
@@ -403,7 +407,7 @@ pub fn select<F: Family>(
             (SCOPE_ALL, front.count)
         };
         if n == 0 {
-            count(stats::REFUSED_NO_ENDPOINTS);
+            event(stats::REFUSED_NO_ENDPOINTS);
             account(STATS_FRONTEND, F::ID, front.rev_nat_id as u32, Acct::Refused);
             return Verdict::Refuse { errno: ECONNREFUSED, why: monitor::WHY_NO_ENDPOINTS, rev_nat_id: front.rev_nat_id };
         }
@@ -420,7 +424,7 @@ pub fn select<F: Family>(
                 Client::Addr(a) => akey.client = a,
             }
             if let Some((backend, backend_id)) = affine::<F>(&akey, front.affinity_timeout, now) {
-                count(stats::AFFINITY_HIT);
+                event(stats::AFFINITY_HIT);
                 return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id, why: monitor::WHY_AFFINITY };
             }
         }
@@ -432,11 +436,11 @@ pub fn select<F: Family>(
         };
         let slot = (r % n as u32) as u16 + 1;
         let Some(sv) = F::svc(&SvcKey::new(addr, port, proto, scope, slot)) else {
-            count(stats::RETRIED);
+            event(stats::RETRIED);
             continue;
         };
         let Some(backend) = F::backend(sv.backend_id) else {
-            count(stats::RETRIED);
+            event(stats::RETRIED);
             continue;
         };
         if affinity {
@@ -447,7 +451,7 @@ pub fn select<F: Family>(
         return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id: sv.backend_id, why };
     }
     // Every attempt raced with an update: refuse rather than guess.
-    count(stats::REFUSED_NO_ENDPOINTS);
+    event(stats::REFUSED_NO_ENDPOINTS);
     Verdict::Refuse { errno: ECONNREFUSED, why: monitor::WHY_NO_ENDPOINTS, rev_nat_id: 0 }
 }
 

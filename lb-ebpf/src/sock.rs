@@ -290,7 +290,7 @@ fn xlate4_to(ctx: &SockAddrContext, stable: bool, proto: u8, addr: [u8; 4], port
                 set_ip4(ctx, backend.addr);
             }
             set_port(ctx, backend.port);
-            lb::count(stats::TRANSLATED);
+            lb::event(stats::TRANSLATED);
             ALLOW
         }
     }
@@ -344,7 +344,7 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
             }
             set_ip6(ctx, backend.addr);
             set_port(ctx, backend.port);
-            lb::count(stats::TRANSLATED);
+            lb::event(stats::TRANSLATED);
             ALLOW
         }
     }
@@ -375,7 +375,7 @@ fn reverse4(ctx: &SockAddrContext) {
     if let Some((a, p)) = found {
         set_ip4(ctx, a);
         set_port(ctx, p);
-        lb::count(stats::REVERSED);
+        lb::event(stats::REVERSED);
     }
 }
 
@@ -392,7 +392,7 @@ fn reverse6(ctx: &SockAddrContext) {
         if let Some((a, p)) = found {
             set_ip6_word(ctx, 3, u32::from_ne_bytes(a));
             set_port(ctx, p);
-            lb::count(stats::REVERSED);
+            lb::event(stats::REVERSED);
         }
         return;
     }
@@ -406,7 +406,7 @@ fn reverse6(ctx: &SockAddrContext) {
     if let Some((a, p)) = found {
         set_ip6(ctx, a);
         set_port(ctx, p);
-        lb::count(stats::REVERSED);
+        lb::event(stats::REVERSED);
     }
 }
 
@@ -473,7 +473,7 @@ fn post_bind(ctx: &SockContext) -> i32 {
     let netns = unsafe { bpf_get_netns_cookie(ctx.sock.cast()) };
     match lb::node_config() {
         Some(cfg) if cfg.netns_cookie == netns => {
-            lb::count(stats::BIND_REFUSED);
+            lb::event(stats::BIND_REFUSED);
             refuse(EADDRINUSE)
         }
         _ => ALLOW,

@@ -113,7 +113,7 @@ pub struct PodRuns {
 
 /// A DaemonSet manifest (one YAML document).
 pub fn daemonset_from_yaml(text: &str) -> Result<DaemonSet> {
-    serde_yaml::from_str(text).context("parse DaemonSet")
+    serde_saphyr::from_str(text).context("parse DaemonSet")
 }
 
 /// Kubelet's `$(VAR)` expansion in command, args and env values: a defined
@@ -394,12 +394,12 @@ pub fn pod_runs(ds: &DaemonSet, ctx: &PodContext) -> Result<PodRuns> {
 /// The ConfigMaps a kustomization's configMapGenerator makes from
 /// `literals` (KEY=VALUE), by name.
 pub fn kustomize_config_maps(text: &str) -> Result<BTreeMap<String, BTreeMap<String, String>>> {
-    let k: serde_yaml::Value = serde_yaml::from_str(text).context("parse kustomization")?;
+    let k: serde_json::Value = serde_saphyr::from_str(text).context("parse kustomization")?;
     let mut maps = BTreeMap::new();
-    for g in k.get("configMapGenerator").and_then(|g| g.as_sequence()).into_iter().flatten() {
+    for g in k.get("configMapGenerator").and_then(|g| g.as_array()).into_iter().flatten() {
         let name = g.get("name").and_then(|n| n.as_str()).context("configMapGenerator without a name")?;
         let data: &mut BTreeMap<String, String> = maps.entry(name.to_string()).or_default();
-        for lit in g.get("literals").and_then(|l| l.as_sequence()).into_iter().flatten() {
+        for lit in g.get("literals").and_then(|l| l.as_array()).into_iter().flatten() {
             let (key, value) = lit.as_str().and_then(|l| l.split_once('=')).context("literal is not KEY=VALUE")?;
             data.insert(key.to_string(), value.to_string());
         }

@@ -15,7 +15,12 @@ fn every_bench_case_runs() {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out_json).unwrap()).unwrap();
     std::fs::remove_file(&out_json).unwrap();
     let dp = v["datapath"].as_object().unwrap();
-    assert_eq!(dp.len(), 9, "{stdout}");
+    // 9 cases with the client and server on different nodes, 2 on one node.
+    assert_eq!(dp.len(), 11, "{stdout}");
+    // Each socket program's cost per run, at both scales.
+    for scale in ["small", "large"] {
+        assert!(v["program_ns"][scale]["lb_connect4"].as_f64().is_some_and(|ns| ns > 0.0), "{scale}: {stdout}");
+    }
     for (case, s) in dp {
         assert!(s["values"][0].as_f64().unwrap() > 0.0, "{case}: {stdout}");
     }

@@ -6,22 +6,18 @@ use std::path::PathBuf;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
-use serde::Deserialize;
 
 fn deploy(file: &str) -> String {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(file);
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-fn docs(file: &str) -> Vec<serde_yaml::Value> {
-    serde_yaml::Deserializer::from_str(&deploy(file))
-        .map(|d| serde_yaml::Value::deserialize(d).unwrap())
-        .filter(|v| !v.is_null())
-        .collect()
+fn docs(file: &str) -> Vec<serde_json::Value> {
+    serde_saphyr::from_multiple::<serde_json::Value>(&deploy(file)).unwrap().into_iter().filter(|v| !v.is_null()).collect()
 }
 
-fn typed<T: serde::de::DeserializeOwned>(v: &serde_yaml::Value) -> T {
-    serde_yaml::from_value(v.clone()).unwrap_or_else(|e| panic!("{e}: {v:?}"))
+fn typed<T: serde::de::DeserializeOwned>(v: &serde_json::Value) -> T {
+    serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{e}: {v:?}"))
 }
 
 #[test]
@@ -42,9 +38,9 @@ fn every_manifest_parses_into_its_type() {
     }
     assert_eq!(kinds, ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "ServiceAccount"].map(String::from).into());
     let k = &docs("kustomization.yaml")[0];
-    let resources: Vec<&str> = k["resources"].as_sequence().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
+    let resources: Vec<&str> = k["resources"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
     assert_eq!(resources, ["rbac.yaml", "daemonset.yaml"]);
-    let lits: Vec<&str> = k["configMapGenerator"][0]["literals"].as_sequence().unwrap().iter().map(|l| l.as_str().unwrap()).collect();
+    let lits: Vec<&str> = k["configMapGenerator"][0]["literals"].as_array().unwrap().iter().map(|l| l.as_str().unwrap()).collect();
     assert!(lits.iter().any(|l| l.starts_with("KUBERNETES_SERVICE_HOST=")), "{lits:?}");
     assert!(lits.iter().any(|l| l.starts_with("KUBERNETES_SERVICE_PORT=")), "{lits:?}");
     let kind = &docs("kind.yaml")[0];

@@ -161,9 +161,9 @@ pub fn parse(name: &str, text: &str) -> Result<FileObjects, ParseError> {
         add_json(&mut out, text, name)?;
         return Ok(out);
     }
-    for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let v = serde_json::Value::deserialize(de)
-            .map_err(|e| ParseError::Syntax { file: name.into(), msg: e.to_string() })?;
+    let docs: Vec<serde_json::Value> =
+        serde_saphyr::from_multiple(text).map_err(|e| ParseError::Syntax { file: name.into(), msg: e.to_string() })?;
+    for (i, v) in docs.into_iter().enumerate() {
         add_object(&mut out, v, name, i + 1)?;
     }
     Ok(out)

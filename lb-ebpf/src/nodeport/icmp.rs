@@ -155,7 +155,7 @@ fn translate<F: Net, const Q: usize>(ctx: &TcContext, l4: usize, ingress: bool) 
     if e.to_saddr != key.saddr && osrc != e.to_saddr && F::set_addr(ctx, F::SRC, l4 + 2, icmp6, 0, osrc, e.to_saddr).is_err() {
         return TC_ACT_SHOT;
     }
-    lb::count(stats::NAT_ICMP);
+    lb::event(stats::NAT_ICMP);
     TC_ACT_OK
 }
 
@@ -213,7 +213,7 @@ pub fn too_big<F: Net>(skb: *mut __sk_buff) -> i32 {
     let Some(sc) = F::scratch() else { return TC_ACT_SHOT };
     // SAFETY: this CPU's scratch value, set by ingress for this packet.
     let mtu = unsafe { (*sc).mtu };
-    lb::count(stats::NAT_TOO_BIG);
+    lb::event(stats::NAT_TOO_BIG);
     match F::icmp_reply(ctx, F::TOO_BIG, mtu) {
         Ok(()) => bounce(ctx),
         Err(_) => TC_ACT_SHOT,
@@ -226,7 +226,7 @@ pub fn too_big<F: Net>(skb: *mut __sk_buff) -> i32 {
 #[inline(never)]
 pub fn time_exceeded<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
-    lb::count(stats::NAT_DROPPED);
+    lb::event(stats::NAT_DROPPED);
     match F::icmp_reply(ctx, F::TIME_EXCEEDED, 0) {
         Ok(()) => bounce(ctx),
         Err(_) => TC_ACT_SHOT,

@@ -752,7 +752,7 @@ fn in_src_range<F: Net>(rev_nat_id: u16, saddr: F::A) -> bool {
 
 #[inline(always)]
 fn drop_packet() -> i32 {
-    lb::count(stats::NAT_DROPPED);
+    lb::event(stats::NAT_DROPPED);
     TC_ACT_SHOT
 }
 
@@ -765,7 +765,7 @@ fn drop_packet() -> i32 {
 #[inline(never)]
 fn reject<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
-    lb::count(stats::NAT_REJECTED);
+    lb::event(stats::NAT_REJECTED);
     if F::l4(ctx).is_some_and(|(_, proto)| proto == PROTO_TCP) {
         return send_reset::<F>(ctx);
     }
@@ -779,7 +779,7 @@ fn reject<F: Net>(skb: *mut __sk_buff) -> i32 {
 /// would have sent had it still been there to say no.
 #[inline(never)]
 fn reset<F: Net>(skb: *mut __sk_buff) -> i32 {
-    lb::count(stats::NAT_RESET);
+    lb::event(stats::NAT_RESET);
     send_reset::<F>(&TcContext::new(skb))
 }
 
@@ -940,7 +940,7 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
         let Some(cfg) = lb::node_config() else { return drop_packet() };
         let addr = F::snat_addr(&cfg);
         if cfg.snat_port_min == 0 || addr == F::A::default() {
-            lb::count(stats::NAT_FAILED);
+            lb::event(stats::NAT_FAILED);
             return TC_ACT_SHOT;
         }
         sc.reply.flags |= nat_flags::SNAT;
@@ -950,12 +950,12 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
         let port = claim_port::<F>(&mut sc.rkey, &sc.reply, sc.hash, cfg.snat_port_min, cfg.snat_port_max);
         if port == 0 {
             // Counted; the agent logs it. The client retries its SYN.
-            lb::count(stats::NAT_FAILED);
+            lb::event(stats::NAT_FAILED);
             return TC_ACT_SHOT;
         }
         sc.fwd.to_sport = port;
     } else if !take_tuple::<F>(&sc.rkey, &sc.reply) {
-        lb::count(stats::NAT_FAILED);
+        lb::event(stats::NAT_FAILED);
         return TC_ACT_SHOT;
     }
     sc.key = p.key();
@@ -971,7 +971,7 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
             None => TC_ACT_SHOT,
         };
     }
-    lb::count(stats::NAT_NEW);
+    lb::event(stats::NAT_NEW);
     flow_stats(F::ID, sc.rev_nat_id, sc.backend_id);
     ACT_FORWARD
 }
@@ -1057,7 +1057,7 @@ fn drop_if_closed<F: Net>(key: &NatKey<F::A>) -> bool {
     }
     F::nat_del(&other);
     F::nat_del(key);
-    lb::count(stats::NAT_REPLACED);
+    lb::event(stats::NAT_REPLACED);
     true
 }
 

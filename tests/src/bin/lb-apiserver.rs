@@ -107,7 +107,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use serde::{Deserialize as _, Serialize};
+use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -405,9 +405,7 @@ fn parse_file(path: &Path) -> Result<FileObjects, String> {
     if path.extension().and_then(|e| e.to_str()) == Some("json") {
         docs.push(serde_json::from_str::<Value>(&text).map_err(|e| e.to_string())?);
     } else {
-        for d in serde_yaml::Deserializer::from_str(&text) {
-            docs.push(Value::deserialize(d).map_err(|e| e.to_string())?);
-        }
+        docs = serde_saphyr::from_multiple::<Value>(&text).map_err(|e| e.to_string())?;
     }
     let mut out = Vec::new();
     for (i, d) in docs.into_iter().enumerate() {

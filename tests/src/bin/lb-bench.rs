@@ -164,8 +164,7 @@ fn write_objects(dir: &Path, n: usize, server: &[String], json: bool) -> Result<
         }
         if json {
             let mut items = Vec::new();
-            for de in serde_yaml::Deserializer::from_str(chunk) {
-                let v = <serde_json::Value as serde::Deserialize>::deserialize(de)?;
+            for v in serde_saphyr::from_multiple::<serde_json::Value>(chunk)? {
                 if !v.is_null() {
                     items.push(v);
                 }
