@@ -19,6 +19,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
 
+/// Every document of a YAML stream as JSON values. The inputs are this
+/// project's own fixtures (up to 10,000 Services in a file), so
+/// serde-saphyr's budgets for untrusted config files are off.
+pub fn yaml_docs(text: &str) -> std::result::Result<Vec<serde_json::Value>, serde_saphyr::Error> {
+    let mut o = serde_saphyr::Options::default();
+    o.budget = None;
+    serde_saphyr::from_multiple_with_options(text, o)
+}
+
 pub mod btfmap;
 pub mod objects;
 pub mod podspec;

@@ -422,7 +422,11 @@ impl Reconciler {
         if full && let Some(d) = &self.destroyer {
             d.sweep(desired.frontends.iter().map(|(k, f)| (k.addr, k.port, f.clone())).collect());
         }
-        let joined = std::mem::take(&mut self.pending_joined);
+        // After a full sync the sweep judges by the whole state.
+        let joined = if full { BTreeSet::new() } else { std::mem::take(&mut self.pending_joined) };
+        if full {
+            self.pending_joined = BTreeSet::new();
+        }
         if !self.pending_left.is_empty() || !joined.is_empty() {
             let left = std::mem::take(&mut self.pending_left);
             if self.has_external && !left.is_empty() {

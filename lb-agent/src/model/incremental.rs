@@ -211,6 +211,9 @@ impl Incremental {
             ch.full = true;
             let all = ObjectDiff::of(&[], services, &[], slices);
             self.apply(services, slices, all, &mut ch);
+            // Everything "joined": meaningless, and a full sync's sweep
+            // carries the whole state anyway.
+            ch.joined = BTreeSet::new();
             if let Some(before) = before {
                 ch.left = before.difference(&self.desired.alive_pairs()).copied().collect();
             }

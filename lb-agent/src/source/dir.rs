@@ -161,12 +161,29 @@ pub fn parse(name: &str, text: &str) -> Result<FileObjects, ParseError> {
         add_json(&mut out, text, name)?;
         return Ok(out);
     }
-    let docs: Vec<serde_json::Value> =
-        serde_saphyr::from_multiple(text).map_err(|e| ParseError::Syntax { file: name.into(), msg: e.to_string() })?;
+    let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple_with_options(text, yaml_options(text.len()))
+        .map_err(|e| ParseError::Syntax { file: name.into(), msg: e.to_string() })?;
     for (i, v) in docs.into_iter().enumerate() {
         add_object(&mut out, v, name, i + 1)?;
     }
     Ok(out)
+}
+
+/// serde-saphyr's budgets suit small configuration files (1,024 documents,
+/// 250,000 nodes, 1,000,000 events): a file of 10,000 Services, or one
+/// `kubectl get -o yaml` List of them, is far bigger. These grow with the
+/// input instead (a document takes at least 4 bytes, a node or two events at
+/// least one), so only what the text itself holds is allowed; the alias and
+/// anchor limits, which stop expansion bombs, keep their defaults.
+pub fn yaml_options(len: usize) -> serde_saphyr::Options {
+    let mut budget = serde_saphyr::Budget::default();
+    budget.max_documents = budget.max_documents.max(len / 4 + 1);
+    budget.max_nodes = budget.max_nodes.max(len + 1);
+    budget.max_events = budget.max_events.max(2 * len + 2);
+    budget.max_total_scalar_bytes = budget.max_total_scalar_bytes.max(len);
+    let mut o = serde_saphyr::Options::default();
+    o.budget = Some(budget);
+    o
 }
 
 /// What identifies a version of a file without reading it.
@@ -454,6 +471,18 @@ endpoints:
 - addresses: [10.244.1.2]
   conditions: {ready: true}
 ";
+
+    #[test]
+    fn more_documents_than_serde_saphyrs_default_budget() {
+        let doc = "apiVersion: v1\nkind: Service\nmetadata: {name: s, namespace: default}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n";
+        let mut text = String::new();
+        for i in 0..3000 {
+            text += &doc.replace("name: s", &format!("name: s{i}")).replace("10.96.0.1", &format!("10.96.{}.{}", i / 250, i % 250 + 1));
+            text += "---\n";
+        }
+        let got = parse("many.yaml", &text).unwrap();
+        assert_eq!(got.services.len(), 3000);
+    }
 
     #[test]
     fn multi_document_yaml() {

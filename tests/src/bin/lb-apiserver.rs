@@ -405,7 +405,7 @@ fn parse_file(path: &Path) -> Result<FileObjects, String> {
     if path.extension().and_then(|e| e.to_str()) == Some("json") {
         docs.push(serde_json::from_str::<Value>(&text).map_err(|e| e.to_string())?);
     } else {
-        docs = serde_saphyr::from_multiple::<Value>(&text).map_err(|e| e.to_string())?;
+        docs = lbtest::yaml_docs(&text).map_err(|e| e.to_string())?;
     }
     let mut out = Vec::new();
     for (i, d) in docs.into_iter().enumerate() {

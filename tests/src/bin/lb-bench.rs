@@ -164,7 +164,7 @@ fn write_objects(dir: &Path, n: usize, server: &[String], json: bool) -> Result<
         }
         if json {
             let mut items = Vec::new();
-            for v in serde_saphyr::from_multiple::<serde_json::Value>(chunk)? {
+            for v in lbtest::yaml_docs(chunk)? {
                 if !v.is_null() {
                     items.push(v);
                 }
