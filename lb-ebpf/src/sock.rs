@@ -79,26 +79,41 @@ fn narrow4(w: &[u8; 16]) -> [u8; 4] {
 /// Remember where connect (stable = false: the socket's storage) or an
 /// unconnected datagram (the LRU, by cookie) went. A connected UDP socket
 /// goes into both: sock_diag reports storage only with TCP sockets, and the
-/// stale-socket destroyer finds UDP ones in the LRU.
+/// stale-socket destroyer finds UDP ones in the LRU. `lru` writes the LRU
+/// entry of the family (`lb::remember4` or `lb::remember6`); `x` is the
+/// storage value.
 #[inline(always)]
-fn remember4(ctx: &SockAddrContext, stable: bool, proto: u8, cookie: u64, backend: &lb_common::Backend<[u8; 4]>, front: [u8; 4], port: u16, rev_nat_id: u16) {
+fn remember(ctx: &SockAddrContext, stable: bool, proto: u8, cookie: u64, lru: impl FnOnce(u64), x: &SockXlate) {
     if stable || proto == PROTO_UDP {
-        let cookie = if stable { cookie } else { self::cookie(ctx) };
-        lb::remember4(cookie, backend, front, port, rev_nat_id);
+        lru(if stable { cookie } else { self::cookie(ctx) });
     }
     if !stable {
-        track(
-            ctx,
-            &SockXlate {
-                front: wide4(front),
-                backend: wide4(backend.addr),
-                front_port: port,
-                backend_port: backend.port,
-                rev_nat_id,
-                family: FAMILY_V4,
-                _pad: 0,
-            },
-        );
+        track(ctx, x);
+    }
+}
+
+/// A refused connect or datagram: tell the monitors and the log (when they
+/// listen), and fail the syscall with `errno`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn refused(ctx: &SockAddrContext, stable: bool, family: u8, proto: u8, front: *const u8, port: u16, errno: i32, why: u8, rev_nat_id: u16) -> i32 {
+    if lb::observed() {
+        report(ctx.sock_addr.cast(), meta(family, proto, stable, why, errno, rev_nat_id), front, core::ptr::null(), (port as u32) << 16);
+    }
+    refuse(errno)
+}
+
+/// A translated connect or datagram: tell the monitors and the log (when
+/// they listen) and count the connection for its frontend and backend.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn translated(ctx: &SockAddrContext, stable: bool, family: u8, proto: u8, front: *const u8, port: u16, to: (*const u8, u16), v: (u16, u32, u8)) {
+    let (rev_nat_id, backend_id, why) = v;
+    if lb::observed() {
+        report(ctx.sock_addr.cast(), meta(family, proto, stable, why, 0, rev_nat_id), front, to.0, (port as u32) << 16 | to.1 as u32);
+    }
+    if !stable {
+        lb::account_conn(family, rev_nat_id, backend_id);
     }
 }
 
@@ -268,22 +283,19 @@ fn xlate4_to(ctx: &SockAddrContext, stable: bool, proto: u8, addr: [u8; 4], port
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
     match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
-        Verdict::Refuse { errno, why, rev_nat_id } => {
-            if lb::observed() {
-                let m = meta(FAMILY_V4, proto, stable, why, errno, rev_nat_id);
-                report(ctx.sock_addr.cast(), m, addr.as_ptr(), core::ptr::null(), (port as u32) << 16);
-            }
-            refuse(errno)
-        }
+        Verdict::Refuse { errno, why, rev_nat_id } => refused(ctx, stable, FAMILY_V4, proto, addr.as_ptr(), port, errno, why, rev_nat_id),
         Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
-            if lb::observed() {
-                let m = meta(FAMILY_V4, proto, stable, why, 0, rev_nat_id);
-                report(ctx.sock_addr.cast(), m, addr.as_ptr(), backend.addr.as_ptr(), (port as u32) << 16 | backend.port as u32);
-            }
-            if !stable {
-                lb::account_conn(FAMILY_V4, rev_nat_id, backend_id);
-            }
-            remember4(ctx, stable, proto, cookie, &backend, addr, port, rev_nat_id);
+            translated(ctx, stable, FAMILY_V4, proto, addr.as_ptr(), port, (backend.addr.as_ptr(), backend.port), (rev_nat_id, backend_id, why));
+            let x = SockXlate {
+                front: wide4(addr),
+                backend: wide4(backend.addr),
+                front_port: port,
+                backend_port: backend.port,
+                rev_nat_id,
+                family: FAMILY_V4,
+                _pad: 0,
+            };
+            remember(ctx, stable, proto, cookie, |c| lb::remember4(c, &backend, addr, port, rev_nat_id), &x);
             if mapped {
                 set_ip6_word(ctx, 3, u32::from_ne_bytes(backend.addr));
             } else {
@@ -309,39 +321,19 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     let addr = bytes16(&words);
     match lb::select::<V6>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
         Verdict::Pass => ALLOW,
-        Verdict::Refuse { errno, why, rev_nat_id } => {
-            if lb::observed() {
-                let m = meta(FAMILY_V6, proto, stable, why, errno, rev_nat_id);
-                report(ctx.sock_addr.cast(), m, addr.as_ptr(), core::ptr::null(), (port as u32) << 16);
-            }
-            refuse(errno)
-        }
+        Verdict::Refuse { errno, why, rev_nat_id } => refused(ctx, stable, FAMILY_V6, proto, addr.as_ptr(), port, errno, why, rev_nat_id),
         Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
-            if lb::observed() {
-                let m = meta(FAMILY_V6, proto, stable, why, 0, rev_nat_id);
-                report(ctx.sock_addr.cast(), m, addr.as_ptr(), backend.addr.as_ptr(), (port as u32) << 16 | backend.port as u32);
-            }
-            if !stable {
-                lb::account_conn(FAMILY_V6, rev_nat_id, backend_id);
-            }
-            if stable || proto == PROTO_UDP {
-                let cookie = if stable { cookie } else { self::cookie(ctx) };
-                lb::remember6(cookie, &backend, addr, port, rev_nat_id);
-            }
-            if !stable {
-                track(
-                    ctx,
-                    &SockXlate {
-                        front: addr,
-                        backend: backend.addr,
-                        front_port: port,
-                        backend_port: backend.port,
-                        rev_nat_id,
-                        family: FAMILY_V6,
-                        _pad: 0,
-                    },
-                );
-            }
+            translated(ctx, stable, FAMILY_V6, proto, addr.as_ptr(), port, (backend.addr.as_ptr(), backend.port), (rev_nat_id, backend_id, why));
+            let x = SockXlate {
+                front: addr,
+                backend: backend.addr,
+                front_port: port,
+                backend_port: backend.port,
+                rev_nat_id,
+                family: FAMILY_V6,
+                _pad: 0,
+            };
+            remember(ctx, stable, proto, cookie, |c| lb::remember6(c, &backend, addr, port, rev_nat_id), &x);
             set_ip6(ctx, backend.addr);
             set_port(ctx, backend.port);
             lb::event(stats::TRANSLATED);

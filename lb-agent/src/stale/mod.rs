@@ -96,6 +96,39 @@ struct Worker {
 /// looked for.
 const GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// Everything queued, at once, in order: the pairs that left and did not
+/// come back, and the newest sweep's frontends with the pairs that joined
+/// after it (a pair that joined since its snapshot is not stale).
+fn merge(works: impl Iterator<Item = Work>) -> (BTreeSet<Pair>, Option<(Fronts, BTreeSet<Pair>)>) {
+    let mut left = BTreeSet::new();
+    let mut sweep = None;
+    let mut back = BTreeSet::new();
+    for w in works {
+        match w {
+            Work::Changed { left: l, joined } => {
+                for p in &joined {
+                    left.remove(p);
+                }
+                back.retain(|p| !l.contains(p));
+                back.extend(joined);
+                left.extend(l);
+            }
+            Work::Sweep(f) => {
+                sweep = Some(f);
+                back.clear();
+            }
+        }
+    }
+    let fronts = sweep.map(|s| {
+        let mut by_addr: Fronts = HashMap::new();
+        for (a, p, f) in s {
+            by_addr.entry((a, p)).or_default().push(f);
+        }
+        (by_addr, back)
+    });
+    (left, fronts)
+}
+
 /// Frontends by address and port (TCP and UDP share them), to judge every
 /// translated socket in a sweep.
 type Fronts = HashMap<(IpAddr, u16), Vec<std::sync::Arc<crate::model::Frontend>>>;
@@ -108,35 +141,7 @@ impl Worker {
             // way, to an endpoint that still answers) may finish: sockets
             // still open after the grace are the ones left hanging.
             std::thread::sleep(GRACE);
-            // Everything queued, at once, in order: a pair that left and
-            // came back is not stale; a sweep is judged by its frontends
-            // as changed since.
-            let mut left = BTreeSet::new();
-            let mut sweep = None;
-            let mut back = BTreeSet::new();
-            for w in std::iter::once(first).chain(rx.try_iter()) {
-                match w {
-                    Work::Changed { left: l, joined } => {
-                        for p in &joined {
-                            left.remove(p);
-                        }
-                        back.retain(|p| !l.contains(p));
-                        back.extend(joined);
-                        left.extend(l);
-                    }
-                    Work::Sweep(f) => {
-                        sweep = Some(f);
-                        back.clear();
-                    }
-                }
-            }
-            let fronts: Option<(Fronts, BTreeSet<Pair>)> = sweep.map(|s| {
-                let mut by_addr: Fronts = HashMap::new();
-                for (a, p, f) in s {
-                    by_addr.entry((a, p)).or_default().push(f);
-                }
-                (by_addr, back)
-            });
+            let (left, fronts) = merge(std::iter::once(first).chain(rx.try_iter()));
             if left.is_empty() && fronts.is_none() {
                 continue;
             }
@@ -261,6 +266,27 @@ impl Destroyer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pair_that_comes_back_before_the_destroyer_looks_is_not_stale() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let (a, b) = ((ip("10.96.0.10"), 80, ip("10.0.0.1"), 8080), (ip("10.96.0.10"), 80, ip("10.0.0.2"), 8080));
+        let changed = |l: &[Pair], j: &[Pair]| Work::Changed { left: l.iter().copied().collect(), joined: j.iter().copied().collect() };
+        // a leaves, then comes back; b leaves.
+        let (left, fronts) = merge([changed(&[a, b], &[]), changed(&[], &[a])].into_iter());
+        assert_eq!(left, [b].into());
+        assert!(fronts.is_none());
+        // a comes back, then leaves again: stale.
+        let (left, _) = merge([changed(&[a], &[]), changed(&[], &[a]), changed(&[a], &[])].into_iter());
+        assert_eq!(left, [a].into());
+        // After a sweep, what joined since counts as alive; what joined
+        // before it is in the sweep's own snapshot.
+        let (_, fronts) = merge([changed(&[], &[b]), Work::Sweep(Vec::new()), changed(&[], &[a])].into_iter());
+        assert_eq!(fronts.unwrap().1, [a].into());
+        // Joined after the sweep, then left again: not alive.
+        let (left, fronts) = merge([Work::Sweep(Vec::new()), changed(&[], &[a]), changed(&[a], &[])].into_iter());
+        assert_eq!((left, fronts.unwrap().1), ([a].into(), BTreeSet::new()));
+    }
 
     #[test]
     fn only_sockets_to_pairs_that_left_are_stale() {
