@@ -105,6 +105,13 @@ enum Cmd {
         /// backend can take this many flows through one node at once.
         #[arg(long, default_value = "1024-29999")]
         snat_ports: String,
+        /// Forward translated outside traffic in BPF: a FIB lookup and a
+        /// redirect to the egress device after translation, skipping the
+        /// stack's routing, netfilter FORWARD and neighbour output (TTL
+        /// decremented as a router does). Packets the lookup cannot place
+        /// (local delivery, no route, too big) still go through the stack.
+        #[arg(long)]
+        bpf_forward: bool,
         /// Translate in-cluster connects to externalIPs too (kube-proxy does;
         /// see CVE-2020-8554). false: only traffic from outside is translated.
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -251,6 +258,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             tc_attach,
             nodeport_range,
             snat_ports,
+            bpf_forward,
             external_ip_socket_lb,
             nat_tcp_timeout,
             nat_tcp_close_timeout,
@@ -300,6 +308,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 },
                 nodeport_range: port_range("--nodeport-range", &nodeport_range)?,
                 snat_ports: port_range("--snat-ports", &snat_ports)?,
+                node_flags: if bpf_forward { lb_common::node_flags::BPF_FORWARD } else { 0 },
                 nat_timeouts: nodeport::NatTimeouts {
                     tcp: Duration::from_secs(nat_tcp_timeout),
                     tcp_closed: Duration::from_secs(nat_tcp_close_timeout),

@@ -440,7 +440,13 @@ pub mod stats {
     /// TC: "fragmentation needed" / "packet too big" sent to a client whose
     /// SNATed packet did not fit the path to its backend.
     pub const NAT_TOO_BIG: u32 = 15;
-    pub const COUNT: u32 = 16;
+    /// TC, `--bpf-forward`: translated packets sent on by BPF (FIB lookup
+    /// and redirect), skipping the stack's forwarding path.
+    pub const FWD_BPF: u32 = 16;
+    /// TC, `--bpf-forward`: translated packets left to the stack because the
+    /// FIB lookup said so (local delivery, no route, too big for the MTU).
+    pub const FWD_STACK: u32 = 17;
+    pub const COUNT: u32 = 18;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -458,6 +464,8 @@ pub mod stats {
         "nat_replaced",
         "nat_icmp",
         "nat_too_big",
+        "forwarded_bpf",
+        "forwarded_stack",
     ];
 }
 
@@ -465,7 +473,7 @@ pub mod stats {
 /// meaning without changing size (the loader compares sizes, types and
 /// max_entries by itself). Pins of another version are replaced by an
 /// upgrade, and the state maps' entries carried over where sizes agree.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 
 /// Map names, shared by the loader, `lb-agent list` and the pin layout.
 pub mod maps {
@@ -528,6 +536,16 @@ pub struct NodeConfig {
     pub snat_port_max: u16,
     /// The node address SNATed IPv6 flows leave from (zero: none).
     pub snat_addr6: [u8; 16],
+    /// `node_flags`.
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+/// `NodeConfig::flags`.
+pub mod node_flags {
+    /// Forward translated outside traffic in BPF (FIB lookup and redirect)
+    /// instead of through the stack (`lb-agent run --bpf-forward`).
+    pub const BPF_FORWARD: u32 = 1 << 0;
 }
 
 #[cfg(feature = "user")]
@@ -588,7 +606,7 @@ const _: () = {
     assert!(core::mem::size_of::<Nat6Entry>() == 56);
     assert!(core::mem::size_of::<SrcRange>() == 20);
     assert!(core::mem::size_of::<NodePortKey>() == 4);
-    assert!(core::mem::size_of::<NodeConfig>() == 32);
+    assert!(core::mem::size_of::<NodeConfig>() == 40);
 };
 
 #[cfg(test)]
@@ -626,7 +644,7 @@ mod layout_tests {
             ("Nat6Entry", core::mem::size_of::<Nat6Entry>(), &[core::mem::offset_of!(Nat6Entry, to_saddr), core::mem::offset_of!(Nat6Entry, to_daddr), core::mem::offset_of!(Nat6Entry, to_sport), core::mem::offset_of!(Nat6Entry, to_dport), core::mem::offset_of!(Nat6Entry, flags), core::mem::offset_of!(Nat6Entry, state), core::mem::offset_of!(Nat6Entry, rev_nat_id), core::mem::offset_of!(Nat6Entry, created_ns), core::mem::offset_of!(Nat6Entry, last_seen_ns)]),
             ("SrcRange", core::mem::size_of::<SrcRange>(), &[core::mem::offset_of!(SrcRange, rev_nat_id), core::mem::offset_of!(SrcRange, family), core::mem::offset_of!(SrcRange, _pad), core::mem::offset_of!(SrcRange, addr)]),
             ("NodePortKey", core::mem::size_of::<NodePortKey>(), &[core::mem::offset_of!(NodePortKey, port), core::mem::offset_of!(NodePortKey, proto), core::mem::offset_of!(NodePortKey, _pad)]),
-            ("NodeConfig", core::mem::size_of::<NodeConfig>(), &[core::mem::offset_of!(NodeConfig, netns_cookie), core::mem::offset_of!(NodeConfig, snat_addr), core::mem::offset_of!(NodeConfig, snat_port_min), core::mem::offset_of!(NodeConfig, snat_port_max), core::mem::offset_of!(NodeConfig, snat_addr6)]),
+            ("NodeConfig", core::mem::size_of::<NodeConfig>(), &[core::mem::offset_of!(NodeConfig, netns_cookie), core::mem::offset_of!(NodeConfig, snat_addr), core::mem::offset_of!(NodeConfig, snat_port_min), core::mem::offset_of!(NodeConfig, snat_port_max), core::mem::offset_of!(NodeConfig, snat_addr6), core::mem::offset_of!(NodeConfig, flags)]),
         ];
         // FNV-1a over names, sizes and offsets.
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -643,8 +661,8 @@ mod layout_tests {
                 eat(&o.to_le_bytes());
             }
         }
-        assert_eq!((LAYOUT_VERSION, h), (3, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION and set FINGERPRINT to {h:#x}");
+        assert_eq!((LAYOUT_VERSION, h), (4, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0xdaec_497a_1cd0_5228;
+    const FINGERPRINT: u64 = 0xb84d_24ae_410f_7200;
 }

@@ -46,6 +46,8 @@ pub struct RunConfig {
     pub nodeport_range: (u16, u16),
     /// Ports SNATed flows leave from.
     pub snat_ports: (u16, u16),
+    /// `lb_common::node_flags` for the programs (`--bpf-forward`).
+    pub node_flags: u32,
     pub nat_timeouts: crate::nodeport::NatTimeouts,
     pub nat_gc_interval: Duration,
     pub model: model::Options,
@@ -256,6 +258,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         capacity: cfg.capacity,
         nodeports,
         snat_ports: cfg.snat_ports,
+        node_flags: cfg.node_flags,
         netns_cookie,
         logged: HashSet::new(),
         health_checks: Default::default(),

@@ -181,6 +181,7 @@ pub(super) struct Reconciler {
     pub(super) capacity: Capacity,
     pub(super) nodeports: BTreeSet<lb_common::NodePortKey>,
     pub(super) snat_ports: (u16, u16),
+    pub(super) node_flags: u32,
     pub(super) netns_cookie: u64,
     pub(super) logged: HashSet<String>,
     /// What the last sync decided besides the maps.
@@ -391,6 +392,8 @@ impl Reconciler {
                 snat_port_min: self.snat_ports.0,
                 snat_port_max: self.snat_ports.1,
                 snat_addr6: snat_addr6.unwrap_or_default(),
+                flags: self.node_flags,
+                _pad: 0,
             })?;
             self.node_addresses = node.addresses.clone();
         }

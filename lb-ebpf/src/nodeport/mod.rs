@@ -31,7 +31,7 @@
 //!   packet: TCP gets a RST back, so the client reconnects at once (beyond
 //!   kube-proxy, which lets it time out); UDP picks a live backend.
 use aya_ebpf::{
-    bindings::{__sk_buff, bpf_fib_lookup, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{__sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
     btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray},
     helpers::{bpf_csum_diff, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes, bpf_skb_store_bytes},
     macros::{btf_map, classifier},
@@ -45,6 +45,7 @@ use lb_common::{
 
 use crate::lb::{self, Client, ECONNREFUSED, Family, NO_PREALLOC, V4, V6, Verdict};
 
+mod fib;
 mod icmp;
 
 type A4 = [u8; 4];
@@ -114,6 +115,9 @@ const ACT_TOO_BIG: i32 = -106;
 const ACT_TIME_EXCEEDED: i32 = -107;
 /// Translate the packet by the forward entry in the scratch value.
 const ACT_FORWARD: i32 = -108;
+/// The packet is translated: on ingress, forward it (in BPF or through the
+/// stack); on egress, let it go.
+const ACT_TRANSLATED: i32 = -109;
 
 pub struct Pkt<A> {
     l4: usize,
@@ -216,6 +220,11 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     fn inner_fix(b: &mut [u8; 60]);
     /// The source and destination of a route lookup.
     fn fib_addrs(f: &mut bpf_fib_lookup, src: Self::A, dst: Self::A);
+    /// The next hop a route lookup found, for bpf_redirect_neigh.
+    fn next_hop(f: &bpf_fib_lookup, nh: &mut bpf_redir_neigh);
+    /// Decrement the TTL / hop limit, as a router does (IPv4: with its
+    /// header checksum).
+    fn dec_ttl(ctx: &TcContext) -> Result<(), i64>;
     /// Whether routers may fragment the packet (IPv4 without DF).
     fn may_fragment(ctx: &TcContext) -> bool;
     /// The packet's fragment: (IP ID, offset is 0, more fragments follow).
@@ -293,6 +302,19 @@ impl Net for V4 {
     fn fib_addrs(f: &mut bpf_fib_lookup, src: A4, dst: A4) {
         f.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(src);
         f.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(dst);
+    }
+    #[inline(always)]
+    fn next_hop(f: &bpf_fib_lookup, nh: &mut bpf_redir_neigh) {
+        // SAFETY: the lookup left the next hop (gateway or destination) here.
+        nh.__bindgen_anon_1.ipv4_nh = unsafe { f.__bindgen_anon_4.ipv4_dst };
+    }
+    #[inline(always)]
+    fn dec_ttl(ctx: &TcContext) -> Result<(), i64> {
+        // TTL and protocol form one 16-bit word of the header checksum.
+        let old: [u8; 2] = ctx.load(ETH_HLEN + 8)?;
+        let new = [old[0].wrapping_sub(1), old[1]];
+        ctx.l3_csum_replace(ETH_HLEN + 10, u16::from_ne_bytes(old) as u64, u16::from_ne_bytes(new) as u64, 2)?;
+        ctx.store(ETH_HLEN + 8, &new, 0)
     }
     #[inline(always)]
     fn may_fragment(ctx: &TcContext) -> bool {
@@ -442,6 +464,16 @@ impl Net for V6 {
         let w = |a: &A6, i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
         f.__bindgen_anon_3.ipv6_src = [w(&src, 0), w(&src, 4), w(&src, 8), w(&src, 12)];
         f.__bindgen_anon_4.ipv6_dst = [w(&dst, 0), w(&dst, 4), w(&dst, 8), w(&dst, 12)];
+    }
+    #[inline(always)]
+    fn next_hop(f: &bpf_fib_lookup, nh: &mut bpf_redir_neigh) {
+        // SAFETY: the lookup left the next hop (gateway or destination) here.
+        nh.__bindgen_anon_1.ipv6_nh = unsafe { f.__bindgen_anon_4.ipv6_dst };
+    }
+    #[inline(always)]
+    fn dec_ttl(ctx: &TcContext) -> Result<(), i64> {
+        let hop: u8 = ctx.load(ETH_HLEN + 7)?;
+        ctx.store(ETH_HLEN + 7, &hop.wrapping_sub(1), 0)
     }
     #[inline(always)]
     fn may_fragment(_: &TcContext) -> bool {
@@ -669,10 +701,13 @@ fn rewrite<F: Net>(ctx: &TcContext, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> Result
 fn translate<F: Net>(ctx: &TcContext, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> i32 {
     let rev_nat_id = e.rev_nat_id;
     let r = rewrite::<F>(ctx, p, e);
-    if r.is_ok() {
-        packet_stats(F::ID, rev_nat_id, ctx.len());
+    match r {
+        Ok(()) => {
+            packet_stats(F::ID, rev_nat_id, ctx.len());
+            ACT_TRANSLATED
+        }
+        Err(_) => TC_ACT_SHOT,
     }
-    verdict(r)
 }
 
 #[inline(never)]
@@ -683,14 +718,6 @@ fn packet_stats(family: u8, rev_nat_id: u16, len: u32) {
 #[inline(never)]
 fn flow_stats(family: u8, rev_nat_id: u16, backend_id: u32) {
     lb::account_conn(family, rev_nat_id, backend_id);
-}
-
-#[inline(always)]
-fn verdict(r: Result<(), i64>) -> i32 {
-    match r {
-        Ok(()) => TC_ACT_OK,
-        Err(_) => TC_ACT_SHOT,
-    }
 }
 
 /// Note a packet (not the first) of the flow in its direction's entry.
@@ -1176,6 +1203,8 @@ fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
         ACT_ICMP => icmp::translate_error::<F>(skb, true),
         ACT_TOO_BIG => icmp::too_big::<F>(skb),
         ACT_TIME_EXCEEDED => icmp::time_exceeded::<F>(skb),
+        ACT_TRANSLATED if fib::enabled() => fib::forward::<F>(skb),
+        ACT_TRANSLATED => TC_ACT_OK,
         act => act,
     }
 }
@@ -1184,6 +1213,7 @@ fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
 fn egress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
     match egress::<F>(skb) {
         ACT_ICMP => icmp::translate_error::<F>(skb, false),
+        ACT_TRANSLATED => TC_ACT_OK,
         act => act,
     }
 }
