@@ -112,6 +112,30 @@ enum Cmd {
         /// (local delivery, no route, too big) still go through the stack.
         #[arg(long)]
         bpf_forward: bool,
+        /// How a new outside flow (NodePort, LoadBalancer IP, externalIP)
+        /// picks its backend: random (as kube-proxy), or maglev (consistent
+        /// hashing: every node picks the same backend for a flow, so a flow
+        /// an upstream router moves to another node keeps it). A Service's
+        /// annotation lb.dev/nodeport-algorithm overrides it.
+        #[arg(long, default_value = "random", value_parser = ["random", "maglev"])]
+        nodeport_algorithm: String,
+        /// Entries in each Maglev table: a prime between 251 and 131071;
+        /// about 100 times the largest backend count or more. Each table
+        /// takes 4 bytes per entry in kernel memory.
+        #[arg(long, default_value_t = model::maglev::DEFAULT_SIZE)]
+        maglev_table_size: u32,
+        /// Seed of the Maglev hashes: the same on every node of a cluster
+        /// (nodes with another seed pick other backends).
+        #[arg(long, default_value = "lb")]
+        maglev_seed: String,
+        /// How outside traffic (externalTrafficPolicy Cluster) reaches a
+        /// backend on another node: snat (to this node's address, so the
+        /// replies come back here, as kube-proxy does) or dsr (direct server
+        /// return, IPv4: the pod sees the client's address and its node,
+        /// which must run lb too, answers the client directly). A Service's
+        /// annotation lb.dev/nodeport-mode overrides it.
+        #[arg(long, default_value = "snat", value_parser = ["snat", "dsr"])]
+        nodeport_mode: String,
         /// Translate in-cluster connects to externalIPs too (kube-proxy does;
         /// see CVE-2020-8554). false: only traffic from outside is translated.
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -259,6 +283,10 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             nodeport_range,
             snat_ports,
             bpf_forward,
+            nodeport_algorithm,
+            maglev_table_size,
+            maglev_seed,
+            nodeport_mode,
             external_ip_socket_lb,
             nat_tcp_timeout,
             nat_tcp_close_timeout,
@@ -309,6 +337,8 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 nodeport_range: port_range("--nodeport-range", &nodeport_range)?,
                 snat_ports: port_range("--snat-ports", &snat_ports)?,
                 node_flags: if bpf_forward { lb_common::node_flags::BPF_FORWARD } else { 0 },
+                maglev: model::maglev::Maglev::new(maglev_table_size, &maglev_seed)
+                    .map_err(|e| anyhow::anyhow!("--maglev-table-size: {e}"))?,
                 nat_timeouts: nodeport::NatTimeouts {
                     tcp: Duration::from_secs(nat_tcp_timeout),
                     tcp_closed: Duration::from_secs(nat_tcp_close_timeout),
@@ -316,7 +346,11 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     unreplied: Duration::from_secs(nat_unreplied_timeout),
                 },
                 nat_gc_interval: Duration::from_secs(nat_gc_interval.max(1)),
-                model: model::Options { external_ip_socket: external_ip_socket_lb },
+                model: model::Options {
+                    external_ip_socket: external_ip_socket_lb,
+                    nodeport_algorithm: nodeport_algorithm.parse().map_err(|e| anyhow::anyhow!("--nodeport-algorithm: {e}"))?,
+                    nodeport_mode: nodeport_mode.parse().map_err(|e| anyhow::anyhow!("--nodeport-mode: {e}"))?,
+                },
                 destroy_stale_sockets,
                 metrics_per_service,
                 bpf_log,

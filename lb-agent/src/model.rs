@@ -20,6 +20,13 @@ pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-
 /// kube-proxy's default sessionAffinity timeout.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 
+/// Service annotation choosing how outside traffic picks a backend:
+/// `random` or `maglev` (see `Algorithm`).
+pub const ANNOTATION_NODEPORT_ALGORITHM: &str = "lb.dev/nodeport-algorithm";
+/// Service annotation choosing how outside traffic reaches a backend on
+/// another node: `snat` or `dsr` (see `Mode`).
+pub const ANNOTATION_NODEPORT_MODE: &str = "lb.dev/nodeport-mode";
+
 /// Label that carries a Node's zone.
 pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 
@@ -79,11 +86,66 @@ pub struct Options {
     /// Translate in-cluster connects to externalIPs too, as kube-proxy does.
     /// Off: only traffic arriving from outside is translated (CVE-2020-8554).
     pub external_ip_socket: bool,
+    /// `--nodeport-algorithm`: how outside traffic picks a backend unless
+    /// the Service's `lb.dev/nodeport-algorithm` annotation says otherwise.
+    pub nodeport_algorithm: Algorithm,
+    /// `--nodeport-mode`: SNAT or DSR for outside traffic to a backend on
+    /// another node, unless the Service's `lb.dev/nodeport-mode` says
+    /// otherwise.
+    pub nodeport_mode: Mode,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { external_ip_socket: true }
+        Self { external_ip_socket: true, nodeport_algorithm: Algorithm::Random, nodeport_mode: Mode::Snat }
+    }
+}
+
+/// How a new outside flow reaches a backend on another node
+/// (externalTrafficPolicy Cluster).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// SNAT to this node's address, so the replies come back here (as
+    /// kube-proxy does).
+    #[default]
+    Snat,
+    /// Direct server return (IPv4): the pod sees the client's address and
+    /// its node answers the client directly. IPv6 frontends use SNAT.
+    Dsr,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "snat" => Ok(Mode::Snat),
+            "dsr" => Ok(Mode::Dsr),
+            _ => Err(format!("{s:?} is not snat or dsr")),
+        }
+    }
+}
+
+/// How a new outside flow (NodePort, LoadBalancer IP, externalIP) picks its
+/// backend. In-cluster connects always pick at random.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Algorithm {
+    /// At random (a hash of the flow, so that a retransmitted first packet
+    /// picks the same one), as kube-proxy does.
+    #[default]
+    Random,
+    /// Maglev consistent hashing: every node picks the same backend for a
+    /// flow, and a backend joining or leaving moves about 1/N of the flows.
+    Maglev,
+}
+
+impl std::str::FromStr for Algorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "random" => Ok(Algorithm::Random),
+            "maglev" => Ok(Algorithm::Maglev),
+            _ => Err(format!("{s:?} is not random or maglev")),
+        }
     }
 }
 
@@ -179,6 +241,12 @@ pub struct Frontend {
     /// but are in neither backend set: not picked, yet not stale either.
     /// Sorted; usually empty. See `serving`.
     pub extra_serving: Vec<(IpAddr, u16)>,
+    /// External frontends only: outside flows pick their backend by Maglev
+    /// (`Algorithm::Maglev`).
+    pub maglev: bool,
+    /// External IPv4 frontends with externalTrafficPolicy Cluster only:
+    /// direct server return to backends on other nodes (`Mode::Dsr`).
+    pub dsr: bool,
 }
 
 impl Frontend {
@@ -197,6 +265,8 @@ impl Frontend {
             no_socket: false,
             source_ranges: Vec::new(),
             extra_serving: Vec::new(),
+            maglev: false,
+            dsr: false,
         }
     }
 
@@ -390,6 +460,7 @@ where
 
 mod endpoints;
 mod incremental;
+pub mod maglev;
 mod service;
 pub use incremental::{Changes, Incremental, Pair};
 pub use service::{ServiceOut, compute_service};
@@ -904,6 +975,35 @@ mod tests {
     }
 
     #[test]
+    fn maglev_follows_the_flag_and_the_services_annotation_for_external_frontends_only() {
+        let with = |annotation: Option<&str>, default: Algorithm| {
+            let mut s = external_svc("NodePort");
+            if let Some(a) = annotation {
+                s.metadata.annotations = Some([(ANNOTATION_NODEPORT_ALGORITHM.to_string(), a.to_string())].into());
+            }
+            let services = [objects::Service::from(&s)];
+            let slices = [objects::EndpointSlice::from(&local_and_remote())];
+            compute_with(&services, &slices, &node(), &Options { nodeport_algorithm: default, ..Options::default() })
+        };
+        let maglev = |d: &Desired| (d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)].maglev, d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].maglev);
+        assert_eq!(maglev(&with(None, Algorithm::Random)), (false, false));
+        assert_eq!(maglev(&with(None, Algorithm::Maglev)), (true, false), "the ClusterIP is in-cluster traffic: never Maglev");
+        assert_eq!(maglev(&with(Some("maglev"), Algorithm::Random)), (true, false));
+        assert_eq!(maglev(&with(Some("random"), Algorithm::Maglev)), (false, false));
+        // A value it does not know: warned about by name, the default kept,
+        // the Service served.
+        let d = with(Some("ring-hash"), Algorithm::Maglev);
+        assert_eq!(maglev(&d), (true, false));
+        assert!(
+            d.warnings.iter().any(|w| w.contains("default/web") && w.contains(ANNOTATION_NODEPORT_ALGORITHM) && w.contains("ring-hash")),
+            "{:?}",
+            d.warnings
+        );
+        assert_eq!("maglev".parse::<Algorithm>(), Ok(Algorithm::Maglev));
+        assert!("Maglev".parse::<Algorithm>().is_err());
+    }
+
+    #[test]
     fn node_ports_listen_on_every_node_address_with_cluster_backends() {
         let node = NodeInfo { addresses: vec!["192.168.0.1".parse().unwrap(), "192.168.1.1".parse().unwrap()], ..node() };
         let d = compute(&[external_svc("NodePort")], &[local_and_remote()], &node);
@@ -949,7 +1049,7 @@ mod tests {
             &[objects::Service::from(&s)],
             &[objects::EndpointSlice::from(&local_and_remote())],
             &node(),
-            &Options { external_ip_socket: false },
+            &Options { external_ip_socket: false, ..Options::default() },
         );
         assert!(d.frontends[&fk("198.51.100.7", 80, Proto::Tcp)].no_socket);
     }

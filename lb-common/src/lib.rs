@@ -37,6 +37,13 @@ pub mod svc_flags {
     pub const NO_SOCKET: u16 = 1 << 6;
     /// loadBalancerSourceRanges: the client must match `LB4_SRC_RANGE`.
     pub const SRC_RANGE: u16 = 1 << 7;
+    /// Outside flows pick their backend from the frontend's Maglev table
+    /// (`LB4_MAGLEV` / `LB6_MAGLEV`, keyed by `MaglevKey`) instead of at
+    /// random: every node picks the same one for a flow.
+    pub const MAGLEV: u16 = 1 << 8;
+    /// Outside flows to a backend on another node keep the client's address
+    /// and are answered by that node directly (direct server return, IPv4).
+    pub const DSR: u16 = 1 << 9;
 }
 
 /// `Backend::flags`.
@@ -247,6 +254,8 @@ pub mod monitor {
     pub const WHY_NO_LOCAL_ENDPOINT: u8 = 5;
     /// A ClusterIP on a port that is no service port.
     pub const WHY_WRONG_PORT: u8 = 6;
+    /// Translated to the backend the frontend's Maglev table names.
+    pub const WHY_MAGLEV: u8 = 7;
     pub fn hook_name(h: u8) -> &'static str {
         match h {
             HOOK_CONNECT => "connect",
@@ -263,6 +272,7 @@ pub mod monitor {
             WHY_NO_ENDPOINTS => "no endpoints",
             WHY_NO_LOCAL_ENDPOINT => "no local endpoint",
             WHY_WRONG_PORT => "wrong port",
+            WHY_MAGLEV => "translated (maglev)",
             _ => "?",
         }
     }
@@ -334,6 +344,10 @@ pub mod nat_flags {
     pub const REPLY: u8 = 1 << 0;
     /// The flow is SNATed to this node's address (a backend on another node).
     pub const SNAT: u8 = 1 << 1;
+    /// Direct server return: on the frontend's node, the client's entry
+    /// (no reply entry: replies do not come back); on the backend's node,
+    /// the reply entry recorded from the packet's option.
+    pub const DSR: u8 = 1 << 2;
 }
 
 /// `NatEntry::state` bits, per direction (each entry records its own).
@@ -446,7 +460,11 @@ pub mod stats {
     /// TC, `--bpf-forward`: translated packets left to the stack because the
     /// FIB lookup said so (local delivery, no route, too big for the MTU).
     pub const FWD_STACK: u32 = 17;
-    pub const COUNT: u32 = 18;
+    /// TC: packets of DSR flows sent on with the frontend in an IPv4 option.
+    pub const DSR_SENT: u32 = 18;
+    /// TC: packets of DSR flows received for a local backend (option stripped).
+    pub const DSR_RECEIVED: u32 = 19;
+    pub const COUNT: u32 = 20;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -466,6 +484,8 @@ pub mod stats {
         "nat_too_big",
         "forwarded_bpf",
         "forwarded_stack",
+        "dsr_sent",
+        "dsr_received",
     ];
 }
 
@@ -495,14 +515,16 @@ pub mod maps {
     pub const NODE_CONFIG: &str = "LB_NODE_CONFIG";
     pub const SOCK_XLATE: &str = "LB_SOCK_XLATE";
     pub const SVC_STATS: &str = "LB_SVC_STATS";
+    pub const MAGLEV4: &str = "LB4_MAGLEV";
+    pub const MAGLEV6: &str = "LB6_MAGLEV";
     /// `lb-agent monitor`: heartbeats (index 0: any monitor; 1..=SLOTS:
     /// each monitor's) and one ring buffer per monitor.
     pub const MONITOR: &str = "LB_MONITOR";
     pub const EVENTS: [&str; 4] = ["LB_EVENTS0", "LB_EVENTS1", "LB_EVENTS2", "LB_EVENTS3"];
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 25] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
         AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
-        SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3],
+        SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3], MAGLEV4, MAGLEV6,
     ];
 }
 
@@ -519,6 +541,12 @@ pub mod capacity {
     pub const NODEPORTS: u32 = 8192;
     /// Per-frontend and per-backend counters: frontends plus backends.
     pub const SVC_STATS: u32 = REVNAT + BACKENDS;
+    /// Maglev tables (frontends with Maglev, per scope), per family. Each
+    /// table takes 4 bytes per entry (64 KiB at the default 16381).
+    pub const MAGLEV: u32 = 8192;
+    /// The inner map template's size; tables of other (prime) sizes are
+    /// accepted too (BPF_F_INNER_MAP).
+    pub const MAGLEV_TEMPLATE: u32 = 16381;
 }
 
 /// Value of the `LB_NODE_CONFIG` array (index 0): facts about this node
@@ -538,7 +566,20 @@ pub struct NodeConfig {
     pub snat_addr6: [u8; 16],
     /// `node_flags`.
     pub flags: u32,
-    pub _pad: u32,
+    /// Entries in each Maglev table (a prime; 0: no Maglev tables).
+    pub maglev_size: u32,
+}
+
+/// Key of the Maglev maps (`LB4_MAGLEV`, `LB6_MAGLEV`): one table per
+/// frontend and scope (all backends, or the node-local ones for
+/// externalTrafficPolicy Local). The value is an inner array of
+/// `NodeConfig::maglev_size` backend ids, swapped in whole by the agent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct MaglevKey {
+    pub rev_nat_id: u16,
+    pub proto: u8,
+    pub scope: u8,
 }
 
 /// `NodeConfig::flags`.
@@ -578,6 +619,7 @@ mod user {
     unsafe impl aya::Pod for SrcRange {}
     unsafe impl aya::Pod for NodePortKey {}
     unsafe impl aya::Pod for NodeConfig {}
+    unsafe impl aya::Pod for MaglevKey {}
 }
 
 // Layouts are part of the pinned-map ABI: a change must be deliberate.
@@ -607,6 +649,7 @@ const _: () = {
     assert!(core::mem::size_of::<SrcRange>() == 20);
     assert!(core::mem::size_of::<NodePortKey>() == 4);
     assert!(core::mem::size_of::<NodeConfig>() == 40);
+    assert!(core::mem::size_of::<MaglevKey>() == 4);
 };
 
 #[cfg(test)]
@@ -644,7 +687,8 @@ mod layout_tests {
             ("Nat6Entry", core::mem::size_of::<Nat6Entry>(), &[core::mem::offset_of!(Nat6Entry, to_saddr), core::mem::offset_of!(Nat6Entry, to_daddr), core::mem::offset_of!(Nat6Entry, to_sport), core::mem::offset_of!(Nat6Entry, to_dport), core::mem::offset_of!(Nat6Entry, flags), core::mem::offset_of!(Nat6Entry, state), core::mem::offset_of!(Nat6Entry, rev_nat_id), core::mem::offset_of!(Nat6Entry, created_ns), core::mem::offset_of!(Nat6Entry, last_seen_ns)]),
             ("SrcRange", core::mem::size_of::<SrcRange>(), &[core::mem::offset_of!(SrcRange, rev_nat_id), core::mem::offset_of!(SrcRange, family), core::mem::offset_of!(SrcRange, _pad), core::mem::offset_of!(SrcRange, addr)]),
             ("NodePortKey", core::mem::size_of::<NodePortKey>(), &[core::mem::offset_of!(NodePortKey, port), core::mem::offset_of!(NodePortKey, proto), core::mem::offset_of!(NodePortKey, _pad)]),
-            ("NodeConfig", core::mem::size_of::<NodeConfig>(), &[core::mem::offset_of!(NodeConfig, netns_cookie), core::mem::offset_of!(NodeConfig, snat_addr), core::mem::offset_of!(NodeConfig, snat_port_min), core::mem::offset_of!(NodeConfig, snat_port_max), core::mem::offset_of!(NodeConfig, snat_addr6), core::mem::offset_of!(NodeConfig, flags)]),
+            ("NodeConfig", core::mem::size_of::<NodeConfig>(), &[core::mem::offset_of!(NodeConfig, netns_cookie), core::mem::offset_of!(NodeConfig, snat_addr), core::mem::offset_of!(NodeConfig, snat_port_min), core::mem::offset_of!(NodeConfig, snat_port_max), core::mem::offset_of!(NodeConfig, snat_addr6), core::mem::offset_of!(NodeConfig, flags), core::mem::offset_of!(NodeConfig, maglev_size)]),
+            ("MaglevKey", core::mem::size_of::<MaglevKey>(), &[core::mem::offset_of!(MaglevKey, rev_nat_id), core::mem::offset_of!(MaglevKey, proto), core::mem::offset_of!(MaglevKey, scope)]),
         ];
         // FNV-1a over names, sizes and offsets.
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -664,5 +708,5 @@ mod layout_tests {
         assert_eq!((LAYOUT_VERSION, h), (4, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0xb84d_24ae_410f_7200;
+    const FINGERPRINT: u64 = 0xa92f_5262_dea0_1d7c;
 }

@@ -6,12 +6,12 @@
 use core::ffi::c_void;
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    btf_maps::{Array, HashMap, HashOfMaps, LruHashMap, PerCpuArray, RingBuf},
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_ktime_get_ns},
     macros::btf_map,
 };
 use lb_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend, FAMILY_V4, FAMILY_V6, NodeConfig, RevNat,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend, FAMILY_V4, FAMILY_V6, MaglevKey, NodeConfig, RevNat,
     MonitorEvent, SCOPE_ALL, SCOPE_LOCAL, STATS_BACKEND, STATS_FRONTEND, SockRevNat4Key, SockRevNat6Key, SockRevNatValue, SvcKey,
     SvcStats, SvcStatsKey, SvcValue, capacity, monitor, stats, svc_flags,
 };
@@ -43,6 +43,16 @@ static LB6_REVNAT: HashMap<u16, RevNat<A6>, { capacity::REVNAT as usize }, NO_PR
 #[btf_map]
 static LB6_SOCK_REVNAT: LruHashMap<SockRevNat6Key, SockRevNatValue<A6>, { capacity::SOCK_REVNAT as usize }> =
     LruHashMap::new();
+
+/// Maglev tables of the frontends that use Maglev for outside traffic: an
+/// inner array of backend ids per (frontend, scope). BPF_F_INNER_MAP: the
+/// agent's tables may have another (prime) size than this template.
+const INNER_MAP: usize = 1 << 12;
+type MaglevTable = Array<u32, { capacity::MAGLEV_TEMPLATE as usize }, INNER_MAP>;
+#[btf_map]
+static LB4_MAGLEV: HashOfMaps<MaglevKey, MaglevTable, { capacity::MAGLEV as usize }, NO_PREALLOC> = HashOfMaps::new();
+#[btf_map]
+static LB6_MAGLEV: HashOfMaps<MaglevKey, MaglevTable, { capacity::MAGLEV as usize }, NO_PREALLOC> = HashOfMaps::new();
 
 #[btf_map]
 static LB_AFFINITY: LruHashMap<AffinityKey, AffinityValue, { capacity::AFFINITY as usize }> = LruHashMap::new();
@@ -274,6 +284,8 @@ pub trait Family {
     fn svc(k: &SvcKey<Self::A>) -> Option<SvcValue>;
     fn backend(id: u32) -> Option<Backend<Self::A>>;
     fn revnat(id: u16) -> Option<RevNat<Self::A>>;
+    /// Entry `index` of the Maglev table `key`: a backend id.
+    fn maglev(key: &MaglevKey, index: u32) -> Option<u32>;
 }
 
 pub struct V4;
@@ -294,6 +306,11 @@ impl Family for V4 {
     fn revnat(id: u16) -> Option<RevNat<A4>> {
         LB4_REVNAT.get_ptr(id).map(copy)
     }
+    #[inline(always)]
+    fn maglev(key: &MaglevKey, index: u32) -> Option<u32> {
+        // SAFETY: the agent swaps whole inner maps, never writes one in use.
+        unsafe { LB4_MAGLEV.get_value(key, &index).copied() }
+    }
 }
 
 impl Family for V6 {
@@ -310,6 +327,11 @@ impl Family for V6 {
     #[inline(always)]
     fn revnat(id: u16) -> Option<RevNat<A6>> {
         LB6_REVNAT.get_ptr(id).map(copy)
+    }
+    #[inline(always)]
+    fn maglev(key: &MaglevKey, index: u32) -> Option<u32> {
+        // SAFETY: the agent swaps whole inner maps, never writes one in use.
+        unsafe { LB6_MAGLEV.get_value(key, &index).copied() }
     }
 }
 
@@ -434,25 +456,55 @@ pub fn select<F: Family>(
             // SAFETY: helper without side effects.
             None => unsafe { bpf_get_prandom_u32() },
         };
-        let slot = (r % n as u32) as u16 + 1;
-        let Some(sv) = F::svc(&SvcKey::new(addr, port, proto, scope, slot)) else {
-            event(stats::RETRIED);
-            continue;
-        };
-        let Some(backend) = F::backend(sv.backend_id) else {
+        let mut why = if front.flags & svc_flags::TOPOLOGY != 0 { monitor::WHY_TOPOLOGY } else { monitor::WHY_TRANSLATED };
+        // Maglev (outside flows, hashed): the table names the backend; a
+        // table not there yet (or a race with its swap) falls back to the
+        // slots.
+        let mut backend_id = 0;
+        if external && hash.is_some() && front.flags & svc_flags::MAGLEV != 0 {
+            backend_id = maglev_pick::<F>(front.rev_nat_id, proto, scope, r);
+            if backend_id != 0 {
+                why = monitor::WHY_MAGLEV;
+            }
+        }
+        if backend_id == 0 {
+            let slot = (r % n as u32) as u16 + 1;
+            let Some(sv) = F::svc(&SvcKey::new(addr, port, proto, scope, slot)) else {
+                event(stats::RETRIED);
+                continue;
+            };
+            backend_id = sv.backend_id;
+        }
+        let Some(backend) = F::backend(backend_id) else {
             event(stats::RETRIED);
             continue;
         };
         if affinity {
-            let v = AffinityValue { last_used_ns: now, backend_id: sv.backend_id, _pad: 0 };
+            let v = AffinityValue { last_used_ns: now, backend_id, _pad: 0 };
             let _ = LB_AFFINITY.insert(&akey, &v, 0);
         }
-        let why = if front.flags & svc_flags::TOPOLOGY != 0 { monitor::WHY_TOPOLOGY } else { monitor::WHY_TRANSLATED };
-        return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id: sv.backend_id, why };
+        return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id, why };
     }
     // Every attempt raced with an update: refuse rather than guess.
     event(stats::REFUSED_NO_ENDPOINTS);
     Verdict::Refuse { errno: ECONNREFUSED, why: monitor::WHY_NO_ENDPOINTS, rev_nat_id: 0 }
+}
+
+/// The backend id the Maglev table of (frontend, scope) holds for flow hash
+/// `h`; 0 when there is no table or its backend is gone (the agent removes
+/// backends after it swapped the tables that name them, but a program may
+/// run in between): the caller falls back to the slots.
+#[inline(always)]
+fn maglev_pick<F: Family>(rev_nat_id: u16, proto: u8, scope: u8, h: u32) -> u32 {
+    let size = node_config().map_or(0, |c| c.maglev_size);
+    if size == 0 {
+        return 0;
+    }
+    let id = F::maglev(&MaglevKey { rev_nat_id, proto, scope }, h % size).unwrap_or(0);
+    if id == 0 || F::backend(id).is_none() {
+        return 0;
+    }
+    id
 }
 
 /// Remember which frontend a socket's translated destination stands for, so

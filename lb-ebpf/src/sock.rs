@@ -25,7 +25,7 @@ use lb_common::{FAMILY_V4, FAMILY_V6, NodePortKey, PROTO_TCP, PROTO_UDP, SockXla
 /// The NodePorts in use: processes in the node's network namespace may not
 /// bind() them.
 #[btf_map]
-static LB_NODEPORTS: HashMap<NodePortKey, u8, { capacity::NODEPORTS as usize }, { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize }> =
+pub(crate) static LB_NODEPORTS: HashMap<NodePortKey, u8, { capacity::NODEPORTS as usize }, { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize }> =
     HashMap::new();
 
 /// Each connected socket's translation, for as long as the socket lives.

@@ -24,13 +24,20 @@ fn every_bench_case_runs() {
     for (case, s) in dp {
         assert!(s["values"][0].as_f64().unwrap() > 0.0, "{case}: {stdout}");
     }
+    // Direct, lb TC, lb TC with BPF forwarding, iptables behind 10 and
+    // behind 30 Services; direct, lb TC and lb BPF forwarding on IPv6.
     let np = v["nodeport"].as_object().unwrap();
-    assert_eq!(np.len(), 5, "{stdout}");
+    assert_eq!(np.len(), 8, "{stdout}");
     for (case, s) in np {
         assert!(s["values"][0].as_f64().unwrap() > 0.0, "NodePort {case}: {stdout}");
     }
     let tput = v["nodeport_throughput"].as_object().unwrap();
-    assert_eq!(tput.len(), 5, "{stdout}");
+    assert_eq!(tput.len(), 8, "{stdout}");
+    let udp = v["nodeport_udp"].as_object().unwrap();
+    assert_eq!(udp.len(), 8, "{stdout}");
+    for (case, s) in udp {
+        assert!(s["values"][0].as_f64().unwrap() > 0.0, "NodePort UDP {case}: {stdout}");
+    }
     assert!(v["control_plane"].as_object().unwrap().keys().any(|k| k.contains("(YAML)")), "{stdout}");
     assert!(v["map_write_ratio_to_raw"].as_f64().is_some_and(|r| r > 0.0), "{stdout}");
     assert_eq!(v["change_latency_ms"]["samples"].as_array().unwrap().len(), 5);

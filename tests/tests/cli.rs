@@ -29,6 +29,14 @@ fn unknown_source_scheme() {
 }
 
 #[test]
+fn a_maglev_table_size_that_is_no_prime() {
+    assert_one_line_error(&["run", "--maglev-table-size", "16384"], "--maglev-table-size: 16384 is not a prime");
+    let (code, err) = agent(&["run", "--nodeport-algorithm", "ring-hash"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--nodeport-algorithm") && err.contains("ring-hash"), "{err}");
+}
+
+#[test]
 fn missing_source_directory() {
     assert_one_line_error(&["run", "--source", "dir:/nonexistent/lb-objects"], "/nonexistent/lb-objects");
 }

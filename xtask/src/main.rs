@@ -235,7 +235,7 @@ fn build_bins(release: bool) -> Result<()> {
 }
 
 /// The test suites that `cargo xtask test` also runs with `--tc-attach netlink`.
-const NETLINK_SUITES: [&str; 4] = ["nodeport", "north_south", "north_south_icmp", "north_south_abuse"];
+const NETLINK_SUITES: [&str; 7] = ["nodeport", "north_south", "north_south_icmp", "north_south_abuse", "north_south_forward", "north_south_maglev", "north_south_dsr"];
 
 /// `cargo xtask image`, after setup: the release binaries, the base image,
 /// then the lb-agent image (`e2e`: the e2e stage). Returns its tag.

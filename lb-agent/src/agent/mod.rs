@@ -48,6 +48,8 @@ pub struct RunConfig {
     pub snat_ports: (u16, u16),
     /// `lb_common::node_flags` for the programs (`--bpf-forward`).
     pub node_flags: u32,
+    /// `--maglev-table-size`, `--maglev-seed`.
+    pub maglev: crate::model::maglev::Maglev,
     pub nat_timeouts: crate::nodeport::NatTimeouts,
     pub nat_gc_interval: Duration,
     pub model: model::Options,
@@ -259,6 +261,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         nodeports,
         snat_ports: cfg.snat_ports,
         node_flags: cfg.node_flags,
+        maglev: cfg.maglev,
+        maglev4: crate::dataplane::maglev::MaglevTables::open(&cfg.bpffs, lb_common::maps::MAGLEV4)?,
+        maglev6: crate::dataplane::maglev::MaglevTables::open(&cfg.bpffs, lb_common::maps::MAGLEV6)?,
         netns_cookie,
         logged: HashSet::new(),
         health_checks: Default::default(),

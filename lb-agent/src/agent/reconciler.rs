@@ -182,6 +182,10 @@ pub(super) struct Reconciler {
     pub(super) nodeports: BTreeSet<lb_common::NodePortKey>,
     pub(super) snat_ports: (u16, u16),
     pub(super) node_flags: u32,
+    /// Maglev table size and seed, and the tables written per family.
+    pub(super) maglev: crate::model::maglev::Maglev,
+    pub(super) maglev4: crate::dataplane::maglev::MaglevTables<[u8; 4]>,
+    pub(super) maglev6: crate::dataplane::maglev::MaglevTables<[u8; 16]>,
     pub(super) netns_cookie: u64,
     pub(super) logged: HashSet<String>,
     /// What the last sync decided besides the maps.
@@ -393,7 +397,7 @@ impl Reconciler {
                 snat_port_max: self.snat_ports.1,
                 snat_addr6: snat_addr6.unwrap_or_default(),
                 flags: self.node_flags,
-                _pad: 0,
+                maglev_size: self.maglev.size(),
             })?;
             self.node_addresses = node.addresses.clone();
         }
@@ -472,6 +476,15 @@ impl Reconciler {
             return Ok(None);
         };
         tracing::debug!(us = t.elapsed().as_micros() as u64, ops = n4 + n6, "sync: changes written");
+        let units4: BTreeSet<([u8; 4], u16)> = ch.frontends.iter().filter_map(|k| <[u8; 4]>::from_ip(k.addr).map(|a| (a, k.port))).collect();
+        let units6: BTreeSet<([u8; 16], u16)> = ch.frontends.iter().filter_map(|k| <[u8; 16]>::from_ip(k.addr).map(|a| (a, k.port))).collect();
+        let tables = self
+            .maglev4
+            .sync(&self.maglev, &self.v4.table, Some(&units4))
+            .and_then(|_| self.maglev6.sync(&self.maglev, &self.v6.table, Some(&units6)));
+        if let Err(error) = tables {
+            return Err(WriteFailed { service: None, error, too_many: Vec::new() });
+        }
         let purged = self
             .maps
             .purge_affinity(lb_common::FAMILY_V4, &stale4)
@@ -530,6 +543,8 @@ impl Reconciler {
         };
         self.not_programmed = excluded.len();
         self.log_warnings(warnings);
+        self.maglev4.sync(&self.maglev, &self.v4.table, None)?;
+        self.maglev6.sync(&self.maglev, &self.v6.table, None)?;
         self.maps.purge_affinity(lb_common::FAMILY_V4, &stale4)?;
         self.maps.purge_affinity(lb_common::FAMILY_V6, &stale6)?;
         Ok(n4 + n6)

@@ -425,6 +425,12 @@ fn add_frontend<A: Addr>(t: &mut Builder<A>, key: &model::FrontendKey, front: &m
     if front.topology {
         flags |= svc_flags::TOPOLOGY;
     }
+    if front.maglev && front.external {
+        flags |= svc_flags::MAGLEV;
+    }
+    if front.dsr && front.external {
+        flags |= svc_flags::DSR;
+    }
     t.services.push((
         SvcKey::new(addr, key.port, proto, SCOPE_ALL, 0),
         SvcValue { backend_id: 0, count, rev_nat_id, flags, _pad: 0, affinity_timeout: front.affinity_timeout.unwrap_or(0) },

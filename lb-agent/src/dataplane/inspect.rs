@@ -53,7 +53,8 @@ pub struct FrontendView {
     pub port: u16,
     pub protocol: &'static str,
     pub rev_nat_id: u16,
-    /// affinity, itp-local, topology.
+    /// affinity, itp-local, topology, external, etp-local, no-socket,
+    /// source-ranges, maglev, dsr.
     pub flags: Vec<&'static str>,
     pub affinity_timeout: Option<u32>,
     pub backends: Vec<BackendView>,
@@ -130,6 +131,12 @@ fn add<A: Addr>(t: &Table<A>, out: &mut ListView, svc: Option<&SvcCounters>) {
         }
         if v.flags & svc_flags::SRC_RANGE != 0 {
             flags.push("source-ranges");
+        }
+        if v.flags & svc_flags::MAGLEV != 0 {
+            flags.push("maglev");
+        }
+        if v.flags & svc_flags::DSR != 0 {
+            flags.push("dsr");
         }
         let local_backends = (local_only || ext_local).then(|| {
             let n = t.services.get(&SvcKey::new(k.addr, k.port, k.proto, SCOPE_LOCAL, 0)).map_or(0, |l| l.count);
@@ -209,6 +216,10 @@ pub struct NatFlow {
     /// The tuple as the backend sees it.
     pub rewritten: String,
     pub snat: bool,
+    /// Direct server return: on the frontend's node, the client's flow to
+    /// a backend elsewhere (its replies do not come back here); on the
+    /// backend's node, the flow as its option described it.
+    pub dsr: bool,
     /// A packet came back (conntrack's [UNREPLIED] when false).
     pub replied: bool,
     pub state: &'static str,
@@ -230,10 +241,34 @@ where
         Err(_) => nat.iter().filter_map(|r| r.ok()).collect(),
     };
     let tuple = |s: A, sp: u16, d: A, dp: u16| format!("src={} dst={} sport={sp} dport={dp}", s.to_ip(), d.to_ip());
+    // The backend's node of a DSR flow holds only the reply entry.
+    let dsr_in = entries.iter().filter(|(_, e)| e.flags & nat_flags::REPLY != 0 && e.flags & nat_flags::DSR != 0).map(|(k, e)| {
+        let state = match k.proto {
+            _ if e.state & nat_state::RST != 0 => "CLOSE(RST)",
+            lb_common::PROTO_UDP => "UDP",
+            _ if e.state & nat_state::FIN != 0 => "FIN_WAIT",
+            _ if e.state & nat_state::SEEN == 0 => "SYN_SENT",
+            _ => "ESTABLISHED",
+        };
+        NatFlow {
+            family: A::NAME,
+            protocol: proto_name(k.proto),
+            original: tuple(e.to_daddr, e.to_dport, e.to_saddr, e.to_sport),
+            rewritten: tuple(e.to_daddr, e.to_dport, k.saddr, k.sport),
+            snat: false,
+            dsr: true,
+            replied: e.state & nat_state::SEEN != 0,
+            state,
+            age_s: now_ns.saturating_sub(e.created_ns) / 1_000_000_000,
+            idle_s: now_ns.saturating_sub(e.last_seen_ns) / 1_000_000_000,
+        }
+    });
+    let dsr_in: Vec<NatFlow> = dsr_in.collect();
     entries
         .iter()
         .filter(|(_, e)| e.flags & nat_flags::REPLY == 0)
         .map(|(k, e)| {
+            let dsr = e.flags & nat_flags::DSR != 0;
             let reply = entries.get(&e.other_key(k.proto));
             let states = e.state | reply.map_or(0, |r| r.state);
             let fin_both = e.state & nat_state::FIN != 0 && reply.is_some_and(|r| r.state & nat_state::FIN != 0);
@@ -243,6 +278,8 @@ where
                 (_, s) if s & nat_state::RST != 0 => "CLOSE(RST)",
                 _ if fin_both => "CLOSED",
                 (_, s) if s & nat_state::FIN != 0 => "FIN_WAIT",
+                // DSR: the client went on after its SYN, so it was answered.
+                _ if dsr && e.state & nat_state::SEEN != 0 => "ESTABLISHED",
                 _ if reply.is_none_or(|r| r.state & nat_state::SEEN == 0) => "SYN_SENT",
                 // Answered, but the client never went on after its SYN.
                 _ if e.state & nat_state::SEEN == 0 => "SYN_RECV",
@@ -255,19 +292,21 @@ where
                 original: tuple(k.saddr, k.sport, k.daddr, k.dport),
                 rewritten: tuple(e.to_saddr, e.to_sport, e.to_daddr, e.to_dport),
                 snat: e.flags & nat_flags::SNAT != 0,
-                replied: reply.is_some_and(|r| r.state & nat_state::SEEN != 0),
+                dsr,
+                replied: reply.is_some_and(|r| r.state & nat_state::SEEN != 0) || (dsr && e.state & nat_state::SEEN != 0),
                 state,
                 age_s: now_ns.saturating_sub(e.created_ns) / 1_000_000_000,
                 idle_s: now_ns.saturating_sub(last) / 1_000_000_000,
             }
         })
+        .chain(dsr_in)
         .collect()
 }
 
 pub fn render_nat(flows: &[NatFlow]) -> String {
     let mut s = String::new();
     for f in flows {
-        let snat = if f.snat { " [SNAT]" } else { "" };
+        let snat = if f.snat { " [SNAT]" } else if f.dsr { " [DSR]" } else { "" };
         let unreplied = if f.replied { "" } else { " [UNREPLIED]" };
         let family = if f.family == "IPv6" { "ipv6" } else { "ipv4" };
         let _ = writeln!(

@@ -48,7 +48,7 @@ struct BatchAttr {
 /// the kernel writes the entries in order, as that many single writes
 /// would, in one system call. Returns how many were written before a
 /// failure, and the failure.
-fn batch<K: Pod, V: Pod>(map_fd: std::os::fd::RawFd, keys: &[K], values: Option<&[V]>) -> (usize, std::io::Result<()>) {
+pub(super) fn batch<K: Pod, V: Pod>(map_fd: std::os::fd::RawFd, keys: &[K], values: Option<&[V]>) -> (usize, std::io::Result<()>) {
     let mut attr = BatchAttr {
         keys: keys.as_ptr() as u64,
         values: values.map_or(0, |v| v.as_ptr() as u64),

@@ -6,6 +6,7 @@ pub mod build;
 pub mod checks;
 pub mod inspect;
 pub mod loader;
+pub mod maglev;
 pub mod maps;
 pub mod table;
 pub mod upgrade;

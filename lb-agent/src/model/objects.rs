@@ -41,9 +41,17 @@ pub struct Meta {
     pub annotations: Annotations,
 }
 
-/// The one annotation the agent reads; the others are dropped.
+/// The annotations the agent reads; the others are dropped.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Annotations {
+    /// `lb.dev/nodeport-algorithm` on a Service: how outside traffic picks
+    /// a backend (`random` or `maglev`), overriding `--nodeport-algorithm`.
+    #[serde(rename = "lb.dev/nodeport-algorithm", default, skip_serializing_if = "Option::is_none")]
+    pub nodeport_algorithm: Option<String>,
+    /// `lb.dev/nodeport-mode` on a Service: `snat` or `dsr`, overriding
+    /// `--nodeport-mode`.
+    #[serde(rename = "lb.dev/nodeport-mode", default, skip_serializing_if = "Option::is_none")]
+    pub nodeport_mode: Option<String>,
     /// `endpoints.kubernetes.io/last-change-trigger-time` (RFC 3339) on an
     /// EndpointSlice: when the change it carries happened, for kube-proxy's
     /// network programming latency.
@@ -53,7 +61,7 @@ pub struct Annotations {
 
 impl Annotations {
     fn is_empty(&self) -> bool {
-        self.last_change_trigger_time.is_none()
+        self.last_change_trigger_time.is_none() && self.nodeport_algorithm.is_none() && self.nodeport_mode.is_none()
     }
 }
 
@@ -80,7 +88,11 @@ impl From<&k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta> for Meta 
             name: m.name.clone(),
             namespace: m.namespace.clone(),
             labels: Labels { service_name: label(LABEL_SERVICE_NAME), proxy_name: label(LABEL_SERVICE_PROXY_NAME) },
-            annotations: Annotations { last_change_trigger_time: annotation(LAST_CHANGE_TRIGGER_TIME) },
+            annotations: Annotations {
+                nodeport_algorithm: annotation(super::ANNOTATION_NODEPORT_ALGORITHM),
+                nodeport_mode: annotation(super::ANNOTATION_NODEPORT_MODE),
+                last_change_trigger_time: annotation(LAST_CHANGE_TRIGGER_TIME),
+            },
         }
     }
 }

@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::ServicePort;
 use super::endpoints::{PortEndpoints, Sets, conditions};
 use super::objects::ServiceSpec;
 use super::{
-    DEFAULT_AFFINITY_TIMEOUT, EndpointSlice, Frontend, FrontendKey, HealthCheck, NodeInfo, Options, Proto, Service, ServiceRef,
+    ANNOTATION_NODEPORT_ALGORITHM, ANNOTATION_NODEPORT_MODE, Algorithm, DEFAULT_AFFINITY_TIMEOUT, Mode, EndpointSlice, Frontend, FrontendKey, HealthCheck, NodeInfo, Options, Proto, Service, ServiceRef,
     parse_cidr, parse_proto, skip_reason, usable_ip, valid_port,
 };
 
@@ -85,6 +85,10 @@ where
         return out;
     }
     let mut claimed: BTreeSet<FrontendKey> = BTreeSet::new();
+    let a = &svc.metadata.annotations;
+    let algorithm = annotated(sref, a.nodeport_algorithm.as_deref(), ANNOTATION_NODEPORT_ALGORITHM, opts.nodeport_algorithm, &mut out.warnings);
+    let mode = annotated(sref, a.nodeport_mode.as_deref(), ANNOTATION_NODEPORT_MODE, opts.nodeport_mode, &mut out.warnings);
+    let (maglev, dsr) = (algorithm == Algorithm::Maglev, mode == Mode::Dsr);
     for sp in spec.ports.iter().flatten() {
         let Some(proto) = parse_proto(sp.protocol.as_deref()) else {
             out.warnings.push(format!(
@@ -109,6 +113,8 @@ where
             opts,
             eps: PortEndpoints { slices: &svc_slices, sp, proto, node },
             base: base_frontend(sref, spec, sp),
+            maglev,
+            dsr,
         };
         cluster_frontends(&mut out, &mut claimed, &p, &vips);
         external_frontends(&mut out, &mut claimed, &p);
@@ -149,6 +155,28 @@ struct Port<'a> {
     eps: PortEndpoints<'a>,
     /// What every frontend of the port shares.
     base: Frontend,
+    /// Outside traffic picks by Maglev.
+    maglev: bool,
+    /// Outside traffic to other nodes' backends uses DSR.
+    dsr: bool,
+}
+
+
+/// A Service's choice by `annotation` (a value of `T`), else the agent's
+/// `default`. An unknown value is warned about, naming the Service and the
+/// annotation, and the default is used.
+fn annotated<T: std::str::FromStr<Err = String> + std::fmt::Debug + Copy>(
+    sref: &ServiceRef,
+    value: Option<&str>,
+    annotation: &str,
+    default: T,
+    warnings: &mut Vec<String>,
+) -> T {
+    let Some(v) = value else { return default };
+    v.parse().unwrap_or_else(|e| {
+        warnings.push(format!("Service {sref}: annotation {annotation}: {e}; using {default:?}"));
+        default
+    })
 }
 
 /// What every frontend of one Service port shares.
@@ -257,6 +285,9 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
             no_socket: e.no_socket,
             source_ranges,
             extra_serving: extra,
+            maglev: p.maglev,
+            // DSR is IPv4 only, and Local never leaves the node.
+            dsr: p.dsr && e.addr.is_ipv4() && !ext_local,
             ..p.base.clone()
         };
         out.claim(claimed, p.sref, FrontendKey { addr: e.addr, port: e.port, proto: p.proto }, front, true);

@@ -45,6 +45,26 @@ pub fn expired<A>(proto: u8, fwd: &NatEntry<A>, reply: Option<&NatEntry<A>>, now
     idle > timeout
 }
 
+/// Whether a DSR flow's one entry on this node has expired. The frontend's
+/// node sees only the client's packets: SEEN (the client went on after its
+/// SYN, so it was answered) assures the flow. The backend's node marks its
+/// reply entry SEEN only from the backend's packets; the client's refresh
+/// it (and note FIN / RST) but cannot assure it.
+pub fn expired_dsr<A>(proto: u8, e: &NatEntry<A>, now_ns: u64, t: &NatTimeouts) -> bool {
+    let idle = Duration::from_nanos(now_ns.saturating_sub(e.last_seen_ns));
+    let mut timeout = if proto == PROTO_UDP {
+        t.udp
+    } else if e.state & (nat_state::RST | nat_state::FIN) != 0 {
+        t.tcp_closed
+    } else {
+        t.tcp
+    };
+    if e.state & nat_state::SEEN == 0 {
+        timeout = timeout.min(t.unreplied);
+    }
+    idle > timeout
+}
+
 pub fn monotonic_ns() -> u64 {
     let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
     t.tv_sec() as u64 * 1_000_000_000 + t.tv_nsec() as u64
@@ -84,26 +104,39 @@ where
     };
     let mut pass = NatPass::default();
     for (k, e) in &entries {
+        // A DSR flow has one entry per node: the client's on the frontend's
+        // node, the reply entry on the backend's.
+        let dsr = e.flags & nat_flags::DSR != 0;
         if e.flags & nat_flags::REPLY != 0 {
-            // An orphaned reply entry (its flow half-removed): no packet can
-            // use it once idle.
-            if !entries.contains_key(&e.other_key(k.proto)) && expired(k.proto, e, None, now, t) {
+            // An orphaned reply entry (its flow half-removed) or a DSR one:
+            // no packet can use it once idle.
+            let gone = if dsr { expired_dsr(k.proto, e, now, t) } else { !entries.contains_key(&e.other_key(k.proto)) && expired(k.proto, e, None, now, t) };
+            if gone {
                 let _ = nat.remove(k);
+                pass.expired += dsr as usize;
             }
             continue;
         }
-        let rk = e.other_key(k.proto);
-        if expired(k.proto, e, entries.get(&rk), now, t) {
+        let rk = (!dsr).then(|| e.other_key(k.proto));
+        let gone = match &rk {
+            Some(rk) => expired(k.proto, e, entries.get(rk), now, t),
+            None => expired_dsr(k.proto, e, now, t),
+        };
+        if gone {
             // The reply entry first: a packet never finds a forward entry
             // without its reply entry.
-            let _ = nat.remove(&rk);
+            if let Some(rk) = &rk {
+                let _ = nat.remove(rk);
+            }
             let _ = nat.remove(k);
             pass.expired += 1;
             continue;
         }
         if !left.is_empty() && left.contains(&(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)) {
             if k.proto == PROTO_UDP {
-                let _ = nat.remove(&rk);
+                if let Some(rk) = &rk {
+                    let _ = nat.remove(rk);
+                }
                 let _ = nat.remove(k);
                 pass.flushed += 1;
             } else if e.state & nat_state::STALE == 0 {
@@ -168,6 +201,19 @@ mod tests {
         assert!(expired(PROTO_UDP, &entry(100, 0), Some(&entry(100, 0)), 131 * S, &T));
         // A forward entry whose reply entry is gone counts as unreplied.
         assert!(expired(PROTO_TCP, &entry(100, 0), None, 161 * S, &T));
+    }
+
+    #[test]
+    fn dsr_entries_expire_on_their_own_state() {
+        let dsr = |last: u64, state: u8| NatEntry { flags: nat_flags::DSR, ..entry(last, state) };
+        // Never assured (a SYN only, or spoofed options): the unreplied timeout.
+        assert!(!expired_dsr(PROTO_TCP, &dsr(100, 0), 159 * S, &T));
+        assert!(expired_dsr(PROTO_TCP, &dsr(100, 0), 161 * S, &T));
+        // Assured: the TCP timeout; FIN or RST: the close timeout.
+        assert!(!expired_dsr(PROTO_TCP, &dsr(100, SEEN), 161 * S, &T));
+        assert!(expired_dsr(PROTO_TCP, &dsr(100, SEEN | nat_state::FIN), 111 * S, &T));
+        assert!(!expired_dsr(PROTO_TCP, &dsr(100, SEEN | nat_state::RST), 109 * S, &T));
+        assert!(expired_dsr(PROTO_UDP, &dsr(100, SEEN), 131 * S, &T));
     }
 
     #[test]

@@ -163,7 +163,7 @@ fn translate<F: Net, const Q: usize>(ctx: &TcContext, l4: usize, ingress: bool) 
 /// if the packet does not fit it and may not be fragmented on the way;
 /// else 0.
 #[inline(never)]
-pub fn path_mtu<F: Net>(skb: *mut __sk_buff, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> u32 {
+pub fn path_mtu<F: Net>(skb: *mut __sk_buff, p: &Pkt<F::A>, e: &NatEntry<F::A>, extra: u32) -> u32 {
     let ctx = &TcContext::new(skb);
     if F::may_fragment(ctx) {
         return 0;
@@ -171,7 +171,7 @@ pub fn path_mtu<F: Net>(skb: *mut __sk_buff, p: &Pkt<F::A>, e: &NatEntry<F::A>) 
     // SAFETY: fields of our own skb.
     let (len, gso, ifindex) = unsafe { ((*skb).len, (*skb).gso_size, (*skb).ifindex) };
     // A GSO packet leaves as segments: each must fit.
-    let mut need = len.saturating_sub(ETH_HLEN as u32);
+    let mut need = len.saturating_sub(ETH_HLEN as u32) + extra;
     if gso != 0 {
         let l4_hdr = if p.proto == PROTO_TCP {
             match ctx.load::<u8>(p.l4 + 12) {
@@ -181,7 +181,7 @@ pub fn path_mtu<F: Net>(skb: *mut __sk_buff, p: &Pkt<F::A>, e: &NatEntry<F::A>) 
         } else {
             8
         };
-        need = (p.l4 - ETH_HLEN) as u32 + l4_hdr + gso;
+        need = (p.l4 - ETH_HLEN) as u32 + l4_hdr + gso + extra;
     }
     if need as usize <= MTU_CHECK_ABOVE || need > u16::MAX as u32 {
         return 0;

@@ -45,6 +45,7 @@ use lb_common::{
 
 use crate::lb::{self, Client, ECONNREFUSED, Family, NO_PREALLOC, V4, V6, Verdict};
 
+mod dsr;
 mod fib;
 mod icmp;
 
@@ -118,6 +119,9 @@ const ACT_FORWARD: i32 = -108;
 /// The packet is translated: on ingress, forward it (in BPF or through the
 /// stack); on egress, let it go.
 const ACT_TRANSLATED: i32 = -109;
+/// Translated, a DSR flow: add the option naming the frontend (in the
+/// scratch value), then forward it.
+const ACT_DSR: i32 = -110;
 
 pub struct Pkt<A> {
     l4: usize,
@@ -220,6 +224,9 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     fn inner_fix(b: &mut [u8; 60]);
     /// The source and destination of a route lookup.
     fn fib_addrs(f: &mut bpf_fib_lookup, src: Self::A, dst: Self::A);
+    /// Add the DSR option naming the frontend in the scratch value
+    /// (IPv4; IPv6 frontends never have DSR).
+    fn dsr_add(skb: *mut __sk_buff) -> i32;
     /// The next hop a route lookup found, for bpf_redirect_neigh.
     fn next_hop(f: &bpf_fib_lookup, nh: &mut bpf_redir_neigh);
     /// Decrement the TTL / hop limit, as a router does (IPv4: with its
@@ -307,6 +314,13 @@ impl Net for V4 {
     fn next_hop(f: &bpf_fib_lookup, nh: &mut bpf_redir_neigh) {
         // SAFETY: the lookup left the next hop (gateway or destination) here.
         nh.__bindgen_anon_1.ipv4_nh = unsafe { f.__bindgen_anon_4.ipv4_dst };
+    }
+    #[inline(always)]
+    fn dsr_add(skb: *mut __sk_buff) -> i32 {
+        let Some(sc) = Self::scratch() else { return TC_ACT_SHOT };
+        // SAFETY: this CPU's scratch value, set by forward for this packet.
+        let (addr, port) = unsafe { ((*sc).front_addr, (*sc).front_port) };
+        dsr::add_option(skb, addr, port)
     }
     #[inline(always)]
     fn dec_ttl(ctx: &TcContext) -> Result<(), i64> {
@@ -469,6 +483,10 @@ impl Net for V6 {
     fn next_hop(f: &bpf_fib_lookup, nh: &mut bpf_redir_neigh) {
         // SAFETY: the lookup left the next hop (gateway or destination) here.
         nh.__bindgen_anon_1.ipv6_nh = unsafe { f.__bindgen_anon_4.ipv6_dst };
+    }
+    #[inline(always)]
+    fn dsr_add(_: *mut __sk_buff) -> i32 {
+        TC_ACT_SHOT
     }
     #[inline(always)]
     fn dec_ttl(ctx: &TcContext) -> Result<(), i64> {
@@ -845,6 +863,11 @@ pub struct Scratch<A> {
     reply: NatEntry<A>,
     /// The path MTU for ACT_TOO_BIG.
     mtu: u32,
+    /// The new flow's frontend asks for DSR (and this family has it).
+    dsr: u8,
+    /// The frontend a DSR packet's option names.
+    front_addr: A,
+    front_port: u16,
 }
 
 #[btf_map]
@@ -892,6 +915,7 @@ fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
                 (*sc).backend_id = backend_id;
                 (*sc).rev_nat_id = rev_nat_id;
                 (*sc).hash = h;
+                (*sc).dsr = (front.flags & svc_flags::DSR != 0 && F::ID == lb_common::FAMILY_V4) as u8;
             }
             ACT_ESTABLISH
         }
@@ -963,7 +987,12 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
         created_ns: now,
         last_seen_ns: now,
     };
-    if snat {
+    let dsr = snat && sc.dsr != 0;
+    if dsr {
+        // Direct server return: the client's address stays; the backend's
+        // node answers the client itself, so there is no reply entry here.
+        sc.fwd.flags = nat_flags::DSR;
+    } else if snat {
         let Some(cfg) = lb::node_config() else { return drop_packet() };
         let addr = F::snat_addr(&cfg);
         if cfg.snat_port_min == 0 || addr == F::A::default() {
@@ -988,7 +1017,9 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
     sc.key = p.key();
     if !F::nat_put(&sc.key, &sc.fwd, BPF_NOEXIST as u64) {
         // Another CPU set this flow up meanwhile: follow its choice.
-        F::nat_del(&sc.rkey);
+        if !dsr {
+            F::nat_del(&sc.rkey);
+        }
         return match F::nat_get(&sc.key) {
             Some(e) => {
                 // SAFETY: copied out at once.
@@ -1016,19 +1047,28 @@ fn forward<F: Net>(skb: *mut __sk_buff) -> i32 {
     let Some(sc) = F::scratch() else { return TC_ACT_SHOT };
     // SAFETY: this CPU's scratch value, filled by an earlier step for this packet.
     let sc = unsafe { &mut *sc };
-    if sc.fwd.flags & nat_flags::SNAT != 0 && !p.later {
+    let dsr = sc.fwd.flags & nat_flags::DSR != 0;
+    // The DSR option's 8 bytes must fit too.
+    let extra = if dsr { dsr::OPT_LEN as u32 } else { 0 };
+    if sc.fwd.flags & (nat_flags::SNAT | nat_flags::DSR) != 0 && !p.later {
         if F::ttl(ctx) <= 1 {
             return ACT_TIME_EXCEEDED;
         }
-        if ctx.len() as usize > ETH_HLEN + icmp::MTU_CHECK_ABOVE {
-            let mtu = icmp::path_mtu::<F>(skb, &p, &sc.fwd);
+        if ctx.len() as usize + extra as usize > ETH_HLEN + icmp::MTU_CHECK_ABOVE {
+            let mtu = icmp::path_mtu::<F>(skb, &p, &sc.fwd, extra);
             if mtu != 0 {
-                sc.mtu = mtu;
+                sc.mtu = mtu - extra;
                 return ACT_TOO_BIG;
             }
         }
     }
-    translate::<F>(ctx, &p, &sc.fwd)
+    let act = translate::<F>(ctx, &p, &sc.fwd);
+    if dsr && act == ACT_TRANSLATED {
+        sc.front_addr = p.daddr;
+        sc.front_port = p.dport;
+        return ACT_DSR;
+    }
+    act
 }
 
 /// Claim a SNAT port for a reply tuple (`rkey.dport`): the reply tuple must
@@ -1141,8 +1181,9 @@ fn ingress<F: Net>(skb: *mut __sk_buff) -> i32 {
             // The client reuses the port of a finished flow: a new flow.
             return ACT_NEW_FLOW;
         }
-        // A SNATed flow leaves this node again: the forward step checks it.
-        if entry.flags & nat_flags::SNAT != 0
+        // A SNATed or DSR flow leaves this node again: the forward step
+        // checks it.
+        if entry.flags & (nat_flags::SNAT | nat_flags::DSR) != 0
             && let Some(sc) = F::scratch()
         {
             touch(e, p.tcp_flags);
@@ -1196,6 +1237,9 @@ fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
     if act == ACT_FORWARD {
         act = forward::<F>(skb);
     }
+    if act == ACT_DSR {
+        act = F::dsr_add(skb);
+    }
     match act {
         ACT_CLEAR_LEFTOVER => clear_leftover::<F>(skb),
         ACT_REJECT => reject::<F>(skb),
@@ -1221,6 +1265,12 @@ fn egress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
 #[classifier]
 pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
     match ethertype(&ctx) {
+        // A DSR flow's packet for a backend on this node.
+        ETH_P_IP if dsr::carries_option(&ctx) => match dsr::receive(ctx.skb.skb) {
+            ACT_TRANSLATED if fib::enabled() => fib::forward::<V4>(ctx.skb.skb),
+            ACT_TRANSLATED => TC_ACT_OK,
+            act => act,
+        },
         ETH_P_IP => ingress_then::<V4>(ctx.skb.skb),
         ETH_P_IPV6 => ingress_then::<V6>(ctx.skb.skb),
         _ => TC_ACT_OK,

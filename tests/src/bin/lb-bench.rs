@@ -85,8 +85,8 @@ fn nat_table(chains: &str) -> String {
 
 /// A `KUBE-SVC-{svc}` chain: masquerade from outside the pod CIDR, then one
 /// endpoint at random (`-m statistic`), each in its `KUBE-SEP-{svc}-{k}`.
-fn service_chain(s: &mut String, svc: &str, vip: &str, port: u16, eps: &[String], target: u16) {
-    let _ = writeln!(s, "-A KUBE-SVC-{svc} ! -s {POD_CIDR} -d {vip}/32 -p tcp -m tcp --dport {port} -j KUBE-MARK-MASQ");
+fn service_chain(s: &mut String, svc: &str, vip: &str, port: u16, eps: &[String], target: u16, proto: &str) {
+    let _ = writeln!(s, "-A KUBE-SVC-{svc} ! -s {POD_CIDR} -d {vip}/32 -p {proto} -m {proto} --dport {port} -j KUBE-MARK-MASQ");
     for (k, ep) in eps.iter().enumerate() {
         let rest = eps.len() - k;
         if rest > 1 {
@@ -95,7 +95,7 @@ fn service_chain(s: &mut String, svc: &str, vip: &str, port: u16, eps: &[String]
             let _ = writeln!(s, "-A KUBE-SVC-{svc} -j KUBE-SEP-{svc}-{k}");
         }
         let _ = writeln!(s, "-A KUBE-SEP-{svc}-{k} -s {ep}/32 -j KUBE-MARK-MASQ");
-        let _ = writeln!(s, "-A KUBE-SEP-{svc}-{k} -p tcp -m tcp -j DNAT --to-destination {ep}:{target}");
+        let _ = writeln!(s, "-A KUBE-SEP-{svc}-{k} -p {proto} -m {proto} -j DNAT --to-destination {ep}:{target}");
     }
 }
 
@@ -114,7 +114,7 @@ fn iptables_rules(n: usize, server: &[String]) -> String {
         let _ = writeln!(s, "-A KUBE-SERVICES -d {v}/32 -p tcp -m comment --comment \"default/svc-{i}:http cluster IP\" -m tcp --dport 80 -j KUBE-SVC-{i}");
     }
     for i in 0..n {
-        service_chain(&mut s, &i.to_string(), &vip(i), 80, &endpoints(i, n, server), 8080);
+        service_chain(&mut s, &i.to_string(), &vip(i), 80, &endpoints(i, n, server), 8080, "tcp");
     }
     s += "COMMIT\n";
     s
@@ -193,26 +193,80 @@ fn write_objects(dir: &Path, n: usize, server: &[String], json: bool) -> Result<
 }
 
 /// kube-proxy's iptables rules for one NodePort Service (externalTrafficPolicy
-/// Cluster) with `eps` endpoints on (port, nodePort, targetPort) pairs.
-fn nodeport_rules(ports: &[(u16, u16, u16)], vip: &str, eps: &[String]) -> String {
+/// Cluster) with `eps` endpoints on (name, port, nodePort, targetPort,
+/// protocol), after `services` other ClusterIP Services (10 endpoints each)
+/// whose KUBE-SERVICES rules NodePort traffic walks first.
+fn nodeport_rules(ports: &[(&str, u16, u16, u16, &str)], np_vip: &str, eps: &[String], services: usize) -> String {
     let mut chains = String::from(":KUBE-NODEPORTS - [0:0]\n");
-    for (p, _, _) in ports {
+    for i in 0..services {
+        let _ = writeln!(chains, ":KUBE-SVC-{i} - [0:0]");
+        for k in 0..10 {
+            let _ = writeln!(chains, ":KUBE-SEP-{i}-{k} - [0:0]");
+        }
+    }
+    for (p, ..) in ports {
         let _ = writeln!(chains, ":KUBE-SVC-{p} - [0:0]\n:KUBE-EXT-{p} - [0:0]");
         for k in 0..eps.len() {
             let _ = writeln!(chains, ":KUBE-SEP-{p}-{k} - [0:0]");
         }
     }
     let mut s = nat_table(&chains);
-    for (p, np, target) in ports {
-        let _ = writeln!(s, "-A KUBE-SERVICES -d {vip}/32 -p tcp -m comment --comment \"default/np:{p} cluster IP\" -m tcp --dport {p} -j KUBE-SVC-{p}");
-        let _ = writeln!(s, "-A KUBE-NODEPORTS -p tcp -m comment --comment \"default/np:{p}\" -m tcp --dport {np} -j KUBE-EXT-{p}");
+    for i in 0..services {
+        let v = vip(i);
+        let _ = writeln!(s, "-A KUBE-SERVICES -d {v}/32 -p tcp -m comment --comment \"default/svc-{i}:http cluster IP\" -m tcp --dport 80 -j KUBE-SVC-{i}");
+    }
+    for (p, port, np, target, proto) in ports {
+        let _ = writeln!(s, "-A KUBE-SERVICES -d {np_vip}/32 -p {proto} -m comment --comment \"default/np:{p} cluster IP\" -m {proto} --dport {port} -j KUBE-SVC-{p}");
+        let _ = writeln!(s, "-A KUBE-NODEPORTS -p {proto} -m comment --comment \"default/np:{p}\" -m {proto} --dport {np} -j KUBE-EXT-{p}");
         let _ = writeln!(s, "-A KUBE-EXT-{p} -m comment --comment \"masquerade traffic for default/np:{p} external destinations\" -j KUBE-MARK-MASQ");
         let _ = writeln!(s, "-A KUBE-EXT-{p} -j KUBE-SVC-{p}");
-        service_chain(&mut s, &p.to_string(), vip, *p, eps, *target);
+        service_chain(&mut s, p, np_vip, *port, eps, *target, proto);
+    }
+    for i in 0..services {
+        // services + 1: none of them is the tested one; fake endpoints.
+        service_chain(&mut s, &i.to_string(), &vip(i), 80, &endpoints(i, services + 1, &[]), 8080, "tcp");
     }
     s += "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n";
     s += "COMMIT\n";
     s
+}
+
+/// Two `*nat` tables from `nat_table` in one: the second's own chains and
+/// rules (not the shared start) go before the first's COMMIT, with its
+/// KUBE-NODEPORTS jump dropped (the first has it, last in KUBE-SERVICES).
+fn merge_nat(a: &str, b: &str) -> String {
+    let start = nat_table(":KUBE-NODEPORTS - [0:0]\n");
+    let common: std::collections::HashSet<&str> = start.lines().collect();
+    let (chains, rules): (Vec<&str>, Vec<&str>) = b
+        .lines()
+        .filter(|l| !common.contains(l) && *l != "COMMIT" && !l.contains("--dst-type LOCAL"))
+        .partition(|l| l.starts_with(':'));
+    let mut out = String::new();
+    for l in a.lines() {
+        if l == "COMMIT" {
+            continue;
+        }
+        // The second table's chains go with the first's declarations.
+        if l == ":KUBE-NODEPORTS - [0:0]" {
+            out += l;
+            out += "\n";
+            for c in &chains {
+                out += c;
+                out += "\n";
+            }
+            continue;
+        }
+        // Its rules go before the final KUBE-NODEPORTS jump.
+        if l.contains("--dst-type LOCAL") {
+            for r in &rules {
+                out += r;
+                out += "\n";
+            }
+        }
+        out += l;
+        out += "\n";
+    }
+    out + "COMMIT\n"
 }
 
 fn objects(i: usize, eps: &[String]) -> String {
@@ -250,6 +304,18 @@ fn rate(c: &Cluster, client: &Pod, addr: &str, secs: f64) -> Result<f64> {
     let _ = c;
     if v["ok"].as_u64().unwrap_or(0) == 0 {
         bail!("no connection through {addr}: {v}");
+    }
+    Ok(v["rate"].as_f64().unwrap_or(0.0))
+}
+
+/// Small UDP datagrams delivered per second (one core sending).
+fn udp_rate(client: &Pod, addr: &str, secs: f64) -> Result<f64> {
+    let out = Command::new(bin("lbprobe"))
+        .args(["--netns", &client.netns, "udp-rate", "--addr", addr, "--secs", &secs.to_string(), "--cpu", "0"])
+        .output()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| String::from_utf8_lossy(&out.stderr).into_owned())?;
+    if v["received"].as_u64().unwrap_or(0) == 0 {
+        bail!("no datagram through {addr}: {v}");
     }
     Ok(v["rate"].as_f64().unwrap_or(0.0))
 }
@@ -353,8 +419,9 @@ fn main() -> Result<()> {
     eprintln!("bench: building the namespaces");
     // 1 direct, 2 server, 3 lb-10, 4 lb-large, 5/6 iptables-legacy,
     // 7/8 iptables-nft, 9/10 nftables, 11 lb NodePort, 12 iptables NodePort,
-    // 13 lb-large from YAML (cold start only).
-    let mut c = Cluster::new(13)?;
+    // 13 lb-large from YAML (cold start only), 14 lb NodePort with
+    // --bpf-forward, 15 iptables NodePort behind the large rule set.
+    let mut c = Cluster::new(15)?;
     let server = c.add_pod(2, "server")?;
     let mut server_ips = vec![server.ip.clone()];
     for k in 1..10 {
@@ -503,36 +570,59 @@ fn main() -> Result<()> {
         }
     }
 
-    // NodePort from outside: lb's TC path (node 11) against kube-proxy's
-    // iptables NodePort rules (node 12) and direct to the pod.
+    // NodePort from outside: lb's TC path (node 11; node 14 with BPF
+    // forwarding) against kube-proxy's iptables NodePort rules behind 10
+    // (node 12) and the large number of (node 15) other Services, and
+    // direct to the pod.
     let mut np_series: BTreeMap<String, Series> = BTreeMap::new();
     let mut np_tput: BTreeMap<String, Series> = BTreeMap::new();
-    // (case, short-connection address, bulk address); each "direct" case is
-    // the baseline of the cases after it (IPv4, then IPv6).
+    let mut np_udp: BTreeMap<String, Series> = BTreeMap::new();
+    // (case, short-connection and UDP address, bulk address); each "direct"
+    // case is the baseline of the cases after it (IPv4, then IPv6).
+    let node_case = |name: String, node: usize, v6: bool| {
+        let ip = if v6 { format!("[{}]", c.nodes[node - 1].ip6) } else { c.nodes[node - 1].ip.clone() };
+        (name, format!("{ip}:{NP_HTTP}"), format!("{ip}:{NP_BULK}"))
+    };
     let np_cases: Vec<(String, String, String)> = vec![
         ("direct (pod IP)".into(), format!("{}:8080", server.ip), format!("{}:9090", server.ip)),
-        ("lb (TC), nodeIP:nodePort".into(), format!("{}:{NP_HTTP}", c.nodes[10].ip), format!("{}:{NP_BULK}", c.nodes[10].ip)),
-        ("iptables-legacy, nodeIP:nodePort".into(), format!("{}:{NP_HTTP}", c.nodes[11].ip), format!("{}:{NP_BULK}", c.nodes[11].ip)),
+        node_case("lb (TC), nodeIP:nodePort".into(), 11, false),
+        node_case("lb (TC, BPF forwarding), nodeIP:nodePort".into(), 14, false),
+        node_case(format!("iptables-legacy, {small} services, nodeIP:nodePort"), 12, false),
+        node_case(format!("iptables-legacy, {n} services, nodeIP:nodePort"), 15, false),
         ("direct (pod IPv6)".into(), format!("[{}]:8080", server.ip6), format!("[{}]:9090", server.ip6)),
-        ("lb (TC), [nodeIPv6]:nodePort".into(), format!("[{}]:{NP_HTTP}", c.nodes[10].ip6), format!("[{}]:{NP_BULK}", c.nodes[10].ip6)),
+        node_case("lb (TC), [nodeIPv6]:nodePort".into(), 11, true),
+        node_case("lb (TC, BPF forwarding), [nodeIPv6]:nodePort".into(), 14, true),
     ];
     if rounds > 0 {
         eprintln!("bench: NodePort");
         let np_dir = work.join("objects-np");
         std::fs::create_dir_all(&np_dir)?;
-        let ports = [("http", 80, 8080, "TCP", NP_HTTP), ("bulk", 90, 9090, "TCP", NP_BULK)];
+        let ports = [("http", 80, 8080, "TCP", NP_HTTP), ("bulk", 90, 9090, "TCP", NP_BULK), ("udp", 80, 8080, "UDP", NP_HTTP)];
         let mut doc = lbtest::objects::service_typed("np", NP_VIP, "NodePort", &ports, "  ipFamilyPolicy: PreferDualStack\n", &[]);
         doc += "---\n";
+        let ep_ports = [("http", 8080, "TCP"), ("bulk", 9090, "TCP"), ("udp", 8080, "UDP")];
         let e: Vec<(&str, &str, bool)> = server_ips.iter().map(|ip| (ip.as_str(), "node-2", true)).collect();
-        doc += &lbtest::objects::slice("np", "np-1", &[("http", 8080, "TCP"), ("bulk", 9090, "TCP")], &e);
+        doc += &lbtest::objects::slice("np", "np-1", &ep_ports[..2], &e);
+        doc += "---\n";
+        // UDP: the server's first address only (a wildcard UDP socket
+        // answers from the primary address, not the one it was sent to).
+        doc += &lbtest::objects::slice("np", "np-udp", &ep_ports[2..], &e[..1]);
         doc += "---\n";
         let e6 = [lbtest::objects::Endpoint::ready(&server.ip6, "node-2")];
-        doc += &lbtest::objects::slice_of("np", "np-6", "IPv6", &[("http", 8080, "TCP"), ("bulk", 9090, "TCP")], &e6);
+        doc += &lbtest::objects::slice_of("np", "np-6", "IPv6", &ep_ports, &e6);
         std::fs::write(np_dir.join("np.yaml"), doc)?;
         c.start_agent_from(11, &np_dir, &[])?;
-        let rules = work.join("ipt-np.rules");
-        std::fs::write(&rules, nodeport_rules(&[(80, NP_HTTP, 8080), (90, NP_BULK, 9090)], NP_VIP, &server_ips))?;
-        timed(&c.nodes[11].netns, "iptables-legacy-restore", &[], &rules)?;
+        c.start_agent_from(14, &np_dir, &["--bpf-forward"])?;
+        let ipt_ports = [("http", 80, NP_HTTP, 8080, "tcp"), ("bulk", 90, NP_BULK, 9090, "tcp")];
+        for (node, services) in [(12, small), (15, n)] {
+            let rules = work.join(format!("ipt-np-{services}.rules"));
+            let mut text = nodeport_rules(&ipt_ports, NP_VIP, &server_ips, services);
+            // The UDP port, with the one endpoint lb has too.
+            let udp = nodeport_rules(&[("udp", 80, NP_HTTP, 8080, "udp")], NP_VIP, &server_ips[..1], 0);
+            text = merge_nat(&text, &udp);
+            std::fs::write(&rules, text)?;
+            timed(&c.nodes[node - 1].netns, "iptables-legacy-restore", &[], &rules)?;
+        }
         let outside = c.add_outside("outside", 100, &[("10.244.2.0/24", 2), ("fd00:244:2::/64", 2)])?;
         c.in_netns(&outside.netns, &["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])?;
         for round in 0..rounds {
@@ -546,6 +636,18 @@ fn main() -> Result<()> {
                 let s = np_series.entry(name.clone()).or_default();
                 s.values.push(r);
                 s.ratios.push(r / direct);
+            }
+        }
+        for _ in 0..rounds.min(3) {
+            let mut direct = 0.0;
+            for (k, addr, _) in &np_cases {
+                let v = udp_rate(&outside, addr, a.secs)?;
+                if k.starts_with("direct") {
+                    direct = v;
+                }
+                let s = np_udp.entry(k.clone()).or_default();
+                s.values.push(v);
+                s.ratios.push(v / direct);
             }
         }
         for _ in 0..rounds.min(3) {
@@ -615,19 +717,34 @@ fn main() -> Result<()> {
     for (k, s) in &tput {
         let _ = writeln!(md, "| {k} | {:.0} | {:.2} |", median(&s.values), median(&s.ratios));
     }
-    let _ = writeln!(md, "\nNodePort from an outside client, {} rounds of {} s, interleaved:\n", a.rounds, a.secs);
-    let _ = writeln!(md, "| case | conn/s (median) | min–max | ratio to direct (median) | MB/s, one stream (median) | ratio |\n|---|---|---|---|---|---|");
+    let _ = writeln!(md, "\nNodePort from an outside client, {} rounds of {} s, interleaved (UDP: {} rounds; \"vs iptables\": the median of per-round ratios to iptables-legacy with {small} services):\n", a.rounds, a.secs, a.rounds.min(3));
+    let _ = writeln!(md, "| case | conn/s (median) | min–max | ratio to direct (median) | lowest | vs iptables | UDP datagrams/s (median) | ratio to direct | vs iptables | MB/s, one stream | ratio |\n|---|---|---|---|---|---|---|---|---|---|---|");
+    let ipt_name = format!("iptables-legacy, {small} services, nodeIP:nodePort");
+    let vs = |m: &BTreeMap<String, Series>, name: &str| -> String {
+        let (Some(x), Some(b)) = (m.get(name), m.get(&ipt_name)) else { return "-".into() };
+        if name.contains("IPv6") {
+            return "-".into();
+        }
+        let r: Vec<f64> = x.values.iter().zip(&b.values).map(|(x, b)| x / b).collect();
+        format!("{:.2}", median(&r))
+    };
     for (name, _, _) in &np_cases {
         let Some(s) = np_series.get(name) else { continue };
         let (lo, hi) = minmax(&s.values);
         let t = np_tput.get(name);
+        let u = np_udp.get(name);
         let _ = writeln!(
             md,
-            "| {name} | {:.0} | {:.0}–{:.0} | {:.2} | {:.0} | {:.2} |",
+            "| {name} | {:.0} | {:.0}–{:.0} | {:.2} | {:.2} | {} | {:.0} | {:.2} | {} | {:.0} | {:.2} |",
             median(&s.values),
             lo,
             hi,
             median(&s.ratios),
+            minmax(&s.ratios).0,
+            vs(&np_series, name),
+            u.map_or(0.0, |u| median(&u.values)),
+            u.map_or(0.0, |u| median(&u.ratios)),
+            vs(&np_udp, name),
             t.map_or(0.0, |t| median(&t.values)),
             t.map_or(0.0, |t| median(&t.ratios))
         );
@@ -652,7 +769,7 @@ fn main() -> Result<()> {
     let json = serde_json::json!({
         "rounds": a.rounds, "secs": a.secs, "services": n,
         "datapath": series, "throughput": tput, "control_plane": cp,
-        "nodeport": np_series, "nodeport_throughput": np_tput, "map_write_ratio_to_raw": write_ratio,
+        "nodeport": np_series, "nodeport_throughput": np_tput, "nodeport_udp": np_udp, "map_write_ratio_to_raw": write_ratio,
         "change_latency_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "samples": lat},
         "agent_rss_mib": rss,
         "program_ns": {"small": prog_ns[0], "large": prog_ns[1]},

@@ -55,14 +55,12 @@ enum Cmd {
     },
     /// Benchmark client: connect, 1-byte request, 1-byte response, close,
     /// as fast as possible for SECS seconds, pinned to CPU `cpu`.
-    Rate {
-        #[arg(long)]
-        addr: SocketAddr,
-        #[arg(long)]
-        secs: f64,
-        #[arg(long, default_value_t = 0)]
-        cpu: usize,
-    },
+    Rate(RateArgs),
+    /// Benchmark client, UDP: send 16-byte datagrams from one connected
+    /// socket as fast as possible for SECS seconds (pinned to CPU `cpu`),
+    /// then ask the `--tiny` server how many arrived. Prints the datagrams
+    /// delivered per second.
+    UdpRate(RateArgs),
     /// TCP: download N bytes of a known pattern and check every byte.
     Bulk {
         #[arg(long)]
@@ -189,7 +187,25 @@ enum Cmd {
         /// failure the error queue is read into `offenders`.
         #[arg(long)]
         recverr: bool,
+        /// Send from this source port (one flow per port).
+        #[arg(long)]
+        sport: Option<u16>,
+        /// IPv4 options to send with every datagram (IP_OPTIONS), in hex;
+        /// spaces are ignored.
+        #[arg(long)]
+        ip_option: Option<String>,
     },
+}
+
+/// What the benchmark clients are told: where, for how long, on which CPU.
+#[derive(clap::Args)]
+struct RateArgs {
+    #[arg(long)]
+    addr: SocketAddr,
+    #[arg(long)]
+    secs: f64,
+    #[arg(long, default_value_t = 0)]
+    cpu: usize,
 }
 
 #[derive(Default)]
@@ -461,10 +477,25 @@ fn pin(cpu: usize) {
 }
 
 /// The benchmark server: 1 byte in, 1 byte out, then wait for the client's
-/// close (a RST: no TIME_WAIT anywhere).
+/// close (a RST: no TIME_WAIT anywhere). On UDP it counts datagrams and
+/// answers "stat" with the count since the last "stat".
 fn serve_tiny(port: u16, cpu: usize) -> anyhow::Result<()> {
     pin(cpu);
     let tcp = TcpListener::bind(("::", port))?;
+    let udp = UdpSocket::bind(("::", port))?;
+    std::thread::spawn(move || {
+        pin(cpu);
+        let mut buf = [0u8; 64];
+        let mut count = 0u64;
+        while let Ok((n, from)) = udp.recv_from(&mut buf) {
+            if &buf[..n] == b"stat" {
+                let _ = udp.send_to(count.to_string().as_bytes(), from);
+                count = 0;
+            } else {
+                count += 1;
+            }
+        }
+    });
     println!("ready");
     std::io::stdout().flush()?;
     let mut buf = [0u8; 1];
@@ -644,9 +675,20 @@ fn udp_payload(size: usize) -> anyhow::Result<Vec<u8>> {
 }
 
 /// A client socket of `udp`, bound to the unspecified address of `addr`'s family.
-fn udp_socket(addr: SocketAddr, timeout: Duration, ttl: Option<u32>, recverr: bool) -> anyhow::Result<UdpSocket> {
+fn udp_socket(addr: SocketAddr, timeout: Duration, ttl: Option<u32>, recverr: bool, sport: Option<u16>, ip_option: Option<&str>) -> anyhow::Result<UdpSocket> {
     use nix::sys::socket::{setsockopt, sockopt};
-    let u = UdpSocket::bind(any_addr(addr, 0))?;
+    let u = UdpSocket::bind(any_addr(addr, sport.unwrap_or(0)))?;
+    if let Some(hex) = ip_option {
+        let hex: String = hex.chars().filter(|c| !c.is_whitespace()).collect();
+        let bytes: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16)).collect::<Result<_, _>>()?;
+        // SAFETY: a plain setsockopt with a buffer of the given length.
+        let rc = unsafe {
+            libc::setsockopt(std::os::fd::AsRawFd::as_raw_fd(&u), libc::IPPROTO_IP, libc::IP_OPTIONS, bytes.as_ptr().cast(), bytes.len() as libc::socklen_t)
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+    }
     u.set_read_timeout(Some(timeout))?;
     if let Some(t) = ttl {
         let t = libc::c_int::try_from(t)?;
@@ -763,7 +805,7 @@ fn main() -> anyhow::Result<()> {
             raise_nofile();
             return serve(name, port, report_peer);
         }
-        Cmd::Rate { addr, secs, cpu } => {
+        Cmd::Rate(RateArgs { addr, secs, cpu }) => {
             pin(cpu);
             let end = Instant::now() + Duration::from_secs_f64(secs);
             let started = Instant::now();
@@ -788,6 +830,39 @@ fn main() -> anyhow::Result<()> {
             }
             let el = started.elapsed().as_secs_f64();
             println!("{}", serde_json::json!({"attempts": s.attempts, "ok": s.ok, "errors": s.errors, "secs": el, "rate": s.ok as f64 / el}));
+            return Ok(());
+        }
+        Cmd::UdpRate(RateArgs { addr, secs, cpu }) => {
+            pin(cpu);
+            let sock = UdpSocket::bind(any_addr(addr, 0))?;
+            sock.connect(addr)?;
+            let started = Instant::now();
+            let end = started + Duration::from_secs_f64(secs);
+            let mut sent = 0u64;
+            let datagram = [b'x'; 16];
+            while Instant::now() < end {
+                // A burst between clock reads.
+                for _ in 0..64 {
+                    if sock.send(&datagram).is_ok() {
+                        sent += 1;
+                    }
+                }
+            }
+            let el = started.elapsed().as_secs_f64();
+            // Let the last datagrams arrive, then ask for the count.
+            std::thread::sleep(Duration::from_millis(300));
+            sock.set_read_timeout(Some(Duration::from_millis(500)))?;
+            let mut buf = [0u8; 64];
+            let mut received = None;
+            for _ in 0..5 {
+                sock.send(b"stat")?;
+                if let Ok(n) = sock.recv(&mut buf) {
+                    received = std::str::from_utf8(&buf[..n]).ok().and_then(|t| t.parse::<u64>().ok());
+                    break;
+                }
+            }
+            let Some(received) = received else { anyhow::bail!("no count from the server at {addr}") };
+            println!("{}", serde_json::json!({"sent": sent, "received": received, "secs": el, "rate": received as f64 / el}));
             return Ok(());
         }
         Cmd::Bulk { addr, bytes } => {
@@ -1034,9 +1109,9 @@ fn main() -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_millis(interval_ms));
             }
         }
-        Cmd::Udp { addr, count, connected, one_socket, timeout_ms, interval_ms, size, ttl, recverr } => {
+        Cmd::Udp { addr, count, connected, one_socket, timeout_ms, interval_ms, size, ttl, recverr, sport, ip_option } => {
             let o = UdpOpts { connected, payload: udp_payload(size)?, recverr };
-            let new_sock = || udp_socket(addr, Duration::from_millis(timeout_ms), ttl, recverr);
+            let new_sock = || udp_socket(addr, Duration::from_millis(timeout_ms), ttl, recverr, sport, ip_option.as_deref());
             let mut sock = new_sock()?;
             for i in 0..count {
                 if i > 0 && !one_socket {

@@ -1,0 +1,143 @@
+//! The Maglev tables of the frontends whose outside traffic picks by
+//! Maglev (`svc_flags::MAGLEV`): one inner array of backend ids per
+//! (frontend, scope) in the family's outer map (`LB4_MAGLEV`,
+//! `LB6_MAGLEV`), keyed by `MaglevKey`.
+//!
+//! A table is derived from what the family's table already holds (the
+//! frontend's slots and their backends), after the ops that wrote them:
+//! a changed table is built in a new inner array and swapped in with one
+//! outer-map update, so a program sees the old table or the new one,
+//! never a half-written one. A table entry whose backend is not (or no
+//! longer) in the backends map makes the program fall back to the slots,
+//! so the order against the other writes cannot refuse a flow.
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::os::fd::{AsFd as _, AsRawFd as _};
+use std::path::Path;
+
+use anyhow::{Context as _, Result};
+use aya::maps::{HashOfMaps, Map, MapData};
+use lb_common::{MaglevKey, SCOPE_ALL, SCOPE_LOCAL, SvcKey, svc_flags};
+
+use super::table::{Addr, Table};
+use crate::model::maglev::Maglev;
+
+/// BPF_F_INNER_MAP: an inner array whose size may differ from the template's.
+const BPF_F_INNER_MAP: u32 = 1 << 12;
+const BPF_MAP_TYPE_ARRAY: u32 = 2;
+
+/// A frontend and scope: (address, port, protocol, scope).
+type Front<A> = (A, u16, u8, u8);
+
+/// What a table is built from: its key and its backends (address, id),
+/// in address order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Want {
+    key: MaglevKey,
+    backends: Vec<(SocketAddr, u32)>,
+}
+
+/// One family's outer map and the tables written into it.
+pub struct MaglevTables<A: Addr> {
+    outer: HashOfMaps<MapData, MaglevKey, MapData>,
+    written: BTreeMap<Front<A>, Want>,
+    /// Outer keys a full sync has not checked yet (an earlier agent's).
+    unchecked: bool,
+}
+
+impl<A: Addr> MaglevTables<A> {
+    pub fn open(dir: &Path, name: &str) -> Result<Self> {
+        let path = super::loader::pin_path(dir, name);
+        let data = MapData::from_pin(&path).with_context(|| format!("open pinned map {}", path.display()))?;
+        let outer = HashOfMaps::try_from(Map::HashOfMaps(data)).with_context(|| format!("map {name}"))?;
+        Ok(Self { outer, written: BTreeMap::new(), unchecked: true })
+    }
+
+    /// Bring the tables of the frontends on `units` (address and port;
+    /// None: all) in line with `table`. Returns how many tables were
+    /// written or removed.
+    pub fn sync(&mut self, maglev: &Maglev, table: &Table<A>, units: Option<&BTreeSet<(A, u16)>>) -> Result<usize> {
+        let in_units = |a: &A, p: &u16| units.is_none_or(|u| u.contains(&(*a, *p)));
+        let mut want: BTreeMap<Front<A>, Want> = BTreeMap::new();
+        let fronts: Box<dyn Iterator<Item = (&SvcKey<A>, &lb_common::SvcValue)>> = match units {
+            None => Box::new(table.services.iter().filter(|(k, _)| k.slot == 0 && k.scope == SCOPE_ALL)),
+            Some(u) => Box::new(u.iter().flat_map(|(a, p)| {
+                [lb_common::PROTO_TCP, lb_common::PROTO_UDP]
+                    .into_iter()
+                    .filter_map(move |proto| table.services.get_key_value(&SvcKey::new(*a, *p, proto, SCOPE_ALL, 0)))
+            })),
+        };
+        for (k, v) in fronts {
+            if v.flags & svc_flags::MAGLEV == 0 {
+                continue;
+            }
+            for scope in [SCOPE_ALL, SCOPE_LOCAL] {
+                let Some(v0) = table.services.get(&SvcKey::new(k.addr, k.port, k.proto, scope, 0)) else { continue };
+                let mut backends: Vec<(SocketAddr, u32)> = (1..=v0.count)
+                    .filter_map(|slot| table.services.get(&SvcKey::new(k.addr, k.port, k.proto, scope, slot)))
+                    .filter_map(|s| table.backends.get(&s.backend_id).map(|b| (SocketAddr::new(b.addr.to_ip(), b.port), s.backend_id)))
+                    .collect();
+                backends.sort();
+                backends.dedup_by_key(|b| b.0);
+                if backends.is_empty() {
+                    continue;
+                }
+                let key = MaglevKey { rev_nat_id: v.rev_nat_id, proto: k.proto, scope };
+                want.insert((k.addr, k.port, k.proto, scope), Want { key, backends });
+            }
+        }
+        let mut n = 0;
+        // Removed first: a rev-NAT id freed here may be taken by a frontend
+        // written below.
+        let gone: Vec<Front<A>> =
+            self.written.keys().filter(|f| in_units(&f.0, &f.1) && !want.contains_key(*f)).copied().collect();
+        for f in gone {
+            let w = self.written.remove(&f).expect("listed above");
+            if !want.values().any(|x| x.key == w.key) {
+                remove(&mut self.outer, &w.key)?;
+            }
+            n += 1;
+        }
+        if units.is_none() && std::mem::take(&mut self.unchecked) {
+            // An earlier agent's tables that no frontend wants any more.
+            let keys: Vec<MaglevKey> = self.outer.keys().filter_map(|k| k.ok()).collect();
+            for k in keys {
+                if !want.values().any(|w| w.key == k) {
+                    remove(&mut self.outer, &k)?;
+                    n += 1;
+                }
+            }
+        }
+        for (f, w) in want {
+            if self.written.get(&f) == Some(&w) {
+                continue;
+            }
+            self.write(maglev, &w).with_context(|| format!("Maglev table of {}:{} (scope {})", f.0.to_ip(), f.1, f.3))?;
+            self.written.insert(f, w);
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Build `w`'s table in a new inner array and swap it in.
+    fn write(&mut self, maglev: &Maglev, w: &Want) -> Result<()> {
+        let addrs: Vec<SocketAddr> = w.backends.iter().map(|b| b.0).collect();
+        let ids: Vec<u32> = maglev.table(&addrs).into_iter().map(|i| w.backends[i as usize].1).collect();
+        let def = aya_obj::Map::new_from_params(BPF_MAP_TYPE_ARRAY, 4, 4, maglev.size(), BPF_F_INNER_MAP);
+        let inner = MapData::create(def, "lb_maglev", None).context("create the inner array")?;
+        let idx: Vec<u32> = (0..maglev.size()).collect();
+        let (done, r) = super::maps::batch::<u32, u32>(inner.fd().as_fd().as_raw_fd(), &idx, Some(&ids));
+        r.context("fill the inner array")?;
+        anyhow::ensure!(done == ids.len(), "filled {done} of {} entries", ids.len());
+        self.outer.insert(w.key, &inner, 0).context("swap it in")?;
+        Ok(())
+    }
+}
+
+fn remove(outer: &mut HashOfMaps<MapData, MaglevKey, MapData>, k: &MaglevKey) -> Result<()> {
+    match outer.remove(k) {
+        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
+        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("remove the Maglev table {k:?}")),
+    }
+}

@@ -1,0 +1,87 @@
+//! Maglev for outside traffic (`--nodeport-algorithm maglev`, or the
+//! Service annotation `lb.dev/nodeport-algorithm`): every node picks the
+//! same backend for a flow, also after the backends changed, so a UDP flow
+//! to a LoadBalancer IP that the outside router moves from node-1 to
+//! node-2 keeps its pod. The control: the same move with `random`
+//! reshuffles flows when the backend set changed.
+use std::collections::BTreeMap;
+
+use anyhow::Result;
+use lbtest::objects::Endpoint as E;
+use lbtest::world::*;
+use lbtest::{Cluster, Pod};
+
+/// The pod that answers each flow (one UDP datagram from each source port
+/// in `ports`) to the LB IP, through whichever node the client routes it to.
+fn pods_of(c: &Cluster, client: &Pod, ports: std::ops::Range<u16>) -> Result<BTreeMap<u16, String>> {
+    let mut out = BTreeMap::new();
+    for p in ports {
+        let s = c.probe(client, &["udp", "--addr", &hostport(LB_IP, 80), "--sport", &p.to_string(), "--count", "1"])?;
+        assert_eq!(s.ok, 1, "flow from port {p}: {s:?}");
+        let reply = s.replies.keys().next().unwrap();
+        out.insert(p, reply.split_whitespace().next().unwrap().to_string());
+    }
+    Ok(out)
+}
+
+/// How many Maglev tables node `node`'s IPv4 outer map holds.
+fn maglev_tables(w: &World, node: usize) -> Result<usize> {
+    let pin = w.c.nodes[node - 1].bpffs.join("LB4_MAGLEV");
+    let d = lbtest::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])?;
+    Ok(d.lines().filter(|l| l.starts_with("key:")).count())
+}
+
+fn route_lb_ip_to(c: &Cluster, client: &Pod, node: &str) -> Result<()> {
+    c.in_netns(&client.netns, &["ip", "route", "replace", &format!("{LB_IP}/32"), "via", node]).map(drop)
+}
+
+/// Flows through node-1 with six pods; then pod-6 leaves and the router
+/// moves the flows to node-2. Returns (flows that stayed with their pod,
+/// flows whose pod is still there).
+fn move_after_a_change(w: &mut World, pods: &[Pod], ports: std::ops::Range<u16>) -> Result<(usize, usize)> {
+    let all: Vec<(&Pod, Make)> = pods.iter().map(|p| (p, E::ready as Make)).collect();
+    set_endpoints(w, &all)?;
+    wait_backends(&w.c, 1, LB_IP, 80, pods.len())?;
+    wait_backends(&w.c, 2, LB_IP, 80, pods.len())?;
+    route_lb_ip_to(&w.c, &w.outside, NODE1)?;
+    let before = pods_of(&w.c, &w.outside, ports.clone())?;
+    assert!(before.values().collect::<std::collections::BTreeSet<_>>().len() >= 3, "the flows spread: {before:?}");
+    set_endpoints(w, &all[..pods.len() - 1])?;
+    wait_backends(&w.c, 2, LB_IP, 80, pods.len() - 1)?;
+    route_lb_ip_to(&w.c, &w.outside, "192.168.77.12")?;
+    let after = pods_of(&w.c, &w.outside, ports)?;
+    let gone = &pods[pods.len() - 1].name;
+    let alive: Vec<u16> = before.iter().filter(|(_, p)| *p != gone).map(|(k, _)| *k).collect();
+    let kept = alive.iter().filter(|k| before[k] == after[k]).count();
+    Ok((kept, alive.len()))
+}
+
+#[test]
+fn a_udp_flow_moved_to_another_node_keeps_its_pod_with_maglev() -> Result<()> {
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP]), &["--nodeport-algorithm", "maglev"])?;
+    let mut pods = vec![w.p1.clone(), w.p2.clone()];
+    for (node, name) in [(1, "pod-3"), (2, "pod-4"), (1, "pod-5"), (2, "pod-6")] {
+        let p = w.c.add_pod(node, name)?;
+        w.c.serve_reporting_peer(&p, 8080)?;
+        pods.push(p);
+    }
+    // Maglev (the agents' default here): every flow whose pod is still
+    // there keeps it on the other node.
+    let (kept, alive) = move_after_a_change(&mut w, &pods, 40000..40030)?;
+    assert_eq!(kept, alive, "with Maglev every flow keeps its pod on node-2");
+    assert!(alive >= 20, "{alive}");
+    // The tables are in the maps: one per external frontend (the LB IP
+    // and the NodePort on each node address, TCP and UDP).
+    assert_eq!(maglev_tables(&w, 1)?, 4);
+    let l = w.c.list(1)?;
+    let lb = l["frontends"].as_array().unwrap().iter().find(|f| f["address"] == LB_IP && f["protocol"] == "UDP").unwrap();
+    assert!(lb["flags"].as_array().unwrap().iter().any(|f| f == "maglev"), "lb-agent list shows it: {lb}");
+
+    // The Service asks for random: the same move reshuffles flows.
+    let svc = web("LoadBalancer", "", &[LB_IP]).replacen("metadata:\n", "metadata:\n  annotations:\n    lb.dev/nodeport-algorithm: random\n", 1);
+    w.c.write_object("svc.yaml", &svc)?;
+    w.c.wait_for("the Maglev tables removed", std::time::Duration::from_secs(5), || Ok(maglev_tables(&w, 1)? == 0 && maglev_tables(&w, 2)? == 0))?;
+    let (kept, alive) = move_after_a_change(&mut w, &pods, 41000..41030)?;
+    assert!(kept < alive, "with random, a changed backend set moves flows: {kept} of {alive} kept");
+    Ok(())
+}
