@@ -368,7 +368,7 @@ impl Cluster {
 
     /// A cluster of `n` nodes, with no pods and no agents yet.
     pub fn new(n: usize) -> Result<Self> {
-        assert!((1..=16).contains(&n));
+        assert!((1..=20).contains(&n));
         ensure_bpffs()?;
         reap_leftovers();
         let id = format!("{PREFIX}-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst));
@@ -512,7 +512,7 @@ impl Cluster {
 
     /// An outside client behind a router. The router, netns "{id}-r`host`",
     /// sits on the fabric at 192.168.77.`host` / fd00:77::`host` (`host`
-    /// must not be a node's: 11..=26); the client, netns "{id}-o`host`", is
+    /// must not be a node's: 11..=30); the client, netns "{id}-o`host`", is
     /// at 172.30.`host`.2 / fd00:30:`host`::2 on a link of MTU `mtu` to the
     /// router (IPv6 needs at least 1280). Every node routes the client's
     /// subnets via the router; `routes` are (destination, node) pairs for

@@ -21,7 +21,7 @@ use aya_ebpf::{
 };
 use lb_common::{NatEntry, NatKey, NodePortKey, SCOPE_ALL, SvcKey, nat_flags, nat_state, stats, svc_flags};
 
-use super::{A4, ACT_TRANSLATED, Buf, ETH_HLEN, LB4_NAT, csum_add, csum_fold, load_exact, parse};
+use super::{A4, ACT_TRANSLATED, Buf, ETH_HLEN, LB4_NAT, csum_add, ld, csum_fold, load_exact, parse};
 use crate::lb::{self, Family, V4};
 
 pub const OPT_TYPE: u8 = 0x9a;
@@ -34,7 +34,7 @@ const TCP_RST: u8 = 0x04;
 /// An IPv4 header with exactly our option (IHL 7).
 #[inline(always)]
 pub fn carries_option(ctx: &TcContext) -> bool {
-    ctx.load::<u8>(ETH_HLEN).is_ok_and(|v| v == 0x47) && ctx.load::<[u8; 2]>(ETH_HLEN + 20).is_ok_and(|o| o == [OPT_TYPE, OPT_LEN as u8])
+    ld::<[u8; 2]>(ctx, ETH_HLEN).is_ok_and(|v| v[0] == 0x47) && ld::<[u8; 2]>(ctx, ETH_HLEN + 20).is_ok_and(|o| o == [OPT_TYPE, OPT_LEN as u8])
 }
 
 /// Recompute the IPv4 header checksum of the `N`-byte header in `b`.

@@ -158,6 +158,40 @@ fn csum_add(p: *const u8, len: u32, seed: u32) -> u32 {
     unsafe { bpf_csum_diff(core::ptr::null_mut(), 0, p as *mut u32, len, seed) as u32 }
 }
 
+/// Read a `T` at `off` straight from the packet's linear data (no helper
+/// call: parsing was most of a packet's cost). The programs make the
+/// headers linear first (`pull_headers`); what is not there is no header
+/// of ours.
+#[inline(always)]
+fn ld<T: Copy>(ctx: &TcContext, off: usize) -> Result<T, i64> {
+    let (start, end) = (ctx.data(), ctx.data_end());
+    if start + off + size_of::<T>() <= end {
+        // SAFETY: within the packet's linear data, checked just above.
+        return Ok(unsafe { core::ptr::read_unaligned((start + off) as *const T) });
+    }
+    Err(-1)
+}
+
+/// The headers the programs read (Ethernet, IP with options, L4) in the
+/// linear data, as bpf_skb_pull_data makes them: once per packet, and only
+/// when the driver left them elsewhere.
+#[inline(always)]
+fn pull_headers(ctx: &TcContext) {
+    const HEADERS: usize = ETH_HLEN + 60 + 20;
+    let linear = ctx.data_end() - ctx.data();
+    let want = (ctx.len() as usize).min(HEADERS);
+    if linear < want {
+        let _ = ctx.pull_data(want as u32);
+    }
+}
+
+/// Read the byte at `off` (as two: LLVM turns a one-byte bound check into
+/// one the verifier cannot use).
+#[inline(always)]
+fn ld8(ctx: &TcContext, off: usize) -> Result<u8, i64> {
+    ld::<[u8; 2]>(ctx, off).map(|b| b[0])
+}
+
 /// Read exactly `len` bytes at `off` into `dst` (a constant length, which the
 /// verifier needs; aya's load_bytes clamps it to the packet).
 #[inline(always)]
@@ -262,16 +296,16 @@ impl Net for V4 {
 
     #[inline(always)]
     fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
-        let vihl: u8 = ctx.load(ETH_HLEN).ok()?;
+        let vihl = ld8(ctx, ETH_HLEN).ok()?;
         let ihl = ((vihl & 0x0f) as usize) * 4;
         if vihl >> 4 != 4 || ihl < 20 {
             return None;
         }
-        Some((ETH_HLEN + ihl, ctx.load(ETH_HLEN + 9).ok()?))
+        Some((ETH_HLEN + ihl, ld8(ctx, ETH_HLEN + 9).ok()?))
     }
     #[inline(always)]
     fn fragment(ctx: &TcContext) -> Option<(u16, bool, bool)> {
-        let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
+        let frag = u16::from_be(ld::<u16>(ctx, ETH_HLEN + 6).ok()?);
         if frag & 0x3fff == 0 {
             return None;
         }
@@ -443,13 +477,13 @@ impl Net for V6 {
 
     #[inline(always)]
     fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
-        let v: u8 = ctx.load(ETH_HLEN).ok()?;
+        let v = ld8(ctx, ETH_HLEN).ok()?;
         if v >> 4 != 6 {
             return None;
         }
         // Only TCP, UDP or ICMPv6 right after the fixed header: packets
         // with extension headers (fragments among them) pass untouched.
-        Some((ETH_HLEN + 40, ctx.load(ETH_HLEN + 6).ok()?))
+        Some((ETH_HLEN + 40, ld8(ctx, ETH_HLEN + 6).ok()?))
     }
     #[inline(always)]
     fn fragment(_: &TcContext) -> Option<(u16, bool, bool)> {
@@ -638,7 +672,7 @@ fn parse<F: Net>(ctx: &TcContext) -> Option<Pkt<F::A>> {
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return None;
     }
-    let (saddr, daddr) = (ctx.load(F::SRC).ok()?, ctx.load(F::DST).ok()?);
+    let (saddr, daddr) = (ld(ctx, F::SRC).ok()?, ld(ctx, F::DST).ok()?);
     let frag = F::fragment(ctx);
     // A whole L4 header, or it is not ours (RFC 1858's tiny first fragment
     // included).
@@ -657,9 +691,9 @@ fn parse<F: Net>(ctx: &TcContext) -> Option<Pkt<F::A>> {
         proto,
         saddr,
         daddr,
-        sport: u16::from_be(ctx.load::<u16>(l4).ok()?),
-        dport: u16::from_be(ctx.load::<u16>(l4 + 2).ok()?),
-        tcp_flags: if proto == PROTO_TCP { ctx.load(l4 + 13).ok()? } else { 0 },
+        sport: u16::from_be(ld::<u16>(ctx, l4).ok()?),
+        dport: u16::from_be(ld::<u16>(ctx, l4 + 2).ok()?),
+        tcp_flags: if proto == PROTO_TCP { ld8(ctx, l4 + 13).ok()? } else { 0 },
         later: false,
     })
 }
@@ -1221,7 +1255,7 @@ fn egress<F: Net>(skb: *mut __sk_buff) -> i32 {
 
 #[inline(always)]
 fn ethertype(ctx: &TcContext) -> u16 {
-    ctx.load::<u16>(12).map(u16::from_be).unwrap_or(0)
+    ld::<u16>(ctx, 12).map(u16::from_be).unwrap_or(0)
 }
 
 #[inline(always)]
@@ -1264,6 +1298,7 @@ fn egress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
 
 #[classifier]
 pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
+    pull_headers(&ctx);
     match ethertype(&ctx) {
         // A DSR flow's packet for a backend on this node.
         ETH_P_IP if dsr::carries_option(&ctx) => match dsr::receive(ctx.skb.skb) {
@@ -1279,6 +1314,7 @@ pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn lb_nodeport_egress(ctx: TcContext) -> i32 {
+    pull_headers(&ctx);
     match ethertype(&ctx) {
         ETH_P_IP => egress_then::<V4>(ctx.skb.skb),
         ETH_P_IPV6 => egress_then::<V6>(ctx.skb.skb),

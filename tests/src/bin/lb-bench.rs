@@ -337,6 +337,28 @@ struct Series {
 
 /// Run time and run count of every program attached to `cgroup`, by name
 /// (from bpf_stats, which must be on).
+/// Run time and run count of the TC programs attached (TCX) to eth0 in
+/// `netns`, by name (from bpf_stats, which must be on).
+fn tc_prog_stats(netns: &str) -> Result<BTreeMap<String, (u64, u64)>> {
+    use aya::programs::{SchedClassifier, TcAttachType};
+    lbtest::with_netns(Some(netns), || {
+        let mut got = BTreeMap::new();
+        for dir in [TcAttachType::Ingress, TcAttachType::Egress] {
+            let (_, progs) = SchedClassifier::query_tcx("eth0", dir)?;
+            for info in progs {
+                // Program names are cut at 15 bytes: name ours in full.
+                let name = match (info.name_as_str().unwrap_or("?"), dir) {
+                    (n, TcAttachType::Ingress) if n.starts_with("lb_nodeport") => "lb_nodeport_ingress".to_string(),
+                    (n, _) if n.starts_with("lb_nodeport") => "lb_nodeport_egress".to_string(),
+                    (n, _) => n.to_string(),
+                };
+                got.insert(name, (info.run_time().as_nanos() as u64, info.run_count()));
+            }
+        }
+        Ok(got)
+    })
+}
+
 fn prog_stats(cgroup: &Path) -> Result<BTreeMap<String, (u64, u64)>> {
     let out = lbtest::run("bpftool", &["-j", "cgroup", "show", cgroup.to_str().unwrap()])?;
     let attached: Vec<serde_json::Value> = serde_json::from_str(&out).with_context(|| format!("bpftool cgroup show: {out}"))?;
@@ -420,8 +442,9 @@ fn main() -> Result<()> {
     // 1 direct, 2 server, 3 lb-10, 4 lb-large, 5/6 iptables-legacy,
     // 7/8 iptables-nft, 9/10 nftables, 11 lb NodePort, 12 iptables NodePort,
     // 13 lb-large from YAML (cold start only), 14 lb NodePort with
-    // --bpf-forward, 15 iptables NodePort behind the large rule set.
-    let mut c = Cluster::new(15)?;
+    // --bpf-forward, 15 iptables NodePort behind the large rule set, 16 lb
+    // NodePort with DSR, 17 lb NodePort with Maglev.
+    let mut c = Cluster::new(17)?;
     let server = c.add_pod(2, "server")?;
     let mut server_ips = vec![server.ip.clone()];
     for k in 1..10 {
@@ -577,6 +600,9 @@ fn main() -> Result<()> {
     let mut np_series: BTreeMap<String, Series> = BTreeMap::new();
     let mut np_tput: BTreeMap<String, Series> = BTreeMap::new();
     let mut np_udp: BTreeMap<String, Series> = BTreeMap::new();
+    // ns per packet of the TC programs during the conn/s and UDP rounds:
+    // lb (TC), lb (TC, BPF forwarding).
+    let mut tc_ns: [BTreeMap<String, f64>; 2] = Default::default();
     // (case, short-connection and UDP address, bulk address); each "direct"
     // case is the baseline of the cases after it (IPv4, then IPv6).
     let node_case = |name: String, node: usize, v6: bool| {
@@ -587,6 +613,8 @@ fn main() -> Result<()> {
         ("direct (pod IP)".into(), format!("{}:8080", server.ip), format!("{}:9090", server.ip)),
         node_case("lb (TC), nodeIP:nodePort".into(), 11, false),
         node_case("lb (TC, BPF forwarding), nodeIP:nodePort".into(), 14, false),
+        node_case("lb (TC, DSR), nodeIP:nodePort".into(), 16, false),
+        node_case("lb (TC, Maglev), nodeIP:nodePort".into(), 17, false),
         node_case(format!("iptables-legacy, {small} services, nodeIP:nodePort"), 12, false),
         node_case(format!("iptables-legacy, {n} services, nodeIP:nodePort"), 15, false),
         ("direct (pod IPv6)".into(), format!("[{}]:8080", server.ip6), format!("[{}]:9090", server.ip6)),
@@ -613,6 +641,11 @@ fn main() -> Result<()> {
         std::fs::write(np_dir.join("np.yaml"), doc)?;
         c.start_agent_from(11, &np_dir, &[])?;
         c.start_agent_from(14, &np_dir, &["--bpf-forward"])?;
+        c.start_agent_from(16, &np_dir, &["--nodeport-mode", "dsr"])?;
+        c.start_agent_from(17, &np_dir, &["--nodeport-algorithm", "maglev"])?;
+        // DSR needs lb on the backend's node (it strips the option and
+        // answers the client); every case's packets pass it alike.
+        c.start_agent_from(2, &np_dir, &[])?;
         let ipt_ports = [("http", 80, NP_HTTP, 8080, "tcp"), ("bulk", 90, NP_BULK, 9090, "tcp")];
         for (node, services) in [(12, small), (15, n)] {
             let rules = work.join(format!("ipt-np-{services}.rules"));
@@ -625,6 +658,7 @@ fn main() -> Result<()> {
         }
         let outside = c.add_outside("outside", 100, &[("10.244.2.0/24", 2), ("fd00:244:2::/64", 2)])?;
         c.in_netns(&outside.netns, &["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])?;
+        let tc_before = [tc_prog_stats(&c.nodes[10].netns)?, tc_prog_stats(&c.nodes[13].netns)?];
         for round in 0..rounds {
             eprintln!("bench: NodePort round {} of {rounds}", round + 1);
             let mut direct = 0.0;
@@ -650,6 +684,10 @@ fn main() -> Result<()> {
                 s.ratios.push(v / direct);
             }
         }
+        tc_ns = [
+            prog_cost(&tc_before[0], &tc_prog_stats(&c.nodes[10].netns)?),
+            prog_cost(&tc_before[1], &tc_prog_stats(&c.nodes[13].netns)?),
+        ];
         for _ in 0..rounds.min(3) {
             let mut direct = 0.0;
             for (k, _, addr) in &np_cases {
@@ -749,6 +787,12 @@ fn main() -> Result<()> {
             t.map_or(0.0, |t| median(&t.ratios))
         );
     }
+    let _ = writeln!(md, "\nTC program cost during the NodePort conn/s and UDP rounds (ns per packet):\n\n| program | lb (TC) | lb (TC, BPF forwarding) |\n|---|---|---|");
+    let names: std::collections::BTreeSet<&String> = tc_ns.iter().flat_map(|m| m.keys()).collect();
+    for p in names {
+        let f = |m: &BTreeMap<String, f64>| m.get(p).map_or("-".to_string(), |v| format!("{v:.0}"));
+        let _ = writeln!(md, "| {p} | {} | {} |", f(&tc_ns[0]), f(&tc_ns[1]));
+    }
     let _ = writeln!(md, "\nControl plane ({n} services x 10 endpoints unless noted; lb-agent: median of {COLD_STARTS} cold starts):\n\n| step | seconds |\n|---|---|");
     for (k, v) in &cp {
         let _ = writeln!(md, "| {k} | {v:.3} |");
@@ -769,7 +813,7 @@ fn main() -> Result<()> {
     let json = serde_json::json!({
         "rounds": a.rounds, "secs": a.secs, "services": n,
         "datapath": series, "throughput": tput, "control_plane": cp,
-        "nodeport": np_series, "nodeport_throughput": np_tput, "nodeport_udp": np_udp, "map_write_ratio_to_raw": write_ratio,
+        "nodeport": np_series, "nodeport_throughput": np_tput, "nodeport_udp": np_udp, "nodeport_program_ns": tc_ns, "map_write_ratio_to_raw": write_ratio,
         "change_latency_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "samples": lat},
         "agent_rss_mib": rss,
         "program_ns": {"small": prog_ns[0], "large": prog_ns[1]},
