@@ -211,6 +211,9 @@ struct AgentLaunch {
     /// Show this directory at /var/run/secrets/kubernetes.io/serviceaccount,
     /// in a private mount namespace.
     service_account: Option<PathBuf>,
+    /// No `--node-ip`: the agent takes the node's addresses from its
+    /// interfaces.
+    interface_addresses: bool,
 }
 
 /// Run `f` on a thread inside netns `netns` (None: this one): sockets it
@@ -753,6 +756,13 @@ impl Cluster {
         self.start_agent_env(node, dir, extra, &[])
     }
 
+    /// `start_agent_with`, without `--node-ip`: the agent takes the node's
+    /// addresses from its interfaces (there is no Node object either).
+    pub fn start_agent_from_interfaces(&mut self, node: usize, extra: &[&str]) -> Result<()> {
+        let launch = AgentLaunch { source: format!("dir:{}", self.objects.display()), interface_addresses: true, ..Default::default() };
+        self.launch_agent(node, launch, extra)
+    }
+
     /// `start_agent_from` with extra environment variables for the agent.
     pub fn start_agent_env(&mut self, node: usize, dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Result<()> {
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
@@ -825,10 +835,7 @@ impl Cluster {
             .arg(&n.cgroup)
             .arg("--bpffs")
             .arg(&n.bpffs)
-            .arg("--node-ip")
-            .arg(&n.ip)
-            .arg("--node-ip")
-            .arg(&n.ip6)
+            .args(if launch.interface_addresses { vec![] } else { vec!["--node-ip", &n.ip, "--node-ip", &n.ip6] })
             // The whole suite can run with another TC attach mode.
             .args(
                 std::env::var("LB_TC_ATTACH")

@@ -261,6 +261,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         nodeports,
         snat_ports: cfg.snat_ports,
         node_flags: cfg.node_flags,
+        addresses: crate::nodeport::Addresses::watch()?,
         maglev: cfg.maglev,
         maglev4: crate::dataplane::maglev::MaglevTables::open(&cfg.bpffs, lb_common::maps::MAGLEV4)?,
         maglev6: crate::dataplane::maglev::MaglevTables::open(&cfg.bpffs, lb_common::maps::MAGLEV6)?,
@@ -310,8 +311,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mut last: Option<Arc<Update>> = None;
     let mut dirty = false;
     let mut first = true;
+    let addresses_changed = rec.addresses.changed();
     loop {
         tokio::select! {
+            // A node address came or went: sync with the last snapshot.
+            _ = addresses_changed.notified(), if last.is_some() => {}
             r = rx.changed() => {
                 if r.is_err() {
                     // The source task ended; its result says why.
@@ -386,7 +390,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         // outside: until then there is no per-packet work at all. Devices
         // that appear later are picked up at the next sync.
         if upgrade.is_none() && cfg.nodeport_interfaces.is_empty() && rec.has_external {
-            for iface in crate::nodeport::interfaces_for(&rec.node_addresses) {
+            for iface in crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses) {
                 if let Err(e) = tc.attach_tc(&iface) {
                     tracing::error!("{e:#}");
                 }

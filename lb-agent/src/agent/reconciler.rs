@@ -182,6 +182,8 @@ pub(super) struct Reconciler {
     pub(super) nodeports: BTreeSet<lb_common::NodePortKey>,
     pub(super) snat_ports: (u16, u16),
     pub(super) node_flags: u32,
+    /// The interface addresses, from rtnetlink events.
+    pub(super) addresses: crate::nodeport::Addresses,
     /// Maglev table size and seed, and the tables written per family.
     pub(super) maglev: crate::model::maglev::Maglev,
     pub(super) maglev4: crate::dataplane::maglev::MaglevTables<[u8; 4]>,
@@ -326,7 +328,7 @@ impl Reconciler {
     /// call retries.
     pub(super) fn sync(&mut self, snap: &Snapshot) -> Result<()> {
         let started = Instant::now();
-        let iface_ips: Vec<std::net::IpAddr> = crate::nodeport::interface_addrs().into_iter().map(|(_, a)| a).collect();
+        let iface_ips: Vec<std::net::IpAddr> = self.addresses.get().into_iter().map(|(_, a)| a).collect();
         let facts = model::NodeFacts {
             name: &self.node_name,
             zone: self.zone.as_deref(),

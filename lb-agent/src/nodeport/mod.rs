@@ -9,4 +9,4 @@ mod node;
 
 pub use healthcheck::HealthChecks;
 pub use nat::{NatTimeouts, monotonic_ns, nat_pass};
-pub use node::{interface_addrs, interfaces_for, netns_cookie, reserve_ports, unreserve_ports};
+pub use node::{Addresses, interfaces_for, netns_cookie, reserve_ports, unreserve_ports};

@@ -26,11 +26,68 @@ pub fn interface_addrs() -> Vec<(String, IpAddr)> {
         .collect()
 }
 
+/// rtnetlink multicast groups: IPv4 and IPv6 address changes.
+const RTMGRP_IPV4_IFADDR: u32 = 0x10;
+const RTMGRP_IPV6_IFADDR: u32 = 0x100;
+
+/// The node's interface addresses, kept current by rtnetlink address
+/// events (a thread listens) instead of read at every sync; each change
+/// wakes the agent (`changed`), so a new or removed node address takes
+/// effect at once, without waiting for a Kubernetes event.
+pub struct Addresses {
+    current: std::sync::Arc<std::sync::Mutex<Vec<(String, IpAddr)>>>,
+    changed: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl Addresses {
+    /// Subscribe first, then read: no change falls between the two.
+    pub fn watch() -> Result<Self> {
+        use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+        let mut sock = Socket::new(NETLINK_ROUTE).context("rtnetlink socket")?;
+        sock.bind(&SocketAddr::new(0, RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR)).context("rtnetlink bind to the address groups")?;
+        let current = std::sync::Arc::new(std::sync::Mutex::new(interface_addrs()));
+        let changed = std::sync::Arc::new(tokio::sync::Notify::new());
+        let (cur, ch) = (current.clone(), changed.clone());
+        std::thread::Builder::new()
+            .name("addresses".into())
+            .spawn(move || {
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    // Any message (or a lost one: ENOBUFS) means: read again.
+                    if let Err(e) = sock.recv(&mut &mut buf[..], 0)
+                        && e.raw_os_error() != Some(libc::ENOBUFS)
+                    {
+                        tracing::warn!("rtnetlink address events: {e}; reading the addresses every second");
+                        std::thread::sleep(std::time::Duration::from_secs(1));
+                    }
+                    let now = interface_addrs();
+                    let mut held = cur.lock().unwrap_or_else(|e| e.into_inner());
+                    if *held != now {
+                        tracing::info!(addresses = ?now.iter().map(|(i, a)| format!("{i}:{a}")).collect::<Vec<_>>(), "interface addresses changed");
+                        *held = now;
+                        ch.notify_one();
+                    }
+                }
+            })
+            .context("spawn the address watcher")?;
+        Ok(Self { current, changed })
+    }
+
+    /// The addresses as of the last event.
+    pub fn get(&self) -> Vec<(String, IpAddr)> {
+        self.current.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Notified at every change.
+    pub fn changed(&self) -> std::sync::Arc<tokio::sync::Notify> {
+        self.changed.clone()
+    }
+}
+
 /// The devices the TC programs go on for a node with addresses `addrs`
-/// (see `netdev::nodeport_devices`). Without rtnetlink: the devices that
-/// hold `addrs`.
-pub fn interfaces_for(addrs: &[IpAddr]) -> Vec<String> {
-    let held = interface_addrs();
+/// (see `netdev::nodeport_devices`), given the addresses each interface
+/// holds. Without rtnetlink: the devices that hold `addrs`.
+pub fn interfaces_for(held: Vec<(String, IpAddr)>, addrs: &[IpAddr]) -> Vec<String> {
     match crate::netdev::links() {
         Ok(links) => crate::netdev::nodeport_devices(&links, &held, addrs),
         Err(e) => {
