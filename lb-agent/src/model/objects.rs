@@ -47,11 +47,11 @@ pub struct Annotations {
     /// `lb.dev/nodeport-algorithm` on a Service: how outside traffic picks
     /// a backend (`random` or `maglev`), overriding `--nodeport-algorithm`.
     #[serde(rename = "lb.dev/nodeport-algorithm", default, skip_serializing_if = "Option::is_none")]
-    pub nodeport_algorithm: Option<String>,
+    pub nodeport_algorithm: Option<Box<str>>,
     /// `lb.dev/nodeport-mode` on a Service: `snat` or `dsr`, overriding
     /// `--nodeport-mode`.
     #[serde(rename = "lb.dev/nodeport-mode", default, skip_serializing_if = "Option::is_none")]
-    pub nodeport_mode: Option<String>,
+    pub nodeport_mode: Option<Box<str>>,
     /// `endpoints.kubernetes.io/last-change-trigger-time` (RFC 3339) on an
     /// EndpointSlice: when the change it carries happened, for kube-proxy's
     /// network programming latency.
@@ -89,8 +89,8 @@ impl From<&k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta> for Meta 
             namespace: m.namespace.clone(),
             labels: Labels { service_name: label(LABEL_SERVICE_NAME), proxy_name: label(LABEL_SERVICE_PROXY_NAME) },
             annotations: Annotations {
-                nodeport_algorithm: annotation(super::ANNOTATION_NODEPORT_ALGORITHM),
-                nodeport_mode: annotation(super::ANNOTATION_NODEPORT_MODE),
+                nodeport_algorithm: annotation(super::ANNOTATION_NODEPORT_ALGORITHM).map(Into::into),
+                nodeport_mode: annotation(super::ANNOTATION_NODEPORT_MODE).map(Into::into),
                 last_change_trigger_time: annotation(LAST_CHANGE_TRIGGER_TIME),
             },
         }
