@@ -514,6 +514,7 @@ pub mod maps {
     pub const NODEPORTS: &str = "LB_NODEPORTS";
     pub const NODE_CONFIG: &str = "LB_NODE_CONFIG";
     pub const SOCK_XLATE: &str = "LB_SOCK_XLATE";
+    pub const SOCK_UDP: &str = "LB_SOCK_UDP";
     pub const SVC_STATS: &str = "LB_SVC_STATS";
     pub const MAGLEV4: &str = "LB4_MAGLEV";
     pub const MAGLEV6: &str = "LB6_MAGLEV";
@@ -521,10 +522,10 @@ pub mod maps {
     /// each monitor's) and one ring buffer per monitor.
     pub const MONITOR: &str = "LB_MONITOR";
     pub const EVENTS: [&str; 4] = ["LB_EVENTS0", "LB_EVENTS1", "LB_EVENTS2", "LB_EVENTS3"];
-    pub const ALL: [&str; 25] = [
+    pub const ALL: [&str; 26] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
         AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
-        SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3], MAGLEV4, MAGLEV6,
+        SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3], MAGLEV4, MAGLEV6, SOCK_UDP,
     ];
 }
 

@@ -6,8 +6,11 @@
 //! getpeername4/6 the peer of a connected socket, back to the ClusterIP.
 //!
 //! A connected socket keeps its translation in its own storage
-//! (`LB_SOCK_XLATE`, freed with the socket); unconnected UDP, which may
-//! send to many frontends from one socket, in the `LB*_SOCK_REVNAT` LRUs.
+//! (`LB_SOCK_XLATE`, freed with the socket); a connected UDP socket also in
+//! `LB_SOCK_UDP` by cookie (sock_diag returns storage only with TCP
+//! sockets, and the stale-socket destroyer must find it), removed by the
+//! sock_release hook when the socket goes; unconnected UDP, which may send
+//! to many frontends from one socket, in the `LB*_SOCK_REVNAT` LRUs.
 //!
 //! An AF_INET6 socket that connects to a v4-mapped address
 //! (`::ffff:a.b.c.d`) runs only the *6 hooks; it is balanced with the IPv4
@@ -31,6 +34,13 @@ pub(crate) static LB_NODEPORTS: HashMap<NodePortKey, u8, { capacity::NODEPORTS a
 /// Each connected socket's translation, for as long as the socket lives.
 #[btf_map]
 static LB_SOCK_XLATE: SkStorage<SockXlate> = SkStorage::new();
+
+/// Connected UDP sockets' translations by socket cookie, for the
+/// stale-socket destroyer: a plain hash (nothing evicts an idle socket's
+/// entry), each entry removed by `lb_sock_release` with its socket.
+#[btf_map]
+static LB_SOCK_UDP: HashMap<u64, SockXlate, { capacity::SOCK_REVNAT as usize }, { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize }> =
+    HashMap::new();
 
 const EADDRINUSE: i32 = 98;
 
@@ -78,18 +88,31 @@ fn narrow4(w: &[u8; 16]) -> [u8; 4] {
 
 /// Remember where connect (stable = false: the socket's storage) or an
 /// unconnected datagram (the LRU, by cookie) went. A connected UDP socket
-/// goes into both: sock_diag reports storage only with TCP sockets, and the
-/// stale-socket destroyer finds UDP ones in the LRU. `lru` writes the LRU
-/// entry of the family (`lb::remember4` or `lb::remember6`); `x` is the
+/// goes into `LB_SOCK_UDP` too (sock_diag reports storage only with TCP
+/// sockets), or, that table full, into the LRU as before. `lru` writes the
+/// LRU entry of the family (`lb::remember4` or `lb::remember6`); `x` is the
 /// storage value.
 #[inline(always)]
 fn remember(ctx: &SockAddrContext, stable: bool, proto: u8, cookie: u64, lru: impl FnOnce(u64), x: &SockXlate) {
-    if stable || proto == PROTO_UDP {
-        lru(if stable { cookie } else { self::cookie(ctx) });
+    if stable {
+        lru(cookie);
+        return;
     }
-    if !stable {
-        track(ctx, x);
+    track(ctx, x);
+    if proto == PROTO_UDP {
+        let c = self::cookie(ctx);
+        if !track_udp(c, x) {
+            lru(c);
+        }
     }
+}
+
+/// A connected UDP socket's translation into `LB_SOCK_UDP`; false when the
+/// table is full. (Its own frame, like `track`.)
+#[inline(never)]
+fn track_udp(cookie: u64, x: &SockXlate) -> bool {
+    let x = *x;
+    LB_SOCK_UDP.insert(&cookie, &x, 0).is_ok()
 }
 
 /// A refused connect or datagram: tell the monitors and the log (when they
@@ -470,6 +493,20 @@ fn post_bind(ctx: &SockContext) -> i32 {
         }
         _ => ALLOW,
     }
+}
+
+/// A socket of the cgroup goes away: a connected UDP one takes its entry in
+/// `LB_SOCK_UDP` with it.
+#[cgroup_sock(sock_release)]
+pub fn lb_sock_release(ctx: SockContext) -> i32 {
+    // SAFETY: a context field this program type may read.
+    let proto = unsafe { core::ptr::read_volatile(&(*ctx.sock).protocol) } as u8;
+    if proto == PROTO_UDP {
+        // SAFETY: helper valid for cgroup sock programs.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.sock.cast()) };
+        let _ = LB_SOCK_UDP.remove(&cookie);
+    }
+    ALLOW
 }
 
 #[cgroup_sock(post_bind4)]

@@ -79,7 +79,11 @@ fn ipv6_local_policy_keeps_the_client_with_health_checks_and_source_ranges() -> 
 fn a_service_without_endpoints_is_rejected_at_once_on_both_families() -> Result<()> {
     let w = world(&web("LoadBalancer", "", &[LB_IP, LB_IP6]))?;
     set_endpoints(&w, &[])?;
-    w.c.wait_for("no backends", Duration::from_secs(5), || Ok(w.c.programmed(1, NODE1, 30080, "TCP")?.is_some_and(|b| b.is_empty())))?;
+    // Both families: the IPv6 slice is written after the IPv4 one.
+    w.c.wait_for("no backends", Duration::from_secs(5), || {
+        let empty = |a: &str| -> Result<bool> { Ok(w.c.programmed(1, a, 30080, "TCP")?.is_some_and(|b| b.is_empty())) };
+        Ok(empty(NODE1)? && empty(NODE1_6)?)
+    })?;
     for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080), hostport(LB_IP, 80), hostport(LB_IP6, 80)] {
         let s = w.c.probe(&w.outside, &["tcp", "--addr", &addr, "--count", "3", "--timeout-ms", "2000"])?;
         assert_eq!(s.errors.get("ECONNREFUSED"), Some(&3), "{addr}: REJECT, as kube-proxy: {s:?}");

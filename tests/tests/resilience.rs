@@ -264,10 +264,12 @@ fn a_full_services_map_leaves_every_existing_service_intact_and_names_the_one_th
 }
 
 /// 1,000 idle translated sockets (500 TCP, 500 connected UDP) while the
-/// node makes more short connections than the socket-tracking LRU holds:
-/// each held socket still reports its ClusterIP (its translation lives in
-/// the socket's own storage, which nothing evicts), and each one to a
-/// backend that leaves is destroyed, while the others keep working.
+/// node makes more short connections and unconnected UDP sockets than the
+/// socket-tracking LRU holds: each held socket still reports its ClusterIP
+/// (its translation lives in the socket's own storage, which nothing
+/// evicts), and each one to a backend that leaves is destroyed (connected
+/// UDP ones found in LB_SOCK_UDP, which nothing evicts either), while the
+/// others keep working; closed, they leave nothing behind.
 #[test]
 fn a_thousand_idle_sockets_keep_their_cluster_ip_through_churn_and_die_with_their_backend() -> Result<()> {
     let (c, p, client) = setup(&["pod-a", "pod-b"], &["--max-sock-revnat", "2048"])?;
@@ -282,8 +284,21 @@ fn a_thousand_idle_sockets_keep_their_cluster_ip_through_churn_and_die_with_thei
     // tracking table, these evicted the held sockets' entries).
     let s = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "5000"])?;
     assert_eq!(s.ok, 5000, "{s:?}");
+    // And more unconnected UDP sockets than the LRU holds (each datagram
+    // from a new socket is a new LRU entry): with the LRU as the table of
+    // connected UDP sockets, these evicted theirs, and the destroyer missed
+    // them.
+    let s = c.probe(&client, &["udp", "--addr", "10.96.0.10:53", "--count", "3000"])?;
+    assert_eq!(s.ok, 3000, "{s:?}");
     std::fs::write(dir.join("churned"), "")?;
     c.wait_for("getpeername of every held socket", Duration::from_secs(30), || Ok(dir.join("checked").exists()))?;
+    // The 500 connected UDP sockets, each in LB_SOCK_UDP by cookie.
+    let udp_socks = || -> Result<usize> {
+        let pin = c.nodes[0].bpffs.join("LB_SOCK_UDP");
+        let dump = lbtest::run("bpftool", &["-j", "map", "dump", "pinned", pin.to_str().unwrap()])?;
+        Ok(serde_json::from_str::<serde_json::Value>(&dump)?.as_array().map_or(0, |a| a.len()))
+    };
+    assert_eq!(udp_socks()?, 500);
     set_endpoints(&c, &[&p[1]])?;
     std::fs::write(dir.join("removed"), "pod-a")?;
     let s = Cluster::finish(held)?;
@@ -298,5 +313,7 @@ fn a_thousand_idle_sockets_keep_their_cluster_ip_through_churn_and_die_with_thei
     assert_eq!(n("cut:pod-a"), n("held:pod-a"), "every socket to the removed pod is destroyed: {s:?}");
     assert_eq!(n("alive:pod-b"), n("held:pod-b"), "every other socket still works: {s:?}");
     assert_eq!(n("stuck:pod-a") + n("lost:pod-b"), 0, "{s:?}");
+    // Closed, they took their entries with them (the sock_release hook).
+    c.wait_for("LB_SOCK_UDP empty", Duration::from_secs(5), || Ok(udp_socks()? == 0))?;
     Ok(())
 }

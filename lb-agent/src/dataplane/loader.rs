@@ -38,7 +38,7 @@ pub const PROGRAMS: [&str; 8] = [
 ];
 
 /// The cgroup sock programs (NodePort bind protection).
-pub const SOCK_PROGRAMS: [&str; 2] = ["lb_post_bind4", "lb_post_bind6"];
+pub const SOCK_PROGRAMS: [&str; 3] = ["lb_post_bind4", "lb_post_bind6", "lb_sock_release"];
 
 /// The TC programs, attached to each NodePort interface.
 pub const TC_PROGRAMS: [(&str, TcAttachType); 2] =

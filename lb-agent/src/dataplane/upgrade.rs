@@ -57,7 +57,7 @@ pub(super) fn mark_layout(dir: &Path, version: &str) -> Result<()> {
 
 /// Every map with the type, key size, value size and max_entries this agent
 /// gives it.
-pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 25] {
+pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 26] {
     use aya::maps::MapType as T;
     use lb_common::capacity as c;
     let revnat = cap.services.min(u16::MAX as u32);
@@ -87,6 +87,7 @@ pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapT
         (maps::EVENTS[3], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
         (maps::MAGLEV4, T::HashOfMaps, size_of::<lb_common::MaglevKey>(), size_of::<u32>(), c::MAGLEV),
         (maps::MAGLEV6, T::HashOfMaps, size_of::<lb_common::MaglevKey>(), size_of::<u32>(), c::MAGLEV),
+        (maps::SOCK_UDP, T::Hash, size_of::<u64>(), size_of::<lb_common::SockXlate>(), cap.sock_revnat),
     ]
 }
 

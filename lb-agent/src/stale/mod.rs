@@ -6,10 +6,11 @@
 //! - Only sockets our translation made: connect4/6 left the translation in
 //!   the socket's own storage (`LB_SOCK_XLATE`), which sock_diag returns
 //!   with each TCP socket (INET_DIAG_REQ_SK_BPF_STORAGES). The kernel fills
-//!   storage only into TCP dumps, so connected UDP sockets (and sockets
-//!   translated before the storage existed) are found in the socket rev-NAT
-//!   LRU by cookie. A direct connection to a pod IP has neither and is never
-//!   touched.
+//!   storage only into TCP dumps, so connected UDP sockets are found by
+//!   cookie in `LB_SOCK_UDP` (a plain hash their sock_release hook empties:
+//!   nothing evicts an idle one), and sockets translated before either
+//!   existed (or with that table full) in the socket rev-NAT LRU. A direct
+//!   connection to a pod IP has none of them and is never touched.
 //! - 100 ms after the maps changed: a connection made just before (its
 //!   request under way, the endpoint still answering) may finish; the
 //!   sockets still open then are the ones that would hang.
@@ -85,6 +86,8 @@ struct Worker {
     s6: SockMap<SockRevNat6Key, SockRevNat6Value>,
     /// `LB_SOCK_XLATE`, whose values sock_diag returns with TCP sockets.
     storage: aya::maps::MapData,
+    /// `LB_SOCK_UDP`: connected UDP sockets' translations by cookie.
+    udp: SockMap<u64, lb_common::SockXlate>,
     cgroup: std::path::PathBuf,
     destroyed: prometheus_client::metrics::counter::Counter,
     invisible: prometheus_client::metrics::gauge::Gauge,
@@ -198,6 +201,11 @@ impl Worker {
         if let Some(x) = &c.xlate {
             return xlate_pair(x, c.peer, c.port);
         }
+        if let Ok(x) = self.udp.get(&c.cookie, 0)
+            && let Some(pair) = xlate_pair(&x, c.peer, c.port)
+        {
+            return Some(pair);
+        }
         match c.peer {
             IpAddr::V4(a) => {
                 let k = SockRevNat4Key { cookie: c.cookie, addr: a.octets(), port: c.port, _pad: 0 };
@@ -242,6 +250,11 @@ impl Destroyer {
             s6: open_lru(bpffs, maps::SOCK_REVNAT6)?,
             storage: aya::maps::MapData::from_pin(crate::dataplane::loader::pin_path(bpffs, maps::SOCK_XLATE))
                 .with_context(|| format!("open pinned map {}", maps::SOCK_XLATE))?,
+            udp: {
+                let data = aya::maps::MapData::from_pin(crate::dataplane::loader::pin_path(bpffs, maps::SOCK_UDP))
+                    .with_context(|| format!("open pinned map {}", maps::SOCK_UDP))?;
+                aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data))?
+            },
             cgroup,
             destroyed,
             invisible,
