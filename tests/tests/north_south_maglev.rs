@@ -31,6 +31,34 @@ fn maglev_tables(w: &World, node: usize) -> Result<usize> {
     Ok(d.lines().filter(|l| l.starts_with("key:")).count())
 }
 
+/// Wait until every Maglev table of node `node` names exactly `n`
+/// backends (the tables follow the slots within the same sync, a moment
+/// later).
+fn wait_tables(w: &World, node: usize, n: usize) -> Result<()> {
+    let pin = w.c.nodes[node - 1].bpffs.join("LB4_MAGLEV");
+    w.c.wait_for(&format!("node-{node}'s Maglev tables with {n} backends"), std::time::Duration::from_secs(5), || {
+        let outer = lbtest::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])?;
+        let ids: Vec<u32> = outer
+            .lines()
+            .filter_map(|l| l.split("value:").nth(1))
+            .map(|v| {
+                let b: Vec<u8> = v.split_whitespace().filter_map(|x| u8::from_str_radix(x, 16).ok()).collect();
+                u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            })
+            .collect();
+        for id in &ids {
+            // A table swapped meanwhile is gone: look again.
+            let Ok(inner) = lbtest::run("bpftool", &["-j", "map", "dump", "id", &id.to_string()]) else { return Ok(false) };
+            let v: serde_json::Value = serde_json::from_str(&inner)?;
+            let distinct: std::collections::BTreeSet<String> = v.as_array().into_iter().flatten().map(|e| e["value"].to_string()).collect();
+            if distinct.len() != n {
+                return Ok(false);
+            }
+        }
+        Ok(!ids.is_empty())
+    })
+}
+
 fn route_lb_ip_to(c: &Cluster, client: &Pod, node: &str) -> Result<()> {
     c.in_netns(&client.netns, &["ip", "route", "replace", &format!("{LB_IP}/32"), "via", node]).map(drop)
 }
@@ -38,16 +66,22 @@ fn route_lb_ip_to(c: &Cluster, client: &Pod, node: &str) -> Result<()> {
 /// Flows through node-1 with six pods; then pod-6 leaves and the router
 /// moves the flows to node-2. Returns (flows that stayed with their pod,
 /// flows whose pod is still there).
-fn move_after_a_change(w: &mut World, pods: &[Pod], ports: std::ops::Range<u16>) -> Result<(usize, usize)> {
+fn move_after_a_change(w: &mut World, pods: &[Pod], ports: std::ops::Range<u16>, maglev: bool) -> Result<(usize, usize)> {
     let all: Vec<(&Pod, Make)> = pods.iter().map(|p| (p, E::ready as Make)).collect();
     set_endpoints(w, &all)?;
     wait_backends(&w.c, 1, LB_IP, 80, pods.len())?;
     wait_backends(&w.c, 2, LB_IP, 80, pods.len())?;
+    if maglev {
+        wait_tables(w, 1, pods.len())?;
+    }
     route_lb_ip_to(&w.c, &w.outside, NODE1)?;
     let before = pods_of(&w.c, &w.outside, ports.clone())?;
     assert!(before.values().collect::<std::collections::BTreeSet<_>>().len() >= 3, "the flows spread: {before:?}");
     set_endpoints(w, &all[..pods.len() - 1])?;
     wait_backends(&w.c, 2, LB_IP, 80, pods.len() - 1)?;
+    if maglev {
+        wait_tables(w, 2, pods.len() - 1)?;
+    }
     route_lb_ip_to(&w.c, &w.outside, "192.168.77.12")?;
     let after = pods_of(&w.c, &w.outside, ports)?;
     let gone = &pods[pods.len() - 1].name;
@@ -67,7 +101,7 @@ fn a_udp_flow_moved_to_another_node_keeps_its_pod_with_maglev() -> Result<()> {
     }
     // Maglev (the agents' default here): every flow whose pod is still
     // there keeps it on the other node.
-    let (kept, alive) = move_after_a_change(&mut w, &pods, 40000..40030)?;
+    let (kept, alive) = move_after_a_change(&mut w, &pods, 40000..40030, true)?;
     assert_eq!(kept, alive, "with Maglev every flow keeps its pod on node-2");
     assert!(alive >= 20, "{alive}");
     // The tables are in the maps: one per external frontend (the LB IP
@@ -81,7 +115,38 @@ fn a_udp_flow_moved_to_another_node_keeps_its_pod_with_maglev() -> Result<()> {
     let svc = web("LoadBalancer", "", &[LB_IP]).replacen("metadata:\n", "metadata:\n  annotations:\n    lb.dev/nodeport-algorithm: random\n", 1);
     w.c.write_object("svc.yaml", &svc)?;
     w.c.wait_for("the Maglev tables removed", std::time::Duration::from_secs(5), || Ok(maglev_tables(&w, 1)? == 0 && maglev_tables(&w, 2)? == 0))?;
-    let (kept, alive) = move_after_a_change(&mut w, &pods, 41000..41030)?;
+    let (kept, alive) = move_after_a_change(&mut w, &pods, 41000..41030, false)?;
     assert!(kept < alive, "with random, a changed backend set moves flows: {kept} of {alive} kept");
+    Ok(())
+}
+
+/// With Maglev and DSR, a TCP connection an upstream router moves to
+/// another node mid-stream goes on: that node takes the connection's next
+/// packet (not a SYN) as a flow, Maglev picks the same pod, and DSR keeps
+/// the client's address, so the pod's socket never notices.
+#[test]
+fn with_maglev_and_dsr_a_tcp_connection_moved_to_another_node_goes_on() -> Result<()> {
+    let w = world_with(&web("LoadBalancer", "", &[LB_IP]), &["--nodeport-algorithm", "maglev", "--nodeport-mode", "dsr"])?;
+    wait_backends(&w.c, 1, LB_IP, 80, 2)?;
+    wait_backends(&w.c, 2, LB_IP, 80, 2)?;
+    route_lb_ip_to(&w.c, &w.outside, NODE1)?;
+    // 14 connections: all on one pod once in 8,192 runs.
+    let held: Vec<_> = (0..14)
+        .map(|_| w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(LB_IP, 80), "--hold-ms", "3000", "--interval-ms", "100"]))
+        .collect::<Result<_>>()?;
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    let before = datapath(&w.c, 2, "nat_new")?;
+    route_lb_ip_to(&w.c, &w.outside, "192.168.77.12")?;
+    let mut pods = std::collections::BTreeSet::new();
+    for h in held {
+        let s = Cluster::finish(h)?;
+        assert_eq!(s.failed(), 0, "the connection goes on through node-2: {s:?}");
+        assert_eq!(s.replies.len(), 1, "one pod, which sees the client: {s:?}");
+        let reply = s.replies.keys().next().unwrap().clone();
+        assert!(reply.ends_with(CLIENT), "{reply}");
+        pods.insert(reply);
+    }
+    assert!(datapath(&w.c, 2, "nat_new")? >= before + 14, "node-2 took the moved connections as flows");
+    assert_eq!(pods.len(), 2, "both pods held some: {pods:?}");
     Ok(())
 }

@@ -916,9 +916,9 @@ static LB6_SCRATCH: PerCpuArray<Scratch<A6>, 1> = PerCpuArray::new();
 fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
     let Some(p) = parse::<F>(&TcContext::new(skb)) else { return TC_ACT_OK };
     let syn = p.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN;
-    // Only a SYN creates a TCP flow, only a first fragment a UDP flow;
-    // anything else without an entry is not ours to rewrite.
-    if (p.proto == PROTO_TCP && !syn) || p.later {
+    // Only a first fragment creates a UDP flow; anything else without an
+    // entry is not ours to rewrite.
+    if p.later || (p.proto == PROTO_TCP && p.tcp_flags & TCP_RST != 0) {
         return TC_ACT_OK;
     }
     let Some(sc) = F::scratch() else { return TC_ACT_SHOT };
@@ -926,6 +926,14 @@ fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
     let Some(front) = front.filter(|f| f.flags & svc_flags::EXTERNAL != 0) else {
         return if syn { ACT_CLEAR_LEFTOVER } else { TC_ACT_OK };
     };
+    // Only a SYN creates a TCP flow, but with Maglev and DSR any packet
+    // does: a connection an upstream router moved here from another node
+    // (ECMP rehash, a node failing) reaches the backend Maglev picked there
+    // too, with the client's address, and goes on.
+    let moved_ok = front.flags & (svc_flags::MAGLEV | svc_flags::DSR) == svc_flags::MAGLEV | svc_flags::DSR;
+    if p.proto == PROTO_TCP && !syn && !moved_ok {
+        return TC_ACT_OK;
+    }
     // loadBalancerSourceRanges first: a client outside them learns nothing.
     if front.flags & svc_flags::SRC_RANGE != 0 && !in_src_range::<F>(front.rev_nat_id, p.saddr) {
         return drop_packet();
