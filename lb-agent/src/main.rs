@@ -365,12 +365,23 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 anyhow::bail!("nothing is pinned under {}: is an agent running with --bpffs {0}?", bpffs.display());
             }
             let maps = Maps::open_pinned(&bpffs)?;
-            let v = inspect::view(
-                &maps.v4.read_table(&maps.affinity_match, &maps.src_range)?,
-                &maps.v6.read_table(&maps.affinity_match, &maps.src_range)?,
-                maps.read_stats()?,
-                stats.then(|| maps.read_svc_stats()).transpose()?.as_ref(),
-            );
+            let (t4, t6) = (maps.v4.read_table(&maps.affinity_match, &maps.src_range)?, maps.v6.read_table(&maps.affinity_match, &maps.src_range)?);
+            let mut v = inspect::view(&t4, &t6, maps.read_stats()?, stats.then(|| maps.read_svc_stats()).transpose()?.as_ref());
+            // Maglev frontends: their tables (scope "all") as the kernel holds them.
+            let tables4 = dataplane::maglev::read_tables(&bpffs, lb_common::maps::MAGLEV4)?;
+            let tables6 = dataplane::maglev::read_tables(&bpffs, lb_common::maps::MAGLEV6)?;
+            for f in v.frontends.iter_mut().filter(|f| f.flags.contains(&"maglev")) {
+                let key = lb_common::MaglevKey {
+                    rev_nat_id: f.rev_nat_id,
+                    proto: if f.protocol == "TCP" { lb_common::PROTO_TCP } else { lb_common::PROTO_UDP },
+                    scope: lb_common::SCOPE_ALL,
+                };
+                f.maglev = if f.family == "IPv6" {
+                    tables6.get(&key).map(|ids| inspect::maglev_view(&t6, ids))
+                } else {
+                    tables4.get(&key).map(|ids| inspect::maglev_view(&t4, ids))
+                };
+            }
             if json {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {

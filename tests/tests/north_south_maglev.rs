@@ -107,9 +107,19 @@ fn a_udp_flow_moved_to_another_node_keeps_its_pod_with_maglev() -> Result<()> {
     // The tables are in the maps: one per external frontend (the LB IP
     // and the NodePort on each node address, TCP and UDP).
     assert_eq!(maglev_tables(&w, 1)?, 4);
-    let l = w.c.list(1)?;
-    let lb = l["frontends"].as_array().unwrap().iter().find(|f| f["address"] == LB_IP && f["protocol"] == "UDP").unwrap();
-    assert!(lb["flags"].as_array().unwrap().iter().any(|f| f == "maglev"), "lb-agent list shows it: {lb}");
+    // `lb-agent list` shows the table as the kernel holds it; its digest
+    // (over the backends' addresses) is the same on both nodes.
+    let table = |node: usize| -> Result<serde_json::Value> {
+        let l = w.c.list(node)?;
+        let lb = l["frontends"].as_array().unwrap().iter().find(|f| f["address"] == LB_IP && f["protocol"] == "UDP").unwrap().clone();
+        assert!(lb["flags"].as_array().unwrap().iter().any(|f| f == "maglev"), "{lb}");
+        Ok(lb["maglev"].clone())
+    };
+    wait_tables(&w, 1, 5)?;
+    let (t1, t2) = (table(1)?, table(2)?);
+    assert_eq!(t1["size"], 16381, "{t1}");
+    assert_eq!(t1["backends"], 5, "{t1}");
+    assert_eq!(t1["digest"], t2["digest"], "node-1 {t1} node-2 {t2}");
 
     // The Service asks for random: the same move reshuffles flows.
     let svc = web("LoadBalancer", "", &[LB_IP]).replacen("metadata:\n", "metadata:\n  annotations:\n    lb.dev/nodeport-algorithm: random\n", 1);

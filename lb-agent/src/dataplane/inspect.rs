@@ -64,6 +64,34 @@ pub struct FrontendView {
     /// `--stats`: its counters.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stats: Option<Counters>,
+    /// A Maglev frontend: its table (scope "all") as the kernel holds it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub maglev: Option<MaglevView>,
+}
+
+/// A Maglev table as the kernel holds it. The digest covers the backend
+/// address of every entry in order: every node with the same backends
+/// and seed shows the same digest, whatever its backend ids.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct MaglevView {
+    pub size: usize,
+    /// Distinct backends named by the table.
+    pub backends: usize,
+    pub digest: String,
+}
+
+/// The `MaglevView` of a table of backend ids, given the family's table
+/// (for the ids' addresses).
+pub fn maglev_view<A: Addr>(t: &Table<A>, ids: &[u32]) -> MaglevView {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for id in ids {
+        let name = t.backends.get(id).map_or_else(|| format!("?{id}"), |b| format!("{}:{}", b.addr.to_ip(), b.port));
+        for byte in name.bytes().chain([0]) {
+            h = (h ^ byte as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    let distinct: std::collections::BTreeSet<&u32> = ids.iter().collect();
+    MaglevView { size: ids.len(), backends: distinct.len(), digest: format!("{h:016x}") }
 }
 
 #[derive(Debug, Serialize)]
@@ -153,6 +181,7 @@ fn add<A: Addr>(t: &Table<A>, out: &mut ListView, svc: Option<&SvcCounters>) {
             backends: backends(t, k, SCOPE_ALL, v.count, svc),
             local_backends,
             stats: counters(svc, STATS_FRONTEND, A::FAMILY, v.rev_nat_id as u32),
+            maglev: None,
         });
     }
 }
@@ -184,7 +213,8 @@ pub fn render_text(v: &ListView) -> String {
         let counted = f.stats.map_or(String::new(), |c| {
             format!("  conns={} refused={} unreachable={} packets={} bytes={}", c.conns, c.refused, c.unreachable, c.packets, c.bytes)
         });
-        let _ = writeln!(s, "{fam:<4} {:<4} {:<33} {:<9} {}{counted}", f.protocol, front, shown.len(), flags.join(","));
+        let maglev = f.maglev.as_ref().map_or(String::new(), |m| format!("  maglev={}x{} digest={}", m.size, m.backends, m.digest));
+        let _ = writeln!(s, "{fam:<4} {:<4} {:<33} {:<9} {}{maglev}{counted}", f.protocol, front, shown.len(), flags.join(","));
         if shown.is_empty() {
             let why = if f.flags.contains(&"itp-local") && !f.backends.is_empty() {
                 "no local endpoints: connect fails with EHOSTUNREACH"

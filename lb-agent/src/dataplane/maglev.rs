@@ -134,6 +134,24 @@ impl<A: Addr> MaglevTables<A> {
     }
 }
 
+/// Every table in the outer map pinned as `name` under `dir`, read back:
+/// key -> the backend id of each entry (for `lb-agent list`).
+pub fn read_tables(dir: &Path, name: &str) -> Result<BTreeMap<MaglevKey, Vec<u32>>> {
+    let path = super::loader::pin_path(dir, name);
+    let data = MapData::from_pin(&path).with_context(|| format!("open pinned map {}", path.display()))?;
+    let outer: HashOfMaps<MapData, MaglevKey, MapData> = HashOfMaps::try_from(Map::HashOfMaps(data))?;
+    let mut out = BTreeMap::new();
+    for k in outer.keys() {
+        let k = k.with_context(|| format!("read {name}"))?;
+        // Swapped or removed meanwhile: skip it.
+        let Ok(inner) = outer.get(&k, 0) else { continue };
+        let mut entries: Vec<(u32, u32)> = super::maps::lookup_all(&inner).with_context(|| format!("read the Maglev table {k:?}"))?;
+        entries.sort_unstable();
+        out.insert(k, entries.into_iter().map(|(_, id)| id).collect());
+    }
+    Ok(out)
+}
+
 fn remove(outer: &mut HashOfMaps<MapData, MaglevKey, MapData>, k: &MaglevKey) -> Result<()> {
     match outer.remove(k) {
         Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
