@@ -117,11 +117,7 @@ pub enum Mode {
 impl std::str::FromStr for Mode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "snat" => Ok(Mode::Snat),
-            "dsr" => Ok(Mode::Dsr),
-            _ => Err(format!("{s:?} is not snat or dsr")),
-        }
+        one_of(s, &[("snat", Mode::Snat), ("dsr", Mode::Dsr)])
     }
 }
 
@@ -141,12 +137,16 @@ pub enum Algorithm {
 impl std::str::FromStr for Algorithm {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "random" => Ok(Algorithm::Random),
-            "maglev" => Ok(Algorithm::Maglev),
-            _ => Err(format!("{s:?} is not random or maglev")),
-        }
+        one_of(s, &[("random", Algorithm::Random), ("maglev", Algorithm::Maglev)])
     }
+}
+
+/// The value named `s` among `choices`, or an error naming them.
+fn one_of<T: Copy>(s: &str, choices: &[(&str, T)]) -> Result<T, String> {
+    choices.iter().find(|(name, _)| *name == s).map(|(_, v)| *v).ok_or_else(|| {
+        let names: Vec<&str> = choices.iter().map(|(n, _)| *n).collect();
+        format!("{s:?} is not {}", names.join(" or "))
+    })
 }
 
 /// kube-proxy's health check for a Service with externalTrafficPolicy Local.

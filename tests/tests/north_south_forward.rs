@@ -1,7 +1,8 @@
 //! `lb-agent run --bpf-forward`: translated outside traffic is forwarded by
 //! the TC program (FIB lookup, MACs, TTL, redirect) instead of the stack's
 //! routing and netfilter FORWARD path. Proven by iptables FORWARD counters
-//! on node-1 that stay at zero for what BPF forwards, on both families; and
+//! on node-1 that stay at zero for what BPF forwards, on both families, and
+//! by the TTL it takes as a router does; and
 //! by what still goes through the stack: replies of local pods (they do
 //! not pass lb's TC ingress) and a hostNetwork endpoint (local delivery).
 use anyhow::Result;
@@ -68,6 +69,15 @@ fn translated_outside_traffic_skips_the_stacks_forwarding_path() -> Result<()> {
     // 4 x 20 TCP flows of at least 5 packets each way, 4 x 10 datagrams each way.
     let n = datapath(&w.c, 1, "forwarded_bpf")? - before;
     assert!(n >= 4 * (20 * 10 + 10 * 2), "packets forwarded in BPF: {n}");
+    // A router's TTL: node-1 takes one hop and node-2 another, so a
+    // datagram sent with 2 hops left dies at node-2 and one with 3 reaches
+    // the pod, on both families (as through the stack).
+    for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080)] {
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "2", "--ttl", "3"])?;
+        assert_eq!(s.ok, 2, "{addr}, 3 hops: {s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "2", "--ttl", "2", "--timeout-ms", "300"])?;
+        assert_eq!(s.ok, 0, "{addr}, 2 hops: node-1 counts one: {s:?}");
+    }
 
     // A local pod: the requests are forwarded in BPF, its replies (which
     // leave through the stack and are translated on egress) are not.

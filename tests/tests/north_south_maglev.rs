@@ -127,6 +127,17 @@ fn a_udp_flow_moved_to_another_node_keeps_its_pod_with_maglev() -> Result<()> {
     w.c.wait_for("the Maglev tables removed", std::time::Duration::from_secs(5), || Ok(maglev_tables(&w, 1)? == 0 && maglev_tables(&w, 2)? == 0))?;
     let (kept, alive) = move_after_a_change(&mut w, &pods, 41000..41030, false)?;
     assert!(kept < alive, "with random, a changed backend set moves flows: {kept} of {alive} kept");
+
+    // Maglev turned on again, then the agent restarted without it: the
+    // restarted agent's first full sync removes the tables it inherited.
+    w.c.write_object("svc.yaml", &web("LoadBalancer", "", &[LB_IP]))?;
+    w.c.wait_for("node-1's Maglev tables back", std::time::Duration::from_secs(5), || Ok(maglev_tables(&w, 1)? == 4))?;
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &[])?;
+    assert_eq!(maglev_tables(&w, 1)?, 0, "nothing left from the earlier agent");
+    route_lb_ip_to(&w.c, &w.outside, NODE1)?;
+    let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(LB_IP, 80), "--count", "5"])?;
+    assert_eq!(s.ok, 5, "{s:?}");
     Ok(())
 }
 

@@ -127,6 +127,11 @@ where
     }
 }
 
+/// The (address, port) units of family `A` whose frontends `ch` names.
+fn units<A: Addr>(ch: &model::Changes) -> BTreeSet<(A, u16)> {
+    ch.frontends.iter().filter_map(|k| A::from_ip(k.addr).map(|a| (a, k.port))).collect()
+}
+
 /// Program only what `ch` names: the frontends that changed (with the
 /// other protocol on the same address and port, which shares their
 /// rev-NAT entry) and the ClusterIPs that came or went. None: it does not
@@ -145,7 +150,7 @@ where
     lb_common::Backend<A>: aya::Pod,
     lb_common::RevNat<A>: aya::Pod,
 {
-    let units: BTreeSet<(A, u16)> = ch.frontends.iter().filter_map(|k| A::from_ip(k.addr).map(|a| (a, k.port))).collect();
+    let units = units::<A>(ch);
     let vips: BTreeSet<A> = ch.vips.iter().filter_map(|v| A::from_ip(*v)).collect();
     if units.is_empty() && vips.is_empty() {
         return Ok(Some((0, BTreeSet::new())));
@@ -478,12 +483,10 @@ impl Reconciler {
             return Ok(None);
         };
         tracing::debug!(us = t.elapsed().as_micros() as u64, ops = n4 + n6, "sync: changes written");
-        let units4: BTreeSet<([u8; 4], u16)> = ch.frontends.iter().filter_map(|k| <[u8; 4]>::from_ip(k.addr).map(|a| (a, k.port))).collect();
-        let units6: BTreeSet<([u8; 16], u16)> = ch.frontends.iter().filter_map(|k| <[u8; 16]>::from_ip(k.addr).map(|a| (a, k.port))).collect();
         let tables = self
             .maglev4
-            .sync(&self.maglev, &self.v4.table, Some(&units4))
-            .and_then(|_| self.maglev6.sync(&self.maglev, &self.v6.table, Some(&units6)));
+            .sync(&self.maglev, &self.v4.table, Some(&units(ch)))
+            .and_then(|_| self.maglev6.sync(&self.maglev, &self.v6.table, Some(&units(ch))));
         if let Err(error) = tables {
             return Err(WriteFailed { service: None, error, too_many: Vec::new() });
         }

@@ -19,17 +19,15 @@ use aya_ebpf::{
     bindings::{__sk_buff, BPF_ANY, TC_ACT_OK},
     programs::TcContext,
 };
-use lb_common::{NatEntry, NatKey, NodePortKey, SCOPE_ALL, SvcKey, nat_flags, nat_state, stats, svc_flags};
+use lb_common::{NatEntry, NatKey, NodePortKey, SCOPE_ALL, SvcKey, nat_flags, stats, svc_flags};
 
-use super::{A4, ACT_TRANSLATED, Buf, ETH_HLEN, LB4_NAT, csum_add, ld, csum_fold, load_exact, parse};
+use super::{A4, ACT_TRANSLATED, Buf, ETH_HLEN, LB4_NAT, csum_add, csum_fold, ld, load_exact, note, parse};
 use crate::lb::{self, Family, V4};
 
 pub const OPT_TYPE: u8 = 0x9a;
 pub const OPT_LEN: usize = 8;
 /// bpf_skb_adjust_room's mode: room between the L3 and L4 headers.
 const BPF_ADJ_ROOM_NET: u32 = 0;
-const TCP_FIN: u8 = 0x01;
-const TCP_RST: u8 = 0x04;
 
 /// An IPv4 header with exactly our option (IHL 7).
 #[inline(always)]
@@ -112,8 +110,10 @@ pub fn receive(skb: *mut __sk_buff) -> i32 {
         match LB4_NAT.get_ptr_mut(&key) {
             // SAFETY: a map value, alive for this program run; plain integers.
             Some(e) if unsafe { (*e).to_saddr == addr && (*e).to_sport == port && (*e).flags & nat_flags::DSR != 0 } => {
-                // SAFETY: as above.
-                unsafe { client_seen(e, p.tcp_flags) };
+                // The client's packet keeps the entry alive and notes its
+                // FIN / RST; only the backend's own packets (on egress)
+                // mark it SEEN, so spoofed options cannot keep entries long.
+                note(e, p.tcp_flags, 0);
             }
             _ => {
                 // SAFETY: plain helper.
@@ -148,27 +148,4 @@ pub fn receive(skb: *mut __sk_buff) -> i32 {
     }
     lb::event(stats::DSR_RECEIVED);
     ACT_TRANSLATED
-}
-
-/// A client packet of a DSR flow on node B: the reply entry stays alive
-/// and notes the client's FIN / RST; only the backend's own packets (on
-/// egress) mark it SEEN, so spoofed options cannot keep entries for long.
-///
-/// # Safety
-/// `e` points into a map value.
-#[inline(always)]
-unsafe fn client_seen(e: *mut NatEntry<A4>, tcp_flags: u8) {
-    unsafe {
-        (*e).last_seen_ns = aya_ebpf::helpers::bpf_ktime_get_ns();
-        let mut state = (*e).state;
-        if tcp_flags & TCP_FIN != 0 {
-            state |= nat_state::FIN;
-        }
-        if tcp_flags & TCP_RST != 0 {
-            state |= nat_state::RST;
-        }
-        if state != (*e).state {
-            (*e).state = state;
-        }
-    }
 }

@@ -17,10 +17,11 @@ use lb_common::{node_flags, stats};
 use super::{ETH_HLEN, Net, parse};
 use crate::lb;
 
-/// Whether the agent asked for forwarding in BPF.
+/// A translated packet goes on: forwarded here if the agent asked for
+/// forwarding in BPF, else through the stack.
 #[inline(always)]
-pub fn enabled() -> bool {
-    lb::node_config().is_some_and(|c| c.flags & node_flags::BPF_FORWARD != 0)
+pub fn send_on<F: Net>(skb: *mut __sk_buff) -> i32 {
+    if lb::node_config().is_some_and(|c| c.flags & node_flags::BPF_FORWARD != 0) { forward::<F>(skb) } else { TC_ACT_OK }
 }
 
 /// Send the translated packet on to its destination (see the module).

@@ -775,10 +775,18 @@ fn flow_stats(family: u8, rev_nat_id: u16, backend_id: u32) {
 /// Note a packet (not the first) of the flow in its direction's entry.
 #[inline(always)]
 fn touch<A>(e: *mut NatEntry<A>, tcp_flags: u8) {
+    note(e, tcp_flags, nat_state::SEEN)
+}
+
+/// Note a packet in entry `e`: its time, its FIN / RST, and `seen` (SEEN,
+/// or 0 for a packet that must not assure the flow: a DSR client's packet
+/// on the backend's node).
+#[inline(always)]
+fn note<A>(e: *mut NatEntry<A>, tcp_flags: u8, seen: u8) {
     // SAFETY: e points into a map value; the fields are plain integers.
     unsafe {
         (*e).last_seen_ns = bpf_ktime_get_ns();
-        let mut state = (*e).state | nat_state::SEEN;
+        let mut state = (*e).state | seen;
         if tcp_flags & TCP_FIN != 0 {
             state |= nat_state::FIN;
         }
@@ -1289,8 +1297,7 @@ fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
         ACT_ICMP => icmp::translate_error::<F>(skb, true),
         ACT_TOO_BIG => icmp::too_big::<F>(skb),
         ACT_TIME_EXCEEDED => icmp::time_exceeded::<F>(skb),
-        ACT_TRANSLATED if fib::enabled() => fib::forward::<F>(skb),
-        ACT_TRANSLATED => TC_ACT_OK,
+        ACT_TRANSLATED => fib::send_on::<F>(skb),
         act => act,
     }
 }
@@ -1310,8 +1317,7 @@ pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
     match ethertype(&ctx) {
         // A DSR flow's packet for a backend on this node.
         ETH_P_IP if dsr::carries_option(&ctx) => match dsr::receive(ctx.skb.skb) {
-            ACT_TRANSLATED if fib::enabled() => fib::forward::<V4>(ctx.skb.skb),
-            ACT_TRANSLATED => TC_ACT_OK,
+            ACT_TRANSLATED => fib::send_on::<V4>(ctx.skb.skb),
             act => act,
         },
         ETH_P_IP => ingress_then::<V4>(ctx.skb.skb),
