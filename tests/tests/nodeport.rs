@@ -253,13 +253,15 @@ fn a_node_address_added_later_gets_the_node_port_at_once() -> Result<()> {
     c.serve(&p, 8080)?;
     c.write_object("svc.yaml", &web("NodePort", "", &[]))?;
     c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::ready(&p.ip, "node-1")]))?;
+    // The client first, as in the other worlds: a fresh fabric port may
+    // drop the first packets.
+    let outside = c.add_outside("outside", 100, &[])?;
     c.start_agent_from_interfaces(1, &[])?;
     let node = c.nodes[0].ip.clone();
     c.wait_for("the NodePort on the node's address", Duration::from_secs(5), || Ok(c.programmed(1, &node, 30080, "TCP")?.is_some()))?;
     let netns = c.nodes[0].netns.clone();
     c.in_netns(&netns, &["ip", "addr", "add", "192.168.77.61/24", "dev", "eth0"])?;
     c.wait_for("the NodePort on the added address", Duration::from_secs(3), || Ok(c.programmed(1, "192.168.77.61", 30080, "TCP")?.is_some()))?;
-    let outside = c.add_outside("outside", 100, &[])?;
     let s = c.probe(&outside, &["tcp", "--addr", "192.168.77.61:30080", "--count", "3", "--timeout-ms", "1000"])?;
     assert_eq!(s.ok, 3, "{s:?}");
     c.in_netns(&netns, &["ip", "addr", "del", "192.168.77.61/24", "dev", "eth0"])?;
