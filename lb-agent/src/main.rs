@@ -112,6 +112,15 @@ enum Cmd {
         /// (local delivery, no route, too big) still go through the stack.
         #[arg(long)]
         bpf_forward: bool,
+        /// Run the NodePort / LoadBalancer IP / externalIP path at XDP too
+        /// (xdp): packets of established SNATed flows are translated and
+        /// sent back out of the interface they came in on (XDP_TX) before
+        /// the kernel builds an skb; everything else goes on to the TC
+        /// programs. Native XDP where the driver has it (veth included),
+        /// generic otherwise (logged). Needs the complete checksums a NIC
+        /// receives (see README, "XDP acceleration").
+        #[arg(long, default_value = "none", value_parser = ["none", "xdp"])]
+        nodeport_acceleration: String,
         /// How a new outside flow (NodePort, LoadBalancer IP, externalIP)
         /// picks its backend: random (as kube-proxy), or maglev (consistent
         /// hashing: every node picks the same backend for a flow, so a flow
@@ -283,6 +292,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             nodeport_range,
             snat_ports,
             bpf_forward,
+            nodeport_acceleration,
             nodeport_algorithm,
             maglev_table_size,
             maglev_seed,
@@ -334,6 +344,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     "netlink" => loader::TcAttach::Netlink,
                     _ => loader::TcAttach::Auto,
                 },
+                xdp: nodeport_acceleration == "xdp",
                 nodeport_range: port_range("--nodeport-range", &nodeport_range)?,
                 snat_ports: port_range("--snat-ports", &snat_ports)?,
                 node_flags: if bpf_forward { lb_common::node_flags::BPF_FORWARD } else { 0 },

@@ -464,7 +464,10 @@ pub mod stats {
     pub const DSR_SENT: u32 = 18;
     /// TC: packets of DSR flows received for a local backend (option stripped).
     pub const DSR_RECEIVED: u32 = 19;
-    pub const COUNT: u32 = 20;
+    /// XDP, `--nodeport-acceleration xdp`: packets of established SNATed
+    /// flows translated and sent back out (XDP_TX) before the stack.
+    pub const FWD_XDP: u32 = 20;
+    pub const COUNT: u32 = 21;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -486,6 +489,7 @@ pub mod stats {
         "forwarded_stack",
         "dsr_sent",
         "dsr_received",
+        "forwarded_xdp",
     ];
 }
 
@@ -518,14 +522,17 @@ pub mod maps {
     pub const SVC_STATS: &str = "LB_SVC_STATS";
     pub const MAGLEV4: &str = "LB4_MAGLEV";
     pub const MAGLEV6: &str = "LB6_MAGLEV";
+    /// The devices the XDP program runs on that need a redirect to send a
+    /// packet back out (ifindex -> `xdp_dev::*`).
+    pub const XDP_DEVS: &str = "LB_XDP_DEVS";
     /// `lb-agent monitor`: heartbeats (index 0: any monitor; 1..=SLOTS:
     /// each monitor's) and one ring buffer per monitor.
     pub const MONITOR: &str = "LB_MONITOR";
     pub const EVENTS: [&str; 4] = ["LB_EVENTS0", "LB_EVENTS1", "LB_EVENTS2", "LB_EVENTS3"];
-    pub const ALL: [&str; 26] = [
+    pub const ALL: [&str; 27] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
         AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
-        SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3], MAGLEV4, MAGLEV6, SOCK_UDP,
+        SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3], MAGLEV4, MAGLEV6, SOCK_UDP, XDP_DEVS,
     ];
 }
 
@@ -581,6 +588,16 @@ pub struct MaglevKey {
     pub rev_nat_id: u16,
     pub proto: u8,
     pub scope: u8,
+}
+
+/// Values of `LB_XDP_DEVS`.
+pub mod xdp_dev {
+    /// Send packets back out with a redirect to the device itself, not
+    /// XDP_TX: a veth flushes XDP_TX frames to its peer only when the peer
+    /// runs XDP itself, while a redirect needs only NAPI there (GRO).
+    pub const REDIRECT: u32 = 1;
+    /// Entries of the map: devices of one node.
+    pub const CAPACITY: u32 = 64;
 }
 
 /// `NodeConfig::flags`.

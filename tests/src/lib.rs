@@ -145,6 +145,13 @@ fn reap_leftovers() {
     }
 }
 
+/// `LB_NODEPORT_ACCELERATION=xdp`: the whole suite runs with XDP
+/// acceleration (agents get `--nodeport-acceleration xdp`, and the fabric
+/// carries complete checksums).
+pub fn xdp_from_env() -> bool {
+    std::env::var("LB_NODEPORT_ACCELERATION").is_ok_and(|v| v == "xdp")
+}
+
 /// No IPv6 duplicate address detection in a test netns: a link-local
 /// address stays tentative for a second after its link comes up, and the
 /// first packets to a new neighbour are lost meanwhile.
@@ -349,6 +356,9 @@ pub struct Cluster {
     pub nodes: Vec<Node>,
     pub objects: PathBuf,
     fabric: String,
+    /// The fabric carries complete checksums, as a wire does (see
+    /// `wire_checksums`).
+    wired: bool,
     logs: PathBuf,
     children: Mutex<Vec<Child>>,
     pods: Vec<Pod>,
@@ -382,6 +392,8 @@ impl Cluster {
         std::fs::create_dir_all(&logs)?;
         let mut c = Cluster {
             fabric: format!("{id}-fab"),
+            // The whole suite can run with XDP acceleration, which needs them.
+            wired: xdp_from_env(),
             id: id.clone(),
             nodes: Vec::new(),
             objects,
@@ -391,6 +403,38 @@ impl Cluster {
         };
         c.build(n)?;
         Ok(c)
+    }
+
+    /// Make the fabric carry complete checksums, as a wire does: every
+    /// veth on it (both ends) computes checksums in software instead of
+    /// handing the next device a partial one (CHECKSUM_PARTIAL, which XDP
+    /// cannot see or finish: a NIC never receives one), and the nodes'
+    /// fabric ports get NAPI (GRO), which XDP_TX into them needs. Outside
+    /// clients and routers added later get the same. XDP acceleration
+    /// needs this here.
+    pub fn wire_checksums(&mut self) -> Result<()> {
+        if self.pods.iter().any(|p| p.node == 0) {
+            bail!("wire_checksums: call it before adding outside clients and routers");
+        }
+        self.wired = true;
+        for n in &self.nodes {
+            self.wire(&n.netns, "eth0", &self.fabric, &format!("n{}", n.index), true)?;
+        }
+        Ok(())
+    }
+
+    /// `wire_checksums` for one veth pair: `dev` in `netns` and `peer` in
+    /// `peer_netns`; `napi`: the peer gets GRO (NAPI) for XDP_TX.
+    fn wire(&self, netns: &str, dev: &str, peer_netns: &str, peer: &str, napi: bool) -> Result<()> {
+        if !self.wired {
+            return Ok(());
+        }
+        self.in_netns(netns, &["ethtool", "-K", dev, "tx", "off"])?;
+        self.in_netns(peer_netns, &["ethtool", "-K", peer, "tx", "off"])?;
+        if napi {
+            self.in_netns(peer_netns, &["ethtool", "-K", peer, "gro", "on"])?;
+        }
+        Ok(())
     }
 
     fn build(&mut self, n: usize) -> Result<()> {
@@ -427,6 +471,7 @@ impl Cluster {
             ip(&["-n", &netns, "addr", "add", &format!("{}/24", node.ip), "dev", "eth0"])?;
             ip(&["-n", &netns, "addr", "add", &format!("{}/64", node.ip6), "dev", "eth0", "nodad"])?;
             ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
+            self.wire(&netns, "eth0", &fab, &fab_if, true)?;
             ip(&["-n", &netns, "link", "add", "cni0", "type", "bridge"])?;
             ip(&["-n", &netns, "addr", "add", &format!("{}.1/24", node.pod_cidr_prefix), "dev", "cni0"])?;
             ip(&["-n", &netns, "addr", "add", &format!("fd00:244:{i}::1/64"), "dev", "cni0", "nodad"])?;
@@ -503,6 +548,7 @@ impl Cluster {
         ip(&["-n", &netns, "addr", "add", &format!("{}/24", pod.ip), "dev", "eth0"])?;
         ip(&["-n", &netns, "addr", "add", &format!("{}/64", pod.ip6), "dev", "eth0", "nodad"])?;
         ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
+        self.wire(&netns, "eth0", &self.fabric, &fab_if, false)?;
         for (dst, node) in routes {
             if dst.contains(':') {
                 ip(&["-n", &netns, "-6", "route", "add", dst, "via", &self.nodes[node - 1].ip6])?;
@@ -569,6 +615,7 @@ impl Cluster {
         ip(&["-n", netns, "addr", "add", &format!("{}/24", router.ip), "dev", "eth0"])?;
         ip(&["-n", netns, "addr", "add", &format!("{}/64", router.ip6), "dev", "eth0", "nodad"])?;
         ip(&["-n", netns, "link", "set", "eth0", "up"])?;
+        self.wire(netns, "eth0", &self.fabric, &fab_if, false)?;
         run(
             "nsenter",
             &[&format!("--net=/run/netns/{netns}"), "sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"],
@@ -590,6 +637,7 @@ impl Cluster {
         ip(&["-n", router, "addr", "add", &format!("172.30.{host}.1/24"), "dev", "c0"])?;
         ip(&["-n", router, "addr", "add", &format!("fd00:30:{host}::1/64"), "dev", "c0", "nodad"])?;
         ip(&["-n", router, "link", "set", "c0", "up"])?;
+        self.wire(netns, "eth0", router, "c0", false)?;
         ip(&["-n", netns, "addr", "add", &format!("{}/24", client.ip), "dev", "eth0"])?;
         ip(&["-n", netns, "addr", "add", &format!("{}/64", client.ip6), "dev", "eth0", "nodad"])?;
         ip(&["-n", netns, "link", "set", "eth0", "up"])?;
@@ -844,6 +892,12 @@ impl Cluster {
                     .map(|m| vec!["--tc-attach".to_string(), m])
                     .unwrap_or_default(),
             )
+            // ... and with XDP acceleration.
+            .args(if xdp_from_env() && !extra.contains(&"--nodeport-acceleration") {
+                vec!["--nodeport-acceleration", "xdp"]
+            } else {
+                vec![]
+            })
             .args(extra)
             .env("RUST_LOG", std::env::var("LB_AGENT_RUST_LOG").unwrap_or_else(|_| "info".into()))
             .env("NO_COLOR", "1");

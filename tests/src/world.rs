@@ -36,7 +36,18 @@ pub fn world(svc: &str) -> Result<World> {
 
 /// `world` with extra `lb-agent run` flags for both agents.
 pub fn world_with(svc: &str, agent_args: &[&str]) -> Result<World> {
+    world_of(Cluster::new(2)?, svc, agent_args)
+}
+
+/// `world_with` on a fabric that carries complete checksums, as XDP
+/// acceleration needs (`Cluster::wire_checksums`).
+pub fn world_wired(svc: &str, agent_args: &[&str]) -> Result<World> {
     let mut c = Cluster::new(2)?;
+    c.wire_checksums()?;
+    world_of(c, svc, agent_args)
+}
+
+fn world_of(mut c: Cluster, svc: &str, agent_args: &[&str]) -> Result<World> {
     let p1 = c.add_pod(1, "pod-1")?;
     let p2 = c.add_pod(2, "pod-2")?;
     let servers = [c.serve_reporting_peer(&p1, 8080)?, c.serve_reporting_peer(&p2, 8080)?];
@@ -100,3 +111,37 @@ pub fn datapath(c: &Cluster, node: usize, result: &str) -> Result<u64> {
     Ok(m.lines().find_map(|l| l.strip_prefix(&name)?.parse().ok()).unwrap_or(0))
 }
 
+
+/// FORWARD counters on node-1: (TCP packets to the pods' port 8080,
+/// packets to the outside client), summed over IPv4 and IPv6. Rules set up
+/// by `count_forwarding`.
+pub fn forwarded(w: &World) -> Result<(u64, u64)> {
+    let netns = &w.c.nodes[0].netns;
+    let mut to_pods = 0;
+    let mut to_client = 0;
+    for cmd in ["iptables", "ip6tables"] {
+        let out = w.c.in_netns(netns, &[cmd, "-w", "-L", "FORWARD", "-v", "-x", "-n"])?;
+        for l in out.lines() {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let Some(n) = f.first().and_then(|n| n.parse::<u64>().ok()) else { continue };
+            if l.contains("dpt:8080") {
+                to_pods += n;
+            } else if l.contains(CLIENT6) || l.contains(&format!(" {CLIENT} ")) || l.ends_with(CLIENT) {
+                to_client += n;
+            }
+        }
+    }
+    Ok((to_pods, to_client))
+}
+
+/// Count what node-1's stack forwards (`forwarded`), from zero.
+pub fn count_forwarding(w: &World) -> Result<()> {
+    let netns = &w.c.nodes[0].netns;
+    for (cmd, client) in [("iptables", CLIENT), ("ip6tables", CLIENT6)] {
+        w.c.in_netns(netns, &[cmd, "-w", "-Z", "FORWARD"]).ok();
+        w.c.in_netns(netns, &[cmd, "-w", "-F", "FORWARD"])?;
+        w.c.in_netns(netns, &[cmd, "-w", "-A", "FORWARD", "-p", "tcp", "--dport", "8080"])?;
+        w.c.in_netns(netns, &[cmd, "-w", "-A", "FORWARD", "-d", client])?;
+    }
+    Ok(())
+}

@@ -93,6 +93,8 @@ const APT_PACKAGES: &[&str] = &[
     "nftables",
     "iproute2",
     "util-linux",
+    // The XDP tests: checksum offload off on the test fabric.
+    "ethtool",
     // cargo xtask image: the image without a registry.
     "podman",
     "runc",
@@ -158,7 +160,7 @@ fn setup() -> Result<()> {
     }
     let missing_pkg = !Path::new(&format!("/usr/lib/llvm-{}/bin/llvm-config", Pins::load()?.llvm)).exists()
         || !Path::new("/usr/include/zstd.h").exists()
-        || ["bpftool", "ip", "iptables", "nft", "nsenter", "podman", "runc", "debootstrap"].iter().any(|c| !has(c));
+        || ["bpftool", "ip", "iptables", "nft", "nsenter", "ethtool", "podman", "runc", "debootstrap"].iter().any(|c| !has(c));
     if missing_pkg {
         status(Command::new("apt-get").arg("update"))?;
         status(Command::new("apt-get").args(["install", "-y", "--no-install-recommends"]).args(APT_PACKAGES).env("DEBIAN_FRONTEND", "noninteractive"))?;
@@ -234,8 +236,10 @@ fn build_bins(release: bool) -> Result<()> {
     status(&mut c)
 }
 
-/// The test suites that `cargo xtask test` also runs with `--tc-attach netlink`.
-const NETLINK_SUITES: [&str; 7] = ["nodeport", "north_south", "north_south_icmp", "north_south_abuse", "north_south_forward", "north_south_maglev", "north_south_dsr"];
+/// The north-south suites, run again with each other TC attach mode and
+/// with XDP acceleration.
+const NETLINK_SUITES: [&str; 8] =
+    ["nodeport", "north_south", "north_south_icmp", "north_south_abuse", "north_south_forward", "north_south_maglev", "north_south_dsr", "north_south_xdp"];
 
 /// `cargo xtask image`, after setup: the release binaries, the base image,
 /// then the lb-agent image (`e2e`: the e2e stage). Returns its tag.
@@ -324,6 +328,14 @@ fn main() -> Result<()> {
                     c.args(["--test", suite]);
                 }
                 status(c.env("LB_TC_ATTACH", "netlink"))?;
+                // ... and with XDP acceleration in front of them, on a
+                // fabric that carries complete checksums as a wire does.
+                let mut c = cargo();
+                c.args(["test", "-p", "tests"]);
+                for suite in NETLINK_SUITES {
+                    c.args(["--test", suite]);
+                }
+                status(c.env("LB_NODEPORT_ACCELERATION", "xdp"))?;
             }
             status(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
         }

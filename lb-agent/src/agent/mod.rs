@@ -42,6 +42,8 @@ pub struct RunConfig {
     pub nodeport_interfaces: Vec<String>,
     /// `--tc-attach`.
     pub tc_attach: loader::TcAttach,
+    /// `--nodeport-acceleration xdp`.
+    pub xdp: bool,
     /// The NodePort range, kept out of the node's ephemeral ports.
     pub nodeport_range: (u16, u16),
     /// Ports SNATed flows leave from.
@@ -208,6 +210,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         spawn_bpf_logs(logs)?;
     }
     tc.mode = cfg.tc_attach;
+    tc.xdp = cfg.xdp;
     let v4 = Mirror::new(maps.v4.read_table(&maps.affinity_match, &maps.src_range)?);
     let v6 = Mirror::new(maps.v6.read_table(&maps.affinity_match, &maps.src_range)?);
     let nodeports = maps.read_nodeports()?;

@@ -6,13 +6,14 @@
 //!   DIR/<MAP>          every map, reused by the next agent
 //!   DIR/links/<PROG>   the cgroup links; they keep the programs attached
 //!                      while no agent runs
+//!   DIR/links/<PROG>_<IFACE>  the TCX and XDP links of a NodePort device
 use std::collections::BTreeSet;
 use std::fs;
 use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result, bail};
-use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier, TcAttachType, links::FdLink};
+use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier, TcAttachType, Xdp, XdpMode, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
 use lb_common::maps;
 
@@ -43,6 +44,10 @@ pub const SOCK_PROGRAMS: [&str; 3] = ["lb_post_bind4", "lb_post_bind6", "lb_sock
 /// The TC programs, attached to each NodePort interface.
 pub const TC_PROGRAMS: [(&str, TcAttachType); 2] =
     [("lb_nodeport_ingress", TcAttachType::Ingress), ("lb_nodeport_egress", TcAttachType::Egress)];
+
+/// The XDP program (`--nodeport-acceleration xdp`), on each NodePort
+/// interface beside the TC programs.
+pub const XDP_PROGRAM: &str = "lb_nodeport_xdp";
 
 /// Map capacities (max_entries), overridable by flags.
 #[derive(Clone, Copy, Debug)]
@@ -93,6 +98,9 @@ pub enum TcAttach {
 /// The loaded object, for attaching the TC programs to interfaces.
 pub struct Tc {
     pub mode: TcAttach,
+    /// `--nodeport-acceleration xdp`: the XDP program goes on each NodePort
+    /// interface too; otherwise an earlier agent's is taken off.
+    pub xdp: bool,
     cgroup: PathBuf,
     ebpf: Ebpf,
     bpffs: PathBuf,
@@ -177,9 +185,15 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
             .try_into()?;
         prog.load().with_context(|| format!("verify program {name}"))?;
     }
+    let prog: &mut Xdp = ebpf
+        .program_mut(XDP_PROGRAM)
+        .with_context(|| format!("program {XDP_PROGRAM} missing from the object"))?
+        .try_into()?;
+    prog.load().with_context(|| format!("verify program {XDP_PROGRAM}"))?;
     let maps = Maps::open_pinned(bpffs)?;
     let mut tc = Tc {
         mode: TcAttach::Auto,
+        xdp: false,
         cgroup: cgroup.to_path_buf(),
         ebpf,
         bpffs: bpffs.to_path_buf(),
@@ -249,7 +263,7 @@ impl Tc {
         let mut ifaces = BTreeSet::new();
         for e in fs::read_dir(&links)?.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            for (prog, _) in TC_PROGRAMS {
+            for prog in TC_PROGRAMS.iter().map(|(p, _)| *p).chain([XDP_PROGRAM]) {
                 if let Some(iface) = n.strip_prefix(prog).and_then(|r| r.strip_prefix('_')) {
                     ifaces.insert(iface.to_string());
                 }
@@ -270,7 +284,7 @@ impl Tc {
         let known: BTreeSet<&str> = PROGRAMS.iter().chain(SOCK_PROGRAMS.iter()).copied().collect();
         for e in fs::read_dir(&links)?.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            let tc = TC_PROGRAMS.iter().any(|(p, _)| n.starts_with(&format!("{p}_")));
+            let tc = TC_PROGRAMS.iter().map(|(p, _)| *p).chain([XDP_PROGRAM]).any(|p| n.starts_with(&format!("{p}_")));
             if !known.contains(n.as_str()) && !tc {
                 tracing::info!(link = n, "upgrade: unpinning the link of a program this agent does not have");
                 fs::remove_file(e.path())?;
@@ -313,6 +327,7 @@ impl Tc {
             let fd = FdLink::try_from(link).map_err(|_| anyhow::anyhow!("attach {name} to {iface}: not a TCX link"))?;
             pin_link(&self.bpffs, &format!("{name}_{safe}"), fd)?;
         }
+        let xdp = self.attach_xdp(iface, &safe)?;
         // A SNATed flow's packets re-enter the stack with this node's own
         // address as their source: accept them (as Cilium does).
         for (knob, value) in [("accept_local", "1"), ("rp_filter", "0")] {
@@ -322,7 +337,86 @@ impl Tc {
             }
         }
         self.attached.insert(iface.to_string());
-        tracing::info!(iface, tcx, "NodePort programs attached");
+        tracing::info!(iface, tcx, xdp, "NodePort programs attached");
+        Ok(())
+    }
+
+    /// With `--nodeport-acceleration xdp`, put the XDP program on `iface`:
+    /// in place of an earlier agent's (one atomic link update: no packet
+    /// misses it), else native (in the driver), else generic (after the
+    /// skb is built: correct, little faster than TC). Without, take an
+    /// earlier agent's off. Returns how it runs there.
+    fn attach_xdp(&mut self, iface: &str, safe: &str) -> Result<&'static str> {
+        use aya::programs::links::PinnedLink;
+        use aya::programs::xdp::XdpLink;
+        let pin = self.bpffs.join("links").join(format!("{XDP_PROGRAM}_{safe}"));
+        if !self.xdp {
+            if pin.exists() {
+                fs::remove_file(&pin).with_context(|| format!("unpin {}", pin.display()))?;
+                tracing::info!(iface, "XDP acceleration off: the XDP program an earlier agent attached is detached");
+            }
+            return Ok("off");
+        }
+        self.set_xdp_dev(iface)?;
+        let prog: &mut Xdp = self.ebpf.program_mut(XDP_PROGRAM).context("XDP program")?.try_into()?;
+        if pin.exists() {
+            let replaced = PinnedLink::from_pin(&pin)
+                .map_err(anyhow::Error::from)
+                .and_then(|old| XdpLink::try_from(FdLink::from(old)).map_err(anyhow::Error::from))
+                .and_then(|link| prog.attach_to_link(link).map_err(anyhow::Error::from));
+            match replaced {
+                Ok(id) => {
+                    // The pin keeps it attached; this agent's handle is only an fd.
+                    drop(prog.take_link(id)?);
+                    return Ok("replaced in place");
+                }
+                // A link whose device went away (and came back): a new one.
+                Err(e) => {
+                    tracing::warn!(iface, "the XDP link an earlier agent pinned cannot be updated ({e:#}); attaching anew");
+                    fs::remove_file(&pin).with_context(|| format!("unpin {}", pin.display()))?;
+                }
+            }
+        }
+        let (id, how) = match prog.attach(iface, XdpMode::Driver) {
+            Ok(id) => (id, "native"),
+            Err(e) => {
+                tracing::warn!(
+                    iface,
+                    "the driver has no native XDP ({e}); generic XDP instead, which runs after the kernel has built the skb \
+                     and saves little over TC"
+                );
+                (prog.attach(iface, XdpMode::Skb).with_context(|| format!("attach {XDP_PROGRAM} to {iface} (generic XDP)"))?, "generic")
+            }
+        };
+        let link = FdLink::try_from(prog.take_link(id)?)
+            .map_err(|_| anyhow::anyhow!("attach {XDP_PROGRAM} to {iface}: the kernel gave no bpf_link (XDP acceleration needs Linux 5.9+)"))?;
+        pin_link(&self.bpffs, &format!("{XDP_PROGRAM}_{safe}"), link)?;
+        Ok(how)
+    }
+
+    /// Tell the XDP program how `iface` sends a packet back out: a veth by
+    /// a redirect to itself (it flushes XDP_TX frames to its peer only if
+    /// the peer runs XDP too; a redirect needs only NAPI there, which GRO
+    /// turns on), anything else by XDP_TX.
+    fn set_xdp_dev(&mut self, iface: &str) -> Result<()> {
+        let veth = crate::netdev::links()?.iter().any(|l| l.name == iface && l.kind.as_deref() == Some("veth"));
+        let c = std::ffi::CString::new(iface)?;
+        // SAFETY: a NUL-terminated name.
+        let ifindex = unsafe { libc::if_nametoindex(c.as_ptr()) };
+        if ifindex == 0 {
+            bail!("no interface {iface}");
+        }
+        let map = self.ebpf.map_mut(maps::XDP_DEVS).context("LB_XDP_DEVS")?;
+        let mut devs: aya::maps::HashMap<_, u32, u32> = aya::maps::HashMap::try_from(map)?;
+        if veth {
+            devs.insert(ifindex, lb_common::xdp_dev::REDIRECT, 0).context("LB_XDP_DEVS: insert")?;
+            tracing::info!(
+                iface,
+                "a veth: XDP sends packets back out with a redirect, which needs NAPI on its peer (GRO on, or an XDP program there)"
+            );
+        } else {
+            let _ = devs.remove(&ifindex);
+        }
         Ok(())
     }
 }

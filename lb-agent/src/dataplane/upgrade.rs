@@ -57,7 +57,7 @@ pub(super) fn mark_layout(dir: &Path, version: &str) -> Result<()> {
 
 /// Every map with the type, key size, value size and max_entries this agent
 /// gives it.
-pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 26] {
+pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 27] {
     use aya::maps::MapType as T;
     use lb_common::capacity as c;
     let revnat = cap.services.min(u16::MAX as u32);
@@ -88,6 +88,7 @@ pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapT
         (maps::MAGLEV4, T::HashOfMaps, size_of::<lb_common::MaglevKey>(), size_of::<u32>(), c::MAGLEV),
         (maps::MAGLEV6, T::HashOfMaps, size_of::<lb_common::MaglevKey>(), size_of::<u32>(), c::MAGLEV),
         (maps::SOCK_UDP, T::Hash, size_of::<u64>(), size_of::<lb_common::SockXlate>(), cap.sock_revnat),
+        (maps::XDP_DEVS, T::Hash, size_of::<u32>(), size_of::<u32>(), lb_common::xdp_dev::CAPACITY),
     ]
 }
 

@@ -48,6 +48,7 @@ use crate::lb::{self, Client, ECONNREFUSED, Family, NO_PREALLOC, V4, V6, Verdict
 mod dsr;
 mod fib;
 mod icmp;
+mod xdp;
 
 type A4 = [u8; 4];
 type A6 = [u8; 16];

@@ -355,8 +355,27 @@ fn tc_prog_stats(netns: &str) -> Result<BTreeMap<String, (u64, u64)>> {
                 got.insert(name, (info.run_time().as_nanos() as u64, info.run_count()));
             }
         }
+        // The XDP program, if one is on eth0 (`ip link` names its id).
+        let link = lbtest::run("ip", &["-d", "link", "show", "eth0"])?;
+        if let Some(id) = link.split("prog/xdp id ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|i| i.parse::<u32>().ok()) {
+            for info in aya::programs::loaded_programs().flatten() {
+                if info.id() == id {
+                    got.insert("lb_nodeport_xdp".to_string(), (info.run_time().as_nanos() as u64, info.run_count()));
+                }
+            }
+        }
         Ok(got)
     })
+}
+
+/// `prog_cost`, and each program's runs in between ("NAME runs").
+fn np_prog_cost(before: &BTreeMap<String, (u64, u64)>, after: &BTreeMap<String, (u64, u64)>) -> BTreeMap<String, f64> {
+    let mut m = prog_cost(before, after);
+    for (k, (_, n)) in after {
+        let n0 = before.get(k).map_or(0, |b| b.1);
+        m.insert(format!("{k} runs"), n.saturating_sub(n0) as f64);
+    }
+    m
 }
 
 fn prog_stats(cgroup: &Path) -> Result<BTreeMap<String, (u64, u64)>> {
@@ -443,8 +462,9 @@ fn main() -> Result<()> {
     // 7/8 iptables-nft, 9/10 nftables, 11 lb NodePort, 12 iptables NodePort,
     // 13 lb-large from YAML (cold start only), 14 lb NodePort with
     // --bpf-forward, 15 iptables NodePort behind the large rule set, 16 lb
-    // NodePort with DSR, 17 lb NodePort with Maglev.
-    let mut c = Cluster::new(17)?;
+    // NodePort with DSR, 17 lb NodePort with Maglev, 18 lb NodePort with
+    // XDP acceleration and BPF forwarding.
+    let mut c = Cluster::new(18)?;
     let server = c.add_pod(2, "server")?;
     let mut server_ips = vec![server.ip.clone()];
     for k in 1..10 {
@@ -601,8 +621,8 @@ fn main() -> Result<()> {
     let mut np_tput: BTreeMap<String, Series> = BTreeMap::new();
     let mut np_udp: BTreeMap<String, Series> = BTreeMap::new();
     // ns per packet of the TC programs during the conn/s and UDP rounds:
-    // lb (TC), lb (TC, BPF forwarding).
-    let mut tc_ns: [BTreeMap<String, f64>; 2] = Default::default();
+    // lb (TC), lb (TC, BPF forwarding), lb (XDP + TC, BPF forwarding).
+    let mut tc_ns: [BTreeMap<String, f64>; 3] = Default::default();
     // (case, short-connection and UDP address, bulk address); each "direct"
     // case is the baseline of the cases after it (IPv4, then IPv6).
     let node_case = |name: String, node: usize, v6: bool| {
@@ -615,11 +635,13 @@ fn main() -> Result<()> {
         node_case("lb (TC, BPF forwarding), nodeIP:nodePort".into(), 14, false),
         node_case("lb (TC, DSR), nodeIP:nodePort".into(), 16, false),
         node_case("lb (TC, Maglev), nodeIP:nodePort".into(), 17, false),
+        node_case("lb (XDP + TC, BPF forwarding), nodeIP:nodePort".into(), 18, false),
         node_case(format!("iptables-legacy, {small} services, nodeIP:nodePort"), 12, false),
         node_case(format!("iptables-legacy, {n} services, nodeIP:nodePort"), 15, false),
         ("direct (pod IPv6)".into(), format!("[{}]:8080", server.ip6), format!("[{}]:9090", server.ip6)),
         node_case("lb (TC), [nodeIPv6]:nodePort".into(), 11, true),
         node_case("lb (TC, BPF forwarding), [nodeIPv6]:nodePort".into(), 14, true),
+        node_case("lb (XDP + TC, BPF forwarding), [nodeIPv6]:nodePort".into(), 18, true),
     ];
     if rounds > 0 {
         eprintln!("bench: NodePort");
@@ -643,6 +665,7 @@ fn main() -> Result<()> {
         c.start_agent_from(14, &np_dir, &["--bpf-forward"])?;
         c.start_agent_from(16, &np_dir, &["--nodeport-mode", "dsr"])?;
         c.start_agent_from(17, &np_dir, &["--nodeport-algorithm", "maglev"])?;
+        c.start_agent_from(18, &np_dir, &["--nodeport-acceleration", "xdp", "--bpf-forward"])?;
         // DSR needs lb on the backend's node (it strips the option and
         // answers the client); every case's packets pass it alike.
         c.start_agent_from(2, &np_dir, &[])?;
@@ -656,9 +679,13 @@ fn main() -> Result<()> {
             std::fs::write(&rules, text)?;
             timed(&c.nodes[node - 1].netns, "iptables-legacy-restore", &[], &rules)?;
         }
+        // XDP needs the complete checksums a wire carries: every NodePort
+        // case runs on such a fabric (checksums computed in software where
+        // packets leave a netns), direct included.
+        c.wire_checksums()?;
         let outside = c.add_outside("outside", 100, &[("10.244.2.0/24", 2), ("fd00:244:2::/64", 2)])?;
         c.in_netns(&outside.netns, &["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])?;
-        let tc_before = [tc_prog_stats(&c.nodes[10].netns)?, tc_prog_stats(&c.nodes[13].netns)?];
+        let tc_before = [tc_prog_stats(&c.nodes[10].netns)?, tc_prog_stats(&c.nodes[13].netns)?, tc_prog_stats(&c.nodes[17].netns)?];
         for round in 0..rounds {
             eprintln!("bench: NodePort round {} of {rounds}", round + 1);
             let mut direct = 0.0;
@@ -685,8 +712,9 @@ fn main() -> Result<()> {
             }
         }
         tc_ns = [
-            prog_cost(&tc_before[0], &tc_prog_stats(&c.nodes[10].netns)?),
-            prog_cost(&tc_before[1], &tc_prog_stats(&c.nodes[13].netns)?),
+            np_prog_cost(&tc_before[0], &tc_prog_stats(&c.nodes[10].netns)?),
+            np_prog_cost(&tc_before[1], &tc_prog_stats(&c.nodes[13].netns)?),
+            np_prog_cost(&tc_before[2], &tc_prog_stats(&c.nodes[17].netns)?),
         ];
         for _ in 0..rounds.min(3) {
             let mut direct = 0.0;
@@ -787,11 +815,16 @@ fn main() -> Result<()> {
             t.map_or(0.0, |t| median(&t.ratios))
         );
     }
-    let _ = writeln!(md, "\nTC program cost during the NodePort conn/s and UDP rounds (ns per packet):\n\n| program | lb (TC) | lb (TC, BPF forwarding) |\n|---|---|---|");
-    let names: std::collections::BTreeSet<&String> = tc_ns.iter().flat_map(|m| m.keys()).collect();
+    let _ = writeln!(
+        md,
+        "\nNodePort program cost during the conn/s and UDP rounds (ns per run; runs):\n\n| program | lb (TC) | lb (TC, BPF forwarding) | lb (XDP + TC, BPF forwarding) |\n|---|---|---|---|"
+    );
+    let names: std::collections::BTreeSet<&String> = tc_ns.iter().flat_map(|m| m.keys()).filter(|k| !k.ends_with(" runs")).collect();
     for p in names {
-        let f = |m: &BTreeMap<String, f64>| m.get(p).map_or("-".to_string(), |v| format!("{v:.0}"));
-        let _ = writeln!(md, "| {p} | {} | {} |", f(&tc_ns[0]), f(&tc_ns[1]));
+        let f = |m: &BTreeMap<String, f64>| {
+            m.get(p).map_or("-".to_string(), |v| format!("{v:.0}; {:.0}", m.get(&format!("{p} runs")).copied().unwrap_or(0.0)))
+        };
+        let _ = writeln!(md, "| {p} | {} | {} | {} |", f(&tc_ns[0]), f(&tc_ns[1]), f(&tc_ns[2]));
     }
     let _ = writeln!(md, "\nControl plane ({n} services x 10 endpoints unless noted; lb-agent: median of {COLD_STARTS} cold starts):\n\n| step | seconds |\n|---|---|");
     for (k, v) in &cp {

@@ -1,0 +1,96 @@
+//! `lb-agent run --nodeport-acceleration xdp`: the packets of established
+//! SNATed outside flows are translated and sent back out at XDP, before
+//! the stack. Proven by node-1's iptables FORWARD counters (no
+//! `--bpf-forward` here, so whatever the TC program translates goes
+//! through them): only each TCP flow's first packet (the SYN, which the
+//! TC program sets up) passes there, none of the replies; by the
+//! `forwarded_xdp` counter; and by `ip link`, which shows the program in
+//! the driver (native XDP on veth). The program survives agent restarts
+//! (replaced in place, a stream goes on), goes when the flag does, and
+//! falls back to generic XDP on a device without native XDP (a bridge).
+use anyhow::Result;
+use lbtest::objects::Endpoint as E;
+use lbtest::world::*;
+
+/// `ip -d link show DEV` in node-1.
+fn link(w: &World, dev: &str) -> Result<String> {
+    w.c.in_netns(&w.c.nodes[0].netns, &["ip", "-d", "link", "show", dev])
+}
+
+/// The id of the XDP program on node-1's `dev` and whether it runs in the
+/// driver (None: no XDP program).
+fn xdp_prog(w: &World, dev: &str) -> Result<Option<(u32, bool)>> {
+    let out = link(w, dev)?;
+    let Some(rest) = out.split("prog/xdp id ").nth(1) else { return Ok(None) };
+    let id = rest.split_whitespace().next().unwrap_or_default().parse()?;
+    let native = out.lines().next().is_some_and(|l| l.contains(" xdp ") || l.contains(" xdp/id:"));
+    Ok(Some((id, native && !out.contains("xdpgeneric"))))
+}
+
+#[test]
+fn established_snat_flows_are_sent_on_at_xdp() -> Result<()> {
+    let xdp = ["--nodeport-acceleration", "xdp"];
+    let mut w = world_wired(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &xdp)?;
+    let (id, native) = xdp_prog(&w, "eth0")?.expect("an XDP program on node-1's eth0");
+    assert!(native, "native XDP on veth: {}", link(&w, "eth0")?);
+    assert!(link(&w, "eth0")?.contains("name lb_nodeport_xd"), "{}", link(&w, "eth0")?);
+    // pod-2 only: every flow is SNATed to node-2, both directions cross
+    // node-1's eth0.
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    count_forwarding(&w)?;
+    let before = datapath(&w.c, 1, "forwarded_xdp")?;
+    let addrs = [hostport(NODE1, 30080), hostport(NODE1_6, 30080), hostport(LB_IP, 80), hostport(LB_IP6, 80)];
+    for addr in &addrs {
+        let s = tcp(&w.c, &w.outside, addr, 20)?;
+        assert_eq!(s.ok, 20, "{addr}: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr], "replies come from the frontend: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-2 {}", if addr.starts_with('[') { NODE1_6 } else { NODE1 }).as_str()].into());
+        let s = w.c.probe(&w.outside, &["udp", "--addr", addr, "--count", "10"])?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+    }
+    // One stream of 4 MB each way: every checksum XDP rewrote was right,
+    // or TCP would not have delivered it.
+    let s = w.c.probe(&w.outside, &["bulk", "--addr", &hostport(NODE1, 30080), "--bytes", "4194304"])?;
+    assert_eq!(s.ok, 1, "{s:?}");
+    let (to_pods, to_client) = forwarded(&w)?;
+    assert_eq!(to_client, 0, "no reply went through node-1's stack");
+    // 81 SYNs (a few retransmitted at most); through TC alone it is
+    // every packet of every flow.
+    assert!((81..=90).contains(&to_pods), "only the SYNs went through node-1's stack: {to_pods}");
+    let n = datapath(&w.c, 1, "forwarded_xdp")? - before;
+    assert!(n >= 4 * (20 * 6 + 10 * 2 - 1) + 2000, "packets sent on at XDP: {n}");
+
+    // An agent restart replaces the program in place: a stream running
+    // meanwhile goes on.
+    let bulk = w.c.probe_bg(&w.outside, &["bulk", "--addr", &hostport(NODE1, 30080), "--bytes", "268435456"])?;
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    w.c.kill_agent(1);
+    assert_eq!(xdp_prog(&w, "eth0")?.map(|p| p.0), Some(id), "the pinned link keeps it attached while no agent runs");
+    w.c.start_agent_with(1, &xdp)?;
+    let s = lbtest::Cluster::finish(bulk)?;
+    assert_eq!(s.ok, 1, "the stream across the restart: {s:?}");
+    let (id2, native) = xdp_prog(&w, "eth0")?.expect("XDP after the restart");
+    assert!(id2 != id && native, "the new agent's program, in the driver: {id} -> {id2}");
+
+    // Without it, the program goes; the TC programs carry on.
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--nodeport-acceleration", "none"])?;
+    assert_eq!(xdp_prog(&w, "eth0")?, None, "{}", link(&w, "eth0")?);
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+
+    // A device without native XDP (a bridge) gets generic XDP, logged.
+    w.c.in_netns(&w.c.nodes[0].netns, &["ip", "link", "add", "xbr0", "type", "bridge"])?;
+    w.c.in_netns(&w.c.nodes[0].netns, &["ip", "link", "set", "xbr0", "up"])?;
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--nodeport-acceleration", "xdp", "--nodeport-interface", "eth0", "--nodeport-interface", "xbr0"])?;
+    assert!(matches!(xdp_prog(&w, "eth0")?, Some((_, true))), "{}", link(&w, "eth0")?);
+    assert!(matches!(xdp_prog(&w, "xbr0")?, Some((_, false))), "{}", link(&w, "xbr0")?);
+    let log = std::fs::read_to_string(w.c.agent_log(1))?;
+    assert!(log.contains("generic XDP instead"), "{log}");
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    Ok(())
+}
