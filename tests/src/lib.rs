@@ -410,15 +410,26 @@ impl Cluster {
     /// handing the next device a partial one (CHECKSUM_PARTIAL, which XDP
     /// cannot see or finish: a NIC never receives one), and the nodes'
     /// fabric ports get NAPI (GRO), which XDP_TX into them needs. Outside
-    /// clients and routers added later get the same. XDP acceleration
-    /// needs this here.
+    /// clients (`add_outside`) made before are included; routers must come
+    /// after. Devices added later get the same. XDP acceleration needs
+    /// this here.
     pub fn wire_checksums(&mut self) -> Result<()> {
-        if self.pods.iter().any(|p| p.node == 0) {
-            bail!("wire_checksums: call it before adding outside clients and routers");
-        }
         self.wired = true;
         for n in &self.nodes {
             self.wire(&n.netns, "eth0", &self.fabric, &format!("n{}", n.index), true)?;
+        }
+        // Outside clients on the fabric (`add_outside`): netns "{id}-o<host>",
+        // fabric port "o<host>".
+        for p in self.pods.iter().filter(|p| p.node == 0) {
+            let port = p.netns.strip_prefix(&format!("{}-", self.id)).unwrap_or_default();
+            if !port.starts_with('o') || self.in_netns(&p.netns, &["ip", "link", "show", "c0"]).is_ok() {
+                bail!("wire_checksums: call it before adding routers ({})", p.netns);
+            }
+            let routed = self.pods.iter().any(|r| r.netns == format!("{}-r{}", self.id, &port[1..]));
+            if routed {
+                bail!("wire_checksums: call it before adding routers ({})", p.netns);
+            }
+            self.wire(&p.netns, "eth0", &self.fabric, port, false)?;
         }
         Ok(())
     }

@@ -24,23 +24,30 @@ fn every_bench_case_runs() {
     for (case, s) in dp {
         assert!(s["values"][0].as_f64().unwrap() > 0.0, "{case}: {stdout}");
     }
-    // Direct, lb TC, lb TC with BPF forwarding, with DSR, with Maglev, with
-    // XDP, iptables behind 10 and behind 30 Services; direct, lb TC, lb BPF
-    // forwarding and lb XDP on IPv6.
+    // Direct, lb TC, lb TC with BPF forwarding, with DSR, with Maglev,
+    // iptables behind 10 and behind 30 Services; direct, lb TC and lb BPF
+    // forwarding on IPv6.
     let np = v["nodeport"].as_object().unwrap();
-    assert_eq!(np.len(), 12, "{stdout}");
+    assert_eq!(np.len(), 10, "{stdout}");
     for (case, s) in np {
         assert!(s["values"][0].as_f64().unwrap() > 0.0, "NodePort {case}: {stdout}");
     }
     let tput = v["nodeport_throughput"].as_object().unwrap();
-    assert_eq!(tput.len(), 12, "{stdout}");
+    assert_eq!(tput.len(), 10, "{stdout}");
     let udp = v["nodeport_udp"].as_object().unwrap();
-    assert_eq!(udp.len(), 12, "{stdout}");
+    assert_eq!(udp.len(), 10, "{stdout}");
     assert!(v["nodeport_program_ns"][0]["lb_nodeport_ingress"].as_f64().is_some_and(|ns| ns > 0.0), "{stdout}");
-    // The XDP node's program ran and took packets away from TC.
-    let xdp = &v["nodeport_program_ns"][2];
+    // On the wired fabric: direct, lb TC, TC with BPF forwarding, XDP,
+    // iptables behind 10; the XDP node's program ran and took packets away
+    // from its TC program.
+    for m in ["conn", "udp", "throughput"] {
+        let w = v["nodeport_wired"][m].as_object().unwrap();
+        assert_eq!(w.len(), 5, "{m}: {stdout}");
+        assert!(w.values().all(|s| s["values"][0].as_f64().is_some_and(|x| x > 0.0)), "{m}: {stdout}");
+    }
+    let (fwd, xdp) = (&v["nodeport_wired_program_ns"][0], &v["nodeport_wired_program_ns"][1]);
     assert!(xdp["lb_nodeport_xdp runs"].as_f64().is_some_and(|n| n > 0.0), "{stdout}");
-    assert!(xdp["lb_nodeport_ingress runs"].as_f64() < v["nodeport_program_ns"][1]["lb_nodeport_ingress runs"].as_f64(), "{stdout}");
+    assert!(xdp["lb_nodeport_ingress runs"].as_f64() < fwd["lb_nodeport_ingress runs"].as_f64(), "{stdout}");
     for (case, s) in udp {
         assert!(s["values"][0].as_f64().unwrap() > 0.0, "NodePort UDP {case}: {stdout}");
     }

@@ -335,6 +335,94 @@ struct Series {
     ratios: Vec<f64>,
 }
 
+/// NodePort figures of a list of cases: conn/s, small UDP datagrams/s and
+/// one stream, each with its ratio to the "direct" case before it.
+#[derive(Default, serde::Serialize)]
+struct NodePortRun {
+    conn: BTreeMap<String, Series>,
+    udp: BTreeMap<String, Series>,
+    throughput: BTreeMap<String, Series>,
+}
+
+/// (case, short-connection and UDP address, bulk address).
+type NpCase = (String, String, String);
+
+/// Interleaved rounds of every case from `client`: `rounds` of conn/s,
+/// then up to 3 of UDP; `between` runs after those (program costs), then up
+/// to 3 rounds of one stream.
+fn nodeport_rounds(c: &Cluster, client: &Pod, cases: &[NpCase], a: &Args, rounds: usize, between: impl FnOnce() -> Result<()>) -> Result<NodePortRun> {
+    let mut run = NodePortRun::default();
+    let measure = |m: &mut BTreeMap<String, Series>, n: usize, f: &dyn Fn(&NpCase) -> Result<f64>| -> Result<()> {
+        for _ in 0..n {
+            let mut direct = 0.0;
+            for case in cases {
+                let v = f(case)?;
+                if case.0.starts_with("direct") {
+                    direct = v;
+                }
+                let s = m.entry(case.0.clone()).or_default();
+                s.values.push(v);
+                s.ratios.push(v / direct);
+            }
+        }
+        Ok(())
+    };
+    measure(&mut run.conn, rounds, &|(_, addr, _)| rate(c, client, addr, a.secs))?;
+    measure(&mut run.udp, rounds.min(3), &|(_, addr, _)| udp_rate(client, addr, a.secs))?;
+    between()?;
+    measure(&mut run.throughput, rounds.min(3), &|(_, _, addr)| bulk_rate(c, client, addr, a.bulk_bytes))?;
+    Ok(run)
+}
+
+/// The markdown rows of `run` ("vs iptables": per-round ratios to the case
+/// `ipt`).
+fn nodeport_table(md: &mut String, run: &NodePortRun, cases: &[NpCase], ipt: &str) {
+    let vs = |m: &BTreeMap<String, Series>, name: &str| -> String {
+        let (Some(x), Some(b)) = (m.get(name), m.get(ipt)) else { return "-".into() };
+        if name.contains("IPv6") {
+            return "-".into();
+        }
+        let r: Vec<f64> = x.values.iter().zip(&b.values).map(|(x, b)| x / b).collect();
+        format!("{:.2}", median(&r))
+    };
+    let _ = writeln!(md, "| case | conn/s (median) | min–max | ratio to direct (median) | lowest | vs iptables | UDP datagrams/s (median) | ratio to direct | vs iptables | MB/s, one stream | ratio |\n|---|---|---|---|---|---|---|---|---|---|---|");
+    for (name, _, _) in cases {
+        let Some(s) = run.conn.get(name) else { continue };
+        let (lo, hi) = minmax(&s.values);
+        let t = run.throughput.get(name);
+        let u = run.udp.get(name);
+        let _ = writeln!(
+            md,
+            "| {name} | {:.0} | {:.0}–{:.0} | {:.2} | {:.2} | {} | {:.0} | {:.2} | {} | {:.0} | {:.2} |",
+            median(&s.values),
+            lo,
+            hi,
+            median(&s.ratios),
+            minmax(&s.ratios).0,
+            vs(&run.conn, name),
+            u.map_or(0.0, |u| median(&u.values)),
+            u.map_or(0.0, |u| median(&u.ratios)),
+            vs(&run.udp, name),
+            t.map_or(0.0, |t| median(&t.values)),
+            t.map_or(0.0, |t| median(&t.ratios))
+        );
+    }
+}
+
+/// The markdown rows of NodePort program costs (`np_prog_cost`), one column
+/// per node.
+fn program_table(md: &mut String, title: &str, columns: &[&str], costs: &[BTreeMap<String, f64>]) {
+    let _ = writeln!(md, "\n{title} (ns per run; runs):\n\n| program | {} |\n|---|{}", columns.join(" | "), "---|".repeat(columns.len()));
+    let names: std::collections::BTreeSet<&String> = costs.iter().flat_map(|m| m.keys()).filter(|k| !k.ends_with(" runs")).collect();
+    for p in names {
+        let f = |m: &BTreeMap<String, f64>| {
+            m.get(p).map_or("-".to_string(), |v| format!("{v:.0}; {:.0}", m.get(&format!("{p} runs")).copied().unwrap_or(0.0)))
+        };
+        let cells: Vec<String> = costs.iter().map(f).collect();
+        let _ = writeln!(md, "| {p} | {} |", cells.join(" | "));
+    }
+}
+
 /// Run time and run count of every program attached to `cgroup`, by name
 /// (from bpf_stats, which must be on).
 /// Run time and run count of the TC programs attached (TCX) to eth0 in
@@ -614,34 +702,43 @@ fn main() -> Result<()> {
     }
 
     // NodePort from outside: lb's TC path (node 11; node 14 with BPF
-    // forwarding) against kube-proxy's iptables NodePort rules behind 10
-    // (node 12) and the large number of (node 15) other Services, and
-    // direct to the pod.
-    let mut np_series: BTreeMap<String, Series> = BTreeMap::new();
-    let mut np_tput: BTreeMap<String, Series> = BTreeMap::new();
-    let mut np_udp: BTreeMap<String, Series> = BTreeMap::new();
-    // ns per packet of the TC programs during the conn/s and UDP rounds:
-    // lb (TC), lb (TC, BPF forwarding), lb (XDP + TC, BPF forwarding).
-    let mut tc_ns: [BTreeMap<String, f64>; 3] = Default::default();
-    // (case, short-connection and UDP address, bulk address); each "direct"
-    // case is the baseline of the cases after it (IPv4, then IPv6).
+    // forwarding; DSR, Maglev) against kube-proxy's iptables NodePort rules
+    // behind 10 (node 12) and the large number of (node 15) other Services,
+    // and direct to the pod. Then XDP (node 18) on a fabric that carries
+    // complete checksums, as it needs, against direct, TC and iptables
+    // there.
+    let mut np = NodePortRun::default();
+    let mut np_wired = NodePortRun::default();
+    // Program costs during the conn/s and UDP rounds: lb (TC), lb (TC, BPF
+    // forwarding); on the wired fabric lb (TC, BPF forwarding) and lb (XDP
+    // + TC, BPF forwarding).
+    let mut tc_ns: [BTreeMap<String, f64>; 2] = Default::default();
+    let mut wired_ns: [BTreeMap<String, f64>; 2] = Default::default();
+    // Each "direct" case is the baseline of the cases after it (IPv4, then IPv6).
     let node_case = |name: String, node: usize, v6: bool| {
         let ip = if v6 { format!("[{}]", c.nodes[node - 1].ip6) } else { c.nodes[node - 1].ip.clone() };
         (name, format!("{ip}:{NP_HTTP}"), format!("{ip}:{NP_BULK}"))
     };
-    let np_cases: Vec<(String, String, String)> = vec![
-        ("direct (pod IP)".into(), format!("{}:8080", server.ip), format!("{}:9090", server.ip)),
+    let ipt_name = format!("iptables-legacy, {small} services, nodeIP:nodePort");
+    let direct4: NpCase = ("direct (pod IP)".into(), format!("{}:8080", server.ip), format!("{}:9090", server.ip));
+    let np_cases: Vec<NpCase> = vec![
+        direct4.clone(),
         node_case("lb (TC), nodeIP:nodePort".into(), 11, false),
         node_case("lb (TC, BPF forwarding), nodeIP:nodePort".into(), 14, false),
         node_case("lb (TC, DSR), nodeIP:nodePort".into(), 16, false),
         node_case("lb (TC, Maglev), nodeIP:nodePort".into(), 17, false),
-        node_case("lb (XDP + TC, BPF forwarding), nodeIP:nodePort".into(), 18, false),
-        node_case(format!("iptables-legacy, {small} services, nodeIP:nodePort"), 12, false),
+        node_case(ipt_name.clone(), 12, false),
         node_case(format!("iptables-legacy, {n} services, nodeIP:nodePort"), 15, false),
         ("direct (pod IPv6)".into(), format!("[{}]:8080", server.ip6), format!("[{}]:9090", server.ip6)),
         node_case("lb (TC), [nodeIPv6]:nodePort".into(), 11, true),
         node_case("lb (TC, BPF forwarding), [nodeIPv6]:nodePort".into(), 14, true),
-        node_case("lb (XDP + TC, BPF forwarding), [nodeIPv6]:nodePort".into(), 18, true),
+    ];
+    let wired_cases: Vec<NpCase> = vec![
+        direct4,
+        node_case("lb (TC), nodeIP:nodePort".into(), 11, false),
+        node_case("lb (TC, BPF forwarding), nodeIP:nodePort".into(), 14, false),
+        node_case("lb (XDP + TC, BPF forwarding), nodeIP:nodePort".into(), 18, false),
+        node_case(ipt_name.clone(), 12, false),
     ];
     if rounds > 0 {
         eprintln!("bench: NodePort");
@@ -679,55 +776,20 @@ fn main() -> Result<()> {
             std::fs::write(&rules, text)?;
             timed(&c.nodes[node - 1].netns, "iptables-legacy-restore", &[], &rules)?;
         }
-        // XDP needs the complete checksums a wire carries: every NodePort
-        // case runs on such a fabric (checksums computed in software where
-        // packets leave a netns), direct included.
-        c.wire_checksums()?;
         let outside = c.add_outside("outside", 100, &[("10.244.2.0/24", 2), ("fd00:244:2::/64", 2)])?;
         c.in_netns(&outside.netns, &["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])?;
-        let tc_before = [tc_prog_stats(&c.nodes[10].netns)?, tc_prog_stats(&c.nodes[13].netns)?, tc_prog_stats(&c.nodes[17].netns)?];
-        for round in 0..rounds {
-            eprintln!("bench: NodePort round {} of {rounds}", round + 1);
-            let mut direct = 0.0;
-            for (name, addr, _) in &np_cases {
-                let r = rate(&c, &outside, addr, a.secs)?;
-                if name.starts_with("direct") {
-                    direct = r;
-                }
-                let s = np_series.entry(name.clone()).or_default();
-                s.values.push(r);
-                s.ratios.push(r / direct);
-            }
-        }
-        for _ in 0..rounds.min(3) {
-            let mut direct = 0.0;
-            for (k, addr, _) in &np_cases {
-                let v = udp_rate(&outside, addr, a.secs)?;
-                if k.starts_with("direct") {
-                    direct = v;
-                }
-                let s = np_udp.entry(k.clone()).or_default();
-                s.values.push(v);
-                s.ratios.push(v / direct);
-            }
-        }
-        tc_ns = [
-            np_prog_cost(&tc_before[0], &tc_prog_stats(&c.nodes[10].netns)?),
-            np_prog_cost(&tc_before[1], &tc_prog_stats(&c.nodes[13].netns)?),
-            np_prog_cost(&tc_before[2], &tc_prog_stats(&c.nodes[17].netns)?),
-        ];
-        for _ in 0..rounds.min(3) {
-            let mut direct = 0.0;
-            for (k, _, addr) in &np_cases {
-                let v = bulk_rate(&c, &outside, addr, a.bulk_bytes)?;
-                if k.starts_with("direct") {
-                    direct = v;
-                }
-                let s = np_tput.entry(k.clone()).or_default();
-                s.values.push(v);
-                s.ratios.push(v / direct);
-            }
-        }
+        let before = [tc_prog_stats(&c.nodes[10].netns)?, tc_prog_stats(&c.nodes[13].netns)?];
+        np = nodeport_rounds(&c, &outside, &np_cases, &a, rounds, || {
+            tc_ns = [np_prog_cost(&before[0], &tc_prog_stats(&c.nodes[10].netns)?), np_prog_cost(&before[1], &tc_prog_stats(&c.nodes[13].netns)?)];
+            Ok(())
+        })?;
+        eprintln!("bench: NodePort on a fabric with complete checksums (XDP)");
+        c.wire_checksums()?;
+        let before = [tc_prog_stats(&c.nodes[13].netns)?, tc_prog_stats(&c.nodes[17].netns)?];
+        np_wired = nodeport_rounds(&c, &outside, &wired_cases, &a, rounds, || {
+            wired_ns = [np_prog_cost(&before[0], &tc_prog_stats(&c.nodes[13].netns)?), np_prog_cost(&before[1], &tc_prog_stats(&c.nodes[17].netns)?)];
+            Ok(())
+        })?;
     }
 
     // One endpoint change at a time, with the large set loaded: from the
@@ -783,49 +845,12 @@ fn main() -> Result<()> {
     for (k, s) in &tput {
         let _ = writeln!(md, "| {k} | {:.0} | {:.2} |", median(&s.values), median(&s.ratios));
     }
-    let _ = writeln!(md, "\nNodePort from an outside client, {} rounds of {} s, interleaved (UDP: {} rounds; \"vs iptables\": the median of per-round ratios to iptables-legacy with {small} services):\n", a.rounds, a.secs, a.rounds.min(3));
-    let _ = writeln!(md, "| case | conn/s (median) | min–max | ratio to direct (median) | lowest | vs iptables | UDP datagrams/s (median) | ratio to direct | vs iptables | MB/s, one stream | ratio |\n|---|---|---|---|---|---|---|---|---|---|---|");
-    let ipt_name = format!("iptables-legacy, {small} services, nodeIP:nodePort");
-    let vs = |m: &BTreeMap<String, Series>, name: &str| -> String {
-        let (Some(x), Some(b)) = (m.get(name), m.get(&ipt_name)) else { return "-".into() };
-        if name.contains("IPv6") {
-            return "-".into();
-        }
-        let r: Vec<f64> = x.values.iter().zip(&b.values).map(|(x, b)| x / b).collect();
-        format!("{:.2}", median(&r))
-    };
-    for (name, _, _) in &np_cases {
-        let Some(s) = np_series.get(name) else { continue };
-        let (lo, hi) = minmax(&s.values);
-        let t = np_tput.get(name);
-        let u = np_udp.get(name);
-        let _ = writeln!(
-            md,
-            "| {name} | {:.0} | {:.0}–{:.0} | {:.2} | {:.2} | {} | {:.0} | {:.2} | {} | {:.0} | {:.2} |",
-            median(&s.values),
-            lo,
-            hi,
-            median(&s.ratios),
-            minmax(&s.ratios).0,
-            vs(&np_series, name),
-            u.map_or(0.0, |u| median(&u.values)),
-            u.map_or(0.0, |u| median(&u.ratios)),
-            vs(&np_udp, name),
-            t.map_or(0.0, |t| median(&t.values)),
-            t.map_or(0.0, |t| median(&t.ratios))
-        );
-    }
-    let _ = writeln!(
-        md,
-        "\nNodePort program cost during the conn/s and UDP rounds (ns per run; runs):\n\n| program | lb (TC) | lb (TC, BPF forwarding) | lb (XDP + TC, BPF forwarding) |\n|---|---|---|---|"
-    );
-    let names: std::collections::BTreeSet<&String> = tc_ns.iter().flat_map(|m| m.keys()).filter(|k| !k.ends_with(" runs")).collect();
-    for p in names {
-        let f = |m: &BTreeMap<String, f64>| {
-            m.get(p).map_or("-".to_string(), |v| format!("{v:.0}; {:.0}", m.get(&format!("{p} runs")).copied().unwrap_or(0.0)))
-        };
-        let _ = writeln!(md, "| {p} | {} | {} | {} |", f(&tc_ns[0]), f(&tc_ns[1]), f(&tc_ns[2]));
-    }
+    let _ = writeln!(md, "\nNodePort from an outside client, {} rounds of {} s, interleaved (UDP and streams: {} rounds; \"vs iptables\": the median of per-round ratios to iptables-legacy with {small} services):\n", a.rounds, a.secs, a.rounds.min(3));
+    nodeport_table(&mut md, &np, &np_cases, &ipt_name);
+    program_table(&mut md, "NodePort program cost during the conn/s and UDP rounds", &["lb (TC)", "lb (TC, BPF forwarding)"], &tc_ns);
+    let _ = writeln!(md, "\nNodePort on a fabric that carries complete checksums (checksum offload off on every fabric veth, as XDP needs; same rounds):\n");
+    nodeport_table(&mut md, &np_wired, &wired_cases, &ipt_name);
+    program_table(&mut md, "Program cost on that fabric", &["lb (TC, BPF forwarding)", "lb (XDP + TC, BPF forwarding)"], &wired_ns);
     let _ = writeln!(md, "\nControl plane ({n} services x 10 endpoints unless noted; lb-agent: median of {COLD_STARTS} cold starts):\n\n| step | seconds |\n|---|---|");
     for (k, v) in &cp {
         let _ = writeln!(md, "| {k} | {v:.3} |");
@@ -846,7 +871,8 @@ fn main() -> Result<()> {
     let json = serde_json::json!({
         "rounds": a.rounds, "secs": a.secs, "services": n,
         "datapath": series, "throughput": tput, "control_plane": cp,
-        "nodeport": np_series, "nodeport_throughput": np_tput, "nodeport_udp": np_udp, "nodeport_program_ns": tc_ns, "map_write_ratio_to_raw": write_ratio,
+        "nodeport": np.conn, "nodeport_throughput": np.throughput, "nodeport_udp": np.udp, "nodeport_program_ns": tc_ns,
+        "nodeport_wired": np_wired, "nodeport_wired_program_ns": wired_ns, "map_write_ratio_to_raw": write_ratio,
         "change_latency_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "samples": lat},
         "agent_rss_mib": rss,
         "program_ns": {"small": prog_ns[0], "large": prog_ns[1]},
