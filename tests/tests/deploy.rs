@@ -96,17 +96,31 @@ fn the_daemon_set_runs_on_every_node_with_pinned_state_and_health() {
     assert_eq!(probe.path.as_deref(), Some("/healthz"));
     assert_eq!(probe.port, k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(10256));
     let mounts = c.volume_mounts.clone().unwrap();
-    let bpffs = mounts.iter().find(|m| m.mount_path == "/sys/fs/bpf").unwrap();
+    let vols = pod.volumes.clone().unwrap();
+    // The mount a path lies under, and the host path behind it.
+    let host_path_of = |path: &str| -> Option<String> {
+        let m = mounts.iter().filter(|m| path.starts_with(&m.mount_path)).max_by_key(|m| m.mount_path.len())?;
+        vols.iter().find(|v| v.name == m.name)?.host_path.as_ref().map(|h| h.path.clone())
+    };
+    let flag = |name: &str| args.iter().find_map(|a| a.strip_prefix(&format!("--{name}="))).map(str::to_string);
+    // The pins live on the host's bpffs (they outlive the pod), in a mount
+    // that propagates the pins both ways.
+    let pins = flag("bpffs").expect("--bpffs");
+    assert_eq!(host_path_of(&pins).as_deref(), Some("/sys/fs/bpf"), "{pins}");
+    let bpffs = mounts.iter().filter(|m| pins.starts_with(&m.mount_path)).max_by_key(|m| m.mount_path.len()).unwrap();
     assert_eq!(bpffs.mount_propagation.as_deref(), Some("Bidirectional"));
-    assert!(mounts.iter().any(|m| m.mount_path == "/run/lb/cgroupv2"));
-    assert!(args.contains(&"--cgroup=/run/lb/cgroupv2".to_string()));
+    // The programs attach to the host's cgroup v2 root, not the pod's.
+    let cgroup = flag("cgroup").expect("--cgroup");
+    assert_eq!(host_path_of(&cgroup).as_deref(), Some("/sys/fs/cgroup"), "{cgroup}");
+    // The health check kube-proxy's users probe: the readiness probe's port.
+    let healthz = flag("healthz-bind").expect("--healthz-bind");
+    assert!(healthz.ends_with(":10256"), "{healthz}");
     let env = c.env.clone().unwrap();
     let node = env.iter().find(|e| e.name == "NODE_NAME").unwrap();
     assert_eq!(node.value_from.as_ref().unwrap().field_ref.as_ref().unwrap().field_path, "spec.nodeName");
     let from = c.env_from.clone().unwrap();
     assert_eq!(from[0].config_map_ref.as_ref().unwrap().name, "lb-agent-config");
     assert_eq!(c.security_context.as_ref().unwrap().privileged, Some(true));
-    let vols = pod.volumes.unwrap();
     let paths: BTreeSet<String> = vols.iter().filter_map(|v| v.host_path.as_ref().map(|h| h.path.clone())).collect();
     assert_eq!(paths, ["/sys/fs/bpf".to_string(), "/sys/fs/cgroup".to_string()].into());
 }
@@ -117,10 +131,15 @@ fn the_uninstall_daemon_set_tears_down_in_the_nodes_network_namespace() {
     let pod = ds.spec.unwrap().template.spec.unwrap();
     assert_eq!(pod.host_network, Some(true), "TC filters and the reserved ports are per network namespace");
     let init = &pod.init_containers.unwrap()[0];
-    assert_eq!(init.args.clone().unwrap(), ["teardown", "--bpffs=/sys/fs/bpf/lb"]);
-    // The same pin directory as the agent's.
+    let args = init.args.clone().unwrap();
+    assert_eq!(args[0], "teardown");
+    // The same pin directory as the agent's, on the host's bpffs.
     let agent: DaemonSet = typed(&docs("daemonset.yaml")[0]);
-    let args = agent.spec.unwrap().template.spec.unwrap().containers[0].args.clone().unwrap();
-    assert!(args.contains(&"--bpffs=/sys/fs/bpf/lb".to_string()), "{args:?}");
-    assert_eq!(init.volume_mounts.as_ref().unwrap()[0].mount_path, "/sys/fs/bpf");
+    let run = agent.spec.unwrap().template.spec.unwrap().containers[0].args.clone().unwrap();
+    let pins = |a: &[String]| a.iter().find_map(|x| x.strip_prefix("--bpffs=")).map(str::to_string);
+    assert_eq!(pins(&args), pins(&run), "{args:?} {run:?}");
+    let dir = pins(&args).unwrap();
+    let mount = init.volume_mounts.as_ref().unwrap().iter().find(|m| dir.starts_with(&m.mount_path)).expect("a mount holding --bpffs");
+    let vol = pod.volumes.as_ref().unwrap().iter().find(|v| v.name == mount.name).unwrap();
+    assert_eq!(vol.host_path.as_ref().map(|h| h.path.as_str()), Some("/sys/fs/bpf"));
 }

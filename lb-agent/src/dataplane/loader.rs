@@ -410,9 +410,13 @@ impl Tc {
         let mut devs: aya::maps::HashMap<_, u32, u32> = aya::maps::HashMap::try_from(map)?;
         if veth {
             devs.insert(ifindex, lb_common::xdp_dev::REDIRECT, 0).context("LB_XDP_DEVS: insert")?;
-            tracing::info!(
+            // The peer is out of this agent's reach (another netns, often
+            // the host's): say what it needs, where an operator looks.
+            tracing::warn!(
                 iface,
-                "a veth: XDP sends packets back out with a redirect, which needs NAPI on its peer (GRO on, or an XDP program there)"
+                "a veth: XDP sends packets back out with a redirect, which the kernel drops unless the peer has NAPI \
+                 (ethtool -K PEER gro on, or an XDP program there; see xdp_xmit_errors in ethtool -S); its senders \
+                 must also compute checksums (ethtool -K PEER tx off)"
             );
         } else {
             let _ = devs.remove(&ifindex);
