@@ -202,6 +202,43 @@ fn load_exact(ctx: &TcContext, off: usize, dst: *mut u8, len: u32) -> Result<(),
     if rc == 0 { Ok(()) } else { Err(rc) }
 }
 
+/// Write a `T` at `off` straight into the packet's linear data (the
+/// program may: the kernel unclones the headers of a program that writes).
+#[inline(always)]
+fn st<T>(ctx: &TcContext, off: usize, v: T) -> Result<(), i64> {
+    let (start, end) = (ctx.data(), ctx.data_end());
+    if start + off + size_of::<T>() <= end {
+        // SAFETY: within the packet's linear data, checked just above.
+        unsafe { core::ptr::write_unaligned((start + off) as *mut T, v) };
+        return Ok(());
+    }
+    Err(-1)
+}
+
+/// What replacing the 16-bit word `old` by `new` adds to a one's
+/// complement sum (RFC 1624: ~m + m'); summed over words, the `diff` the
+/// checksum helpers take with a field size of 0.
+#[inline(always)]
+fn word_diff(old: u16, new: u16) -> u32 {
+    (!old) as u32 + new as u32
+}
+
+/// The words of the `n` bytes at `old` replaced by those at `new`.
+#[inline(always)]
+fn addr_diff(old: *const u8, new: *const u8, n: usize) -> u32 {
+    let mut d = 0u32;
+    let mut i = 0;
+    while i < 16 {
+        if i < n {
+            // SAFETY: the callers pass n readable bytes at each.
+            let (o, w) = unsafe { ((old.add(i) as *const u16).read_unaligned(), (new.add(i) as *const u16).read_unaligned()) };
+            d += word_diff(o, w);
+        }
+        i += 2;
+    }
+    d
+}
+
 #[inline(always)]
 fn csum_fold(s: u32) -> u16 {
     let mut c = (s & 0xffff) + (s >> 16);
@@ -729,21 +766,31 @@ fn rewrite<F: Net>(ctx: &TcContext, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> Result
     }
     let csum = p.l4 + if p.proto == PROTO_TCP { 16 } else { 6 };
     // UDP over IPv4 may carry no checksum (0); it must stay 0.
-    let l4_csum = p.proto == PROTO_TCP || ctx.load::<u16>(csum)? != 0;
+    let l4_csum = p.proto == PROTO_TCP || ld::<u16>(ctx, csum)? != 0;
     let mangled = if p.proto == PROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
-    if p.saddr != e.to_saddr {
-        F::set_addr(ctx, F::SRC, csum, l4_csum, mangled, p.saddr, e.to_saddr)?;
-    }
-    if p.daddr != e.to_daddr {
-        F::set_addr(ctx, F::DST, csum, l4_csum, mangled, p.daddr, e.to_daddr)?;
-    }
-    for (off, old, new) in [(p.l4, p.sport, e.to_sport), (p.l4 + 2, p.dport, e.to_dport)] {
-        if old != new {
-            if l4_csum {
-                ctx.l4_csum_replace(csum, old.to_be() as u64, new.to_be() as u64, mangled | 2)?;
-            }
-            ctx.store(off, &new.to_be(), 0)?;
+    // Both addresses at once, the ports at once: one checksum diff each
+    // (the address one covers the pseudo-header, which a partial checksum
+    // holds; the port one not), then plain writes.
+    let n = (F::BITS / 8) as usize;
+    let bytes = |a: &F::A| a as *const F::A as *const u8;
+    if p.saddr != e.to_saddr || p.daddr != e.to_daddr {
+        let d = addr_diff(bytes(&p.saddr), bytes(&e.to_saddr), n) + addr_diff(bytes(&p.daddr), bytes(&e.to_daddr), n);
+        if l4_csum {
+            ctx.l4_csum_replace(csum, 0, d as u64, BPF_F_PSEUDO_HDR as u64 | mangled)?;
         }
+        if F::ID == lb_common::FAMILY_V4 {
+            ctx.l3_csum_replace(ETH_HLEN + 10, 0, d as u64, 0)?;
+        }
+        st(ctx, F::SRC, e.to_saddr)?;
+        st(ctx, F::DST, e.to_daddr)?;
+    }
+    if p.sport != e.to_sport || p.dport != e.to_dport {
+        let (sport, dport) = (e.to_sport.to_be(), e.to_dport.to_be());
+        if l4_csum {
+            let d = word_diff(p.sport.to_be(), sport) + word_diff(p.dport.to_be(), dport);
+            ctx.l4_csum_replace(csum, 0, d as u64, mangled)?;
+        }
+        st(ctx, p.l4, [sport, dport])?;
     }
     Ok(())
 }

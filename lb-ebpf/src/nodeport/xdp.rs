@@ -32,7 +32,7 @@ use lb_common::{FAMILY_V4, NatEntry, NatKey, PROTO_TCP, PROTO_UDP, nat_flags, na
 #[btf_map]
 static LB_XDP_DEVS: HashMap<u32, u32, { xdp_dev::CAPACITY as usize }> = HashMap::new();
 
-use super::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Net, TCP_ACK, TCP_RST, TCP_SYN, packet_stats, touch};
+use super::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Net, TCP_ACK, TCP_RST, TCP_SYN, addr_diff, packet_stats, touch, word_diff};
 use crate::lb::{self, V4, V6};
 
 /// The packet's bounds, read once per packet (LLVM emits shifts on a
@@ -71,29 +71,6 @@ impl Frame {
             unsafe { p.write_unaligned(v) }
         }
     }
-}
-
-/// What replacing 16-bit words summing to `old` by words summing to `new`
-/// adds to a one's complement sum (RFC 1624: ~m + m'), one word at a time.
-#[inline(always)]
-fn word_diff(old: u16, new: u16) -> u32 {
-    (!old) as u32 + new as u32
-}
-
-/// The words of the `n` bytes at `old` replaced by those at `new`.
-#[inline(always)]
-fn addr_diff(old: *const u8, new: *const u8, n: usize) -> u32 {
-    let mut d = 0u32;
-    let mut i = 0;
-    while i < 16 {
-        if i < n {
-            // SAFETY: the callers pass n readable bytes at each.
-            let (o, w) = unsafe { ((old.add(i) as *const u16).read_unaligned(), (new.add(i) as *const u16).read_unaligned()) };
-            d += word_diff(o, w);
-        }
-        i += 2;
-    }
-    d
 }
 
 /// The checksum `check` (as in the packet) after the covered words changed
