@@ -133,3 +133,81 @@ pub fn send(netns: &str, dev: &str, frames: Vec<Vec<u8>>) -> Result<()> {
     .join()
     .map_err(|_| anyhow::anyhow!("sender thread panicked"))?
 }
+
+/// Whether the TCP or UDP checksum (and the IPv4 header checksum) of an
+/// Ethernet frame holds; None: not a TCP/UDP packet we check (other
+/// protocols, fragments, IPv4 options, UDP without a checksum).
+pub fn checksums_hold(f: &[u8]) -> Option<bool> {
+    let et = u16::from_be_bytes([*f.get(12)?, *f.get(13)?]);
+    let (l3, l4, proto, pseudo) = match et {
+        0x0800 => {
+            let ip = f.get(14..34)?;
+            let total = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+            if ip[0] != 0x45 || u16::from_be_bytes([ip[6], ip[7]]) & 0x3fff != 0 {
+                return None;
+            }
+            let l4 = f.get(34..14 + total)?;
+            (Some(ip), l4, ip[9], pseudo_sum(&ip[12..16], &ip[16..20], ip[9], l4.len()))
+        }
+        0x86dd => {
+            let ip = f.get(14..54)?;
+            let len = u16::from_be_bytes([ip[4], ip[5]]) as usize;
+            let l4 = f.get(54..54 + len)?;
+            (None, l4, ip[6], pseudo_sum(&ip[8..24], &ip[24..40], ip[6], l4.len()))
+        }
+        _ => return None,
+    };
+    if proto != 6 && proto != 17 || (proto == 17 && et == 0x0800 && l4.get(6..8)? == [0, 0]) {
+        return None;
+    }
+    Some(l3.is_none_or(|ip| csum(ip, 0) == 0) && csum(l4, pseudo) == 0)
+}
+
+/// Run `f` while capturing what arrives at every device of `netns`:
+/// returns its result and how many TCP/UDP packets arrived with valid and
+/// with broken checksums (`checksums_hold`). Only meaningful where senders
+/// compute complete checksums (`Cluster::wire_checksums`): a partial one
+/// is broken on the wire by design.
+pub fn count_checksums<T>(netns: &str, f: impl FnOnce() -> Result<T>) -> Result<(T, u64, u64)> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (netns_s, stop2) = (netns.to_string(), stop.clone());
+    let t = std::thread::spawn(move || -> Result<(u64, u64)> {
+        let file = std::fs::File::open(format!("/run/netns/{netns_s}"))?;
+        nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET)?;
+        // SAFETY: plain syscalls with valid arguments; the socket is closed below.
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, (libc::ETH_P_ALL as u16).to_be() as i32) };
+        if fd < 0 {
+            bail!("AF_PACKET socket: {}", std::io::Error::last_os_error());
+        }
+        let tv = libc::timeval { tv_sec: 0, tv_usec: 100_000 };
+        // SAFETY: a valid fd and a timeval of the right size.
+        unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&tv as *const libc::timeval).cast(), size_of::<libc::timeval>() as u32) };
+        let _ = ready_tx.send(());
+        let (mut ok, mut bad) = (0, 0);
+        let mut buf = vec![0u8; 65536];
+        while !stop2.load(Ordering::SeqCst) {
+            let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+            let mut len = size_of::<libc::sockaddr_ll>() as u32;
+            // SAFETY: a valid fd, buffer and address of the given sizes.
+            let n = unsafe { libc::recvfrom(fd, buf.as_mut_ptr().cast(), buf.len(), 0, (&mut from as *mut libc::sockaddr_ll).cast(), &mut len) };
+            if n <= 0 || from.sll_pkttype == libc::PACKET_OUTGOING {
+                continue;
+            }
+            match checksums_hold(&buf[..n as usize]) {
+                Some(true) => ok += 1,
+                Some(false) => bad += 1,
+                None => {}
+            }
+        }
+        // SAFETY: our fd.
+        unsafe { libc::close(fd) };
+        Ok((ok, bad))
+    });
+    let _ = ready_rx.recv();
+    let r = f();
+    stop.store(true, Ordering::SeqCst);
+    let (ok, bad) = t.join().map_err(|_| anyhow::anyhow!("capture thread panicked"))??;
+    Ok((r?, ok, bad))
+}

@@ -291,3 +291,35 @@ fn replies_of_snated_flows_arriving_on_an_overlay_device_are_translated() -> Res
     assert!(rx_packets(&w.c, &w.c.nodes[0].netns, "vx0")? >= before + 40, "the replies came over the overlay");
     Ok(())
 }
+
+/// The TC programs' checksum updates hold on the wire, for both kinds of
+/// packets they meet: the client's are partial (its offload is on: only
+/// the pseudo-header sum, finished in software where node-1's eth0 sends
+/// them on without offload), pod-2's replies arrive complete (node-2's
+/// eth0 finished them). A capture at pod-2 and at the client checks every
+/// TCP and UDP checksum, both families.
+#[test]
+fn translated_packets_carry_valid_checksums() -> Result<()> {
+    use lbtest::raw;
+    let w = world_wired(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--nodeport-acceleration", "none"])?;
+    w.c.in_netns(&w.outside.netns, &["ethtool", "-K", "eth0", "tx", "on"])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    let traffic = || -> Result<()> {
+        for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080), hostport(LB_IP, 80), hostport(LB_IP6, 80)] {
+            let s = tcp(&w.c, &w.outside, &addr, 10)?;
+            assert_eq!(s.ok, 10, "{addr}: {s:?}");
+            let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "10"])?;
+            assert_eq!(s.ok, 10, "{addr}: {s:?}");
+            let s = w.c.probe(&w.outside, &["bulk", "--addr", &addr, "--bytes", "1048576"])?;
+            assert_eq!(s.ok, 1, "{addr}: {s:?}");
+        }
+        Ok(())
+    };
+    let ((_, pod_ok, pod_bad), client_ok, client_bad) =
+        raw::count_checksums(&w.outside.netns, || raw::count_checksums(&w.p2.netns, traffic))?;
+    assert_eq!((pod_bad, client_bad), (0, 0), "broken checksums at pod-2 ({pod_ok} good) or at the client ({client_ok} good)");
+    assert!(pod_ok > 1000 && client_ok > 1000, "{pod_ok} {client_ok}");
+    Ok(())
+}
