@@ -8,6 +8,62 @@ use netlink_packet_route::RouteNetlinkMessage;
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
+/// The driver's own statistics of `iface`, by name, as `ethtool -S` shows
+/// them. Only the ethtool ioctl has these (ETHTOOL_GSTRINGS / GSTATS of the
+/// ETH_SS_STATS set: netlink's ethtool stats carry the standard groups
+/// only, not a driver's counters such as veth's XDP errors).
+pub fn driver_stats(iface: &str) -> Result<Vec<(String, u64)>> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    const SIOCETHTOOL: libc::c_ulong = 0x8946;
+    const ETHTOOL_GSSET_INFO: u32 = 0x37;
+    const ETHTOOL_GSTRINGS: u32 = 0x1b;
+    const ETHTOOL_GSTATS: u32 = 0x1d;
+    const ETH_SS_STATS: u32 = 1;
+    const ETH_GSTRING_LEN: usize = 32;
+    // SAFETY: a plain socket; owned (closed) below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    anyhow::ensure!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+    // SAFETY: a valid fd we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let name = iface.as_bytes();
+    anyhow::ensure!(name.len() < libc::IFNAMSIZ, "{iface}: name too long");
+    // One ethtool command, its buffer passed by pointer in an ifreq.
+    let call = |data: *mut libc::c_void| -> Result<()> {
+        // SAFETY: a zeroed ifreq is valid; the name fits (checked above).
+        let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+        for (d, s) in ifr.ifr_name.iter_mut().zip(name) {
+            *d = *s as libc::c_char;
+        }
+        ifr.ifr_ifru.ifru_data = data.cast();
+        // SAFETY: SIOCETHTOOL with an ifreq whose data points to a buffer
+        // of the size its command says.
+        if unsafe { libc::ioctl(fd.as_raw_fd(), SIOCETHTOOL, &mut ifr) } != 0 {
+            anyhow::bail!("{iface}: ethtool: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    };
+    // struct ethtool_sset_info { u32 cmd, reserved; u64 sset_mask; u32 data[1]; }
+    let mut info = [0u32; 5];
+    info[0] = ETHTOOL_GSSET_INFO;
+    info[2] = 1 << ETH_SS_STATS;
+    call(info.as_mut_ptr().cast())?;
+    let n = info[4] as usize;
+    // struct ethtool_gstrings { u32 cmd, string_set, len; u8 data[]; }
+    let mut strings = vec![0u32; 3 + n * ETH_GSTRING_LEN / 4];
+    (strings[0], strings[1], strings[2]) = (ETHTOOL_GSTRINGS, ETH_SS_STATS, n as u32);
+    call(strings.as_mut_ptr().cast())?;
+    // struct ethtool_stats { u32 cmd, n_stats; u64 data[]; }
+    let mut stats = vec![0u64; 1 + n];
+    stats[0] = ETHTOOL_GSTATS as u64 | (n as u64) << 32;
+    call(stats.as_mut_ptr().cast())?;
+    let bytes: Vec<u8> = strings[3..].iter().flat_map(|w| w.to_ne_bytes()).collect();
+    Ok(bytes
+        .chunks(ETH_GSTRING_LEN)
+        .zip(&stats[1..])
+        .map(|(s, v)| (String::from_utf8_lossy(s.split(|b| *b == 0).next().unwrap_or_default()).into_owned(), *v))
+        .collect())
+}
+
 /// A network device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Link {

@@ -63,9 +63,9 @@ fn established_snat_flows_are_sent_on_at_xdp() -> Result<()> {
     let ((_, pod_ok, pod_bad), client_ok, client_bad) =
         raw::count_checksums(&w.outside.netns, || raw::count_checksums(&w.p2.netns, traffic))?;
     assert_eq!((pod_bad, client_bad), (0, 0), "broken checksums at pod-2 ({pod_ok} good) or at the client ({client_ok} good)");
-    // 4 x (20 connections of 5+ packets, 10 datagrams) to pod-2; the
-    // stream's 4 MB come back.
-    assert!(pod_ok >= 4 * (20 * 5 + 10) && client_ok > 2000, "{pod_ok} {client_ok}");
+    // 4 x (20 connections of 5+ packets, 10 datagrams) to pod-2; 3+ packets
+    // of each connection and the datagrams back.
+    assert!(pod_ok >= 4 * (20 * 5 + 10) && client_ok >= 4 * (20 * 3 + 10), "{pod_ok} {client_ok}");
     let (to_pods, to_client) = forwarded(&w)?;
     assert_eq!(to_client, 0, "no reply went through node-1's stack");
     // 81 SYNs (a few retransmitted at most); through TC alone it is
@@ -104,5 +104,27 @@ fn established_snat_flows_are_sent_on_at_xdp() -> Result<()> {
     assert!(log.contains("generic XDP instead"), "{log}");
     let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 10)?;
     assert_eq!(s.ok, 10, "{s:?}");
+    Ok(())
+}
+
+/// A veth whose peer has no NAPI drops every frame XDP sends on (the
+/// kernel counts them, nothing else tells): the agent sees the counters
+/// grow, takes XDP off that device, says why, and the TC programs carry
+/// the traffic.
+#[test]
+fn xdp_on_a_veth_whose_peer_cannot_take_its_frames_is_taken_off() -> Result<()> {
+    let w = world_wired(&web("NodePort", "", &[]), &["--nodeport-acceleration", "xdp"])?;
+    // node-1's port on the fabric loses its NAPI.
+    lbtest::run("ip", &["netns", "exec", &format!("{}-fab", w.c.id), "ethtool", "-K", "n1", "gro", "off"])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    assert!(xdp_prog(&w, "eth0")?.is_some());
+    // The first connections' later packets go to XDP and are lost.
+    let _ = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 3)?;
+    w.c.wait_for("XDP taken off node-1's eth0", std::time::Duration::from_secs(10), || Ok(xdp_prog(&w, "eth0")?.is_none()))?;
+    let log = std::fs::read_to_string(w.c.agent_log(1))?;
+    assert!(log.contains("XDP is off on it; the TC programs carry its traffic"), "{log}");
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 20)?;
+    assert_eq!(s.ok, 20, "{s:?}");
     Ok(())
 }

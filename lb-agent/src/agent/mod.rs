@@ -311,6 +311,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut retry = tokio::time::interval(Duration::from_secs(1));
+    // XDP on a veth whose peer cannot take its frames: see Tc::check_xdp.
+    let mut xdp_check = tokio::time::interval(Duration::from_secs(2));
     let mut last: Option<Arc<Update>> = None;
     let mut dirty = false;
     let mut first = true;
@@ -337,6 +339,10 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 last = Some(upd);
             }
             _ = retry.tick(), if dirty => {}
+            _ = xdp_check.tick(), if cfg.xdp => {
+                tc.check_xdp();
+                continue;
+            }
             _ = resync.tick(), if !cfg.resync_period.is_zero() && last.is_some() && !dirty => {
                 match rec.repair_drift() {
                     Ok(0) => continue,

@@ -101,6 +101,8 @@ pub struct Tc {
     /// `--nodeport-acceleration xdp`: the XDP program goes on each NodePort
     /// interface too; otherwise an earlier agent's is taken off.
     pub xdp: bool,
+    /// The veths XDP runs on, and their XDP send errors when last read.
+    xdp_veths: std::collections::BTreeMap<String, u64>,
     cgroup: PathBuf,
     ebpf: Ebpf,
     bpffs: PathBuf,
@@ -194,6 +196,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     let mut tc = Tc {
         mode: TcAttach::Auto,
         xdp: false,
+        xdp_veths: Default::default(),
         cgroup: cgroup.to_path_buf(),
         ebpf,
         bpffs: bpffs.to_path_buf(),
@@ -394,6 +397,35 @@ impl Tc {
         Ok(how)
     }
 
+    /// On a veth, XDP's sends fail (the kernel drops the frames and counts
+    /// them) while the peer has no NAPI, which this agent cannot see or set
+    /// (the peer is in another network namespace). Check the counters; on
+    /// a device where they grew, take XDP off and let TC carry the traffic,
+    /// and say why. Called every few seconds.
+    pub fn check_xdp(&mut self) {
+        let failing: Vec<String> =
+            self.xdp_veths.iter_mut().filter_map(|(iface, seen)| {
+                let now = xdp_send_errors(iface);
+                let grew = now > *seen;
+                *seen = now;
+                grew.then(|| iface.clone())
+            }).collect();
+        for iface in failing {
+            let safe: String = iface.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+            let pin = self.bpffs.join("links").join(format!("{XDP_PROGRAM}_{safe}"));
+            match fs::remove_file(&pin) {
+                Ok(()) => tracing::error!(
+                    iface,
+                    "XDP's sends on this veth are dropped by the kernel (rx_queue_*_drops / xdp_tx_errors / xdp_xmit_errors in ethtool -S): \
+                     its peer has no NAPI (ethtool -K PEER gro on, or an XDP program there). XDP is off on it; the TC \
+                     programs carry its traffic. Fix the peer and restart the agent to have XDP again"
+                ),
+                Err(e) => tracing::error!(iface, "XDP's sends on this veth are dropped, and detaching XDP failed: {e}"),
+            }
+            self.xdp_veths.remove(&iface);
+        }
+    }
+
     /// Tell the XDP program how `iface` sends a packet back out: a veth by
     /// a redirect to itself (it flushes XDP_TX frames to its peer only if
     /// the peer runs XDP too; a redirect needs only NAPI there, which GRO
@@ -410,12 +442,13 @@ impl Tc {
         let mut devs: aya::maps::HashMap<_, u32, u32> = aya::maps::HashMap::try_from(map)?;
         if veth {
             devs.insert(ifindex, lb_common::xdp_dev::REDIRECT, 0).context("LB_XDP_DEVS: insert")?;
+            self.xdp_veths.insert(iface.to_string(), xdp_send_errors(iface));
             // The peer is out of this agent's reach (another netns, often
             // the host's): say what it needs, where an operator looks.
             tracing::warn!(
                 iface,
                 "a veth: XDP sends packets back out with a redirect, which the kernel drops unless the peer has NAPI \
-                 (ethtool -K PEER gro on, or an XDP program there; see xdp_xmit_errors in ethtool -S); its senders \
+                 (ethtool -K PEER gro on, or an XDP program there); its senders \
                  must also compute checksums (ethtool -K PEER tx off)"
             );
         } else {
@@ -423,6 +456,16 @@ impl Tc {
         }
         Ok(())
     }
+}
+
+/// The XDP send errors a veth counts (`ethtool -S`): XDP_TX errors, send
+/// errors counted on its peer's side, and drops in its receive path, where
+/// a redirect the peer cannot take (no NAPI there) ends; 0 if unreadable.
+fn xdp_send_errors(iface: &str) -> u64 {
+    let counts = |n: &str| {
+        n.ends_with("xdp_tx_errors") || n.ends_with("xdp_xmit_errors") || (n.starts_with("rx_queue_") && n.ends_with("_drops") && !n.ends_with("xdp_drops"))
+    };
+    crate::netdev::driver_stats(iface).map(|s| s.iter().filter(|(n, _)| counts(n)).map(|(_, v)| v).sum()).unwrap_or(0)
 }
 
 /// The netlink filters' place: one priority and handle for lb, so that a
