@@ -90,7 +90,9 @@ pub struct Incremental {
     /// from being reused by new objects.
     services: Vec<Arc<Service>>,
     slices: Vec<Arc<EndpointSlice>>,
-    groups: HashMap<ServiceRef, Group>,
+    /// Boxed: the table's empty buckets (a third of them) then cost a
+    /// pointer each, not a whole Group.
+    groups: HashMap<ServiceRef, Box<Group>>,
     /// EndpointSlices without an owner label, with their warning.
     unowned: Vec<(Arc<EndpointSlice>, String)>,
     /// The Services that claim each frontend, sorted; the first has it.
@@ -163,7 +165,7 @@ fn diff<T>(old: &[Arc<T>], new: &[Arc<T>]) -> (Vec<Arc<T>>, Vec<Arc<T>>) {
 /// The contributions of the Services `refs` (empty for a reference with
 /// objects but no Service). Many at once (a first sync) are spread over the
 /// cores: each Service is computed on its own.
-fn compute_all(refs: &BTreeSet<ServiceRef>, groups: &HashMap<ServiceRef, Group>, node: &NodeInfo, opts: &Options) -> Vec<ServiceOut> {
+fn compute_all(refs: &BTreeSet<ServiceRef>, groups: &HashMap<ServiceRef, Box<Group>>, node: &NodeInfo, opts: &Options) -> Vec<ServiceOut> {
     let one = |r: &ServiceRef| match groups.get(r) {
         Some(g) if !g.services.is_empty() => compute_service(r, &g.services, &g.slices, node, opts),
         _ => ServiceOut::default(),
