@@ -16,5 +16,22 @@ fn main() -> anyhow::Result<()> {
     aya_build::build_ebpf(
         [Package { name: "lb-ebpf", root_dir: root, ..Default::default() }],
         Toolchain::Custom(nightly),
-    )
+    )?;
+    strip_debug(pins);
+    Ok(())
+}
+
+/// Drop the object's DWARF (.debug_* and their relocations: about 60% of
+/// it), which the loader parses along with everything else and the kernel
+/// never sees; .BTF and .BTF.ext (types, line info for verifier logs) stay.
+/// Without the pinned LLVM's llvm-objcopy the object stays as it is.
+fn strip_debug(pins: &str) {
+    let Some(major) = pins.lines().find_map(|l| l.trim().strip_prefix("LLVM_MAJOR=")) else { return };
+    let objcopy = format!("/usr/lib/llvm-{major}/bin/llvm-objcopy");
+    let obj = std::path::Path::new(&std::env::var("OUT_DIR").unwrap_or_default()).join("lb");
+    match std::process::Command::new(&objcopy).arg("--strip-debug").arg(&obj).status() {
+        Ok(s) if s.success() => {}
+        Ok(s) => println!("cargo:warning={objcopy} --strip-debug failed ({s}); the BPF object keeps its DWARF"),
+        Err(e) => println!("cargo:warning={objcopy}: {e}; the BPF object keeps its DWARF"),
+    }
 }
