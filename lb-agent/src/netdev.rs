@@ -42,19 +42,23 @@ pub fn driver_stats(iface: &str) -> Result<Vec<(String, u64)>> {
         }
         Ok(())
     };
-    // struct ethtool_sset_info { u32 cmd, reserved; u64 sset_mask; u32 data[1]; }
-    let mut info = [0u32; 5];
-    info[0] = ETHTOOL_GSSET_INFO;
-    info[2] = 1 << ETH_SS_STATS;
-    call(info.as_mut_ptr().cast())?;
-    let n = info[4] as usize;
+    #[repr(C)]
+    struct SsetInfo {
+        cmd: u32,
+        reserved: u32,
+        sset_mask: u64,
+        data: [u32; 1],
+    }
+    let mut info = SsetInfo { cmd: ETHTOOL_GSSET_INFO, reserved: 0, sset_mask: 1 << ETH_SS_STATS, data: [0] };
+    call((&mut info as *mut SsetInfo).cast())?;
+    let n = info.data[0] as usize;
     // struct ethtool_gstrings { u32 cmd, string_set, len; u8 data[]; }
     let mut strings = vec![0u32; 3 + n * ETH_GSTRING_LEN / 4];
     (strings[0], strings[1], strings[2]) = (ETHTOOL_GSTRINGS, ETH_SS_STATS, n as u32);
     call(strings.as_mut_ptr().cast())?;
     // struct ethtool_stats { u32 cmd, n_stats; u64 data[]; }
     let mut stats = vec![0u64; 1 + n];
-    stats[0] = ETHTOOL_GSTATS as u64 | (n as u64) << 32;
+    stats[0] = u64::from_ne_bytes(bytemuck::cast([ETHTOOL_GSTATS, n as u32]));
     call(stats.as_mut_ptr().cast())?;
     let bytes: Vec<u8> = strings[3..].iter().flat_map(|w| w.to_ne_bytes()).collect();
     Ok(bytes

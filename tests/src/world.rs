@@ -111,6 +111,17 @@ pub fn datapath(c: &Cluster, node: usize, result: &str) -> Result<u64> {
     Ok(m.lines().find_map(|l| l.strip_prefix(&name)?.parse().ok()).unwrap_or(0))
 }
 
+/// Run `traffic` while capturing at the outside client and at `pod`, and
+/// check every TCP and UDP checksum that arrives (`raw::count_checksums`):
+/// none broken, and at least `min` (pod, client) packets seen, so that the
+/// capture cannot pass by seeing nothing.
+pub fn checksums_hold(w: &World, pod: &Pod, min: (u64, u64), traffic: impl FnOnce() -> Result<()>) -> Result<()> {
+    let ((_, pod_ok, pod_bad), client_ok, client_bad) =
+        crate::raw::count_checksums(&w.outside.netns, || crate::raw::count_checksums(&pod.netns, traffic))?;
+    assert_eq!((pod_bad, client_bad), (0, 0), "broken checksums at {} ({pod_ok} good) or at the client ({client_ok} good)", pod.name);
+    assert!(pod_ok >= min.0 && client_ok >= min.1, "checksums seen: {pod_ok} at {}, {client_ok} at the client; want {min:?}", pod.name);
+    Ok(())
+}
 
 /// FORWARD counters on node-1: (TCP packets to the pods' port 8080,
 /// packets to the outside client), summed over IPv4 and IPv6. Rules set up

@@ -49,6 +49,16 @@ pub const TC_PROGRAMS: [(&str, TcAttachType); 2] =
 /// interface beside the TC programs.
 pub const XDP_PROGRAM: &str = "lb_nodeport_xdp";
 
+/// The programs whose links are pinned per device (`<PROG>_<IFACE>`).
+fn device_programs() -> impl Iterator<Item = &'static str> {
+    TC_PROGRAMS.iter().map(|(p, _)| *p).chain([XDP_PROGRAM])
+}
+
+/// An interface name as a pin name part (bpffs forbids dots).
+fn pin_safe(iface: &str) -> String {
+    iface.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
+}
+
 /// Map capacities (max_entries), overridable by flags.
 #[derive(Clone, Copy, Debug)]
 pub struct Capacity {
@@ -266,7 +276,7 @@ impl Tc {
         let mut ifaces = BTreeSet::new();
         for e in fs::read_dir(&links)?.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            for prog in TC_PROGRAMS.iter().map(|(p, _)| *p).chain([XDP_PROGRAM]) {
+            for prog in device_programs() {
                 if let Some(iface) = n.strip_prefix(prog).and_then(|r| r.strip_prefix('_')) {
                     ifaces.insert(iface.to_string());
                 }
@@ -287,7 +297,7 @@ impl Tc {
         let known: BTreeSet<&str> = PROGRAMS.iter().chain(SOCK_PROGRAMS.iter()).copied().collect();
         for e in fs::read_dir(&links)?.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            let tc = TC_PROGRAMS.iter().map(|(p, _)| *p).chain([XDP_PROGRAM]).any(|p| n.starts_with(&format!("{p}_")));
+            let tc = device_programs().any(|p| n.starts_with(&format!("{p}_")));
             if !known.contains(n.as_str()) && !tc {
                 tracing::info!(link = n, "upgrade: unpinning the link of a program this agent does not have");
                 fs::remove_file(e.path())?;
@@ -317,7 +327,7 @@ impl Tc {
                 tracing::debug!(iface, "clsact qdisc: {e}");
             }
         }
-        let safe: String = iface.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
+        let safe = pin_safe(iface);
         for (name, ty) in TC_PROGRAMS {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
             if !tcx {
@@ -352,7 +362,7 @@ impl Tc {
     fn attach_xdp(&mut self, iface: &str, safe: &str) -> Result<&'static str> {
         use aya::programs::links::PinnedLink;
         use aya::programs::xdp::XdpLink;
-        let pin = self.bpffs.join("links").join(format!("{XDP_PROGRAM}_{safe}"));
+        let pin = self.xdp_pin(safe);
         if !self.xdp {
             if pin.exists() {
                 fs::remove_file(&pin).with_context(|| format!("unpin {}", pin.display()))?;
@@ -397,6 +407,11 @@ impl Tc {
         Ok(how)
     }
 
+    /// Where the XDP link of the interface named `safe` (`pin_safe`) is pinned.
+    fn xdp_pin(&self, safe: &str) -> PathBuf {
+        self.bpffs.join("links").join(format!("{XDP_PROGRAM}_{safe}"))
+    }
+
     /// On a veth, XDP's sends fail (the kernel drops the frames and counts
     /// them) while the peer has no NAPI, which this agent cannot see or set
     /// (the peer is in another network namespace). Check the counters; on
@@ -411,9 +426,7 @@ impl Tc {
                 grew.then(|| iface.clone())
             }).collect();
         for iface in failing {
-            let safe: String = iface.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect();
-            let pin = self.bpffs.join("links").join(format!("{XDP_PROGRAM}_{safe}"));
-            match fs::remove_file(&pin) {
+            match fs::remove_file(self.xdp_pin(&pin_safe(&iface))) {
                 Ok(()) => tracing::error!(
                     iface,
                     "XDP's sends on this veth are dropped by the kernel (rx_queue_*_drops / xdp_tx_errors / xdp_xmit_errors in ethtool -S): \
