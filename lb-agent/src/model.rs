@@ -467,7 +467,7 @@ pub use service::{ServiceOut, compute_service};
 use service::lost_warning;
 
 #[cfg(test)]
-mod proptests;
+pub(crate) mod proptests;
 
 #[cfg(test)]
 mod tests {

@@ -1,8 +1,9 @@
-//! The `kube` source: kube-rs watchers with reflectors on Services,
+//! The `kube` source: kube-rs watchers and reflector stores on Services,
 //! EndpointSlices and this node's Node object.
 //!
-//! - Objects are kept in the model's compact form (`model::objects`), not
-//!   as the API sends them: a fifth of the memory at 10,000 Services.
+//! - Objects are decoded straight into the model's compact form
+//!   (`model::objects`, see `wire`), never built as the API sends them:
+//!   a fifth of the memory at 10,000 Services.
 //! - Re-lists (410 Gone, watcher restarts): the full new list replaces the
 //!   old only at its end (`InitDone`), so the snapshot never shows a
 //!   half-listed world and the maps are never blanked. Objects that
@@ -17,11 +18,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
-use futures::StreamExt as _;
-use std::collections::HashMap;
-use std::sync::Mutex;
+use futures::{StreamExt as _, TryStreamExt as _};
 
 use k8s_openapi::api::core::v1::Node;
+use kube::runtime::reflector::{self, Lookup, Store, reflector};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Client, Config, Resource};
 use serde::de::DeserializeOwned;
@@ -30,11 +30,8 @@ use tokio::sync::mpsc;
 use super::{Publisher, Snapshot, Status, Update};
 use crate::model::{EndpointSlice, Service};
 
-/// The API's own types, converted on arrival.
-mod k8s {
-    pub use k8s_openapi::api::core::v1::Service;
-    pub use k8s_openapi::api::discovery::v1::EndpointSlice;
-}
+mod wire;
+use wire::Wire;
 
 
 /// kube-proxy's label selector for Services and EndpointSlices: Services
@@ -128,25 +125,26 @@ where
     }
 }
 
-/// The objects of one kind, as the model wants them, by namespace and name.
-struct Store<C> {
-    objects: HashMap<(String, String), Arc<C>>,
-    /// A (re-)list in progress: it replaces `objects` only when complete.
-    relist: Option<HashMap<(String, String), Arc<C>>>,
-    /// The first full list is in.
-    ready: bool,
-}
-
-impl<C> Default for Store<C> {
-    fn default() -> Self {
-        Self { objects: HashMap::new(), relist: None, ready: false }
+/// A watcher event with its object converted to the form the store keeps.
+fn convert_event<K, C>(ev: watcher::Event<K>, convert: fn(K) -> C) -> watcher::Event<C> {
+    use watcher::Event;
+    match ev {
+        Event::Apply(o) => Event::Apply(convert(o)),
+        Event::Delete(o) => Event::Delete(convert(o)),
+        Event::Init => Event::Init,
+        Event::InitApply(o) => Event::InitApply(convert(o)),
+        Event::InitDone => Event::InitDone,
     }
 }
 
-type Shared<C> = Arc<Mutex<Store<C>>>;
-
-fn key<K: Resource>(o: &K) -> (String, String) {
-    (o.meta().namespace.clone().unwrap_or_default(), o.meta().name.clone().unwrap_or_default())
+/// This node's object, without what the agent never reads and a node has
+/// much of: field managers and the list of its container images.
+fn strip_node(mut node: Node) -> Node {
+    node.metadata.managed_fields = None;
+    if let Some(status) = node.status.as_mut() {
+        status.images = None;
+    }
+    node
 }
 
 /// What every watch shares: where to report changes and failures.
@@ -157,22 +155,22 @@ struct WatchCtx {
     status: Arc<Status>,
 }
 
-/// Watch one kind; keep its objects in `store`, converted by `convert`
-/// (the full API objects are not kept); report every change on `changed`.
-fn spawn_watch<K, C>(
-    api: Api<K>,
-    cfg: watcher::Config,
-    store: Shared<C>,
-    convert: fn(&K) -> C,
-    ctx: WatchCtx,
-) where
+/// Watch one kind through a kube-rs reflector; return its store. The store
+/// keeps the objects as `convert` makes them from what the watcher decodes. A (re-)list replaces the store's objects only when complete
+/// (`InitDone`): the store never shows a half-listed world. Every change
+/// is reported on `changed`.
+fn spawn_watch<K, C>(api: Api<K>, cfg: watcher::Config, convert: fn(K) -> C, ctx: WatchCtx) -> Store<C>
+where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
-    C: Send + Sync + 'static,
+    C: Lookup<DynamicType = ()> + Clone + Send + Sync + 'static,
 {
     let WatchCtx { changed, kind, server, status } = ctx;
+    let writer = reflector::store::Writer::<C>::default();
+    let store = writer.as_reader();
     tokio::spawn(async move {
-        let mut events = watcher(api, cfg).default_backoff().boxed();
+        let converted = watcher(api, cfg).default_backoff().map_ok(move |ev| convert_event(ev, convert));
+        let mut events = reflector(writer, converted).boxed();
         let mut failing = false;
         while let Some(ev) = events.next().await {
             let ev = match ev {
@@ -196,51 +194,19 @@ fn spawn_watch<K, C>(
                     continue;
                 }
             };
-            let publish = {
-                let mut st = store.lock().unwrap();
-                match ev {
-                    // A (re-)list in progress: the objects change only when it is done.
-                    watcher::Event::Init => {
-                        st.relist = Some(HashMap::new());
-                        false
-                    }
-                    watcher::Event::InitApply(o) => {
-                        st.relist.get_or_insert_with(HashMap::new).insert(key(&o), Arc::new(convert(&o)));
-                        false
-                    }
-                    watcher::Event::InitDone => {
-                        st.objects = st.relist.take().unwrap_or_default();
-                        st.ready = true;
-                        true
-                    }
-                    watcher::Event::Apply(o) => {
-                        st.objects.insert(key(&o), Arc::new(convert(&o)));
-                        true
-                    }
-                    watcher::Event::Delete(o) => {
-                        st.objects.remove(&key(&o));
-                        true
-                    }
-                }
-            };
             if failing {
                 tracing::info!(kind, "watch recovered");
                 status.recovered(kind);
                 failing = false;
             }
+            // A (re-)list in progress changes nothing until it is done.
+            let publish = !matches!(ev, watcher::Event::Init | watcher::Event::InitApply(_));
             if publish && changed.send(Instant::now()).is_err() {
                 return;
             }
         }
     });
-}
-
-fn objects<C>(store: &Shared<C>) -> Vec<Arc<C>> {
-    store.lock().unwrap().objects.values().cloned().collect()
-}
-
-fn ready<C>(store: &Shared<C>) -> bool {
-    store.lock().unwrap().ready
+    store
 }
 
 /// Watch the API server and publish snapshots until the watchers end.
@@ -256,9 +222,6 @@ pub async fn run_with(
     status: Arc<Status>,
     mut publish: impl FnMut(Arc<Update>) -> bool,
 ) -> Result<()> {
-    let svcs: Shared<Service> = Default::default();
-    let slices: Shared<EndpointSlice> = Default::default();
-    let nodes: Shared<Node> = Default::default();
     let (changed_tx, mut changed) = mpsc::unbounded_channel();
     // Lists from the API server's watch cache (resourceVersion=0), as
     // kube-proxy's informers do: when every node relists at once (an API
@@ -268,27 +231,26 @@ pub async fn run_with(
     let mut proxied = watcher::Config::default().labels(LABEL_SELECTOR).any_semantic();
     proxied.page_size = None;
     let ctx = |kind| WatchCtx { changed: changed_tx.clone(), kind, server: server.clone(), status: status.clone() };
-    spawn_watch(Api::<k8s::Service>::all(client.clone()), proxied.clone(), svcs.clone(), |o| Service::from(o), ctx("Service"));
-    spawn_watch(Api::<k8s::EndpointSlice>::all(client.clone()), proxied, slices.clone(), |o| EndpointSlice::from(o), ctx("EndpointSlice"));
+    let svcs = spawn_watch(Api::<Wire<Service>>::all(client.clone()), proxied.clone(), |w| w.object, ctx("Service"));
+    let slices = spawn_watch(Api::<Wire<EndpointSlice>>::all(client.clone()), proxied, |w| w.object, ctx("EndpointSlice"));
     let this_node = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
-    spawn_watch(Api::<Node>::all(client), this_node, nodes.clone(), Node::clone, ctx("Node"));
+    let nodes = spawn_watch(Api::<Node>::all(client), this_node, strip_node, ctx("Node"));
     drop(changed_tx);
 
     // The first full view of all three before anything is published.
     let first = Instant::now();
-    while !(ready(&svcs) && ready(&slices) && ready(&nodes)) {
-        changed.recv().await.context("the watchers ended")?;
-    }
+    let ended = || anyhow::anyhow!("the watchers ended");
+    tokio::try_join!(svcs.wait_until_ready(), slices.wait_until_ready(), nodes.wait_until_ready()).map_err(|_| ended())?;
     while changed.try_recv().is_ok() {}
     tracing::info!(
-        services = objects(&svcs).len(),
-        endpointslices = objects(&slices).len(),
-        node_found = !objects(&nodes).is_empty(),
+        services = svcs.len(),
+        endpointslices = slices.len(),
+        node_found = !nodes.is_empty(),
         "kube source: initial list complete"
     );
     let mut since = first;
     loop {
-        let snapshot = Snapshot { services: objects(&svcs), slices: objects(&slices), nodes: objects(&nodes) };
+        let snapshot = Snapshot { services: svcs.state(), slices: slices.state(), nodes: nodes.state() };
         if !publish(Arc::new(Update { snapshot, since })) {
             return Ok(());
         }

@@ -639,6 +639,20 @@ fn main() -> Result<()> {
     cp.insert(format!("lb-agent first sync {n}"), median(&syncs));
     let written = (!writes.is_empty()).then(|| (median(&writes), written_ops));
     let rss = c.agent_pid(4).map_or(0.0, rss_mib);
+    // The same objects from the API server stand-in, through the kube
+    // source (kube-rs watchers and reflector stores).
+    let rss_kube = {
+        eprintln!("bench: lb-agent with --source kube, {n} services x 10 endpoints");
+        let api_dir = work.join("apiserver-large");
+        std::fs::create_dir_all(&api_dir)?;
+        let api = lbtest::ApiServer::start(Some(&c.nodes[12].netns), &large_dir, None, &api_dir.join("kubeconfig"), &api_dir.join("log"))?;
+        c.start_agent_kube(13, &api.kubeconfig, &[])?;
+        let rss = c.agent_pid(13).map_or(0.0, rss_mib);
+        c.kill_agent(13);
+        lbtest::run(bin("lb-agent").to_str().unwrap(), &["teardown", "--bpffs", c.nodes[12].bpffs.to_str().unwrap()])?;
+        drop(api);
+        rss
+    };
     let entries = n * (10 + 2);
     let raw = raw_map_fill(entries)?;
     cp.insert(format!("raw BPF map fill {entries}"), raw);
@@ -857,7 +871,7 @@ fn main() -> Result<()> {
     }
     let _ = writeln!(
         md,
-        "\nOne endpoint change, file write to programmed maps, {} changes with {n} services loaded: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms.\n\nlb-agent resident memory after the full sync: {rss:.1} MiB ({rss_small:.1} MiB with {small} services).",
+        "\nOne endpoint change, file write to programmed maps, {} changes with {n} services loaded: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms.\n\nlb-agent resident memory after the full sync: {rss:.1} MiB ({rss_small:.1} MiB with {small} services; {rss_kube:.1} MiB with {n} services from an API server, `--source kube`).",
         lat.len(),
         percentile(&lat, 0.5),
         percentile(&lat, 0.99),
@@ -877,6 +891,7 @@ fn main() -> Result<()> {
         "agent_rss_mib": rss,
         "program_ns": {"small": prog_ns[0], "large": prog_ns[1]},
         "agent_rss_mib_small": rss_small,
+        "agent_rss_mib_kube": rss_kube,
     });
     if let Some(d) = a.out.parent() {
         std::fs::create_dir_all(d)?;
