@@ -454,6 +454,29 @@ impl Maps {
     }
 }
 
+/// A new kernel hash map of the given sizes, for tests (root needed).
+#[cfg(test)]
+pub(crate) fn test_hash_map(key_size: u32, value_size: u32, max_entries: u32) -> MapData {
+    use std::os::fd::{FromRawFd as _, OwnedFd};
+    #[repr(C)]
+    #[derive(Default)]
+    struct CreateAttr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+    }
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    const BPF_MAP_TYPE_HASH: u32 = 1;
+    let mut attr = CreateAttr { map_type: BPF_MAP_TYPE_HASH, key_size, value_size, max_entries, map_flags: 0 };
+    // SAFETY: a plain bpf(2) call with a valid attr of the size given.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, &mut attr as *mut CreateAttr, std::mem::size_of::<CreateAttr>()) };
+    assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
+    // SAFETY: a new fd we own.
+    MapData::from_fd(unsafe { OwnedFd::from_raw_fd(fd as i32) }).unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -463,24 +486,7 @@ mod tests {
     /// may): lookup_all returns every entry, across several batches.
     #[test]
     fn lookup_all_reads_every_entry_of_a_hash_map() {
-        use std::os::fd::{FromRawFd as _, OwnedFd};
-        #[repr(C)]
-        #[derive(Default)]
-        struct CreateAttr {
-            map_type: u32,
-            key_size: u32,
-            value_size: u32,
-            max_entries: u32,
-            map_flags: u32,
-        }
-        const BPF_MAP_CREATE: libc::c_long = 0;
-        const BPF_MAP_TYPE_HASH: u32 = 1;
-        let mut attr = CreateAttr { map_type: BPF_MAP_TYPE_HASH, key_size: 4, value_size: 8, max_entries: 20_000, map_flags: 0 };
-        // SAFETY: a plain bpf(2) call with a valid attr of the size given.
-        let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, &mut attr as *mut CreateAttr, std::mem::size_of::<CreateAttr>()) };
-        assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
-        // SAFETY: a new fd we own.
-        let data = MapData::from_fd(unsafe { OwnedFd::from_raw_fd(fd as i32) }).unwrap();
+        let data = test_hash_map(4, 8, 20_000);
         let mut m: HashMap<MapData, u32, u64> = HashMap::try_from(Map::HashMap(data)).unwrap();
         for k in 0..10_000u32 {
             m.insert(k, k as u64 * 3, 0).unwrap();

@@ -86,15 +86,135 @@ pub struct NatPass {
     pub marked: usize,
 }
 
-/// One pass over a NAT table: expire flows (both entries of each), and end
-/// flows to the (frontend, backend) pairs in `left`.
-pub fn nat_pass<A: Addr>(nat: &mut HashMap<MapData, NatKey<A>, NatEntry<A>>, t: &NatTimeouts, left: &BTreeSet<Pair>) -> NatPass
+/// What a pass does to one flow, decided from a snapshot of the table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step<A> {
+    /// A reply entry without its forward entry, or a DSR entry, idle.
+    RemoveLone(NatKey<A>),
+    /// An expired flow: its reply entry, then its forward entry.
+    Expire(NatKey<A>),
+    /// A UDP flow to a backend that left: removed. `created_ns` names the flow.
+    Flush(NatKey<A>, u64),
+    /// A TCP flow to a backend that left: marked STALE.
+    MarkStale(NatKey<A>, u64),
+}
+
+/// The steps of a pass, from a snapshot of the table: expire flows (both
+/// entries of each), and end flows to the (frontend, backend) pairs in
+/// `left`. Pure: `apply` checks each step against the table as it is then.
+pub fn plan<A: Addr>(entries: &BTreeMap<NatKey<A>, NatEntry<A>>, now: u64, t: &NatTimeouts, left: &BTreeSet<Pair>) -> Vec<Step<A>> {
+    let mut steps = Vec::new();
+    for (k, e) in entries {
+        // A DSR flow has one entry per node: the client's on the frontend's
+        // node, the reply entry on the backend's.
+        let dsr = e.flags & nat_flags::DSR != 0;
+        if e.flags & nat_flags::REPLY != 0 {
+            // An orphaned reply entry (its flow half-removed) or a DSR one:
+            // no packet can use it once idle.
+            if lone_gone(k, e, entries.contains_key(&e.other_key(k.proto)), now, t) {
+                steps.push(Step::RemoveLone(*k));
+            }
+            continue;
+        }
+        let reply = (!dsr).then(|| entries.get(&e.other_key(k.proto))).flatten();
+        if flow_gone(k, e, reply, now, t) {
+            steps.push(Step::Expire(*k));
+            continue;
+        }
+        if !left.is_empty() && left.contains(&(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)) {
+            if k.proto == PROTO_UDP {
+                steps.push(Step::Flush(*k, e.created_ns));
+            } else if e.state & nat_state::STALE == 0 {
+                steps.push(Step::MarkStale(*k, e.created_ns));
+            }
+        }
+    }
+    steps
+}
+
+fn lone_gone<A>(k: &NatKey<A>, e: &NatEntry<A>, has_forward: bool, now: u64, t: &NatTimeouts) -> bool {
+    if e.flags & nat_flags::DSR != 0 { expired_dsr(k.proto, e, now, t) } else { !has_forward && expired(k.proto, e, None, now, t) }
+}
+
+fn flow_gone<A>(k: &NatKey<A>, fwd: &NatEntry<A>, reply: Option<&NatEntry<A>>, now: u64, t: &NatTimeouts) -> bool {
+    if fwd.flags & nat_flags::DSR != 0 { expired_dsr(k.proto, fwd, now, t) } else { expired(k.proto, fwd, reply, now, t) }
+}
+
+type NatMap<A> = HashMap<MapData, NatKey<A>, NatEntry<A>>;
+
+/// Carry out `steps` on the table, each only if it still holds for the
+/// entries as they are now. Between the snapshot and a step, the datapath
+/// may have gone on with a flow, or replaced a closed one by a new flow
+/// under the same keys (a client that reuses its port after a RST gets the
+/// same forward key, and often the same backend and SNAT port: the same
+/// reply key); removing those entries would cut a live connection. (What
+/// is left is the microseconds between this re-read and the delete, not
+/// the seconds a pass over the whole table takes.)
+pub fn apply<A: Addr>(nat: &mut NatMap<A>, steps: &[Step<A>], now: u64, t: &NatTimeouts) -> NatPass
+where
+    NatKey<A>: aya::Pod,
+    NatEntry<A>: aya::Pod,
+{
+    let mut pass = NatPass::default();
+    for step in steps {
+        match *step {
+            Step::RemoveLone(k) => {
+                let Ok(e) = nat.get(&k, 0) else { continue };
+                let dsr = e.flags & nat_flags::DSR != 0;
+                let has_forward = !dsr && nat.get(&e.other_key(k.proto), 0).is_ok();
+                if e.flags & nat_flags::REPLY != 0 && lone_gone(&k, &e, has_forward, now, t) {
+                    let _ = nat.remove(&k);
+                    pass.expired += dsr as usize;
+                }
+            }
+            Step::Expire(k) => {
+                let Ok(fwd) = nat.get(&k, 0) else { continue };
+                let rk = (fwd.flags & nat_flags::DSR == 0).then(|| fwd.other_key(k.proto));
+                let reply = rk.and_then(|rk| nat.get(&rk, 0).ok());
+                if fwd.flags & nat_flags::REPLY != 0 || !flow_gone(&k, &fwd, reply.as_ref(), now, t) {
+                    continue;
+                }
+                // The reply entry first: a packet never finds a forward
+                // entry without its reply entry.
+                if let Some(rk) = rk {
+                    let _ = nat.remove(&rk);
+                }
+                let _ = nat.remove(&k);
+                pass.expired += 1;
+            }
+            Step::Flush(k, created) => {
+                let Ok(fwd) = nat.get(&k, 0) else { continue };
+                if fwd.created_ns != created {
+                    continue;
+                }
+                let _ = nat.remove(&fwd.other_key(k.proto));
+                let _ = nat.remove(&k);
+                pass.flushed += 1;
+            }
+            Step::MarkStale(k, created) => {
+                let Ok(mut fwd) = nat.get(&k, 0) else { continue };
+                if fwd.created_ns != created {
+                    continue;
+                }
+                fwd.state |= nat_state::STALE;
+                // Only if the flow is still there (BPF_EXIST): never revive it.
+                if nat.insert(k, fwd, BPF_EXIST).is_ok() {
+                    pass.marked += 1;
+                }
+            }
+        }
+    }
+    pass
+}
+
+/// One pass over a NAT table: `plan` from a snapshot (read in batches: at
+/// capacity this is half a million entries), then `apply`.
+pub fn nat_pass<A: Addr>(nat: &mut NatMap<A>, t: &NatTimeouts, left: &BTreeSet<Pair>) -> NatPass
 where
     NatKey<A>: aya::Pod,
     NatEntry<A>: aya::Pod,
 {
     let now = monotonic_ns();
-    // In batches: at capacity this is half a million entries.
     let entries: BTreeMap<NatKey<A>, NatEntry<A>> = match crate::dataplane::maps::lookup_all(aya::maps::IterableMap::map(nat)) {
         Ok(all) => all.into_iter().collect(),
         Err(e) => {
@@ -102,54 +222,8 @@ where
             nat.iter().filter_map(|r| r.ok()).collect()
         }
     };
-    let mut pass = NatPass::default();
-    for (k, e) in &entries {
-        // A DSR flow has one entry per node: the client's on the frontend's
-        // node, the reply entry on the backend's.
-        let dsr = e.flags & nat_flags::DSR != 0;
-        if e.flags & nat_flags::REPLY != 0 {
-            // An orphaned reply entry (its flow half-removed) or a DSR one:
-            // no packet can use it once idle.
-            let gone = if dsr { expired_dsr(k.proto, e, now, t) } else { !entries.contains_key(&e.other_key(k.proto)) && expired(k.proto, e, None, now, t) };
-            if gone {
-                let _ = nat.remove(k);
-                pass.expired += dsr as usize;
-            }
-            continue;
-        }
-        let rk = (!dsr).then(|| e.other_key(k.proto));
-        let gone = match &rk {
-            Some(rk) => expired(k.proto, e, entries.get(rk), now, t),
-            None => expired_dsr(k.proto, e, now, t),
-        };
-        if gone {
-            // The reply entry first: a packet never finds a forward entry
-            // without its reply entry.
-            if let Some(rk) = &rk {
-                let _ = nat.remove(rk);
-            }
-            let _ = nat.remove(k);
-            pass.expired += 1;
-            continue;
-        }
-        if !left.is_empty() && left.contains(&(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)) {
-            if k.proto == PROTO_UDP {
-                if let Some(rk) = &rk {
-                    let _ = nat.remove(rk);
-                }
-                let _ = nat.remove(k);
-                pass.flushed += 1;
-            } else if e.state & nat_state::STALE == 0 {
-                let mut marked = *e;
-                marked.state |= nat_state::STALE;
-                // Only if the flow is still there (BPF_EXIST): never revive it.
-                if nat.insert(k, marked, BPF_EXIST).is_ok() {
-                    pass.marked += 1;
-                }
-            }
-        }
-    }
-    pass
+    let steps = plan(&entries, now, t, left);
+    apply(nat, &steps, now, t)
 }
 
 #[cfg(test)]
@@ -214,6 +288,145 @@ mod tests {
         assert!(expired_dsr(PROTO_TCP, &dsr(100, SEEN | nat_state::FIN), 111 * S, &T));
         assert!(!expired_dsr(PROTO_TCP, &dsr(100, SEEN | nat_state::RST), 109 * S, &T));
         assert!(expired_dsr(PROTO_UDP, &dsr(100, SEEN), 131 * S, &T));
+    }
+
+    /// A SNATed TCP flow from 1.1.1.1:1000 to 2.2.2.2:30080, sent to
+    /// 4.4.4.4:8080 from 3.3.3.3:61000: (forward key, forward entry, reply
+    /// key, reply entry).
+    type K = NatKey<[u8; 4]>;
+    type E = NatEntry<[u8; 4]>;
+
+    fn flow(created: u64, last: u64, state: u8) -> (K, E, K, E) {
+        let k = NatKey { saddr: [1, 1, 1, 1], daddr: [2, 2, 2, 2], sport: 1000, dport: 30080, proto: PROTO_TCP, _pad: [0; 3] };
+        let e = NatEntry {
+            to_saddr: [3, 3, 3, 3],
+            to_daddr: [4, 4, 4, 4],
+            to_sport: 61000,
+            to_dport: 8080,
+            flags: nat_flags::SNAT,
+            state,
+            created_ns: created * S,
+            last_seen_ns: last * S,
+            ..Default::default()
+        };
+        let rk = e.other_key(PROTO_TCP);
+        let r = NatEntry {
+            to_saddr: k.daddr,
+            to_daddr: k.saddr,
+            to_sport: k.dport,
+            to_dport: k.sport,
+            flags: nat_flags::REPLY | nat_flags::SNAT,
+            ..e
+        };
+        (k, e, rk, r)
+    }
+
+    /// A real kernel NAT table holding `entries` (needs root).
+    fn table(entries: &[(K, E)]) -> NatMap<[u8; 4]> {
+        let data = crate::dataplane::maps::test_hash_map(
+            std::mem::size_of::<NatKey<[u8; 4]>>() as u32,
+            std::mem::size_of::<NatEntry<[u8; 4]>>() as u32,
+            64,
+        );
+        let mut m: NatMap<[u8; 4]> = HashMap::try_from(aya::maps::Map::HashMap(data)).unwrap();
+        for (k, e) in entries {
+            m.insert(k, e, 0).unwrap();
+        }
+        m
+    }
+
+    fn snapshot(m: &NatMap<[u8; 4]>) -> BTreeMap<K, E> {
+        m.iter().map(|r| r.unwrap()).collect()
+    }
+
+    #[test]
+    fn an_expired_flow_goes_with_its_reply_entry() {
+        let (k, e, rk, r) = flow(100, 100, SEEN | nat_state::RST);
+        let mut m = table(&[(k, e), (rk, r)]);
+        let steps = plan(&snapshot(&m), 111 * S, &T, &BTreeSet::new());
+        assert_eq!(steps, [Step::Expire(k)]);
+        assert_eq!(apply(&mut m, &steps, 111 * S, &T), NatPass { expired: 1, ..Default::default() });
+        assert!(snapshot(&m).is_empty());
+    }
+
+    /// The race a pass used to lose: a client that reuses its port after a
+    /// RST replaces its closed flow by a new one under the same keys while
+    /// the pass works from its snapshot. The new flow must stay whole.
+    #[test]
+    fn a_flow_that_replaced_an_expired_one_after_the_snapshot_stays() {
+        let (k, e, rk, r) = flow(100, 100, SEEN | nat_state::RST);
+        let mut m = table(&[(k, e), (rk, r)]);
+        let steps = plan(&snapshot(&m), 111 * S, &T, &BTreeSet::new());
+        assert_eq!(steps, [Step::Expire(k)]);
+        // The datapath: the SYN of the new flow removes the closed one and
+        // sets up its own, same backend, same SNAT port.
+        let (k2, e2, rk2, r2) = flow(111, 111, 0);
+        assert_eq!((k2, rk2), (k, rk));
+        m.insert(k, e2, 0).unwrap();
+        m.insert(rk, r2, 0).unwrap();
+        assert_eq!(apply(&mut m, &steps, 111 * S, &T), NatPass::default());
+        assert_eq!(snapshot(&m), [(k, e2), (rk, r2)].into());
+    }
+
+    #[test]
+    fn a_flow_that_went_on_after_the_snapshot_stays() {
+        let (k, e, rk, r) = flow(100, 100, SEEN);
+        let mut m = table(&[(k, e), (rk, r)]);
+        let steps = plan(&snapshot(&m), 201 * S, &T, &BTreeSet::new());
+        assert_eq!(steps, [Step::Expire(k)]);
+        let r_on = NatEntry { last_seen_ns: 200 * S, ..r };
+        m.insert(rk, r_on, 0).unwrap();
+        assert_eq!(apply(&mut m, &steps, 201 * S, &T), NatPass::default());
+        assert_eq!(snapshot(&m).len(), 2);
+    }
+
+    #[test]
+    fn a_backend_that_left_ends_its_flows_but_not_a_new_flow_with_their_keys() {
+        let (k, e, rk, r) = flow(100, 100, SEEN);
+        let left: BTreeSet<Pair> = [(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)].into();
+        // TCP: marked STALE (the next packet gets a RST) ...
+        let mut m = table(&[(k, e), (rk, r)]);
+        let steps = plan(&snapshot(&m), 101 * S, &T, &left);
+        assert_eq!(steps, [Step::MarkStale(k, 100 * S)]);
+        assert_eq!(apply(&mut m, &steps, 101 * S, &T).marked, 1);
+        assert_ne!(m.get(&k, 0).unwrap().state & nat_state::STALE, 0);
+        // ... unless a new flow took its keys meanwhile.
+        let mut m = table(&[(k, e), (rk, r)]);
+        let steps = plan(&snapshot(&m), 101 * S, &T, &left);
+        let (_, e2, _, _) = flow(101, 101, 0);
+        m.insert(k, e2, 0).unwrap();
+        assert_eq!(apply(&mut m, &steps, 101 * S, &T), NatPass::default());
+        assert_eq!(m.get(&k, 0).unwrap(), e2);
+        // UDP: removed, with the same care.
+        let udp = |mut k: K| {
+            k.proto = PROTO_UDP;
+            k
+        };
+        let (ku, rku) = (udp(k), udp(rk));
+        let mut m = table(&[(ku, e), (rku, r)]);
+        let steps = plan(&snapshot(&m), 101 * S, &T, &left);
+        assert_eq!(steps, [Step::Flush(ku, 100 * S)]);
+        assert_eq!(apply(&mut m, &steps, 101 * S, &T).flushed, 1);
+        assert!(snapshot(&m).is_empty());
+        let mut m = table(&[(ku, e), (rku, r)]);
+        let steps = plan(&snapshot(&m), 101 * S, &T, &left);
+        m.insert(ku, e2, 0).unwrap();
+        assert_eq!(apply(&mut m, &steps, 101 * S, &T), NatPass::default());
+        assert_eq!(snapshot(&m).len(), 2);
+    }
+
+    #[test]
+    fn a_lone_reply_entry_goes_unless_its_flow_came_back() {
+        let (k, e, rk, r) = flow(100, 100, SEEN);
+        let mut m = table(&[(rk, r)]);
+        let steps = plan(&snapshot(&m), 161 * S, &T, &BTreeSet::new());
+        assert_eq!(steps, [Step::RemoveLone(rk)]);
+        m.insert(k, e, 0).unwrap();
+        apply(&mut m, &steps, 161 * S, &T);
+        assert_eq!(snapshot(&m).len(), 2, "its forward entry is back: the pair is a flow again");
+        m.remove(&k).unwrap();
+        apply(&mut m, &steps, 161 * S, &T);
+        assert!(snapshot(&m).is_empty());
     }
 
     #[test]
