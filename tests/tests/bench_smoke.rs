@@ -17,6 +17,11 @@ fn every_bench_case_runs() {
     let dp = v["datapath"].as_object().unwrap();
     // 9 cases with the client and server on different nodes, 2 on one node.
     assert_eq!(dp.len(), 11, "{stdout}");
+    // lb against direct from the same client, alternating: across nodes and
+    // on one node.
+    let paired = v["paired"].as_object().unwrap();
+    assert_eq!(paired.len(), 2, "{stdout}");
+    assert!(paired.values().all(|s| s["ratios"][0].as_f64().is_some_and(|r| r > 0.0)), "{stdout}");
     // Each socket program's cost per run, at both scales.
     for scale in ["small", "large"] {
         assert!(v["program_ns"][scale]["lb_connect4"].as_f64().is_some_and(|ns| ns > 0.0), "{scale}: {stdout}");

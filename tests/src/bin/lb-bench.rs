@@ -301,11 +301,47 @@ fn rate(c: &Cluster, client: &Pod, addr: &str, secs: f64) -> Result<f64> {
     }
     let out = cmd.args(["rate", "--addr", addr, "--secs", &secs.to_string(), "--cpu", "0"]).output()?;
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| String::from_utf8_lossy(&out.stderr).into_owned())?;
-    let _ = c;
     if v["ok"].as_u64().unwrap_or(0) == 0 {
         bail!("no connection through {addr}: {v}");
     }
+    // A stalled connection (a lost SYN waits 1 s for its retransmission)
+    // sinks a round: say so, with what the probe saw.
+    if v["slowest_ms"].as_f64().unwrap_or(0.0) > 200.0 || v["errors"].as_object().is_some_and(|e| !e.is_empty()) {
+        eprintln!("bench: {addr}: slowest connection {:.0} ms (client port {}), errors {}", v["slowest_ms"].as_f64().unwrap_or(0.0), v["slowest_port"], v["errors"]);
+        if std::env::var("LB_BENCH_STALL_DUMP").is_ok() {
+            let port = format!("sport={} ", v["slowest_port"]);
+            for n in &c.nodes {
+                if let Ok(nat) = lbtest::run(bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", n.bpffs.to_str().unwrap()]) {
+                    for l in nat.lines().filter(|l| l.contains(&port)) {
+                        eprintln!("bench:   {}: {l}", n.name);
+                    }
+                }
+                if let Ok((_, m)) = c.http(n.index, "127.0.0.1:10249", "/metrics") {
+                    let ev: Vec<&str> = m.lines().filter(|l| l.starts_with("lb_datapath_events_total") && !l.ends_with(" 0")).collect();
+                    if !ev.is_empty() {
+                        eprintln!("bench:   {}: {}", n.name, ev.join(" "));
+                    }
+                }
+            }
+        }
+    }
     Ok(v["rate"].as_f64().unwrap_or(0.0))
+}
+
+/// Short connections to `addr` and to `baseline` from one client,
+/// alternating every 20 connections, each timed on its own: (rate, baseline rate).
+fn rate_pair(client: &Pod, addr: &str, baseline: &str, secs: f64) -> Result<(f64, f64)> {
+    let mut cmd = Command::new(bin("lbprobe"));
+    cmd.args(["--netns", &client.netns]);
+    if !client.cgroup.as_os_str().is_empty() {
+        cmd.arg("--cgroup").arg(&client.cgroup);
+    }
+    let out = cmd.args(["rate-pair", "--addr", addr, "--baseline", baseline, "--secs", &secs.to_string(), "--cpu", "0"]).output()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).with_context(|| String::from_utf8_lossy(&out.stderr).into_owned())?;
+    if v["ok"].as_u64().unwrap_or(0) == 0 || v["baseline_ok"].as_u64().unwrap_or(0) == 0 {
+        bail!("no connection through {addr} or {baseline}: {v}");
+    }
+    Ok((v["rate"].as_f64().unwrap_or(0.0), v["baseline_rate"].as_f64().unwrap_or(0.0)))
 }
 
 /// Small UDP datagrams delivered per second (one core sending).
@@ -703,6 +739,24 @@ fn main() -> Result<()> {
         prog_cost(&stats_before[0], &prog_stats(&c.nodes[2].cgroup)?),
         prog_cost(&stats_before[1], &prog_stats(&c.nodes[3].cgroup)?),
     ];
+    // Paired rounds: lb and direct from one client, alternating every 20
+    // connections (lbprobe rate-pair), so that both see the same moments
+    // of the machine; the interleaved rounds above compare 1.5 s runs one
+    // after the other, which drift by several percent on a shared 2-core
+    // machine. The direct side passes through the same hooks (a miss).
+    let pairs = [
+        (format!("lb, {n} services"), tested.clone(), format!("{}:8080", server.ip)),
+        (format!("lb, server on the client's node, {n} services"), format!("{TIGHT_VIP}:80"), format!("{}:8080", server4.ip)),
+    ];
+    let mut paired: BTreeMap<String, Series> = BTreeMap::new();
+    for _ in 0..rounds {
+        for (name, addr, base) in &pairs {
+            let (l, d) = rate_pair(&clients[&4], addr, base, a.secs)?;
+            let s = paired.entry(name.clone()).or_default();
+            s.values.push(l);
+            s.ratios.push(l / d);
+        }
+    }
     // Throughput of one established stream.
     let mut tput: BTreeMap<String, Series> = BTreeMap::new();
     for _ in 0..rounds.min(3) {
@@ -849,6 +903,10 @@ fn main() -> Result<()> {
         let (lo, hi) = minmax(&s.values);
         let _ = writeln!(md, "| {name} | {:.0} | {:.0}–{:.0} | {:.2} | {:.2} |", median(&s.values), lo, hi, median(&s.ratios), minmax(&s.ratios).0);
     }
+    let _ = writeln!(md, "\nPaired with direct from the same client (node 4), alternating every 20 connections, {} rounds of {} s:\n\n| case | conn/s (median) | ratio to direct (median) | lowest ratio |\n|---|---|---|---|", a.rounds, a.secs);
+    for (name, s) in &paired {
+        let _ = writeln!(md, "| {name} | {:.0} | {:.3} | {:.3} |", median(&s.values), median(&s.ratios), minmax(&s.ratios).0);
+    }
     let _ = writeln!(md, "\nBPF program cost during these rounds (bpf_stats run time / run count, ns per run):\n\n| program | {small} services | {n} services |\n|---|---|---|");
     let names: std::collections::BTreeSet<&String> = prog_ns.iter().flat_map(|m| m.keys()).collect();
     for p in names {
@@ -884,7 +942,7 @@ fn main() -> Result<()> {
     print!("{md}");
     let json = serde_json::json!({
         "rounds": a.rounds, "secs": a.secs, "services": n,
-        "datapath": series, "throughput": tput, "control_plane": cp,
+        "datapath": series, "paired": paired, "throughput": tput, "control_plane": cp,
         "nodeport": np.conn, "nodeport_throughput": np.throughput, "nodeport_udp": np.udp, "nodeport_program_ns": tc_ns,
         "nodeport_wired": np_wired, "nodeport_wired_program_ns": wired_ns, "map_write_ratio_to_raw": write_ratio,
         "change_latency_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "samples": lat},

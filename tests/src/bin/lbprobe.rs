@@ -56,6 +56,23 @@ enum Cmd {
     /// Benchmark client: connect, 1-byte request, 1-byte response, close,
     /// as fast as possible for SECS seconds, pinned to CPU `cpu`.
     Rate(RateArgs),
+    /// `rate` against two addresses, alternating every `--batch`
+    /// connections, each timed on its own: both see the same machine at
+    /// the same moments, so their ratio is free of what drifts between
+    /// two runs one after the other. Prints both rates and the ratio.
+    RatePair {
+        #[arg(long)]
+        addr: SocketAddr,
+        /// The baseline.
+        #[arg(long)]
+        baseline: SocketAddr,
+        #[arg(long)]
+        secs: f64,
+        #[arg(long, default_value_t = 0)]
+        cpu: usize,
+        #[arg(long, default_value_t = 20)]
+        batch: u32,
+    },
     /// Benchmark client, UDP: send 16-byte datagrams from one connected
     /// socket as fast as possible for SECS seconds (pinned to CPU `cpu`),
     /// then ask the `--tiny` server how many arrived. Prints the datagrams
@@ -469,6 +486,22 @@ fn serve_many(name: &str, port: u16, report_peer: bool) -> anyhow::Result<()> {
     }
 }
 
+/// One short connection of the rate benchmarks: connect, a 1-byte
+/// request, a 1-byte response, close. `port`: the local port it used.
+fn short_conn(addr: &SocketAddr, port: &mut u16) -> std::io::Result<()> {
+    let mut c = TcpStream::connect_timeout(addr, Duration::from_secs(1))?;
+    *port = c.local_addr()?.port();
+    c.set_read_timeout(Some(Duration::from_secs(1)))?;
+    c.write_all(b"x")?;
+    let mut buf = [0u8; 1];
+    std::io::Read::read_exact(&mut c, &mut buf)?;
+    // Close with a RST: no TIME_WAIT on either side, so the same 4-tuple
+    // can come back in a later round at once.
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    nix::sys::socket::setsockopt(&c, nix::sys::socket::sockopt::Linger, &linger).map_err(std::io::Error::from)?;
+    Ok(())
+}
+
 fn pin(cpu: usize) {
     let mut set = nix::sched::CpuSet::new();
     if set.set(cpu).is_ok() {
@@ -809,27 +842,53 @@ fn main() -> anyhow::Result<()> {
             pin(cpu);
             let end = Instant::now() + Duration::from_secs_f64(secs);
             let started = Instant::now();
-            let mut buf = [0u8; 1];
+            // The slowest connection (a lost packet shows as a stall).
+            let mut slowest = Duration::ZERO;
+            let mut slowest_port = 0;
             while Instant::now() < end {
                 s.attempts += 1;
-                let r = (|| -> std::io::Result<()> {
-                    let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(1))?;
-                    c.set_read_timeout(Some(Duration::from_secs(1)))?;
-                    c.write_all(b"x")?;
-                    std::io::Read::read_exact(&mut c, &mut buf)?;
-                    // Close with a RST: no TIME_WAIT on either side, so the
-                    // same 4-tuple can come back in a later round at once.
-                    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
-                    nix::sys::socket::setsockopt(&c, nix::sys::socket::sockopt::Linger, &linger).map_err(std::io::Error::from)?;
-                    Ok(())
-                })();
+                let t = Instant::now();
+                let mut port = 0;
+                let r = short_conn(&addr, &mut port);
+                if t.elapsed() > slowest {
+                    slowest = t.elapsed();
+                    slowest_port = port;
+                }
                 match r {
                     Ok(()) => s.ok += 1,
                     Err(e) => s.fail(&e, Instant::now()),
                 }
             }
             let el = started.elapsed().as_secs_f64();
-            println!("{}", serde_json::json!({"attempts": s.attempts, "ok": s.ok, "errors": s.errors, "secs": el, "rate": s.ok as f64 / el}));
+            let slowest_ms = slowest.as_secs_f64() * 1e3;
+            println!("{}", serde_json::json!({"attempts": s.attempts, "ok": s.ok, "errors": s.errors, "secs": el, "rate": s.ok as f64 / el, "slowest_ms": slowest_ms, "slowest_port": slowest_port}));
+            return Ok(());
+        }
+        Cmd::RatePair { addr, baseline, secs, cpu, batch } => {
+            pin(cpu);
+            let end = Instant::now() + Duration::from_secs_f64(secs);
+            // [baseline, addr]: connections made, time spent, failures.
+            let mut ok = [0u64; 2];
+            let mut spent = [Duration::ZERO; 2];
+            let mut failed = [0u64; 2];
+            let mut turn = 0;
+            while Instant::now() < end {
+                let a = if turn == 0 { baseline } else { addr };
+                let t = Instant::now();
+                for _ in 0..batch {
+                    match short_conn(&a, &mut 0) {
+                        Ok(()) => ok[turn] += 1,
+                        Err(_) => failed[turn] += 1,
+                    }
+                }
+                spent[turn] += t.elapsed();
+                turn ^= 1;
+            }
+            let rate = |i: usize| ok[i] as f64 / spent[i].as_secs_f64().max(1e-9);
+            println!(
+                "{}",
+                serde_json::json!({"rate": rate(1), "baseline_rate": rate(0), "ratio": rate(1) / rate(0), "ok": ok[1], "baseline_ok": ok[0], "failed": failed[1], "baseline_failed": failed[0]})
+            );
             return Ok(());
         }
         Cmd::UdpRate(RateArgs { addr, secs, cpu }) => {
