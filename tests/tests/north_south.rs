@@ -204,6 +204,43 @@ fn a_direct_flow_to_a_pod_may_reuse_the_source_port_of_a_finished_node_port_flow
     Ok(())
 }
 
+/// A closed flow whose reply key a newer flow took (its SNAT port was
+/// freed and claimed again): a SYN that reuses the closed flow's client
+/// port replaces the closed flow and leaves the newer flow's entry alone
+/// (removing it stalled that flow: its replies had nowhere to go).
+#[test]
+fn a_syn_reusing_a_closed_flows_port_leaves_its_old_reply_key_to_the_flow_that_took_it() -> Result<()> {
+    use aya::maps::{HashMap, Map, MapData};
+    use lb_common::{Nat4Entry, Nat4Key, nat_state};
+    let w = world(&web("NodePort", "", &[]))?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+    let np = hostport(NODE1, 30080);
+    let once = || w.c.probe(&w.outside, &["tcp", "--addr", &np, "--count", "1", "--sport", "40000", "--linger0"]);
+    let s = once()?;
+    assert_eq!(s.ok, 1, "{s:?}");
+    let pin = w.c.nodes[0].bpffs.join(lb_common::maps::NAT4);
+    let mut nat: HashMap<_, Nat4Key, Nat4Entry> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
+    let ip = |a: &str| -> Result<[u8; 4]> { Ok(a.parse::<std::net::Ipv4Addr>()?.octets()) };
+    let k = Nat4Key { saddr: ip(CLIENT)?, daddr: ip(NODE1)?, sport: 40000, dport: 30080, proto: 6, _pad: [0; 3] };
+    let e = nat.get(&k, 0)?;
+    assert_ne!(e.state & nat_state::RST, 0, "the client closed it with a RST: {e:?}");
+    let rk = e.other_key(6);
+    let r = nat.get(&rk, 0)?;
+    // Flow X, from client port 41000, holds the reply key now.
+    let kx = Nat4Key { sport: 41000, ..k };
+    let seen = nat_state::SEEN;
+    nat.insert(kx, Nat4Entry { state: seen, created_ns: e.created_ns + 1, ..e }, 0)?;
+    nat.insert(rk, Nat4Entry { to_dport: 41000, state: seen, created_ns: e.created_ns + 1, ..r }, 0)?;
+    let s = once()?;
+    assert_eq!(s.ok, 1, "the port's new flow: {s:?}");
+    let now = nat.get(&rk, 0)?;
+    assert_eq!(now.to_dport, 41000, "X's reply entry is still X's: {now:?}");
+    let new = nat.get(&k, 0)?;
+    assert_ne!(new.to_sport, e.to_sport, "the new flow got another SNAT port: {new:?}");
+    Ok(())
+}
+
 #[test]
 fn twenty_thousand_concurrent_snat_flows_to_one_backend() -> Result<()> {
     let w = world(&web("NodePort", "", &[]))?;

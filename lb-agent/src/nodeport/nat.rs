@@ -111,13 +111,13 @@ pub fn plan<A: Addr>(entries: &BTreeMap<NatKey<A>, NatEntry<A>>, now: u64, t: &N
         if e.flags & nat_flags::REPLY != 0 {
             // An orphaned reply entry (its flow half-removed) or a DSR one:
             // no packet can use it once idle.
-            if lone_gone(k, e, entries.contains_key(&e.other_key(k.proto)), now, t) {
+            if lone_gone(k, e, partner(k, e, |ok| entries.get(ok).copied()).is_some(), now, t) {
                 steps.push(Step::RemoveLone(*k));
             }
             continue;
         }
-        let reply = (!dsr).then(|| entries.get(&e.other_key(k.proto))).flatten();
-        if flow_gone(k, e, reply, now, t) {
+        let reply = if dsr { None } else { partner(k, e, |ok| entries.get(ok).copied()) };
+        if flow_gone(k, e, reply.as_ref(), now, t) {
             steps.push(Step::Expire(*k));
             continue;
         }
@@ -130,6 +130,14 @@ pub fn plan<A: Addr>(entries: &BTreeMap<NatKey<A>, NatEntry<A>>, now: u64, t: &N
         }
     }
     steps
+}
+
+/// The other half of the flow whose entry `e` is at `k`, looked up with
+/// `get`: the entry at `e`'s other key if its rewrite leads back to `k`. A
+/// key that lost its half can be taken by a new flow (a SNAT port freed
+/// and claimed again): that entry is not this flow's.
+fn partner<A: Addr>(k: &NatKey<A>, e: &NatEntry<A>, get: impl FnOnce(&NatKey<A>) -> Option<NatEntry<A>>) -> Option<NatEntry<A>> {
+    get(&e.other_key(k.proto)).filter(|o| o.other_key(k.proto) == *k)
 }
 
 fn lone_gone<A>(k: &NatKey<A>, e: &NatEntry<A>, has_forward: bool, now: u64, t: &NatTimeouts) -> bool {
@@ -161,7 +169,7 @@ where
             Step::RemoveLone(k) => {
                 let Ok(e) = nat.get(&k, 0) else { continue };
                 let dsr = e.flags & nat_flags::DSR != 0;
-                let has_forward = !dsr && nat.get(&e.other_key(k.proto), 0).is_ok();
+                let has_forward = !dsr && partner(&k, &e, |ok| nat.get(ok, 0).ok()).is_some();
                 if e.flags & nat_flags::REPLY != 0 && lone_gone(&k, &e, has_forward, now, t) {
                     let _ = nat.remove(&k);
                     pass.expired += dsr as usize;
@@ -169,15 +177,14 @@ where
             }
             Step::Expire(k) => {
                 let Ok(fwd) = nat.get(&k, 0) else { continue };
-                let rk = (fwd.flags & nat_flags::DSR == 0).then(|| fwd.other_key(k.proto));
-                let reply = rk.and_then(|rk| nat.get(&rk, 0).ok());
+                let reply = if fwd.flags & nat_flags::DSR == 0 { partner(&k, &fwd, |ok| nat.get(ok, 0).ok()) } else { None };
                 if fwd.flags & nat_flags::REPLY != 0 || !flow_gone(&k, &fwd, reply.as_ref(), now, t) {
                     continue;
                 }
                 // The reply entry first: a packet never finds a forward
                 // entry without its reply entry.
-                if let Some(rk) = rk {
-                    let _ = nat.remove(&rk);
+                if reply.is_some() {
+                    let _ = nat.remove(&fwd.other_key(k.proto));
                 }
                 let _ = nat.remove(&k);
                 pass.expired += 1;
@@ -187,7 +194,9 @@ where
                 if fwd.created_ns != created {
                     continue;
                 }
-                let _ = nat.remove(&fwd.other_key(k.proto));
+                if partner(&k, &fwd, |ok| nat.get(ok, 0).ok()).is_some() {
+                    let _ = nat.remove(&fwd.other_key(k.proto));
+                }
                 let _ = nat.remove(&k);
                 pass.flushed += 1;
             }
@@ -413,6 +422,24 @@ mod tests {
         m.insert(ku, e2, 0).unwrap();
         assert_eq!(apply(&mut m, &steps, 101 * S, &T), NatPass::default());
         assert_eq!(snapshot(&m).len(), 2);
+    }
+
+    /// A flow whose reply key a new flow took (its SNAT port freed and
+    /// claimed again): expiring it leaves the new flow's entry alone.
+    #[test]
+    fn an_expired_flow_leaves_its_reply_key_to_the_flow_that_took_it() {
+        let (k, e, rk, _) = flow(100, 100, SEEN | nat_state::RST);
+        // Flow X, from client port 2000, got the same backend and SNAT port.
+        let (mut kx, mut ex, rkx, mut rx) = flow(150, 150, SEEN);
+        kx.sport = 2000;
+        ex.last_seen_ns = 170 * S;
+        rx.to_dport = 2000;
+        assert_eq!(rkx, rk);
+        let mut m = table(&[(k, e), (kx, ex), (rk, rx)]);
+        let steps = plan(&snapshot(&m), 171 * S, &T, &BTreeSet::new());
+        assert_eq!(steps, [Step::Expire(k)], "X is live; the old flow has no reply entry of its own");
+        assert_eq!(apply(&mut m, &steps, 171 * S, &T).expired, 1);
+        assert_eq!(snapshot(&m), [(kx, ex), (rk, rx)].into());
     }
 
     #[test]

@@ -859,8 +859,22 @@ fn closed(a: u8, b: u8) -> bool {
 /// Remove both entries of the flow that `e` (at `key`) belongs to.
 #[inline(always)]
 fn remove_flow<F: Net>(key: &NatKey<F::A>, e: &NatEntry<F::A>) {
-    F::nat_del(&e.other_key(key.proto));
+    let other = e.other_key(key.proto);
+    if partner::<F>(&other, key).is_some() {
+        F::nat_del(&other);
+    }
     F::nat_del(key);
+}
+
+/// The entry at `other` if it is the other half of the flow whose entry is
+/// at `key` (its rewrite leads back to `key`). A key that has lost its half
+/// can be taken by a new flow (a SNAT port freed and claimed again); that
+/// flow's entry is not this flow's to read or remove.
+#[inline(always)]
+fn partner<F: Net>(other: &NatKey<F::A>, key: &NatKey<F::A>) -> Option<*mut NatEntry<F::A>> {
+    let o = F::nat_get(other)?;
+    // SAFETY: a map value, alive for this program run (RCU).
+    (unsafe { &*o }.other_key(key.proto) == *key).then_some(o)
 }
 
 /// A stable hash of the original tuple, so a retransmitted first packet
@@ -1212,7 +1226,8 @@ fn drop_if_closed<F: Net>(key: &NatKey<F::A>) -> bool {
     // SAFETY: a map value, alive for this program run (RCU).
     let e = unsafe { &*e };
     let other = e.other_key(key.proto);
-    let other_state = match F::nat_get(&other) {
+    let partner = partner::<F>(&other, key);
+    let other_state = match partner {
         // SAFETY: a map value; one byte read.
         Some(o) => unsafe { core::ptr::read_volatile(&(*o).state) },
         None => nat_state::RST,
@@ -1220,7 +1235,9 @@ fn drop_if_closed<F: Net>(key: &NatKey<F::A>) -> bool {
     if !closed(e.state, other_state) {
         return false;
     }
-    F::nat_del(&other);
+    if partner.is_some() {
+        F::nat_del(&other);
+    }
     F::nat_del(key);
     lb::event(stats::NAT_REPLACED);
     true
