@@ -255,7 +255,90 @@ pub async fn run(bpffs: &Path, service: Option<&str>, json: bool, agent: &str, m
     };
     // Switch this slot off; index 0 follows the others.
     hb.set(slot, 0, 0)?;
-    let others = (1..=monitor::SLOTS).filter(|s| *s != slot).map(|s| hb.get(&s, 0).unwrap_or(0)).max().unwrap_or(0);
-    hb.set(0, others, 0)?;
+    settle_any(&mut hb, slot)?;
     result
+}
+
+/// The heartbeat array, as `settle_any` sees it (a fake one in the tests).
+trait Beats {
+    fn beat(&self, i: u32) -> u64;
+    fn set_beat(&mut self, i: u32, v: u64) -> Result<()>;
+}
+
+impl Beats for Array<MapData, u64> {
+    fn beat(&self, i: u32) -> u64 {
+        self.get(&i, 0).unwrap_or(0)
+    }
+    fn set_beat(&mut self, i: u32, v: u64) -> Result<()> {
+        Ok(self.set(i, v, 0)?)
+    }
+}
+
+/// Set index 0 to the freshest other slot, and read the others again after
+/// writing it: a monitor stopping at the same moment may have read this
+/// slot before it was cleared, read ours, and written its view over ours
+/// (leaving index 0 at a heartbeat nobody refreshes). Whoever writes last
+/// has read every slot after each stopping monitor cleared its own.
+fn settle_any(hb: &mut impl Beats, slot: u32) -> Result<()> {
+    let others = |hb: &dyn Beats| (1..=monitor::SLOTS).filter(|s| *s != slot).map(|s| hb.beat(s)).max().unwrap_or(0);
+    let mut v = others(hb);
+    // Bounded: a live monitor's beat moves its slot every BEAT, and index 0
+    // at its value or a newer one is right either way.
+    for _ in 0..8 {
+        hb.set_beat(0, v)?;
+        let again = others(hb);
+        if again == v {
+            break;
+        }
+        v = again;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A heartbeat array in memory that, on the first write of index 0,
+    /// lets another monitor run its whole stop first (the interleaving
+    /// that left index 0 on).
+    struct Racing {
+        v: [u64; monitor::SLOTS as usize + 1],
+        other: Option<u32>,
+    }
+
+    impl Beats for Racing {
+        fn beat(&self, i: u32) -> u64 {
+            self.v[i as usize]
+        }
+        fn set_beat(&mut self, i: u32, v: u64) -> Result<()> {
+            if let (0, Some(other)) = (i, self.other.take()) {
+                self.v[other as usize] = 0;
+                settle_any(self, other)?;
+            }
+            self.v[i as usize] = v;
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn two_monitors_stopping_at_once_leave_nothing_on() {
+        // Slot 1 stops: cleared, it reads slot 2 still beating; slot 2
+        // then stops whole before slot 1 writes index 0.
+        let mut hb = Racing { v: [700, 0, 700, 0, 0], other: Some(2) };
+        settle_any(&mut hb, 1).unwrap();
+        assert_eq!(hb.v, [0; 5]);
+    }
+
+    #[test]
+    fn a_stopping_monitor_leaves_index_0_at_the_freshest_live_one() {
+        let mut hb = Racing { v: [900, 0, 500, 0, 900], other: None };
+        hb.v[4] = 0;
+        settle_any(&mut hb, 4).unwrap();
+        assert_eq!(hb.v, [500, 0, 500, 0, 0]);
+        // Without the second read, the interleaved stop would leave 700 on.
+        let mut hb = Racing { v: [700, 0, 700, 400, 0], other: Some(2) };
+        settle_any(&mut hb, 1).unwrap();
+        assert_eq!(hb.v, [400, 0, 0, 400, 0]);
+    }
 }
