@@ -356,8 +356,18 @@ pub mod nat_state {
     pub const FIN: u8 = 1 << 0;
     /// A RST went this way. Cleared again when the flow goes on well after
     /// it (a RST the peer did not accept), so a forged RST cannot close a
-    /// live flow.
+    /// live flow: by the `RST_STANDS + 1`th packet this way after it.
     pub const RST: u8 = 1 << 1;
+    /// Packets this way since its RST (bits 4-5). Packets sent before a
+    /// RST can arrive after it: a pure ACK the receive path sent from
+    /// another CPU's softirq while the application's close() sent the RST
+    /// from its own. Those must not reopen the flow (a closed flow that
+    /// looks live keeps its entries for the established timeout, and its
+    /// reply entry rewrites the replies of a direct connection that
+    /// reuses the tuple).
+    pub const AFTER_RST: u8 = 0b11 << 4;
+    /// One in `AFTER_RST`.
+    pub const AFTER_RST_ONE: u8 = 1 << 4;
     /// A packet went this way after the first one. On the reply entry: the
     /// flow was answered (else it expires as unreplied).
     pub const SEEN: u8 = 1 << 2;

@@ -675,7 +675,7 @@ impl Cluster {
         }
     }
 
-    fn probe_cmd(&self, pod: &Pod) -> Command {
+    pub fn probe_cmd(&self, pod: &Pod) -> Command {
         let mut c = Command::new(bin("lbprobe"));
         c.arg("--netns").arg(&pod.netns);
         if !pod.cgroup.as_os_str().is_empty() {

@@ -357,3 +357,42 @@ fn translated_packets_carry_valid_checksums() -> Result<()> {
     checksums_hold(&w, &w.p2, (4 * (10 * 5 + 10), 4 * (10 * 3 + 10)), traffic)?;
     Ok(())
 }
+
+/// A client that connects both straight to a pod and through the NodePort
+/// of the pod's node (its backend local: no SNAT, so both kinds of flow
+/// have the same tuple at the pod), at full speed, reusing its ports as
+/// fast as the kernel hands them out: no connection stalls or fails.
+#[test]
+fn direct_and_node_port_connections_to_a_local_backend_mixed_at_full_speed() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    w.c.serve_tiny(&w.p1, 9000, 1)?;
+    let port = [("t", 80, 9000, "TCP", 30090)];
+    w.c.write_object("tiny.yaml", &lbtest::objects::service_typed("tiny", "10.96.0.20", "NodePort", &port, "", &[]))?;
+    w.c.write_object("tiny-s.yaml", &lbtest::objects::slice_of("tiny", "tiny-1", "IPv4", &[("t", 9000, "TCP")], &[E::ready(&w.p1.ip, "node-1")]))?;
+    wait_backends(&w.c, 1, NODE1, 30090, 1)?;
+    let client = w.c.add_outside("direct", 101, &[("10.244.1.0/24", 1)])?;
+    w.c.in_netns(&client.netns, &["sysctl", "-qw", "net.ipv4.ip_local_port_range=20000 23000"])?;
+    let rate = |addr: &str| -> Result<serde_json::Value> {
+        let out = w.c.probe_cmd(&client).args(["rate", "--addr", addr, "--secs", "1", "--cpu", "0"]).output()?;
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    let (np, pod) = (hostport(NODE1, 30090), hostport(&w.p1.ip, 9000));
+    for round in 0..8 {
+        for addr in [&np, &pod] {
+            let v = rate(addr)?;
+            assert!(v["ok"].as_u64().unwrap_or(0) > 100, "round {round}, {addr}: {v}");
+            assert!(v["errors"].as_object().is_some_and(|e| e.is_empty()), "round {round}, {addr}: {v}");
+            assert!(v["slowest_ms"].as_f64().unwrap_or(0.0) < 900.0, "round {round}, {addr}: a stalled connection: {v}");
+        }
+    }
+    // Every NodePort flow ended with the client's RST: none is left looking
+    // live (it would stay for the established timeout).
+    let v = rate(&np)?;
+    assert!(v["errors"].as_object().is_some_and(|e| e.is_empty()), "last round, {np}: {v}");
+    let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", w.c.nodes[0].bpffs.to_str().unwrap()])?;
+    let flows: Vec<&str> = nat.lines().filter(|l| l.contains("src=192.168.77.101 ")).collect();
+    assert!(flows.len() > 100, "{nat}");
+    let open: Vec<&&str> = flows.iter().filter(|l| !l.contains("CLOSE(RST)")).collect();
+    assert!(open.is_empty(), "{} of {} flows left open: {open:#?}", open.len(), flows.len());
+    Ok(())
+}

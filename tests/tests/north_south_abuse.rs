@@ -25,6 +25,22 @@ fn flows_from(c: &Cluster, src: &str) -> Result<Vec<String>> {
     Ok(nat.lines().filter(|l| l.contains(&format!("src={src} "))).map(String::from).collect())
 }
 
+/// A 20-byte TCP header with `flags` (a made-up sequence number, as an
+/// attacker who guessed the ports would send), its checksum right.
+fn tcp_segment(src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16, flags: u8) -> Vec<u8> {
+    let mut t = tcp_syn(&src, &dst, sport, dport);
+    t[13] = flags;
+    t[16] = 0;
+    t[17] = 0;
+    let mut sum = 0u32;
+    for ch in src.chunks(2).chain(dst.chunks(2)) {
+        sum += u32::from(u16::from_be_bytes([ch[0], ch[1]]));
+    }
+    let c = raw::csum(&t, sum + 6 + 20);
+    t[16..18].copy_from_slice(&c.to_be_bytes());
+    t
+}
+
 /// Frames from the outside client's interface to node-1's.
 struct Wire {
     dst: [u8; 6],
@@ -168,18 +184,7 @@ fn a_forged_rst_does_not_end_a_live_flow_and_a_reused_port_gets_a_new_flow() -> 
     // A RST with the flow's tuple and a made-up sequence number, as an
     // attacker who guessed the ports would send it.
     let src = [192, 168, 77, 100];
-    let mut rst = tcp_syn(&src, &NODE1_B, sport, 30080);
-    rst[13] = 0x04;
-    rst[16] = 0;
-    rst[17] = 0;
-    let c = raw::csum(&rst, {
-        let mut s = 0u32;
-        for ch in src.chunks(2).chain(NODE1_B.chunks(2)) {
-            s += u32::from(u16::from_be_bytes([ch[0], ch[1]]));
-        }
-        s + 6 + 20
-    });
-    rst[16..18].copy_from_slice(&c.to_be_bytes());
+    let rst = tcp_segment(src, NODE1_B, sport, 30080, 0x04);
     let wire = Wire::new(&w.c, &w.outside)?;
     wire.send4(vec![ipv4(src, NODE1_B, 6, 5, 0x4000, 99, &rst)])?;
     // The client goes on: the RST mark is undone, and the flow outlives the
@@ -192,5 +197,46 @@ fn a_forged_rst_does_not_end_a_live_flow_and_a_reused_port_gets_a_new_flow() -> 
     // each is a new flow (the closed one is replaced), none hangs.
     let s = w.c.probe(&w.outside, &["tcp", "--addr", &np, "--count", "5", "--sport", "41000", "--linger0", "--timeout-ms", "1000"])?;
     assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}
+
+/// A packet the client sent before its RST can arrive after it (a pure ACK
+/// from the receive path on another CPU): the flow stays closed. Were it
+/// reopened, its entries would live for the established timeout, and with
+/// a backend on this node (no SNAT) its reply entry would rewrite the
+/// replies of the client's next connection straight to the pod from the
+/// same port (its SYN-ACK coming back from the NodePort: a connect stalled
+/// until the SYN's retransmission).
+#[test]
+fn an_ack_arriving_after_the_clients_rst_leaves_the_flow_closed() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+    let direct = w.c.add_outside("direct", 101, &[("10.244.1.0/24", 1)])?;
+    let client = "192.168.77.101";
+    let np = hostport(NODE1, 30080);
+    let s = w.c.probe(&direct, &["tcp", "--addr", &np, "--count", "1", "--sport", "42000", "--linger0"])?;
+    assert_eq!(s.ok, 1, "{s:?}");
+    let flow = || -> Result<String> { Ok(flows_from(&w.c, client)?.into_iter().find(|l| l.contains("sport=42000 ")).unwrap_or_default()) };
+    assert!(flow()?.contains("CLOSE(RST)"), "{}", flow()?);
+    // The late ACKs, twice over.
+    let src = [192, 168, 77, 101];
+    let ack = tcp_segment(src, NODE1_B, 42000, 30080, 0x10);
+    // Where such an ACK overtakes the RST on the way to the pod, the pod
+    // has nothing to answer; here it comes after, so keep the pod's RST
+    // for it from marking the flow closed in its stead.
+    let quiet = ["OUTPUT", "-p", "tcp", "--sport", "8080", "--tcp-flags", "RST", "RST", "-j", "DROP"];
+    w.c.in_netns(&w.p1.netns, &[&["iptables", "-w", "-A"][..], &quiet].concat())?;
+    let wire = Wire::new(&w.c, &direct)?;
+    wire.send4(vec![ipv4(src, NODE1_B, 6, 5, 0x4000, 7, &ack), ipv4(src, NODE1_B, 6, 5, 0x4000, 8, &ack)])?;
+    std::thread::sleep(Duration::from_millis(100));
+    w.c.in_netns(&w.p1.netns, &[&["iptables", "-w", "-D"][..], &quiet].concat())?;
+    assert!(flow()?.contains("CLOSE(RST)"), "the late ACKs reopened it: {}", flow()?);
+    // Straight to the pod from the same port: connected at the first SYN
+    // (a connect timeout under the 1 s SYN retransmission).
+    let pod = hostport(&w.p1.ip, 8080);
+    let s = w.c.probe(&direct, &["tcp", "--addr", &pod, "--count", "1", "--sport", "42000", "--timeout-ms", "500"])?;
+    assert_eq!(s.ok, 1, "direct from the NodePort flow's port: {s:?}");
+    assert_eq!(s.peers.keys().collect::<Vec<_>>(), [pod.as_str()], "the pod answers as itself: {s:?}");
     Ok(())
 }

@@ -839,10 +839,15 @@ fn note<A>(e: *mut NatEntry<A>, tcp_flags: u8, seen: u8) {
             state |= nat_state::FIN;
         }
         if tcp_flags & TCP_RST != 0 {
-            state |= nat_state::RST;
+            state = (state | nat_state::RST) & !nat_state::AFTER_RST;
         } else if state & nat_state::RST != 0 {
-            // The side that sent the RST goes on: it did not send it.
-            state &= !nat_state::RST;
+            if state & nat_state::AFTER_RST == nat_state::AFTER_RST {
+                // The side that sent the RST goes on: it did not send it.
+                state &= !(nat_state::RST | nat_state::AFTER_RST);
+            } else {
+                // Maybe a packet sent before the RST (it stands).
+                state += nat_state::AFTER_RST_ONE;
+            }
         }
         if state != (*e).state {
             (*e).state = state;
