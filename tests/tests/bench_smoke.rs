@@ -50,6 +50,13 @@ fn every_bench_case_runs() {
         assert_eq!(w.len(), 5, "{m}: {stdout}");
         assert!(w.values().all(|s| s["values"][0].as_f64().is_some_and(|x| x > 0.0)), "{m}: {stdout}");
     }
+    // At the backends' node: direct and lb (node 2), direct and iptables
+    // (node 19).
+    for m in ["conn", "udp", "throughput"] {
+        let l = v["nodeport_local"][m].as_object().unwrap();
+        assert_eq!(l.len(), 4, "{m}: {stdout}");
+        assert!(l.values().all(|s| s["values"][0].as_f64().is_some_and(|x| x > 0.0)), "{m}: {stdout}");
+    }
     let (fwd, xdp) = (&v["nodeport_wired_program_ns"][0], &v["nodeport_wired_program_ns"][1]);
     assert!(xdp["lb_nodeport_xdp runs"].as_f64().is_some_and(|n| n > 0.0), "{stdout}");
     assert!(xdp["lb_nodeport_ingress runs"].as_f64() < fwd["lb_nodeport_ingress runs"].as_f64(), "{stdout}");

@@ -576,6 +576,21 @@ fn raw_map_fill(n: usize) -> Result<f64> {
     r
 }
 
+/// The server pod on `node`, with 10 addresses (the 10 endpoints of a
+/// tested Service): 1-byte exchanges on 8080, bulk transfers on 9090.
+fn server_pod(c: &mut Cluster, node: usize) -> Result<(Pod, Vec<String>)> {
+    let server = c.add_pod(node, if node == 2 { "server".to_string() } else { format!("server-{node}") }.as_str())?;
+    let mut ips = vec![server.ip.clone()];
+    for k in 1..10 {
+        let extra = format!("10.244.{node}.{}", 100 + k);
+        c.in_netns(&server.netns, &["ip", "addr", "add", &format!("{extra}/24"), "dev", "eth0"])?;
+        ips.push(extra);
+    }
+    c.serve_tiny(&server, 8080, 1)?;
+    c.serve(&server, 9090)?;
+    Ok((server, ips))
+}
+
 fn main() -> Result<()> {
     let a = Args::parse();
     let n = a.services.max(11);
@@ -587,18 +602,12 @@ fn main() -> Result<()> {
     // 13 lb-large from YAML (cold start only), 14 lb NodePort with
     // --bpf-forward, 15 iptables NodePort behind the large rule set, 16 lb
     // NodePort with DSR, 17 lb NodePort with Maglev, 18 lb NodePort with
-    // XDP acceleration and BPF forwarding.
-    let mut c = Cluster::new(18)?;
-    let server = c.add_pod(2, "server")?;
-    let mut server_ips = vec![server.ip.clone()];
-    for k in 1..10 {
-        let extra = format!("10.244.2.{}", 100 + k);
-        c.in_netns(&server.netns, &["ip", "addr", "add", &format!("{extra}/24"), "dev", "eth0"])?;
-        server_ips.push(extra);
-    }
-    c.serve_tiny(&server, 8080, 1)?;
-    // The throughput server (bulk transfers) on 9090.
-    c.serve(&server, 9090)?;
+    // XDP acceleration and BPF forwarding, 19 iptables NodePort with its
+    // backends on the node (lb's counterpart: node 2, the server's node).
+    let mut c = Cluster::new(19)?;
+    let (server, server_ips) = server_pod(&mut c, 2)?;
+    // The same server on node 19, behind kube-proxy's NodePort rules there.
+    let (server19, server19_ips) = server_pod(&mut c, 19)?;
     // The tight topology: a server pod on the client's node (node 4).
     let server4 = c.add_pod(4, "server-4")?;
     c.serve_tiny(&server4, 8080, 1)?;
@@ -777,6 +786,7 @@ fn main() -> Result<()> {
     // there.
     let mut np = NodePortRun::default();
     let mut np_wired = NodePortRun::default();
+    let mut np_local = NodePortRun::default();
     // Program costs during the conn/s and UDP rounds: lb (TC), lb (TC, BPF
     // forwarding); on the wired fabric lb (TC, BPF forwarding) and lb (XDP
     // + TC, BPF forwarding).
@@ -800,6 +810,18 @@ fn main() -> Result<()> {
         ("direct (pod IPv6)".into(), format!("[{}]:8080", server.ip6), format!("[{}]:9090", server.ip6)),
         node_case("lb (TC), [nodeIPv6]:nodePort".into(), 11, true),
         node_case("lb (TC, BPF forwarding), [nodeIPv6]:nodePort".into(), 14, true),
+    ];
+    // NodePort at a node with the backends (no node hop more than direct:
+    // what a load balancer does with externalTrafficPolicy Local, or
+    // luck with Cluster): lb on the server's node (node 2; it keeps the
+    // client's address), kube-proxy's rules on node 19 (masqueraded, as
+    // kube-proxy does for Cluster), each after direct to its own server.
+    let ipt_local = format!("iptables-legacy, {small} services, nodeIP:nodePort of the backends' node");
+    let local_cases: Vec<NpCase> = vec![
+        ("direct (pod IP)".into(), format!("{}:8080", server.ip), format!("{}:9090", server.ip)),
+        node_case("lb (TC), nodeIP:nodePort of the backends' node".into(), 2, false),
+        ("direct (pod IP on node 19)".into(), format!("{}:8080", server19.ip), format!("{}:9090", server19.ip)),
+        node_case(ipt_local.clone(), 19, false),
     ];
     let wired_cases: Vec<NpCase> = vec![
         direct4,
@@ -835,22 +857,24 @@ fn main() -> Result<()> {
         // answers the client); every case's packets pass it alike.
         c.start_agent_from(2, &np_dir, &[])?;
         let ipt_ports = [("http", 80, NP_HTTP, 8080, "tcp"), ("bulk", 90, NP_BULK, 9090, "tcp")];
-        for (node, services) in [(12, small), (15, n)] {
-            let rules = work.join(format!("ipt-np-{services}.rules"));
-            let mut text = nodeport_rules(&ipt_ports, NP_VIP, &server_ips, services);
+        for (node, services, eps) in [(12, small, &server_ips), (15, n, &server_ips), (19, small, &server19_ips)] {
+            let rules = work.join(format!("ipt-np-{node}.rules"));
+            let mut text = nodeport_rules(&ipt_ports, NP_VIP, eps, services);
             // The UDP port, with the one endpoint lb has too.
-            let udp = nodeport_rules(&[("udp", 80, NP_HTTP, 8080, "udp")], NP_VIP, &server_ips[..1], 0);
+            let udp = nodeport_rules(&[("udp", 80, NP_HTTP, 8080, "udp")], NP_VIP, &eps[..1], 0);
             text = merge_nat(&text, &udp);
             std::fs::write(&rules, text)?;
             timed(&c.nodes[node - 1].netns, "iptables-legacy-restore", &[], &rules)?;
         }
-        let outside = c.add_outside("outside", 100, &[("10.244.2.0/24", 2), ("fd00:244:2::/64", 2)])?;
+        let outside = c.add_outside("outside", 100, &[("10.244.2.0/24", 2), ("fd00:244:2::/64", 2), ("10.244.19.0/24", 19)])?;
         c.in_netns(&outside.netns, &["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])?;
         let before = [tc_prog_stats(&c.nodes[10].netns)?, tc_prog_stats(&c.nodes[13].netns)?];
         np = nodeport_rounds(&c, &outside, &np_cases, &a, rounds, || {
             tc_ns = [np_prog_cost(&before[0], &tc_prog_stats(&c.nodes[10].netns)?), np_prog_cost(&before[1], &tc_prog_stats(&c.nodes[13].netns)?)];
             Ok(())
         })?;
+        eprintln!("bench: NodePort at the backends' node");
+        np_local = nodeport_rounds(&c, &outside, &local_cases, &a, rounds, || Ok(()))?;
         eprintln!("bench: NodePort on a fabric with complete checksums (XDP)");
         c.wire_checksums()?;
         let before = [tc_prog_stats(&c.nodes[13].netns)?, tc_prog_stats(&c.nodes[17].netns)?];
@@ -920,6 +944,8 @@ fn main() -> Result<()> {
     let _ = writeln!(md, "\nNodePort from an outside client, {} rounds of {} s, interleaved (UDP and streams: {} rounds; \"vs iptables\": the median of per-round ratios to iptables-legacy with {small} services):\n", a.rounds, a.secs, a.rounds.min(3));
     nodeport_table(&mut md, &np, &np_cases, &ipt_name);
     program_table(&mut md, "NodePort program cost during the conn/s and UDP rounds", &["lb (TC)", "lb (TC, BPF forwarding)"], &tc_ns);
+    let _ = writeln!(md, "\nNodePort at a node with the backends (no node hop more than direct; \"vs iptables\": against kube-proxy's rules on a node with its own backends):\n");
+    nodeport_table(&mut md, &np_local, &local_cases, &ipt_local);
     let _ = writeln!(md, "\nNodePort on a fabric that carries complete checksums (checksum offload off on every fabric veth, as XDP needs; same rounds):\n");
     nodeport_table(&mut md, &np_wired, &wired_cases, &ipt_name);
     program_table(&mut md, "Program cost on that fabric", &["lb (TC, BPF forwarding)", "lb (XDP + TC, BPF forwarding)"], &wired_ns);
@@ -944,7 +970,7 @@ fn main() -> Result<()> {
         "rounds": a.rounds, "secs": a.secs, "services": n,
         "datapath": series, "paired": paired, "throughput": tput, "control_plane": cp,
         "nodeport": np.conn, "nodeport_throughput": np.throughput, "nodeport_udp": np.udp, "nodeport_program_ns": tc_ns,
-        "nodeport_wired": np_wired, "nodeport_wired_program_ns": wired_ns, "map_write_ratio_to_raw": write_ratio,
+        "nodeport_wired": np_wired, "nodeport_local": np_local, "nodeport_wired_program_ns": wired_ns, "map_write_ratio_to_raw": write_ratio,
         "change_latency_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "samples": lat},
         "agent_rss_mib": rss,
         "program_ns": {"small": prog_ns[0], "large": prog_ns[1]},

@@ -489,8 +489,7 @@ fn serve_many(name: &str, port: u16, report_peer: bool) -> anyhow::Result<()> {
 /// One short connection of the rate benchmarks: connect, a 1-byte
 /// request, a 1-byte response, close. `port`: the local port it used.
 fn short_conn(addr: &SocketAddr, port: &mut u16) -> std::io::Result<()> {
-    let mut c = TcpStream::connect_timeout(addr, Duration::from_secs(1))?;
-    *port = c.local_addr()?.port();
+    let mut c = connect_noting_port(addr, Duration::from_secs(1), port)?;
     c.set_read_timeout(Some(Duration::from_secs(1)))?;
     c.write_all(b"x")?;
     let mut buf = [0u8; 1];
@@ -500,6 +499,31 @@ fn short_conn(addr: &SocketAddr, port: &mut u16) -> std::io::Result<()> {
     let linger = libc::linger { l_onoff: 1, l_linger: 0 };
     nix::sys::socket::setsockopt(&c, nix::sys::socket::sockopt::Linger, &linger).map_err(std::io::Error::from)?;
     Ok(())
+}
+
+/// `TcpStream::connect_timeout`, the same syscalls, but the client port is
+/// noted as soon as connect() picked it: a connection that never completes
+/// names its port too.
+fn connect_noting_port(addr: &SocketAddr, timeout: Duration, port: &mut u16) -> std::io::Result<TcpStream> {
+    use std::os::fd::AsFd as _;
+    let s = socket2::Socket::new(socket2::Domain::for_address(*addr), socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
+    s.set_nonblocking(true)?;
+    match s.connect(&(*addr).into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
+        Err(e) => return Err(e),
+    }
+    *port = s.local_addr()?.as_socket().map_or(0, |a| a.port());
+    let mut fds = [nix::poll::PollFd::new(s.as_fd(), nix::poll::PollFlags::POLLOUT)];
+    let ms = nix::poll::PollTimeout::try_from(timeout.as_millis() as i32).unwrap_or(nix::poll::PollTimeout::MAX);
+    if nix::poll::poll(&mut fds, ms).map_err(std::io::Error::from)? == 0 {
+        return Err(std::io::Error::from(std::io::ErrorKind::TimedOut));
+    }
+    if let Some(e) = s.take_error()? {
+        return Err(e);
+    }
+    s.set_nonblocking(false)?;
+    Ok(s.into())
 }
 
 fn pin(cpu: usize) {
@@ -535,8 +559,19 @@ fn serve_tiny(port: u16, cpu: usize) -> anyhow::Result<()> {
     for conn in tcp.incoming() {
         let Ok(mut c) = conn else { continue };
         let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
-        if std::io::Read::read_exact(&mut c, &mut buf).is_ok() && c.write_all(&buf).is_ok() {
-            let _ = std::io::Read::read(&mut c, &mut buf);
+        // One connection at a time: one that never ends (its client's RST
+        // lost on the way) holds up the next ones for a second; say so.
+        let peer = c.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        match std::io::Read::read_exact(&mut c, &mut buf) {
+            Ok(()) if c.write_all(&buf).is_ok() => {
+                if let Err(e) = std::io::Read::read(&mut c, &mut buf)
+                    && e.kind() == std::io::ErrorKind::WouldBlock
+                {
+                    eprintln!("lbprobe serve: {peer}: no close from the client within 1 s");
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => eprintln!("lbprobe serve: {peer}: no request within 1 s"),
+            _ => {}
         }
     }
     Ok(())
