@@ -332,8 +332,8 @@ mod tests {
 
     #[test]
     fn a_stopping_monitor_leaves_index_0_at_the_freshest_live_one() {
-        let mut hb = Racing { v: [900, 0, 500, 0, 900], other: None };
-        hb.v[4] = 0;
+        // Slot 4 stopped (cleared); slot 2 still beats.
+        let mut hb = Racing { v: [900, 0, 500, 0, 0], other: None };
         settle_any(&mut hb, 4).unwrap();
         assert_eq!(hb.v, [500, 0, 500, 0, 0]);
         // Without the second read, the interleaved stop would leave 700 on.

@@ -356,7 +356,8 @@ pub mod nat_state {
     pub const FIN: u8 = 1 << 0;
     /// A RST went this way. Cleared again when the flow goes on well after
     /// it (a RST the peer did not accept), so a forged RST cannot close a
-    /// live flow: by the `RST_STANDS + 1`th packet this way after it.
+    /// live flow: by the fourth packet this way after it (`AFTER_RST`
+    /// counts the three before).
     pub const RST: u8 = 1 << 1;
     /// Packets this way since its RST (bits 4-5). Packets sent before a
     /// RST can arrive after it: a pure ACK the receive path sent from

@@ -25,12 +25,18 @@ fn pseudo_sum(src: &[u8], dst: &[u8], proto: u8, len: usize) -> u32 {
 
 /// A TCP SYN header (20 bytes) with a correct checksum.
 pub fn tcp_syn(src: &[u8], dst: &[u8], sport: u16, dport: u16) -> Vec<u8> {
+    tcp_segment(src, dst, sport, dport, 0x02)
+}
+
+/// A TCP header (20 bytes) with `flags` and a made-up sequence number (as
+/// an attacker who guessed the ports would send it), checksum right.
+pub fn tcp_segment(src: &[u8], dst: &[u8], sport: u16, dport: u16, flags: u8) -> Vec<u8> {
     let mut t = vec![0u8; 20];
     t[0..2].copy_from_slice(&sport.to_be_bytes());
     t[2..4].copy_from_slice(&dport.to_be_bytes());
     t[4..8].copy_from_slice(&0x1234_5678u32.to_be_bytes());
     t[12] = 5 << 4;
-    t[13] = 0x02;
+    t[13] = flags;
     t[14..16].copy_from_slice(&64240u16.to_be_bytes());
     let c = csum(&t, pseudo_sum(src, dst, 6, t.len()));
     t[16..18].copy_from_slice(&c.to_be_bytes());

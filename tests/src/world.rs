@@ -111,6 +111,12 @@ pub fn datapath(c: &Cluster, node: usize, result: &str) -> Result<u64> {
     Ok(m.lines().find_map(|l| l.strip_prefix(&name)?.parse().ok()).unwrap_or(0))
 }
 
+/// The NAT flows node-1 lists (`lb-agent nat`) from source `src`.
+pub fn flows_from(c: &Cluster, src: &str) -> Result<Vec<String>> {
+    let nat = crate::run(crate::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", c.nodes[0].bpffs.to_str().unwrap()])?;
+    Ok(nat.lines().filter(|l| l.contains(&format!("src={src} "))).map(String::from).collect())
+}
+
 /// Run `traffic` while capturing at the outside client and at `pod`, and
 /// check every TCP and UDP checksum that arrives (`raw::count_checksums`):
 /// none broken, and at least `min` (pod, client) packets seen, so that the

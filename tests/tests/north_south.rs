@@ -389,10 +389,9 @@ fn direct_and_node_port_connections_to_a_local_backend_mixed_at_full_speed() -> 
     // live (it would stay for the established timeout).
     let v = rate(&np)?;
     assert!(v["errors"].as_object().is_some_and(|e| e.is_empty()), "last round, {np}: {v}");
-    let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", w.c.nodes[0].bpffs.to_str().unwrap()])?;
-    let flows: Vec<&str> = nat.lines().filter(|l| l.contains("src=192.168.77.101 ")).collect();
-    assert!(flows.len() > 100, "{nat}");
-    let open: Vec<&&str> = flows.iter().filter(|l| !l.contains("CLOSE(RST)")).collect();
+    let flows = flows_from(&w.c, "192.168.77.101")?;
+    assert!(flows.len() > 100, "{flows:#?}");
+    let open: Vec<&String> = flows.iter().filter(|l| !l.contains("CLOSE(RST)")).collect();
     assert!(open.is_empty(), "{} of {} flows left open: {open:#?}", open.len(), flows.len());
     Ok(())
 }

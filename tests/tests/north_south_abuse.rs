@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use lbtest::objects::Endpoint as E;
-use lbtest::raw::{ether, ipv4, ipv6, tcp_syn};
+use lbtest::raw::{ether, ipv4, ipv6, tcp_segment, tcp_syn};
 use lbtest::world::*;
 use lbtest::{Cluster, Pod, raw};
 
@@ -17,28 +17,6 @@ const NODE1_B: [u8; 4] = [192, 168, 77, 11];
 
 fn v6(s: &str) -> [u8; 16] {
     s.parse::<std::net::Ipv6Addr>().unwrap().octets()
-}
-
-/// The NAT flows node-1 lists from source `src`.
-fn flows_from(c: &Cluster, src: &str) -> Result<Vec<String>> {
-    let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", c.nodes[0].bpffs.to_str().unwrap()])?;
-    Ok(nat.lines().filter(|l| l.contains(&format!("src={src} "))).map(String::from).collect())
-}
-
-/// A 20-byte TCP header with `flags` (a made-up sequence number, as an
-/// attacker who guessed the ports would send), its checksum right.
-fn tcp_segment(src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16, flags: u8) -> Vec<u8> {
-    let mut t = tcp_syn(&src, &dst, sport, dport);
-    t[13] = flags;
-    t[16] = 0;
-    t[17] = 0;
-    let mut sum = 0u32;
-    for ch in src.chunks(2).chain(dst.chunks(2)) {
-        sum += u32::from(u16::from_be_bytes([ch[0], ch[1]]));
-    }
-    let c = raw::csum(&t, sum + 6 + 20);
-    t[16..18].copy_from_slice(&c.to_be_bytes());
-    t
 }
 
 /// Frames from the outside client's interface to node-1's.
@@ -184,7 +162,7 @@ fn a_forged_rst_does_not_end_a_live_flow_and_a_reused_port_gets_a_new_flow() -> 
     // A RST with the flow's tuple and a made-up sequence number, as an
     // attacker who guessed the ports would send it.
     let src = [192, 168, 77, 100];
-    let rst = tcp_segment(src, NODE1_B, sport, 30080, 0x04);
+    let rst = tcp_segment(&src, &NODE1_B, sport, 30080, 0x04);
     let wire = Wire::new(&w.c, &w.outside)?;
     wire.send4(vec![ipv4(src, NODE1_B, 6, 5, 0x4000, 99, &rst)])?;
     // The client goes on: the RST mark is undone, and the flow outlives the
@@ -221,7 +199,7 @@ fn an_ack_arriving_after_the_clients_rst_leaves_the_flow_closed() -> Result<()> 
     assert!(flow()?.contains("CLOSE(RST)"), "{}", flow()?);
     // The late ACKs, twice over.
     let src = [192, 168, 77, 101];
-    let ack = tcp_segment(src, NODE1_B, 42000, 30080, 0x10);
+    let ack = tcp_segment(&src, &NODE1_B, 42000, 30080, 0x10);
     // Where such an ACK overtakes the RST on the way to the pod, the pod
     // has nothing to answer; here it comes after, so keep the pod's RST
     // for it from marking the flow closed in its stead.
