@@ -57,6 +57,13 @@ fn every_bench_case_runs() {
         assert_eq!(l.len(), 4, "{m}: {stdout}");
         assert!(l.values().all(|s| s["values"][0].as_f64().is_some_and(|x| x > 0.0)), "{m}: {stdout}");
     }
+    // Paired from the outside client: four lb modes against direct and
+    // against iptables, iptables against direct, and at the backends' node
+    // lb (TC, then with BPF forwarding) against direct and iptables, and
+    // iptables against direct.
+    let np_paired = v["nodeport_paired"].as_object().unwrap();
+    assert_eq!(np_paired.len(), 14, "{stdout}");
+    assert!(np_paired.values().all(|s| s["ratios"][0].as_f64().is_some_and(|r| r > 0.0)), "{stdout}");
     let (fwd, xdp) = (&v["nodeport_wired_program_ns"][0], &v["nodeport_wired_program_ns"][1]);
     assert!(xdp["lb_nodeport_xdp runs"].as_f64().is_some_and(|n| n > 0.0), "{stdout}");
     assert!(xdp["lb_nodeport_ingress runs"].as_f64() < fwd["lb_nodeport_ingress runs"].as_f64(), "{stdout}");

@@ -344,6 +344,22 @@ fn rate_pair(client: &Pod, addr: &str, baseline: &str, secs: f64) -> Result<(f64
     Ok((v["rate"].as_f64().unwrap_or(0.0), v["baseline_rate"].as_f64().unwrap_or(0.0)))
 }
 
+/// `rounds` of `rate_pair` for each (case, address, baseline address),
+/// interleaved; each ratio is the case's rate over its baseline's in the
+/// same run.
+fn paired_rounds(client: &Pod, pairs: &[(String, String, String)], secs: f64, rounds: usize) -> Result<BTreeMap<String, Series>> {
+    let mut paired: BTreeMap<String, Series> = BTreeMap::new();
+    for _ in 0..rounds {
+        for (name, addr, base) in pairs {
+            let (l, d) = rate_pair(client, addr, base, secs)?;
+            let s = paired.entry(name.clone()).or_default();
+            s.values.push(l);
+            s.ratios.push(l / d);
+        }
+    }
+    Ok(paired)
+}
+
 /// Small UDP datagrams delivered per second (one core sending).
 fn udp_rate(client: &Pod, addr: &str, secs: f64) -> Result<f64> {
     let out = Command::new(bin("lbprobe"))
@@ -757,15 +773,7 @@ fn main() -> Result<()> {
         (format!("lb, {n} services"), tested.clone(), format!("{}:8080", server.ip)),
         (format!("lb, server on the client's node, {n} services"), format!("{TIGHT_VIP}:80"), format!("{}:8080", server4.ip)),
     ];
-    let mut paired: BTreeMap<String, Series> = BTreeMap::new();
-    for _ in 0..rounds {
-        for (name, addr, base) in &pairs {
-            let (l, d) = rate_pair(&clients[&4], addr, base, a.secs)?;
-            let s = paired.entry(name.clone()).or_default();
-            s.values.push(l);
-            s.ratios.push(l / d);
-        }
-    }
+    let paired = paired_rounds(&clients[&4], &pairs, a.secs, rounds)?;
     // Throughput of one established stream.
     let mut tput: BTreeMap<String, Series> = BTreeMap::new();
     for _ in 0..rounds.min(3) {
@@ -787,6 +795,7 @@ fn main() -> Result<()> {
     let mut np = NodePortRun::default();
     let mut np_wired = NodePortRun::default();
     let mut np_local = NodePortRun::default();
+    let mut np_paired: BTreeMap<String, Series> = BTreeMap::new();
     // Program costs during the conn/s and UDP rounds: lb (TC), lb (TC, BPF
     // forwarding); on the wired fabric lb (TC, BPF forwarding) and lb (XDP
     // + TC, BPF forwarding).
@@ -875,6 +884,34 @@ fn main() -> Result<()> {
         })?;
         eprintln!("bench: NodePort at the backends' node");
         np_local = nodeport_rounds(&c, &outside, &local_cases, &a, rounds, || Ok(()))?;
+        // Paired, as for the ClusterIP cases: each NodePort case against
+        // direct to its pod and against kube-proxy's rules, from the outside
+        // client, alternating every 20 connections (the interleaved rounds
+        // above drift by up to 15% between cases here).
+        eprintln!("bench: NodePort, paired");
+        let np_at = |node: usize| format!("{}:{NP_HTTP}", c.nodes[node - 1].ip);
+        let (direct, direct19) = (format!("{}:8080", server.ip), format!("{}:8080", server19.ip));
+        let mut pairs: Vec<(String, String, String)> = Vec::new();
+        for (name, node) in [("lb (TC)", 11), ("lb (TC, BPF forwarding)", 14), ("lb (TC, DSR)", 16), ("lb (TC, Maglev)", 17)] {
+            pairs.push((format!("{name} / direct"), np_at(node), direct.clone()));
+            pairs.push((format!("{name} / iptables"), np_at(node), np_at(12)));
+        }
+        pairs.push(("iptables / direct".into(), np_at(12), direct.clone()));
+        pairs.push(("lb (TC) at the backends' node / direct".into(), np_at(2), direct.clone()));
+        pairs.push(("lb (TC) at the backends' node / iptables at the backends' node".into(), np_at(2), np_at(19)));
+        pairs.push(("iptables at the backends' node / direct".into(), np_at(19), direct19.clone()));
+        np_paired = paired_rounds(&outside, &pairs, a.secs, rounds)?;
+        // lb with BPF forwarding at the backends' node: node 2's agent
+        // restarted with the flag (the pins and the flows stay), then back.
+        let fwd_local = [
+            ("lb (TC, BPF forwarding) at the backends' node / direct".to_string(), np_at(2), direct.clone()),
+            ("lb (TC, BPF forwarding) at the backends' node / iptables at the backends' node".to_string(), np_at(2), np_at(19)),
+        ];
+        c.kill_agent(2);
+        c.start_agent_from(2, &np_dir, &["--bpf-forward"])?;
+        np_paired.extend(paired_rounds(&outside, &fwd_local, a.secs, rounds)?);
+        c.kill_agent(2);
+        c.start_agent_from(2, &np_dir, &[])?;
         eprintln!("bench: NodePort on a fabric with complete checksums (XDP)");
         c.wire_checksums()?;
         let before = [tc_prog_stats(&c.nodes[13].netns)?, tc_prog_stats(&c.nodes[17].netns)?];
@@ -946,6 +983,11 @@ fn main() -> Result<()> {
     program_table(&mut md, "NodePort program cost during the conn/s and UDP rounds", &["lb (TC)", "lb (TC, BPF forwarding)"], &tc_ns);
     let _ = writeln!(md, "\nNodePort at a node with the backends (no node hop more than direct; \"vs iptables\": against kube-proxy's rules on a node with its own backends):\n");
     nodeport_table(&mut md, &np_local, &local_cases, &ipt_local);
+    let _ = writeln!(md, "\nNodePort paired: each case against a baseline from the outside client, alternating every 20 connections, {} rounds of {} s (\"direct\": the pod the case reaches; \"iptables\": kube-proxy's rules, 10 Services, on the node the case names):\n\n| case / baseline | conn/s (median) | ratio (median) | lowest | highest |\n|---|---|---|---|---|", a.rounds, a.secs);
+    for (name, s) in &np_paired {
+        let (lo, hi) = minmax(&s.ratios);
+        let _ = writeln!(md, "| {name} | {:.0} | {:.3} | {lo:.3} | {hi:.3} |", median(&s.values), median(&s.ratios));
+    }
     let _ = writeln!(md, "\nNodePort on a fabric that carries complete checksums (checksum offload off on every fabric veth, as XDP needs; same rounds):\n");
     nodeport_table(&mut md, &np_wired, &wired_cases, &ipt_name);
     program_table(&mut md, "Program cost on that fabric", &["lb (TC, BPF forwarding)", "lb (XDP + TC, BPF forwarding)"], &wired_ns);
@@ -970,7 +1012,7 @@ fn main() -> Result<()> {
         "rounds": a.rounds, "secs": a.secs, "services": n,
         "datapath": series, "paired": paired, "throughput": tput, "control_plane": cp,
         "nodeport": np.conn, "nodeport_throughput": np.throughput, "nodeport_udp": np.udp, "nodeport_program_ns": tc_ns,
-        "nodeport_wired": np_wired, "nodeport_local": np_local, "nodeport_wired_program_ns": wired_ns, "map_write_ratio_to_raw": write_ratio,
+        "nodeport_wired": np_wired, "nodeport_local": np_local, "nodeport_paired": np_paired, "nodeport_wired_program_ns": wired_ns, "map_write_ratio_to_raw": write_ratio,
         "change_latency_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "samples": lat},
         "agent_rss_mib": rss,
         "program_ns": {"small": prog_ns[0], "large": prog_ns[1]},
