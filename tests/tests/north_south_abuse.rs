@@ -174,7 +174,10 @@ fn a_forged_rst_does_not_end_a_live_flow_and_a_reused_port_gets_a_new_flow() -> 
     // One source port, five connections in a row, each closed with a RST:
     // each is a new flow (the closed one is replaced), none hangs.
     let s = w.c.probe(&w.outside, &["tcp", "--addr", &np, "--count", "5", "--sport", "41000", "--linger0", "--timeout-ms", "1000"])?;
-    assert_eq!(s.ok, 5, "{s:?}");
+    // (Failed once in a full run, one ETIMEDOUT, not reproduced in 1,800
+    // such connections under a concurrent SYN flood: what the table held
+    // is shown if it happens again.)
+    assert_eq!(s.ok, 5, "{s:?}; the client's flows now: {:?}", flows_from(&w.c, client)?);
     Ok(())
 }
 
