@@ -478,7 +478,12 @@ pub mod stats {
     /// XDP, `--nodeport-acceleration xdp`: packets of established SNATed
     /// flows translated and sent back out (XDP_TX) before the stack.
     pub const FWD_XDP: u32 = 20;
-    pub const COUNT: u32 = 21;
+    /// connect: the kernel refused the socket its storage (the socket's
+    /// optmem limit, `net.core.optmem_max`, or the memory cgroup the maps
+    /// are charged to at its limit); the translation went into the socket
+    /// rev-NAT LRU instead, which can evict it.
+    pub const SOCK_STORAGE_FAILED: u32 = 21;
+    pub const COUNT: u32 = 22;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -501,6 +506,7 @@ pub mod stats {
         "dsr_sent",
         "dsr_received",
         "forwarded_xdp",
+        "sock_storage_failed",
     ];
 }
 

@@ -44,20 +44,22 @@ static LB_SOCK_UDP: HashMap<u64, SockXlate, { capacity::SOCK_REVNAT as usize }, 
 
 const EADDRINUSE: i32 = 98;
 
-/// Remember a connected socket's translation in its storage. (Its own
-/// frame: a leaf, so that the hooks' frames stay small for the monitor and
-/// log calls below them.)
+/// Remember a connected socket's translation in its storage; false when
+/// the kernel refused the storage. (Its own frame: a leaf, so that the
+/// hooks' frames stay small for the monitor and log calls below them.)
 #[inline(never)]
-fn track(ctx: &SockAddrContext, x: &SockXlate) {
+fn track(ctx: &SockAddrContext, x: &SockXlate) -> bool {
     let x = *x;
     let mut v = x;
     // SAFETY: ctx is this program's context; the helper checks the socket.
     let p = unsafe { LB_SOCK_XLATE.get_or_insert_ptr_mut(ctx, Some(&mut v)) };
-    if !p.is_null() {
-        // An earlier connect of this socket (UDP may connect again).
-        // SAFETY: p points to this socket's storage.
-        unsafe { core::ptr::write_volatile(p, x) };
+    if p.is_null() {
+        return false;
     }
+    // An earlier connect of this socket (UDP may connect again).
+    // SAFETY: p points to this socket's storage.
+    unsafe { core::ptr::write_volatile(p, x) };
+    true
 }
 
 /// The translation connect gave this socket; `family` 0 when none. (Not an
@@ -89,21 +91,28 @@ fn narrow4(w: &[u8; 16]) -> [u8; 4] {
 /// Remember where connect (stable = false: the socket's storage) or an
 /// unconnected datagram (the LRU, by cookie) went. A connected UDP socket
 /// goes into `LB_SOCK_UDP` too (sock_diag reports storage only with TCP
-/// sockets), or, that table full, into the LRU as before. `lru` writes the
-/// LRU entry of the family (`lb::remember4` or `lb::remember6`); `x` is the
-/// storage value.
+/// sockets), or, that table full, into the LRU as before. A socket the
+/// kernel refuses storage (its optmem limit, or the maps' memory cgroup
+/// at its limit) goes into the LRU, counted: getpeername, recvmsg and the
+/// destroyer look there next. `lru` writes the LRU entry of the family
+/// (`lb::remember4` or `lb::remember6`); `x` is the storage value.
 #[inline(always)]
 fn remember(ctx: &SockAddrContext, stable: bool, proto: u8, cookie: u64, lru: impl FnOnce(u64), x: &SockXlate) {
     if stable {
         lru(cookie);
         return;
     }
-    track(ctx, x);
-    if proto == PROTO_UDP {
-        let c = self::cookie(ctx);
-        if !track_udp(c, x) {
-            lru(c);
-        }
+    let stored = track(ctx, x);
+    if stored && proto != PROTO_UDP {
+        return;
+    }
+    let c = self::cookie(ctx);
+    let in_udp = proto == PROTO_UDP && track_udp(c, x);
+    if !stored {
+        lb::event(stats::SOCK_STORAGE_FAILED);
+    }
+    if !stored || !in_udp {
+        lru(c);
     }
 }
 

@@ -5,6 +5,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Result;
 use lbtest::objects::{Endpoint as E, SvcPort, service_ips, slice_of};
+use lbtest::world::datapath;
 use lbtest::{Cluster, Pod, Summary};
 
 const SP: &[SvcPort] = &[("http", 80, 8080, "TCP"), ("dns", 53, 8080, "UDP")];
@@ -273,47 +274,74 @@ fn a_full_services_map_leaves_every_existing_service_intact_and_names_the_one_th
 #[test]
 fn a_thousand_idle_sockets_keep_their_cluster_ip_through_churn_and_die_with_their_backend() -> Result<()> {
     let (c, p, client) = setup(&["pod-a", "pod-b"], &["--max-sock-revnat", "2048"])?;
+    hold_then_remove_pod_a(&c, &p, &client, 500, 500, || {
+        // More short connections than the LRU holds (with the LRU as the
+        // tracking table, these evicted the held sockets' entries).
+        let s = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "5000"])?;
+        assert_eq!(s.ok, 5000, "{s:?}");
+        // And more unconnected UDP sockets than the LRU holds (each
+        // datagram from a new socket is a new LRU entry): with the LRU as
+        // the table of connected UDP sockets, these evicted theirs, and the
+        // destroyer missed them.
+        let s = c.probe(&client, &["udp", "--addr", "10.96.0.10:53", "--count", "3000"])?;
+        assert_eq!(s.ok, 3000, "{s:?}");
+        // Every connected socket got its storage.
+        assert_eq!(datapath(&c, 1, "sock_storage_failed")?, 0);
+        Ok(())
+    })
+}
+
+/// A socket the kernel refuses storage (here its network namespace's
+/// `net.core.optmem_max` is below what the storage charges a socket; on a
+/// node, the memory cgroup the maps are charged to at its limit) is
+/// translated all the same: its translation goes into the socket rev-NAT
+/// LRU, counted as `sock_storage_failed`; it reports its ClusterIP, and the
+/// destroyer finds it there when its backend leaves.
+#[test]
+fn sockets_refused_their_storage_are_counted_and_still_report_their_cluster_ip_and_die_with_their_backend() -> Result<()> {
+    let (c, p, client) = setup(&["pod-a", "pod-b"], &[])?;
+    c.in_netns(&client.netns, &["sysctl", "-qw", "net.core.optmem_max=16"])?;
+    let before = datapath(&c, 1, "sock_storage_failed")?;
+    hold_then_remove_pod_a(&c, &p, &client, 20, 20, || {
+        assert_eq!(datapath(&c, 1, "sock_storage_failed")? - before, 40, "one for each held socket");
+        Ok(())
+    })
+}
+
+/// The connected UDP sockets in LB_SOCK_UDP.
+fn udp_socks(c: &Cluster) -> Result<usize> {
+    let pin = c.nodes[0].bpffs.join("LB_SOCK_UDP");
+    let dump = lbtest::run("bpftool", &["-j", "map", "dump", "pinned", pin.to_str().unwrap()])?;
+    Ok(serde_json::from_str::<serde_json::Value>(&dump)?.as_array().map_or(0, |a| a.len()))
+}
+
+/// Hold `tcp` TCP and `udp` connected UDP sockets to the Service from
+/// `client` (`lbprobe hold`), run `between`, then check: every held socket
+/// reports its ClusterIP (getpeername); each connected UDP socket is in
+/// LB_SOCK_UDP; when pod-a leaves, every socket to it is destroyed and
+/// every other one still works; closed, they leave LB_SOCK_UDP empty (the
+/// sock_release hook).
+fn hold_then_remove_pod_a(c: &Cluster, p: &[Pod], client: &Pod, tcp: usize, udp: usize, between: impl FnOnce() -> Result<()>) -> Result<()> {
     let dir = c.objects.parent().unwrap().join("hold");
     std::fs::create_dir_all(&dir)?;
-    let held = c.probe_bg(
-        &client,
-        &["hold", "--addr", "10.96.0.10:80", "--udp-addr", "10.96.0.10:53", "--tcp", "500", "--udp", "500", "--dir", dir.to_str().unwrap()],
-    )?;
-    c.wait_for("1,000 held sockets", Duration::from_secs(60), || Ok(dir.join("ready").exists()))?;
-    // More short connections than the LRU holds (with the LRU as the
-    // tracking table, these evicted the held sockets' entries).
-    let s = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "5000"])?;
-    assert_eq!(s.ok, 5000, "{s:?}");
-    // And more unconnected UDP sockets than the LRU holds (each datagram
-    // from a new socket is a new LRU entry): with the LRU as the table of
-    // connected UDP sockets, these evicted theirs, and the destroyer missed
-    // them.
-    let s = c.probe(&client, &["udp", "--addr", "10.96.0.10:53", "--count", "3000"])?;
-    assert_eq!(s.ok, 3000, "{s:?}");
+    let (t, u) = (tcp.to_string(), udp.to_string());
+    let held = c.probe_bg(client, &["hold", "--addr", "10.96.0.10:80", "--udp-addr", "10.96.0.10:53", "--tcp", &t, "--udp", &u, "--dir", dir.to_str().unwrap()])?;
+    c.wait_for("the held sockets", Duration::from_secs(60), || Ok(dir.join("ready").exists()))?;
+    between()?;
     std::fs::write(dir.join("churned"), "")?;
     c.wait_for("getpeername of every held socket", Duration::from_secs(30), || Ok(dir.join("checked").exists()))?;
-    // The 500 connected UDP sockets, each in LB_SOCK_UDP by cookie.
-    let udp_socks = || -> Result<usize> {
-        let pin = c.nodes[0].bpffs.join("LB_SOCK_UDP");
-        let dump = lbtest::run("bpftool", &["-j", "map", "dump", "pinned", pin.to_str().unwrap()])?;
-        Ok(serde_json::from_str::<serde_json::Value>(&dump)?.as_array().map_or(0, |a| a.len()))
-    };
-    assert_eq!(udp_socks()?, 500);
-    set_endpoints(&c, &[&p[1]])?;
+    assert_eq!(udp_socks(c)?, udp);
+    set_endpoints(c, &[&p[1]])?;
     std::fs::write(dir.join("removed"), "pod-a")?;
     let s = Cluster::finish(held)?;
     let n = |k: &str| s.replies.get(k).copied().unwrap_or(0);
-    assert_eq!(
-        s.peers,
-        [("10.96.0.10:80".to_string(), 500), ("10.96.0.10:53".to_string(), 500)].into(),
-        "every held socket reports its ClusterIP: {s:?}"
-    );
-    assert_eq!(n("held:pod-a") + n("held:pod-b"), 1000, "{s:?}");
-    assert!(n("held:pod-a") > 100 && n("held:pod-b") > 100, "{s:?}");
+    assert_eq!(s.peers, [("10.96.0.10:80".to_string(), tcp as u32), ("10.96.0.10:53".to_string(), udp as u32)].into(), "every held socket reports its ClusterIP: {s:?}");
+    let total = (tcp + udp) as u32;
+    assert_eq!(n("held:pod-a") + n("held:pod-b"), total, "{s:?}");
+    assert!(n("held:pod-a") > total / 10 && n("held:pod-b") > total / 10, "{s:?}");
     assert_eq!(n("cut:pod-a"), n("held:pod-a"), "every socket to the removed pod is destroyed: {s:?}");
     assert_eq!(n("alive:pod-b"), n("held:pod-b"), "every other socket still works: {s:?}");
     assert_eq!(n("stuck:pod-a") + n("lost:pod-b"), 0, "{s:?}");
-    // Closed, they took their entries with them (the sock_release hook).
-    c.wait_for("LB_SOCK_UDP empty", Duration::from_secs(5), || Ok(udp_socks()? == 0))?;
+    c.wait_for("LB_SOCK_UDP empty", Duration::from_secs(5), || Ok(udp_socks(c)? == 0))?;
     Ok(())
 }
