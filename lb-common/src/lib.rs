@@ -479,9 +479,9 @@ pub mod stats {
     /// flows translated and sent back out (XDP_TX) before the stack.
     pub const FWD_XDP: u32 = 20;
     /// connect: the kernel refused the socket its storage (the socket's
-    /// optmem limit, `net.core.optmem_max`, or the memory cgroup the maps
-    /// are charged to at its limit); the translation went into the socket
-    /// rev-NAT LRU instead, which can evict it.
+    /// optmem limit, `net.core.optmem_max`, or an allocation failure); the
+    /// translation went into the socket rev-NAT LRU instead, which can
+    /// evict it.
     pub const SOCK_STORAGE_FAILED: u32 = 21;
     pub const COUNT: u32 = 22;
     pub const NAMES: [&str; COUNT as usize] = [

@@ -92,8 +92,8 @@ fn narrow4(w: &[u8; 16]) -> [u8; 4] {
 /// unconnected datagram (the LRU, by cookie) went. A connected UDP socket
 /// goes into `LB_SOCK_UDP` too (sock_diag reports storage only with TCP
 /// sockets), or, that table full, into the LRU as before. A socket the
-/// kernel refuses storage (its optmem limit, or the maps' memory cgroup
-/// at its limit) goes into the LRU, counted: getpeername, recvmsg and the
+/// kernel refuses storage (its optmem limit, or an allocation failure)
+/// goes into the LRU, counted: getpeername, recvmsg and the
 /// destroyer look there next. `lru` writes the LRU entry of the family
 /// (`lb::remember4` or `lb::remember6`); `x` is the storage value.
 #[inline(always)]

@@ -69,6 +69,59 @@ fn cgroup2_root() -> Result<PathBuf> {
         .context("no cgroup2 mount")
 }
 
+/// A memory cgroup of the test's own, with a limit, in the hierarchy that
+/// holds the memory controller for this process (cgroup v1 on a hybrid
+/// host, else v2), below this process's own; removed on drop (after the
+/// processes in it have ended).
+pub struct MemCgroup {
+    pub dir: PathBuf,
+    usage_file: &'static str,
+}
+
+impl MemCgroup {
+    pub fn new(limit: u64) -> Result<Self> {
+        let own = std::fs::read_to_string("/proc/self/cgroup")?;
+        let v1 = own.lines().find_map(|l| {
+            let f: Vec<&str> = l.splitn(3, ':').collect();
+            (f.len() == 3 && f[1].split(',').any(|c| c == "memory")).then(|| f[2].to_string())
+        });
+        let name = format!("{PREFIX}-mem-{}-{}", std::process::id(), COUNTER.fetch_add(1, Ordering::SeqCst));
+        let (dir, limit_file, usage_file) = match v1 {
+            Some(path) => (Path::new("/sys/fs/cgroup/memory").join(path.trim_start_matches('/')).join(name), "memory.limit_in_bytes", "memory.usage_in_bytes"),
+            None => {
+                let path = own.lines().find_map(|l| l.strip_prefix("0::")).context("no cgroup v2 line in /proc/self/cgroup")?;
+                let parent = cgroup2_root()?.join(path.trim_start_matches('/'));
+                let ctl = std::fs::read_to_string(parent.join("cgroup.subtree_control")).unwrap_or_default();
+                if !ctl.split_whitespace().any(|c| c == "memory") {
+                    bail!("no memory controller below {}: its cgroup.subtree_control has no memory", parent.display());
+                }
+                (parent.join(name), "memory.max", "memory.current")
+            }
+        };
+        std::fs::create_dir(&dir).with_context(|| format!("create {}", dir.display()))?;
+        let m = MemCgroup { dir, usage_file };
+        std::fs::write(m.dir.join(limit_file), limit.to_string()).with_context(|| format!("set {limit_file}"))?;
+        Ok(m)
+    }
+
+    /// Bytes charged to the cgroup now.
+    pub fn usage(&self) -> Result<u64> {
+        Ok(std::fs::read_to_string(self.dir.join(self.usage_file))?.trim().parse()?)
+    }
+}
+
+impl Drop for MemCgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        eprintln!("could not remove {}", self.dir.display());
+    }
+}
+
 /// Make sure /sys/fs/bpf is a bpffs (idempotent).
 fn ensure_bpffs() -> Result<()> {
     let ok = Command::new("mountpoint").args(["-q", "/sys/fs/bpf"]).status()?.success();
@@ -221,6 +274,8 @@ struct AgentLaunch {
     /// No `--node-ip`: the agent takes the node's addresses from its
     /// interfaces.
     interface_addresses: bool,
+    /// Start the agent in this memory cgroup (its directory).
+    memory_cgroup: Option<PathBuf>,
 }
 
 /// Run `f` on a thread inside netns `netns` (None: this one): sockets it
@@ -819,6 +874,13 @@ impl Cluster {
         self.launch_agent(node, launch, extra)
     }
 
+    /// `start_agent_with`, the agent in memory cgroup `mem` (from its
+    /// first allocation: the maps it creates are charged there).
+    pub fn start_agent_in(&mut self, node: usize, mem: &MemCgroup, extra: &[&str]) -> Result<()> {
+        let launch = AgentLaunch { source: format!("dir:{}", self.objects.display()), memory_cgroup: Some(mem.dir.clone()), ..Default::default() };
+        self.launch_agent(node, launch, extra)
+    }
+
     /// `start_agent_from` with extra environment variables for the agent.
     pub fn start_agent_env(&mut self, node: usize, dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Result<()> {
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
@@ -870,6 +932,10 @@ impl Cluster {
         let f = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
         let mut cmd = Command::new("nsenter");
         cmd.arg(format!("--net=/run/netns/{}", n.netns)).arg("--");
+        if let Some(mem) = &launch.memory_cgroup {
+            // $0 is the cgroup's process list, "$@" what runs in it.
+            cmd.args(["sh", "-c", "echo $$ > \"$0\" && exec \"$@\""]).arg(mem.join("cgroup.procs"));
+        }
         if let Some(sa) = &launch.service_account {
             // $0 is the directory, "$@" the agent's command line.
             cmd.args(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c"])

@@ -121,6 +121,11 @@ fn the_daemon_set_runs_on_every_node_with_pinned_state_and_health() {
     let from = c.env_from.clone().unwrap();
     assert_eq!(from[0].config_map_ref.as_ref().unwrap().name, "lb-agent-config");
     assert_eq!(c.security_context.as_ref().unwrap().privileged, Some(true));
+    // No memory limit: the node's translated sockets are charged to the
+    // agent's cgroup (README: "The agent's memory limit").
+    let res = c.resources.as_ref().unwrap();
+    assert!(res.requests.as_ref().unwrap().contains_key("memory"));
+    assert!(res.limits.as_ref().is_none_or(|l| !l.contains_key("memory")), "{res:?}");
     let paths: BTreeSet<String> = vols.iter().filter_map(|v| v.host_path.as_ref().map(|h| h.path.clone())).collect();
     assert_eq!(paths, ["/sys/fs/bpf".to_string(), "/sys/fs/cgroup".to_string()].into());
 }

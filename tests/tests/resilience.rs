@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use anyhow::Result;
 use lbtest::objects::{Endpoint as E, SvcPort, service_ips, slice_of};
 use lbtest::world::datapath;
-use lbtest::{Cluster, Pod, Summary};
+use lbtest::{Cluster, MemCgroup, Pod, Summary};
 
 const SP: &[SvcPort] = &[("http", 80, 8080, "TCP"), ("dns", 53, 8080, "UDP")];
 const EP: &[(&str, u16, &str)] = &[("http", 8080, "TCP"), ("dns", 8080, "UDP")];
@@ -292,8 +292,8 @@ fn a_thousand_idle_sockets_keep_their_cluster_ip_through_churn_and_die_with_thei
 }
 
 /// A socket the kernel refuses storage (here its network namespace's
-/// `net.core.optmem_max` is below what the storage charges a socket; on a
-/// node, the memory cgroup the maps are charged to at its limit) is
+/// `net.core.optmem_max` is below what the storage charges a socket; or an
+/// allocation that fails under memory pressure) is
 /// translated all the same: its translation goes into the socket rev-NAT
 /// LRU, counted as `sock_storage_failed`; it reports its ClusterIP, and the
 /// destroyer finds it there when its backend leaves.
@@ -343,5 +343,46 @@ fn hold_then_remove_pod_a(c: &Cluster, p: &[Pod], client: &Pod, tcp: usize, udp:
     assert_eq!(n("alive:pod-b"), n("held:pod-b"), "every other socket still works: {s:?}");
     assert_eq!(n("stuck:pod-a") + n("lost:pod-b"), 0, "{s:?}");
     c.wait_for("LB_SOCK_UDP empty", Duration::from_secs(5), || Ok(udp_socks(c)? == 0))?;
+    Ok(())
+}
+
+/// The kernel charges each translated socket's storage to the memory
+/// cgroup of the agent that created lb's maps, not to the socket's owner
+/// (and past its limit: a charge from a BPF program is forced); so an agent
+/// under a memory limit says at start that the node's connections count
+/// against it, and about how many fit.
+#[test]
+fn an_agent_under_a_memory_limit_warns_that_the_nodes_translated_sockets_count_against_it() -> Result<()> {
+    let mem = MemCgroup::new(1 << 30)?;
+    let (mut c, p, client) = Cluster::one_node(&["pod-a"])?;
+    c.write_object("svc.yaml", &service_ips("web", &[VIP], SP, ""))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::ready(&p[0].ip, "node-1")]))?;
+    c.start_agent_in(1, &mem, &[])?;
+    c.wait_programmed(VIP, 80, "TCP", Some(&[be(&p[0]).as_str()]))?;
+    let log = std::fs::read_to_string(c.agent_log(1))?;
+    let warning = log.lines().find(|l| l.contains("this agent runs under a memory limit")).unwrap_or_else(|| panic!("no warning: {log}"));
+    assert!(warning.contains("limit_mib=1024") && warning.contains("about 384 bytes each"), "{warning}");
+    // 5,000 sockets held open straight to the pod, then as many through
+    // the ClusterIP: only the second set is charged to the agent's cgroup.
+    let mut grew = Vec::new();
+    for (name, addr) in [("direct", be(&p[0])), ("clusterip", format!("{VIP}:80"))] {
+        let dir = c.objects.parent().unwrap().join(format!("hold-{name}"));
+        std::fs::create_dir_all(&dir)?;
+        let before = mem.usage()?;
+        let held = c.probe_bg(&client, &["hold", "--addr", &addr, "--udp-addr", &be(&p[0]), "--tcp", "5000", "--udp", "0", "--dir", dir.to_str().unwrap()])?;
+        c.wait_for("the held sockets", Duration::from_secs(60), || Ok(dir.join("ready").exists()))?;
+        grew.push(mem.usage()? as i64 - before as i64);
+        std::fs::write(dir.join("churned"), "")?;
+        c.wait_for("getpeername of every held socket", Duration::from_secs(30), || Ok(dir.join("checked").exists()))?;
+        std::fs::write(dir.join("removed"), "nobody")?;
+        let s = Cluster::finish(held)?;
+        assert_eq!(s.peers.values().sum::<u32>(), 5000, "{s:?}");
+    }
+    // 384 bytes each: 1,920,000 for 5,000 sockets. The cgroup's usage moves
+    // in batches of 64 pages per CPU (charges are taken ahead), and the
+    // agent allocates a little meanwhile: a margin of 2 batches per CPU.
+    let slack = 2 * 2 * (256 << 10);
+    assert!(grew[0] < slack, "sockets straight to the pod charge the agent nothing: {grew:?}");
+    assert!(grew[1] - grew[0] > 1_920_000 - slack, "5,000 translated sockets charge the agent's cgroup: {grew:?}");
     Ok(())
 }

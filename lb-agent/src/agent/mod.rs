@@ -224,6 +224,18 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         }
     }
     let nat_left = spawn_nat_gc(&cfg)?;
+    if let Some((limit, usage)) = loader::memory_limit() {
+        let room = limit.saturating_sub(usage) / loader::SOCK_STORAGE_BYTES;
+        tracing::warn!(
+            limit_mib = limit >> 20,
+            usage_mib = usage >> 20,
+            "this agent runs under a memory limit: the kernel charges every translated socket's storage on this node \
+             (about {} bytes each) to the memory cgroup of the agent that created lb's maps, past its limit; about {room} \
+             more open connections through Services on this node reach the limit, and the agent is then OOM-killed; \
+             lb's DaemonSet sets no memory limit: remove it, or size it for the node's connections",
+            loader::SOCK_STORAGE_BYTES
+        );
+    }
     if adopted {
         tracing::info!(
             frontends = v4.index.frontends() + v6.index.frontends(),

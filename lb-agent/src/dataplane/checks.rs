@@ -1,6 +1,7 @@
 //! What the node must offer before anything loads, each failure one clear
 //! line: root, the capabilities, a bpffs (by file system type), a cgroup v2
-//! directory (with the hybrid-host hint).
+//! directory (with the hybrid-host hint); and this process's memory limit,
+//! which the node's translated sockets count against.
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -86,4 +87,99 @@ pub fn check_cgroup(dir: &Path) -> Result<()> {
         );
     }
     bail!("no cgroup v2: {} is not a cgroup v2 directory", dir.display())
+}
+
+/// What the kernel charges for one translated socket's storage
+/// (`LB_SOCK_XLATE`; Linux 6.18: a 192-byte element and the socket's
+/// 192-byte `bpf_local_storage`). BPF map memory is charged to the memory
+/// cgroup of the process that created the map, whichever process's socket
+/// it serves, and a charge made from a BPF program is forced past the
+/// limit (an atomic allocation): the cgroup goes over, and its own next
+/// allocation reclaims or meets the OOM killer.
+pub const SOCK_STORAGE_BYTES: u64 = 384;
+
+/// This process's memory cgroup limit and usage in bytes (None: no limit),
+/// from /proc/self/cgroup and the memory controller's files (cgroup v1 or v2).
+pub fn memory_limit() -> Option<(u64, u64)> {
+    let cgroup = fs::read_to_string("/proc/self/cgroup").ok()?;
+    memory_limit_in(&cgroup, |p| fs::read_to_string(p).ok())
+}
+
+/// `memory_limit` from a /proc/self/cgroup text, reading files with `read`.
+/// The memory controller on a v1 hierarchy (a hybrid host) comes first;
+/// each path is tried as seen from the host, then as the root of a
+/// container's own cgroup mount.
+pub fn memory_limit_in(cgroup: &str, read: impl Fn(&Path) -> Option<String>) -> Option<(u64, u64)> {
+    let v1 = cgroup.lines().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+        controllers.split(',').any(|c| c == "memory").then_some(path)
+    });
+    let (base, path, limit, usage) = match v1 {
+        Some(path) => ("/sys/fs/cgroup/memory", path, "memory.limit_in_bytes", "memory.usage_in_bytes"),
+        None => ("/sys/fs/cgroup", cgroup.lines().find_map(|l| l.strip_prefix("0::"))?, "memory.max", "memory.current"),
+    };
+    for dir in [Path::new(base).join(path.trim_start_matches('/')), PathBuf::from(base)] {
+        let Some(l) = read(&dir.join(limit)) else { continue };
+        let l = l.trim();
+        // v2 says "max"; v1 a number of the order of 2^63 (no limit).
+        let l: u64 = l.parse().ok().filter(|l| *l < 1 << 62)?;
+        let u = read(&dir.join(usage)).and_then(|u| u.trim().parse().ok()).unwrap_or(0);
+        return Some((l, u));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn files(f: &[(&str, &str)]) -> impl Fn(&Path) -> Option<String> {
+        let m: HashMap<PathBuf, String> = f.iter().map(|(p, v)| (PathBuf::from(p), v.to_string())).collect();
+        move |p| m.get(p).cloned()
+    }
+
+    #[test]
+    fn a_v2_limit_and_its_usage() {
+        let r = files(&[("/sys/fs/cgroup/kubepods/pod1/c1/memory.max", "268435456\n"), ("/sys/fs/cgroup/kubepods/pod1/c1/memory.current", "1048576\n")]);
+        assert_eq!(memory_limit_in("0::/kubepods/pod1/c1\n", r), Some((268435456, 1048576)));
+    }
+
+    #[test]
+    fn no_v2_limit() {
+        let r = files(&[("/sys/fs/cgroup/a/memory.max", "max\n")]);
+        assert_eq!(memory_limit_in("0::/a\n", r), None);
+    }
+
+    #[test]
+    fn a_container_sees_its_own_cgroup_at_the_mount_root() {
+        // cgroup namespace: /proc/self/cgroup says "/", or a host path the
+        // container's mount does not show.
+        let r = files(&[("/sys/fs/cgroup/memory.max", "1000\n"), ("/sys/fs/cgroup/memory.current", "10\n")]);
+        assert_eq!(memory_limit_in("0::/\n", &r), Some((1000, 10)));
+        assert_eq!(memory_limit_in("0::/kubepods/x\n", &r), Some((1000, 10)));
+    }
+
+    #[test]
+    fn the_v1_memory_controller_of_a_hybrid_host_comes_first() {
+        let cg = "4:memory:/process_api/x\n3:cpu,cpuacct:/y\n0::/\n";
+        let r = files(&[
+            ("/sys/fs/cgroup/memory/process_api/x/memory.limit_in_bytes", "524288\n"),
+            ("/sys/fs/cgroup/memory/process_api/x/memory.usage_in_bytes", "4096\n"),
+            ("/sys/fs/cgroup/memory.max", "1\n"),
+        ]);
+        assert_eq!(memory_limit_in(cg, r), Some((524288, 4096)));
+        // v1 with no limit: a page-rounded 2^63.
+        let r = files(&[("/sys/fs/cgroup/memory/process_api/x/memory.limit_in_bytes", "9223372036854771712\n")]);
+        assert_eq!(memory_limit_in(cg, r), None);
+    }
+
+    #[test]
+    fn nothing_readable_is_no_limit() {
+        assert_eq!(memory_limit_in("0::/a\n", files(&[])), None);
+        assert_eq!(memory_limit_in("", files(&[])), None);
+        let r = files(&[("/sys/fs/cgroup/a/memory.max", "garbage\n")]);
+        assert_eq!(memory_limit_in("0::/a\n", r), None);
+    }
 }
