@@ -361,7 +361,7 @@ fn an_agent_under_a_memory_limit_warns_that_the_nodes_translated_sockets_count_a
     c.wait_programmed(VIP, 80, "TCP", Some(&[be(&p[0]).as_str()]))?;
     let log = std::fs::read_to_string(c.agent_log(1))?;
     let warning = log.lines().find(|l| l.contains("this agent runs under a memory limit")).unwrap_or_else(|| panic!("no warning: {log}"));
-    assert!(warning.contains("limit_mib=1024") && warning.contains("about 384 bytes each"), "{warning}");
+    assert!(warning.contains("limit_mib=1024") && warning.contains("about 384 bytes each") && warning.contains("up to 60 MiB"), "{warning}");
     // 5,000 sockets held open straight to the pod, then as many through
     // the ClusterIP: only the second set is charged to the agent's cgroup.
     let mut grew = Vec::new();

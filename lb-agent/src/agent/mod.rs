@@ -226,11 +226,13 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let nat_left = spawn_nat_gc(&cfg)?;
     if let Some((limit, usage)) = loader::memory_limit() {
         let room = limit.saturating_sub(usage) / loader::SOCK_STORAGE_BYTES;
+        let nat_full_mib = (cfg.capacity.nat as u64 * (loader::NAT_ENTRY_BYTES[0] + loader::NAT_ENTRY_BYTES[1])) >> 20;
         tracing::warn!(
             limit_mib = limit >> 20,
             usage_mib = usage >> 20,
             "this agent runs under a memory limit: the kernel charges every translated socket's storage on this node \
-             (about {} bytes each) to the memory cgroup of the agent that created lb's maps, past its limit; about {room} \
+             (about {} bytes each) and the NAT entries of outside flows (up to {nat_full_mib} MiB with both tables \
+             full, --max-nat) to the memory cgroup of the agent that created lb's maps, past its limit; about {room} \
              more open connections through Services on this node reach the limit, and the agent is then OOM-killed; \
              lb's DaemonSet sets no memory limit: remove it, or size it for the node's connections",
             loader::SOCK_STORAGE_BYTES

@@ -98,6 +98,11 @@ pub fn check_cgroup(dir: &Path) -> Result<()> {
 /// allocation reclaims or meets the OOM killer.
 pub const SOCK_STORAGE_BYTES: u64 = 384;
 
+/// The same for one entry of the NAT tables of outside flows (two per
+/// flow), allocated as flows arrive (`BPF_F_NO_PREALLOC`): a 48-byte hash
+/// element with its key and value, IPv4 and IPv6 (Linux 6.18 sizes).
+pub const NAT_ENTRY_BYTES: [u64; 2] = [96, 144];
+
 /// This process's memory cgroup limit and usage in bytes (None: no limit),
 /// from /proc/self/cgroup and the memory controller's files (cgroup v1 or v2).
 pub fn memory_limit() -> Option<(u64, u64)> {

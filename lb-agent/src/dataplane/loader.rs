@@ -19,7 +19,7 @@ use lb_common::maps;
 
 use super::maps::Maps;
 pub use super::bpflog::{BpfLog, BpfLogSink};
-pub use super::checks::{SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_root, memory_limit};
+pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_root, memory_limit};
 pub use super::upgrade::pin_path;
 use super::upgrade::{LAYOUT_MARKER, NEXT, carry_state, expected_layout, incompatible, layout_version, mark_layout};
 
