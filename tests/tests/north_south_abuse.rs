@@ -174,10 +174,22 @@ fn a_forged_rst_does_not_end_a_live_flow_and_a_reused_port_gets_a_new_flow() -> 
     // One source port, five connections in a row, each closed with a RST:
     // each is a new flow (the closed one is replaced), none hangs.
     let s = w.c.probe(&w.outside, &["tcp", "--addr", &np, "--count", "5", "--sport", "41000", "--linger0", "--timeout-ms", "1000"])?;
-    // (Failed once in a full run, one ETIMEDOUT, not reproduced in 1,800
-    // such connections under a concurrent SYN flood: what the table held
-    // is shown if it happens again.)
-    assert_eq!(s.ok, 5, "{s:?}; the client's flows now: {:?}", flows_from(&w.c, client)?);
+    // (Failed twice in full runs, one ETIMEDOUT each, the second time in
+    // the XDP pass with the new flow unreplied after 1 s; not reproduced
+    // in 1,800 such connections under a concurrent SYN flood nor in 10
+    // runs of this suite with XDP. What the table, pod-2's sockets and the
+    // nodes' counters held is shown if it happens again.)
+    if s.ok != 5 {
+        let ss = w.c.in_netns(&w.p2.netns, &["ss", "-tanoi"]).unwrap_or_else(|e| e.to_string());
+        let counters: Vec<String> = [1, 2]
+            .iter()
+            .map(|&n| {
+                let (_, m) = w.c.http(n, "127.0.0.1:10249", "/metrics").unwrap_or_default();
+                m.lines().filter(|l| l.starts_with("lb_datapath_events_total") && !l.ends_with(" 0")).collect::<Vec<_>>().join(" ")
+            })
+            .collect();
+        panic!("{s:?}; the client's flows now: {:?}; pod-2's sockets: {ss}; node counters: {counters:?}", flows_from(&w.c, client)?);
+    }
     Ok(())
 }
 
