@@ -195,7 +195,11 @@ fn a_forged_rst_does_not_end_a_live_flow_and_a_reused_port_gets_a_new_flow() -> 
                 m.lines().filter(|l| l.starts_with("lb_datapath_events_total") && !l.ends_with(" 0")).collect::<Vec<_>>().join(" ")
             })
             .collect();
-        eprintln!(
+        // Straight to the process's stderr: the test harness keeps what
+        // eprintln! writes from a test that passes.
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr(),
             "port reuse took {took:?}: {s:?}; the client's flows now: {:?}; pod-2's sockets: {ss}; pod-2's TCP counters: {}; the client's: {}; node counters: {counters:?}",
             flows_from(&w.c, client)?,
             tcp_stats(&w.p2.netns),
