@@ -110,7 +110,10 @@ enum Cmd {
         /// stack's routing, netfilter FORWARD and neighbour output (TTL
         /// decremented as a router does). Packets the lookup cannot place
         /// (local delivery, no route, too big) still go through the stack.
-        #[arg(long)]
+        /// The replies of backends on this node are forwarded from a TC
+        /// program on each pod device (every veth that is not a NodePort
+        /// interface). `--bpf-forward=false` is the default.
+        #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
         bpf_forward: bool,
         /// Run the NodePort / LoadBalancer IP / externalIP path at XDP too
         /// (xdp): packets of established SNATed flows are translated and

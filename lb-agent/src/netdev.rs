@@ -79,6 +79,9 @@ pub struct Link {
     pub has_master: bool,
     pub up: bool,
     pub loopback: bool,
+    /// The kernel's index: a device removed and created again under the
+    /// same name has a new one.
+    pub ifindex: u32,
 }
 
 /// Every device of this network namespace.
@@ -116,6 +119,7 @@ fn link_of(l: &LinkMessage) -> Link {
         has_master: false,
         up: l.header.flags.contains(LinkFlags::Up),
         loopback: l.header.flags.contains(LinkFlags::Loopback),
+        ifindex: l.header.index,
     };
     for a in &l.attributes {
         match a {
@@ -184,12 +188,27 @@ pub fn nodeport_devices(links: &[Link], addrs: &[(String, IpAddr)], node_addrs: 
     v
 }
 
+/// Where the pod program (`lb_pod_ingress`, with `--bpf-forward`) goes:
+/// the host end of every pod's veth, routed (Calico's `cali*`, Cilium's
+/// `lxc*`) or a bridge port (Flannel's and the bridge plugin's `veth*` on
+/// `cni0`): every up veth that is not a NodePort device (`nodeport`; a
+/// netns node's uplink is a veth too). Name and index.
+pub fn pod_devices(links: &[Link], nodeport: &[String]) -> Vec<(String, u32)> {
+    let mut v: Vec<(String, u32)> = links
+        .iter()
+        .filter(|l| l.up && !l.loopback && l.kind.as_deref() == Some("veth") && !nodeport.contains(&l.name))
+        .map(|l| (l.name.clone(), l.ifindex))
+        .collect();
+    v.sort();
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn link(name: &str, kind: Option<&str>) -> Link {
-        Link { name: name.into(), kind: kind.map(Into::into), has_master: false, up: true, loopback: false }
+        Link { name: name.into(), kind: kind.map(Into::into), has_master: false, up: true, loopback: false, ifindex: 7 }
     }
 
     #[test]
@@ -223,6 +242,27 @@ mod tests {
         // address), the bridge, bridge ports, the dummy, the L3 tunnel, a
         // down device, a bond slave.
         assert_eq!(nodeport_devices(&links, &addrs, &[node]), ["bond0", "eth0", "eth1", "vx0"]);
+    }
+
+    #[test]
+    fn pod_devices_are_the_veths_that_carry_no_node_port() {
+        let links = vec![
+            Link { loopback: true, ..link("lo", None) },
+            Link { ifindex: 2, ..link("eth0", Some("veth")) },
+            link("eth1", None),
+            link("cni0", Some("bridge")),
+            Link { has_master: true, ifindex: 10, ..link("veth10", Some("veth")) },
+            Link { ifindex: 11, ..link("cali11", Some("veth")) },
+            Link { up: false, ..link("cali12", Some("veth")) },
+            link("vx0", Some("vxlan")),
+            link("lb-dummy", Some("dummy")),
+        ];
+        // eth0 is the node's uplink (a NodePort device); a bridge port and a
+        // routed veth are pod devices; a down veth, the bridge itself, NICs,
+        // overlays and dummies are not.
+        let nodeport = ["eth0".to_string(), "eth1".to_string(), "vx0".to_string()];
+        assert_eq!(pod_devices(&links, &nodeport), [("cali11".to_string(), 11), ("veth10".to_string(), 10)]);
+        assert_eq!(pod_devices(&links, &[]).len(), 3, "without NodePort devices the uplink veth counts");
     }
 
     #[test]

@@ -205,6 +205,13 @@ pub fn xdp_from_env() -> bool {
     std::env::var("LB_NODEPORT_ACCELERATION").is_ok_and(|v| v == "xdp")
 }
 
+/// `LB_BPF_FORWARD=1`: every agent forwards translated outside traffic in
+/// BPF (`--bpf-forward`; the XDP pass of `cargo xtask test` sets it, as
+/// XDP acceleration is meant to run with it).
+pub fn bpf_forward_from_env() -> bool {
+    std::env::var("LB_BPF_FORWARD").is_ok_and(|v| v == "1")
+}
+
 /// No IPv6 duplicate address detection in a test netns: a link-local
 /// address stays tentative for a second after its link comes up, and the
 /// first packets to a new neighbour are lost meanwhile.
@@ -972,6 +979,8 @@ impl Cluster {
             } else {
                 vec![]
             })
+            // ... and with forwarding in BPF.
+            .args(if bpf_forward_from_env() && !extra.iter().any(|a| a.starts_with("--bpf-forward")) { vec!["--bpf-forward"] } else { vec![] })
             .args(extra)
             .env("RUST_LOG", std::env::var("LB_AGENT_RUST_LOG").unwrap_or_else(|_| "info".into()))
             .env("NO_COLOR", "1");

@@ -3,9 +3,13 @@
 //! routing and netfilter FORWARD path. Proven by iptables FORWARD counters
 //! on node-1 that stay at zero for what BPF forwards, on both families, and
 //! by the TTL it takes as a router does; and
-//! by what still goes through the stack: replies of local pods (they do
-//! not pass lb's TC ingress) and a hostNetwork endpoint (local delivery).
+//! by what still goes through the stack: a hostNetwork endpoint (local
+//! delivery). Replies of local pods are forwarded by the pod program on
+//! their devices (`lb_pod_ingress`), also on a pod that comes later.
+use std::time::Duration;
+
 use anyhow::Result;
+use lbtest::Pod;
 use lbtest::objects::Endpoint as E;
 use lbtest::world::*;
 
@@ -50,21 +54,85 @@ fn translated_outside_traffic_skips_the_stacks_forwarding_path() -> Result<()> {
         assert_eq!(s.ok, 0, "{addr}, 2 hops: node-1 counts one: {s:?}");
     }
 
-    // A local pod: the requests are forwarded in BPF, its replies (which
-    // leave through the stack and are translated on egress) are not.
+    // A local pod: the requests are forwarded in BPF by the NodePort
+    // program, its replies by the pod program on its device
+    // (lb_pod_ingress): neither passes FORWARD.
     set_endpoints(&w, &[(&w.p1, E::ready)])?;
     wait_only(&w.c, NODE1, 30080, &w.p1)?;
     wait_only(&w.c, NODE1_6, 30080, &w.p1)?;
+    let local_pod = |w: &World, pod: &Pod| -> Result<()> {
+        count_forwarding(w)?;
+        let before = in_bpf(w)?;
+        for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080)] {
+            let s = tcp(&w.c, &w.outside, &addr, 10)?;
+            assert_eq!(s.ok, 10, "{addr}: {s:?}");
+            assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr.as_str()], "replies come from the frontend: {s:?}");
+            let client = if addr.starts_with('[') { CLIENT6 } else { CLIENT };
+            assert_eq!(keys(&s), [format!("{} {client}", pod.name).as_str()].into(), "the local pod sees the client: {s:?}");
+            let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "10"])?;
+            assert_eq!(s.ok, 10, "{addr}: {s:?}");
+        }
+        assert_eq!(forwarded(w)?, (0, 0), "{}: requests and replies skip node-1's FORWARD chain", pod.name);
+        // 2 x 10 TCP flows of at least 3 packets each way, 2 x 10 datagrams each way.
+        let n = in_bpf(w)? - before;
+        assert!(n >= 2 * (10 * 3 * 2 + 10 * 2), "{}: packets forwarded in BPF: {n}", pod.name);
+        Ok(())
+    };
+    local_pod(&w, &w.p1)?;
+
+    // A pod that comes after the agent: its device gets the pod program at
+    // the sync its endpoint brings. When the device goes, its pin goes too.
+    let p3 = w.c.add_pod(1, "pod-3")?;
+    w.c.serve_reporting_peer(&p3, 8080)?;
+    set_endpoints(&w, &[(&p3, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &p3)?;
+    wait_only(&w.c, NODE1_6, 30080, &p3)?;
+    local_pod(&w, &p3)?;
+    let dev = |p: &Pod| format!("v{}", p.ip.rsplit('.').next().unwrap_or_default());
+    // Asked of the kernel: TCX links (this bpftool does not list them),
+    // else netlink filters. TCX links are pinned too.
+    let tcx = std::env::var("LB_TC_ATTACH").map_or(true, |m| m != "netlink");
+    let links = w.c.nodes[0].bpffs.join("links");
+    let on_dev = |w: &World, p: &Pod| -> Result<bool> {
+        let node = &w.c.nodes[0].netns;
+        if tcx {
+            use aya::programs::{SchedClassifier, TcAttachType};
+            let (_, progs) = lbtest::with_netns(Some(node), || Ok(SchedClassifier::query_tcx(&dev(p), TcAttachType::Ingress)?))?;
+            return Ok(progs.iter().any(|i| i.name_as_str() == Some("lb_pod_ingress")));
+        }
+        Ok(w.c.in_netns(node, &["bpftool", "net", "show", "dev", &dev(p)])?.contains("lb_pod_ingress"))
+    };
+    assert!(on_dev(&w, &p3)?, "the pod program on {}", dev(&p3));
+    assert_eq!(links.join(format!("lb_pod_ingress_{}", dev(&p3))).exists(), tcx, "pinned with TCX");
+    let pin = links.join(format!("lb_pod_ingress_{}", dev(&p3)));
+    w.c.in_netns(&w.c.nodes[0].netns, &["ip", "link", "del", &dev(&p3)])?;
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    w.c.wait_for("the pin of the pod device that went away removed", Duration::from_secs(10), || Ok(!pin.exists()))?;
+
+    // An agent started without --bpf-forward takes the pod program off:
+    // the local pod's replies go through the stack again.
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--bpf-forward=false"])?;
+    let pod_pins = || -> Result<Vec<String>> {
+        Ok(std::fs::read_dir(&links)?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("lb_pod_ingress_"))
+            .collect())
+    };
+    assert_eq!(pod_pins()?, Vec::<String>::new(), "no pod program without --bpf-forward");
+    assert!(!on_dev(&w, &w.p1)?, "no pod program on {} without --bpf-forward", dev(&w.p1));
     count_forwarding(&w)?;
-    for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080)] {
-        let s = tcp(&w.c, &w.outside, &addr, 10)?;
-        assert_eq!(s.ok, 10, "{addr}: {s:?}");
-        let client = if addr.starts_with('[') { CLIENT6 } else { CLIENT };
-        assert_eq!(keys(&s), [format!("pod-1 {client}").as_str()].into(), "the local pod sees the client: {s:?}");
-    }
-    let (to_pods, to_client) = forwarded(&w)?;
-    assert_eq!(to_pods, 0, "requests to the local pod skip FORWARD");
-    assert!(to_client >= 2 * 10 * 3, "the local pod's replies go through the stack: {to_client}");
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    let (_, to_client) = forwarded(&w)?;
+    assert!(to_client >= 10 * 3, "without --bpf-forward the local pod's replies go through the stack: {to_client}");
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--bpf-forward"])?;
+    w.c.wait_for("the pod program back on pod-1's device", Duration::from_secs(10), || on_dev(&w, &w.p1))?;
+    assert_eq!(pod_pins()?, if tcx { vec![format!("lb_pod_ingress_{}", dev(&w.p1))] } else { vec![] }, "node-1 has pod-1 left");
+    local_pod(&w, &w.p1)?;
 
     // A hostNetwork endpoint on node-1: the lookup says "local", the stack
     // delivers it.

@@ -217,6 +217,10 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     if let Err(e) = crate::nodeport::reserve_ports(cfg.nodeport_range.0, cfg.nodeport_range.1, &cfg.bpffs) {
         tracing::warn!("cannot reserve the NodePort range for local ports: {e:#}");
     }
+    let forward = cfg.node_flags & lb_common::node_flags::BPF_FORWARD != 0;
+    if !forward {
+        tc.drop_pod_programs();
+    }
     // During an upgrade the programs attach once the new maps are filled.
     if upgrade.is_none() {
         for iface in &cfg.nodeport_interfaces {
@@ -412,10 +416,25 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         // flows arrive, unless told, once some Service takes traffic from
         // outside: until then there is no per-packet work at all. Devices
         // that appear later are picked up at the next sync.
-        if upgrade.is_none() && cfg.nodeport_interfaces.is_empty() && rec.has_external {
-            for iface in crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses) {
-                if let Err(e) = tc.attach_tc(&iface) {
-                    tracing::error!("{e:#}");
+        if upgrade.is_none() && rec.has_external {
+            let nodeport = if cfg.nodeport_interfaces.is_empty() {
+                let found = crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses);
+                for iface in &found {
+                    if let Err(e) = tc.attach_tc(iface) {
+                        tracing::error!("{e:#}");
+                    }
+                }
+                found
+            } else {
+                cfg.nodeport_interfaces.clone()
+            };
+            // With --bpf-forward, the replies of local backends are
+            // forwarded from the pod devices (new pods' devices are picked
+            // up here, at the sync their endpoints bring).
+            if forward {
+                match crate::netdev::links() {
+                    Ok(links) => tc.sync_pod_devices(&crate::netdev::pod_devices(&links, &nodeport)),
+                    Err(e) => tracing::warn!("cannot list network devices for the pod program: {e:#}"),
                 }
             }
         }

@@ -6,7 +6,8 @@
 //!   DIR/<MAP>          every map, reused by the next agent
 //!   DIR/links/<PROG>   the cgroup links; they keep the programs attached
 //!                      while no agent runs
-//!   DIR/links/<PROG>_<IFACE>  the TCX and XDP links of a NodePort device
+//!   DIR/links/<PROG>_<IFACE>  the TCX and XDP links of a NodePort device,
+//!                      and of a pod device (`lb_pod_ingress`)
 use std::collections::BTreeSet;
 use std::fs;
 use std::os::fd::AsFd as _;
@@ -49,7 +50,11 @@ pub const TC_PROGRAMS: [(&str, TcAttachType); 2] =
 /// interface beside the TC programs.
 pub const XDP_PROGRAM: &str = "lb_nodeport_xdp";
 
-/// The programs whose links are pinned per device (`<PROG>_<IFACE>`).
+/// The TC program on the pod devices with `--bpf-forward` (ingress: what
+/// the pod sends), which forwards the replies of local backends.
+pub const POD_PROGRAM: &str = "lb_pod_ingress";
+
+/// The programs whose links are pinned per NodePort device (`<PROG>_<IFACE>`).
 fn device_programs() -> impl Iterator<Item = &'static str> {
     TC_PROGRAMS.iter().map(|(p, _)| *p).chain([XDP_PROGRAM])
 }
@@ -117,6 +122,9 @@ pub struct Tc {
     ebpf: Ebpf,
     bpffs: PathBuf,
     attached: std::collections::BTreeSet<String>,
+    /// The pod devices `POD_PROGRAM` is attached to, by name, with the
+    /// index the device had then (a name may come back on a new device).
+    pods: std::collections::BTreeMap<String, u32>,
     /// Held for the agent's lifetime: one agent per --bpffs.
     _lock: fs::File,
 }
@@ -190,7 +198,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
             .try_into()?;
         prog.load().with_context(|| format!("verify program {name}"))?;
     }
-    for (name, _) in TC_PROGRAMS {
+    for name in TC_PROGRAMS.iter().map(|(n, _)| *n).chain([POD_PROGRAM]) {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the object"))?
@@ -211,6 +219,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         ebpf,
         bpffs: bpffs.to_path_buf(),
         attached: Default::default(),
+        pods: Default::default(),
         _lock: lock,
     };
     let upgrade = if replaced.is_empty() {
@@ -287,6 +296,20 @@ impl Tc {
                 tracing::warn!(iface, "upgrade: {e:#}");
             }
         }
+        // The pod devices an earlier agent forwarded from.
+        let pod_prefix = format!("{POD_PROGRAM}_");
+        let pods: Vec<String> = fs::read_dir(&links)?
+            .flatten()
+            .filter_map(|e| e.file_name().to_string_lossy().strip_prefix(&pod_prefix).map(str::to_string))
+            .collect();
+        for iface in pods {
+            let c = std::ffi::CString::new(iface.as_str())?;
+            // SAFETY: a NUL-terminated name.
+            let ifindex = unsafe { libc::if_nametoindex(c.as_ptr()) };
+            if let Err(e) = self.attach_pod(&iface, ifindex) {
+                tracing::warn!(iface, "upgrade: {e:#}");
+            }
+        }
         // What the old programs added between the copy and the switch.
         let late = carry_state(&self.bpffs, replaced, false);
         for name in replaced {
@@ -297,7 +320,7 @@ impl Tc {
         let known: BTreeSet<&str> = PROGRAMS.iter().chain(SOCK_PROGRAMS.iter()).copied().collect();
         for e in fs::read_dir(&links)?.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            let tc = device_programs().any(|p| n.starts_with(&format!("{p}_")));
+            let tc = device_programs().chain([POD_PROGRAM]).any(|p| n.starts_with(&format!("{p}_")));
             if !known.contains(n.as_str()) && !tc {
                 tracing::info!(link = n, "upgrade: unpinning the link of a program this agent does not have");
                 fs::remove_file(e.path())?;
@@ -315,11 +338,7 @@ impl Tc {
         if self.attached.contains(iface) {
             return Ok(());
         }
-        let tcx = match self.mode {
-            TcAttach::Auto => aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0)),
-            TcAttach::Tcx => true,
-            TcAttach::Netlink => false,
-        };
+        let tcx = self.tcx();
         if !tcx {
             // The netlink fallback needs a clsact qdisc.
             // It may exist already; a real failure shows in the attach below.
@@ -352,6 +371,97 @@ impl Tc {
         self.attached.insert(iface.to_string());
         tracing::info!(iface, tcx, xdp, "NodePort programs attached");
         Ok(())
+    }
+
+    /// With `--bpf-forward`: put the pod program on `devices` (name, index;
+    /// `netdev::pod_devices`), each once (again if the name now belongs to
+    /// a new device), and forget the devices that went away with their
+    /// pods (their links went with them; the pins go here).
+    pub fn sync_pod_devices(&mut self, devices: &[(String, u32)]) {
+        for (iface, ifindex) in devices {
+            if let Err(e) = self.attach_pod(iface, *ifindex) {
+                // A pod's device may go away between the listing and here.
+                tracing::warn!(iface, "pod device: {e:#}; its pod's replies to outside clients leave through the stack");
+            }
+        }
+        self.pods.retain(|n, _| devices.iter().any(|(d, _)| d == n));
+        // Pins of devices gone, also those an earlier agent left (a pod
+        // deleted while no agent ran).
+        let prefix = format!("{POD_PROGRAM}_");
+        let kept: BTreeSet<String> = devices.iter().map(|(d, _)| pin_safe(d)).collect();
+        for e in fs::read_dir(self.bpffs.join("links")).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(iface) = name.strip_prefix(&prefix)
+                && !kept.contains(iface)
+            {
+                let path = e.path();
+                if let Err(err) = fs::remove_file(&path) {
+                    tracing::warn!(iface, "unpin {}: {err}", path.display());
+                } else {
+                    tracing::debug!(iface, "pod device gone: its link unpinned");
+                }
+            }
+        }
+    }
+
+    /// Attach the pod program to `iface` (TC ingress: what its pod sends),
+    /// replacing an earlier agent's without a gap.
+    fn attach_pod(&mut self, iface: &str, ifindex: u32) -> Result<()> {
+        if self.pods.get(iface) == Some(&ifindex) {
+            return Ok(());
+        }
+        let tcx = self.tcx();
+        let prog: &mut SchedClassifier = self.ebpf.program_mut(POD_PROGRAM).context("TC program")?.try_into()?;
+        if tcx {
+            let opts = aya::programs::tc::TcAttachOptions::TcxOrder(Default::default());
+            let id = prog
+                .attach_with_options(iface, TcAttachType::Ingress, opts)
+                .with_context(|| format!("attach {POD_PROGRAM} to {iface} (tcx)"))?;
+            let fd = FdLink::try_from(prog.take_link(id)?).map_err(|_| anyhow::anyhow!("attach {POD_PROGRAM} to {iface}: not a TCX link"))?;
+            pin_link(&self.bpffs, &format!("{POD_PROGRAM}_{}", pin_safe(iface)), fd)?;
+        } else {
+            if let Err(e) = aya::programs::tc::qdisc_add_clsact(iface) {
+                tracing::debug!(iface, "clsact qdisc: {e}");
+            }
+            attach_netlink(prog, iface, TcAttachType::Ingress).with_context(|| format!("attach {POD_PROGRAM} to {iface} (netlink)"))?;
+        }
+        self.pods.insert(iface.to_string(), ifindex);
+        tracing::info!(iface, "pod device: its pod's replies to outside clients are forwarded in BPF");
+        Ok(())
+    }
+
+    /// Without `--bpf-forward`: take off the pod program an earlier agent
+    /// attached (pinned TCX links, netlink filters), so that nothing is
+    /// forwarded in BPF.
+    pub fn drop_pod_programs(&mut self) {
+        let prefix = format!("{POD_PROGRAM}_");
+        let mut n = 0;
+        if let Ok(rd) = fs::read_dir(self.bpffs.join("links")) {
+            for e in rd.flatten() {
+                if e.file_name().to_string_lossy().starts_with(&prefix) && fs::remove_file(e.path()).is_ok() {
+                    n += 1;
+                }
+            }
+        }
+        if let Ok(links) = crate::netdev::links() {
+            for l in links.iter().filter(|l| l.kind.as_deref() == Some("veth")) {
+                if aya::programs::tc::qdisc_detach_program(&l.name, TcAttachType::Ingress, POD_PROGRAM).is_ok() {
+                    n += 1;
+                }
+            }
+        }
+        if n > 0 {
+            tracing::info!(devices = n, "forwarding in BPF is off: the pod program an earlier agent attached is detached");
+        }
+    }
+
+    /// Whether TC programs attach as TCX links (else netlink filters).
+    fn tcx(&self) -> bool {
+        match self.mode {
+            TcAttach::Auto => aya::util::KernelVersion::current().is_ok_and(|v| v >= aya::util::KernelVersion::new(6, 6, 0)),
+            TcAttach::Tcx => true,
+            TcAttach::Netlink => false,
+        }
     }
 
     /// With `--nodeport-acceleration xdp`, put the XDP program on `iface`:
@@ -528,7 +638,7 @@ pub fn teardown(bpffs: &Path) -> Result<()> {
     // this network namespace's devices.
     if let Ok(links) = crate::netdev::links() {
         for l in links {
-            for (name, ty) in TC_PROGRAMS {
+            for (name, ty) in TC_PROGRAMS.into_iter().chain([(POD_PROGRAM, TcAttachType::Ingress)]) {
                 let _ = aya::programs::tc::qdisc_detach_program(&l.name, ty, name);
             }
         }

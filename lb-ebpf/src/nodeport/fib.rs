@@ -8,13 +8,13 @@
 //! destination, no route, forwarding off on the device, a packet too big
 //! for the egress MTU) goes to the stack, which answers as it always has.
 use aya_ebpf::{
-    bindings::{__sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK},
+    bindings::{__sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT},
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
 };
-use lb_common::{node_flags, stats};
+use lb_common::{nat_flags, node_flags, stats};
 
-use super::{ETH_HLEN, Net, parse};
+use super::{ACT_TRANSLATED, ETH_HLEN, Net, parse, touch, translate};
 use crate::lb;
 
 /// A translated packet goes on: forwarded here if the agent asked for
@@ -35,24 +35,80 @@ pub fn forward<F: Net>(skb: *mut __sk_buff) -> i32 {
     }
     // SAFETY: an all-zero bpf_fib_lookup is a valid value.
     let mut f: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    let rc = lookup::<F>(skb, &mut f, p.proto, (p.saddr, p.sport), (p.daddr, p.dport));
+    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
+        lb::event(stats::FWD_STACK);
+        return TC_ACT_OK;
+    }
+    send::<F>(ctx, &mut f, rc)
+}
+
+/// On the pod devices (`lb_pod_ingress`): a reply of a backend on this
+/// node to an outside client (or to a DSR flow's client) is translated
+/// and sent on from here, so that it skips the stack's forwarding path as
+/// the requests do. The lookup comes first, for the translated addresses:
+/// what it cannot place goes to the stack untouched, and is translated on
+/// its way out by the egress program, as without forwarding in BPF (a
+/// packet with the node's own address as its source would not pass the
+/// stack's source check on a pod device). Fragments go that way too: the
+/// egress program keeps the fragment map for them.
+#[inline(never)]
+pub fn reply<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    if F::fragment(ctx).is_some() {
+        return TC_ACT_OK;
+    }
+    let Some(p) = parse::<F>(ctx) else { return TC_ACT_OK };
+    let Some(e) = F::nat_get(&p.key()) else { return TC_ACT_OK };
+    // SAFETY: a map value, alive for this program run (RCU); the agent
+    // replaces whole values, so a field may be old or new, never torn in a
+    // way that matters.
+    let entry = unsafe { &*e };
+    if entry.flags & nat_flags::REPLY == 0 || entry.flags & nat_flags::SNAT != 0 {
+        return TC_ACT_OK;
+    }
+    if !lb::node_config().is_some_and(|c| c.flags & node_flags::BPF_FORWARD != 0) || F::ttl(ctx) <= 1 {
+        return TC_ACT_OK;
+    }
+    // SAFETY: an all-zero bpf_fib_lookup is a valid value.
+    let mut f: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    let rc = lookup::<F>(skb, &mut f, p.proto, (entry.to_saddr, entry.to_sport), (entry.to_daddr, entry.to_dport));
+    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
+        lb::event(stats::FWD_STACK);
+        return TC_ACT_OK;
+    }
+    touch(e, p.tcp_flags);
+    if translate::<F>(ctx, &p, entry) != ACT_TRANSLATED {
+        return TC_ACT_SHOT;
+    }
+    send::<F>(ctx, &mut f, rc)
+}
+
+/// The FIB lookup for a packet from `src` to `dst` that arrived on the
+/// skb's device; `f` holds the answer.
+#[inline(always)]
+fn lookup<F: Net>(skb: *mut __sk_buff, f: &mut bpf_fib_lookup, proto: u8, src: (F::A, u16), dst: (F::A, u16)) -> u32 {
     // SAFETY: fields of our own skb.
     let (len, gso, ifindex) = unsafe { ((*skb).len, (*skb).gso_size, (*skb).ifindex) };
     f.family = F::AF;
-    f.l4_protocol = p.proto;
-    f.sport = p.sport.to_be();
-    f.dport = p.dport.to_be();
+    f.l4_protocol = proto;
+    f.sport = src.1.to_be();
+    f.dport = dst.1.to_be();
     // A GSO packet leaves as segments, each within the MTU: no length check.
     if gso == 0 {
         f.__bindgen_anon_1.tot_len = len.saturating_sub(ETH_HLEN as u32) as u16;
     }
     f.ifindex = ifindex;
-    F::fib_addrs(&mut f, p.saddr, p.daddr);
+    F::fib_addrs(f, src.0, dst.0);
     // SAFETY: our own skb and a stack value of the right size.
-    let rc = unsafe { fib_lookup(skb.cast(), &mut f, size_of::<bpf_fib_lookup>() as i32, 0) } as u32;
-    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
-        lb::event(stats::FWD_STACK);
-        return TC_ACT_OK;
-    }
+    unsafe { fib_lookup(skb.cast(), f, size_of::<bpf_fib_lookup>() as i32, 0) as u32 }
+}
+
+/// Send the packet on as the lookup `f` (result `rc`) says: TTL, MACs,
+/// redirect (through the neighbour layer when the next hop's MAC is not
+/// known yet).
+#[inline(always)]
+fn send<F: Net>(ctx: &TcContext, f: &mut bpf_fib_lookup, rc: u32) -> i32 {
     if F::dec_ttl(ctx).is_err() {
         return TC_ACT_OK;
     }
@@ -61,7 +117,7 @@ pub fn forward<F: Net>(skb: *mut __sk_buff) -> i32 {
         // SAFETY: an all-zero bpf_redir_neigh is a valid value.
         let mut nh: bpf_redir_neigh = unsafe { core::mem::zeroed() };
         nh.nh_family = F::AF as u32;
-        F::next_hop(&f, &mut nh);
+        F::next_hop(f, &mut nh);
         // SAFETY: a stack value of the right size.
         return unsafe { bpf_redirect_neigh(f.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0) } as i32;
     }

@@ -1396,6 +1396,20 @@ pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
     }
 }
 
+/// On the pod devices (the host end of each pod's veth), with
+/// `--bpf-forward`: replies of backends on this node to outside clients
+/// are translated and forwarded here (`fib::reply`); everything else
+/// passes.
+#[classifier]
+pub fn lb_pod_ingress(ctx: TcContext) -> i32 {
+    pull_headers(&ctx);
+    match ethertype(&ctx) {
+        ETH_P_IP => fib::reply::<V4>(ctx.skb.skb),
+        ETH_P_IPV6 => fib::reply::<V6>(ctx.skb.skb),
+        _ => TC_ACT_OK,
+    }
+}
+
 #[classifier]
 pub fn lb_nodeport_egress(ctx: TcContext) -> i32 {
     pull_headers(&ctx);
