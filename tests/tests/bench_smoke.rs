@@ -64,6 +64,10 @@ fn every_bench_case_runs() {
     let np_paired = v["nodeport_paired"].as_object().unwrap();
     assert_eq!(np_paired.len(), 14, "{stdout}");
     assert!(np_paired.values().all(|s| s["ratios"][0].as_f64().is_some_and(|r| r > 0.0)), "{stdout}");
+    // With BPF forwarding at the backends' node, the pod program runs on
+    // the server's device (its cost is reported).
+    let runs = v["pod_program_ns"]["lb_pod_ingress runs"].as_f64().unwrap_or(0.0);
+    assert!(v["pod_program_ns"]["lb_pod_ingress"].as_f64().is_some_and(|ns| ns > 0.0) && runs > 0.0, "{stdout}");
     let (fwd, xdp) = (&v["nodeport_wired_program_ns"][0], &v["nodeport_wired_program_ns"][1]);
     assert!(xdp["lb_nodeport_xdp runs"].as_f64().is_some_and(|n| n > 0.0), "{stdout}");
     assert!(xdp["lb_nodeport_ingress runs"].as_f64() < fwd["lb_nodeport_ingress runs"].as_f64(), "{stdout}");

@@ -480,11 +480,16 @@ fn program_table(md: &mut String, title: &str, columns: &[&str], costs: &[BTreeM
 /// Run time and run count of the TC programs attached (TCX) to eth0 in
 /// `netns`, by name (from bpf_stats, which must be on).
 fn tc_prog_stats(netns: &str) -> Result<BTreeMap<String, (u64, u64)>> {
+    tc_dev_prog_stats(netns, "eth0")
+}
+
+/// `tc_prog_stats` for device `dev` (on a pod device: `lb_pod_ingress`).
+fn tc_dev_prog_stats(netns: &str, dev: &str) -> Result<BTreeMap<String, (u64, u64)>> {
     use aya::programs::{SchedClassifier, TcAttachType};
     lbtest::with_netns(Some(netns), || {
         let mut got = BTreeMap::new();
         for dir in [TcAttachType::Ingress, TcAttachType::Egress] {
-            let (_, progs) = SchedClassifier::query_tcx("eth0", dir)?;
+            let (_, progs) = SchedClassifier::query_tcx(dev, dir)?;
             for info in progs {
                 // Program names are cut at 15 bytes: name ours in full.
                 let name = match (info.name_as_str().unwrap_or("?"), dir) {
@@ -796,6 +801,7 @@ fn main() -> Result<()> {
     let mut np_wired = NodePortRun::default();
     let mut np_local = NodePortRun::default();
     let mut np_paired: BTreeMap<String, Series> = BTreeMap::new();
+    let mut pod_ns: BTreeMap<String, f64> = BTreeMap::new();
     // Program costs during the conn/s and UDP rounds: lb (TC), lb (TC, BPF
     // forwarding); on the wired fabric lb (TC, BPF forwarding) and lb (XDP
     // + TC, BPF forwarding).
@@ -909,7 +915,11 @@ fn main() -> Result<()> {
         ];
         c.kill_agent(2);
         c.start_agent_from(2, &np_dir, &["--bpf-forward"])?;
+        // The pod program on the server's device carries its replies.
+        let server_dev = format!("v{}", server.ip.rsplit('.').next().unwrap_or_default());
+        let before = tc_dev_prog_stats(&c.nodes[1].netns, &server_dev)?;
         np_paired.extend(paired_rounds(&outside, &fwd_local, a.secs, rounds)?);
+        pod_ns = np_prog_cost(&before, &tc_dev_prog_stats(&c.nodes[1].netns, &server_dev)?);
         c.kill_agent(2);
         c.start_agent_from(2, &np_dir, &[])?;
         eprintln!("bench: NodePort on a fabric with complete checksums (XDP)");
@@ -988,6 +998,10 @@ fn main() -> Result<()> {
         let (lo, hi) = minmax(&s.ratios);
         let _ = writeln!(md, "| {name} | {:.0} | {:.3} | {lo:.3} | {hi:.3} |", median(&s.values), median(&s.ratios));
     }
+    if let Some(ns) = pod_ns.get("lb_pod_ingress") {
+        let runs = pod_ns.get("lb_pod_ingress runs").copied().unwrap_or(0.0);
+        let _ = writeln!(md, "\n`lb_pod_ingress` on the server's device during the BPF forwarding rounds at the backends' node: {ns:.0} ns per run; {runs:.0} runs.");
+    }
     let _ = writeln!(md, "\nNodePort on a fabric that carries complete checksums (checksum offload off on every fabric veth, as XDP needs; same rounds):\n");
     nodeport_table(&mut md, &np_wired, &wired_cases, &ipt_name);
     program_table(&mut md, "Program cost on that fabric", &["lb (TC, BPF forwarding)", "lb (XDP + TC, BPF forwarding)"], &wired_ns);
@@ -1012,7 +1026,7 @@ fn main() -> Result<()> {
         "rounds": a.rounds, "secs": a.secs, "services": n,
         "datapath": series, "paired": paired, "throughput": tput, "control_plane": cp,
         "nodeport": np.conn, "nodeport_throughput": np.throughput, "nodeport_udp": np.udp, "nodeport_program_ns": tc_ns,
-        "nodeport_wired": np_wired, "nodeport_local": np_local, "nodeport_paired": np_paired, "nodeport_wired_program_ns": wired_ns, "map_write_ratio_to_raw": write_ratio,
+        "nodeport_wired": np_wired, "nodeport_local": np_local, "nodeport_paired": np_paired, "pod_program_ns": pod_ns, "nodeport_wired_program_ns": wired_ns, "map_write_ratio_to_raw": write_ratio,
         "change_latency_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "samples": lat},
         "agent_rss_mib": rss,
         "program_ns": {"small": prog_ns[0], "large": prog_ns[1]},
