@@ -1,6 +1,7 @@
 //! Bad input on the TC path, from outside: a SYN flood from spoofed
 //! addresses and malformed packets (bad IHL, short headers, truncated ICMP
-//! quotes, unknown fragments, IPv6 extension headers). Nothing crashes, no
+//! quotes, unknown fragments, IPv6 extension headers lb does not walk
+//! past). Nothing crashes, no
 //! entry leaks, other flows go on.
 use std::time::Duration;
 
@@ -120,11 +121,20 @@ fn malformed_packets_pass_or_drop_without_entries_and_other_flows_go_on() -> Res
     ])?;
     let (bad6, node6) = (v6(BAD6), v6(NODE1_6));
     let syn6 = tcp_syn(&bad6, &node6, 40002, 30080);
-    // Hop-by-hop options (8 bytes: next header TCP, PadN) before a SYN.
-    let mut hbh = vec![6u8, 0, 1, 4, 0, 0, 0, 0];
-    hbh.extend_from_slice(&syn6);
+    // Extension headers lb does not walk past: a routing header (8 bytes,
+    // next header TCP, no segments left) before a SYN; destination options
+    // after a first fragment's header (next header 60, more fragments);
+    // and a later fragment nobody saw the first of.
+    let mut rh = vec![6u8, 0, 0, 0, 0, 0, 0, 0];
+    rh.extend_from_slice(&syn6);
+    let mut frag_dst = vec![60u8, 0, 0, 1, 0, 0, 0, 7, 17, 0, 1, 4, 0, 0, 0, 0];
+    frag_dst.extend_from_slice(&udp);
+    let mut later = vec![17u8, 0, 0x03, 0x20, 0, 0, 0, 8];
+    later.extend_from_slice(&[0u8; 16]);
     wire.send6(vec![
-        ipv6(bad6, node6, 0, &hbh),
+        ipv6(bad6, node6, 43, &rh),
+        ipv6(bad6, node6, 44, &frag_dst),
+        ipv6(bad6, node6, 44, &later),
         // A header cut short, and a SYN cut to 4 bytes.
         ipv6(bad6, node6, 6, &syn6)[..30].to_vec(),
         ipv6(bad6, node6, 6, &syn6[..4]),

@@ -72,6 +72,20 @@ pub struct FragKey {
     _pad: u8,
 }
 
+/// The same for IPv6 fragments (a fragment extension header, a 32-bit
+/// identification).
+#[btf_map]
+static LB6_FRAG: LruHashMap<Frag6Key, FragPorts, 8192> = LruHashMap::new();
+
+#[repr(C)]
+pub struct Frag6Key {
+    saddr: A6,
+    daddr: A6,
+    id: u32,
+    proto: u8,
+    _pad: [u8; 3],
+}
+
 #[repr(C)]
 pub struct FragPorts {
     sport: u16,
@@ -90,6 +104,13 @@ const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 const PROTO_ICMP: u8 = 1;
 const PROTO_ICMPV6: u8 = 58;
+/// IPv6 extension headers lb walks past to find L4: hop-by-hop options,
+/// destination options, fragment.
+const IPV6_HOPOPTS: u8 = 0;
+const IPV6_DSTOPTS: u8 = 60;
+const IPV6_FRAGMENT: u8 = 44;
+/// How many IPv6 extension headers lb walks past (more: not its packet).
+const IPV6_EXT_MAX: usize = 3;
 /// How many SNAT ports to try for one new flow. Probes are double-hashed
 /// (each flow its own stride), so at 70% of the range in use the chance
 /// that all of them are taken is 0.7^64, about 1e-10.
@@ -173,14 +194,17 @@ fn ld<T: Copy>(ctx: &TcContext, off: usize) -> Result<T, i64> {
     Err(-1)
 }
 
+/// How much of a packet `pull_headers` makes linear: IPv4 with options and
+/// TCP; IPv6 with extension headers and TCP.
+const PULLED: usize = ETH_HLEN + 108;
+
 /// The headers the programs read (Ethernet, IP with options, L4) in the
 /// linear data, as bpf_skb_pull_data makes them: once per packet, and only
 /// when the driver left them elsewhere.
 #[inline(always)]
 fn pull_headers(ctx: &TcContext) {
-    const HEADERS: usize = ETH_HLEN + 60 + 20;
     let linear = ctx.data_end() - ctx.data();
-    let want = (ctx.len() as usize).min(HEADERS);
+    let want = (ctx.len() as usize).min(PULLED);
     if linear < want {
         let _ = ctx.pull_data(want as u32);
     }
@@ -261,9 +285,9 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     const ICMP: u8;
     /// The socket address family (AF_INET, AF_INET6), for bpf_fib_lookup.
     const AF: u8;
-    /// Where L4 starts and which protocol it is; None: not a packet for us
-    /// (another protocol, a non-first fragment, extension headers, a
-    /// malformed header).
+    /// Where L4 starts and which protocol it is (IPv6: after hop-by-hop,
+    /// destination options and fragment headers); None: not a packet for
+    /// us (another IP version, a malformed header).
     fn l4(ctx: &TcContext) -> Option<(usize, u8)>;
     fn nat_get(k: &NatKey<Self::A>) -> Option<*mut NatEntry<Self::A>>;
     fn nat_put(k: &NatKey<Self::A>, v: &NatEntry<Self::A>, flags: u64) -> bool;
@@ -306,13 +330,12 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     fn dec_ttl(ctx: &TcContext) -> Result<(), i64>;
     /// Whether routers may fragment the packet (IPv4 without DF).
     fn may_fragment(ctx: &TcContext) -> bool;
-    /// The packet's fragment: (IP ID, offset is 0, more fragments follow).
-    /// None: not a fragment (IPv6 fragments carry an extension header and
-    /// are not translated).
-    fn fragment(ctx: &TcContext) -> Option<(u16, bool, bool)>;
+    /// The packet's fragment: (identification, offset is 0, more fragments
+    /// follow). None: not a fragment.
+    fn fragment(ctx: &TcContext) -> Option<(u32, bool, bool)>;
     /// Fragment ports: remember / recall the ports of a fragmented datagram.
-    fn frag_put(p: &Pkt<Self::A>, id: u16);
-    fn frag_get(saddr: Self::A, daddr: Self::A, proto: u8, id: u16) -> Option<(u16, u16)>;
+    fn frag_put(p: &Pkt<Self::A>, id: u32);
+    fn frag_get(saddr: Self::A, daddr: Self::A, proto: u8, id: u32) -> Option<(u16, u16)>;
     /// Turn the packet (a TCP segment of flow `p`) into a RST to its source,
     /// from its destination.
     fn tcp_reset(ctx: &TcContext, p: &Pkt<Self::A>, seq: u32, ack: u32, flags: u8) -> Result<(), i64>;
@@ -342,22 +365,22 @@ impl Net for V4 {
         Some((ETH_HLEN + ihl, ld8(ctx, ETH_HLEN + 9).ok()?))
     }
     #[inline(always)]
-    fn fragment(ctx: &TcContext) -> Option<(u16, bool, bool)> {
+    fn fragment(ctx: &TcContext) -> Option<(u32, bool, bool)> {
         let frag = u16::from_be(ld::<u16>(ctx, ETH_HLEN + 6).ok()?);
         if frag & 0x3fff == 0 {
             return None;
         }
         let id = u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).ok()?);
-        Some((id, frag & 0x1fff == 0, frag & 0x2000 != 0))
+        Some((id as u32, frag & 0x1fff == 0, frag & 0x2000 != 0))
     }
     #[inline(always)]
-    fn frag_put(p: &Pkt<A4>, id: u16) {
-        let k = FragKey { saddr: p.saddr, daddr: p.daddr, id, proto: p.proto, _pad: 0 };
+    fn frag_put(p: &Pkt<A4>, id: u32) {
+        let k = FragKey { saddr: p.saddr, daddr: p.daddr, id: id as u16, proto: p.proto, _pad: 0 };
         let _ = LB4_FRAG.insert(&k, &FragPorts { sport: p.sport, dport: p.dport }, 0);
     }
     #[inline(always)]
-    fn frag_get(saddr: A4, daddr: A4, proto: u8, id: u16) -> Option<(u16, u16)> {
-        let k = FragKey { saddr, daddr, id, proto, _pad: 0 };
+    fn frag_get(saddr: A4, daddr: A4, proto: u8, id: u32) -> Option<(u16, u16)> {
+        let k = FragKey { saddr, daddr, id: id as u16, proto, _pad: 0 };
         // SAFETY: a map value, read at once.
         LB4_FRAG.get_ptr(&k).map(|v| unsafe { ((*v).sport, (*v).dport) })
     }
@@ -515,23 +538,29 @@ impl Net for V6 {
 
     #[inline(always)]
     fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
-        let v = ld8(ctx, ETH_HLEN).ok()?;
-        if v >> 4 != 6 {
+        v6_walk(ctx).map(|(l4, proto, _)| (l4, proto))
+    }
+    #[inline(always)]
+    fn fragment(ctx: &TcContext) -> Option<(u32, bool, bool)> {
+        let (_, _, at) = v6_walk(ctx)?;
+        if at == 0 {
             return None;
         }
-        // Only TCP, UDP or ICMPv6 right after the fixed header: packets
-        // with extension headers (fragments among them) pass untouched.
-        Some((ETH_HLEN + 40, ld8(ctx, ETH_HLEN + 6).ok()?))
+        // Next header, reserved, offset (13 bits) and M, identification.
+        let off_m = u16::from_be(ld::<u16>(ctx, at + 2).ok()?);
+        let id = u32::from_be(ld::<u32>(ctx, at + 4).ok()?);
+        Some((id, off_m & 0xfff8 == 0, off_m & 1 != 0))
     }
     #[inline(always)]
-    fn fragment(_: &TcContext) -> Option<(u16, bool, bool)> {
-        None
+    fn frag_put(p: &Pkt<A6>, id: u32) {
+        let k = Frag6Key { saddr: p.saddr, daddr: p.daddr, id, proto: p.proto, _pad: [0; 3] };
+        let _ = LB6_FRAG.insert(&k, &FragPorts { sport: p.sport, dport: p.dport }, 0);
     }
     #[inline(always)]
-    fn frag_put(_: &Pkt<A6>, _: u16) {}
-    #[inline(always)]
-    fn frag_get(_: A6, _: A6, _: u8, _: u16) -> Option<(u16, u16)> {
-        None
+    fn frag_get(saddr: A6, daddr: A6, proto: u8, id: u32) -> Option<(u16, u16)> {
+        let k = Frag6Key { saddr, daddr, id, proto, _pad: [0; 3] };
+        // SAFETY: a map value, read at once.
+        LB6_FRAG.get_ptr(&k).map(|v| unsafe { ((*v).sport, (*v).dport) })
     }
     #[inline(always)]
     fn icmp_is_error(ty: u8) -> bool {
@@ -653,10 +682,73 @@ impl Net for V6 {
     }
     #[inline(always)]
     fn tcp_payload(ctx: &TcContext, l4: usize) -> Option<u32> {
+        // The payload length counts extension headers too.
         let payload = u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).ok()?) as u32;
         let doff = (ctx.load::<u8>(l4 + 12).ok()? >> 4) as u32 * 4;
-        Some(payload.saturating_sub(doff))
+        Some(payload.saturating_sub((l4 - ETH_HLEN - 40) as u32).saturating_sub(doff))
     }
+}
+
+/// Walk an IPv6 packet's extension headers: hop-by-hop and destination
+/// options, up to `IPV6_EXT_MAX` headers, the last of them a fragment header.
+/// Returns where the next header starts, which it is, and where the
+/// fragment header is (0: none). A routing header (the destination the
+/// L4 checksum covers would be another address), ESP, AH, or more headers
+/// than that end the walk there: their next header is not TCP, UDP or
+/// ICMPv6, so the packet is not ours and passes untouched. So do headers
+/// that reach past what `pull_headers` makes linear.
+#[inline(always)]
+fn v6_walk(ctx: &TcContext) -> Option<(usize, u8, usize)> {
+    // SAFETY: our own skb.
+    let r = v6_walk_packed(unsafe { ctx.skb.skb });
+    if r == 0 {
+        return None;
+    }
+    Some((((r >> 16) & 0xff) as usize, r as u8, ((r >> 8) & 0xff) as usize))
+}
+
+/// `v6_walk` as one BPF function (each caller would inline the loop
+/// otherwise), its answer packed: L4 offset << 16 | fragment header offset
+/// << 8 | next header; 0 for not IPv6.
+#[inline(never)]
+fn v6_walk_packed(skb: *mut __sk_buff) -> u32 {
+    let ctx = &TcContext::new(skb);
+    // Through a helper, which needs the skb itself: LLVM would otherwise
+    // pass this function the packet pointers instead (argument promotion),
+    // and the verifier refuses arithmetic on a passed packet end.
+    let Ok(v) = ctx.load::<u8>(ETH_HLEN) else { return 0 };
+    if v >> 4 != 6 {
+        return 0;
+    }
+    let Ok(mut nh) = ld8(ctx, ETH_HLEN + 6) else { return 0 };
+    let mut off = ETH_HLEN + 40;
+    let mut frag = 0;
+    for _ in 0..IPV6_EXT_MAX {
+        match nh {
+            IPV6_HOPOPTS | IPV6_DSTOPTS => {
+                let Ok([next, len]) = ld::<[u8; 2]>(ctx, off) else { return 0 };
+                nh = next;
+                off += (len as usize + 1) * 8;
+            }
+            // The last one walked: after it comes the fragmentable part,
+            // which only the first fragment starts with. A fragmentable
+            // part that starts with another extension header (destination
+            // options after the fragment header) is not ours, in every
+            // fragment alike.
+            IPV6_FRAGMENT => {
+                let Ok(next) = ld8(ctx, off) else { return 0 };
+                nh = next;
+                frag = off;
+                off += 8;
+                break;
+            }
+            _ => break,
+        }
+        if off > PULLED {
+            return 0;
+        }
+    }
+    ((off as u32) << 16) | ((frag as u32) << 8) | nh as u32
 }
 
 /// A RST's TCP header at `at`: from the packet's destination to its source.

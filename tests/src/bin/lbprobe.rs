@@ -197,6 +197,10 @@ enum Cmd {
         /// N-4 pattern bytes, which the server checks.
         #[arg(long, default_value_t = 0)]
         size: usize,
+        /// With --size: send "echo\n" instead of "big\n": the server answers
+        /// with a datagram as large ("... reply=LEN" in the summary).
+        #[arg(long)]
+        echo: bool,
         /// IP_TTL / IPV6_UNICAST_HOPS of the socket.
         #[arg(long)]
         ttl: Option<u32>,
@@ -211,6 +215,12 @@ enum Cmd {
         /// spaces are ignored.
         #[arg(long)]
         ip_option: Option<String>,
+        /// IPv6: an extension header before every datagram's UDP header,
+        /// 8 bytes holding one PadN option: "hbh" (hop-by-hop options,
+        /// IPV6_HOPOPTS: before a fragment header) or "dst" (destination
+        /// options, IPV6_DSTOPTS: after one).
+        #[arg(long)]
+        ip6_ext: Option<String>,
     },
 }
 
@@ -331,7 +341,7 @@ fn serve(name: String, port: u16, report_peer: bool) -> anyhow::Result<()> {
     std::thread::spawn(move || {
         let mut buf = vec![0u8; 65536];
         while let Ok((n, from)) = udp.recv_from(&mut buf) {
-            let _ = udp.send_to(udp_answer(answer(&uname, from), &buf[..n]).as_bytes(), from);
+            let _ = udp.send_to(&udp_answer(answer(&uname, from), &buf[..n]), from);
         }
     });
     for conn in tcp.incoming() {
@@ -346,14 +356,39 @@ fn serve(name: String, port: u16, report_peer: bool) -> anyhow::Result<()> {
 }
 
 /// The server's answer to a datagram: `me`, and for a "big\n" datagram its
-/// length, or "bad" if a pattern byte is wrong.
-fn udp_answer(me: String, d: &[u8]) -> String {
-    let Some(rest) = d.strip_prefix(b"big\n") else { return me };
-    if rest.iter().enumerate().all(|(i, b)| *b == pattern(i as u64)) {
-        format!("{me} bytes={}", d.len())
-    } else {
-        format!("{me} bad")
+/// length, or "bad" if a pattern byte is wrong. An "echo\n" datagram is
+/// answered as large as it came: "ME bytes=LEN echo\n" and pattern bytes.
+fn udp_answer(me: String, d: &[u8]) -> Vec<u8> {
+    let (rest, echo) = match (d.strip_prefix(b"big\n"), d.strip_prefix(b"echo\n")) {
+        (Some(r), _) => (r, false),
+        (_, Some(r)) => (r, true),
+        _ => return me.into_bytes(),
+    };
+    if !rest.iter().enumerate().all(|(i, b)| *b == pattern(i as u64)) {
+        return format!("{me} bad").into_bytes();
     }
+    let line = format!("{me} bytes={}", d.len());
+    if !echo {
+        return line.into_bytes();
+    }
+    let mut out = format!("{line} echo\n").into_bytes();
+    let pad = d.len().saturating_sub(out.len()) as u64;
+    out.extend((0..pad).map(pattern));
+    out
+}
+
+/// A datagram the client received, as its summary key: an echo answer
+/// ("LINE\n" and pattern bytes) becomes "LINE reply=LEN" (or "LINE
+/// reply=bad"), anything else its text.
+fn udp_reply_key(d: &[u8]) -> String {
+    if let Some(pos) = d.iter().position(|b| *b == b'\n') {
+        let line = String::from_utf8_lossy(&d[..pos]);
+        if line.ends_with(" echo") {
+            let ok = d[pos + 1..].iter().enumerate().all(|(i, b)| *b == pattern(i as u64));
+            return if ok { format!("{line} reply={}", d.len()) } else { format!("{line} reply=bad") };
+        }
+    }
+    String::from_utf8_lossy(d).into_owned()
 }
 
 /// "WORD N" -> N.
@@ -743,9 +778,31 @@ fn udp_payload(size: usize) -> anyhow::Result<Vec<u8>> {
 }
 
 /// A client socket of `udp`, bound to the unspecified address of `addr`'s family.
-fn udp_socket(addr: SocketAddr, timeout: Duration, ttl: Option<u32>, recverr: bool, sport: Option<u16>, ip_option: Option<&str>) -> anyhow::Result<UdpSocket> {
+fn udp_socket(
+    addr: SocketAddr,
+    timeout: Duration,
+    ttl: Option<u32>,
+    recverr: bool,
+    sport: Option<u16>,
+    ip_option: Option<&str>,
+    ip6_ext: Option<&str>,
+) -> anyhow::Result<UdpSocket> {
     use nix::sys::socket::{setsockopt, sockopt};
     let u = UdpSocket::bind(any_addr(addr, sport.unwrap_or(0)))?;
+    if let Some(kind) = ip6_ext {
+        let opt = match kind {
+            "hbh" => libc::IPV6_HOPOPTS,
+            "dst" => libc::IPV6_DSTOPTS,
+            k => anyhow::bail!("--ip6-ext {k}: hbh or dst"),
+        };
+        // Next header (the kernel fills it in), length 0 (8 bytes), PadN of 4.
+        let hdr = [0u8, 0, 1, 4, 0, 0, 0, 0];
+        // SAFETY: a plain setsockopt with a buffer of the given length.
+        let rc = unsafe { libc::setsockopt(std::os::fd::AsRawFd::as_raw_fd(&u), libc::IPPROTO_IPV6, opt, hdr.as_ptr().cast(), hdr.len() as libc::socklen_t) };
+        if rc != 0 {
+            return Err(anyhow::Error::from(std::io::Error::last_os_error()).context("setsockopt --ip6-ext"));
+        }
+    }
     if let Some(hex) = ip_option {
         let hex: String = hex.chars().filter(|c| !c.is_whitespace()).collect();
         let bytes: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16)).collect::<Result<_, _>>()?;
@@ -837,11 +894,11 @@ fn udp_once(sock: &UdpSocket, addr: SocketAddr, o: &UdpOpts, s: &mut Summary) {
             let n = sock.recv(&mut buf)?;
             // What the socket believes it is connected to.
             let peer = sock.peer_addr()?.to_string();
-            Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), peer))
+            Ok((udp_reply_key(&buf[..n]), peer))
         } else {
             sock.send_to(&o.payload, addr)?;
             let (n, from) = sock.recv_from(&mut buf)?;
-            Ok((String::from_utf8_lossy(&buf[..n]).into_owned(), from.to_string()))
+            Ok((udp_reply_key(&buf[..n]), from.to_string()))
         }
     })();
     match r {
@@ -1203,9 +1260,13 @@ fn main() -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_millis(interval_ms));
             }
         }
-        Cmd::Udp { addr, count, connected, one_socket, timeout_ms, interval_ms, size, ttl, recverr, sport, ip_option } => {
-            let o = UdpOpts { connected, payload: udp_payload(size)?, recverr };
-            let new_sock = || udp_socket(addr, Duration::from_millis(timeout_ms), ttl, recverr, sport, ip_option.as_deref());
+        Cmd::Udp { addr, count, connected, one_socket, timeout_ms, interval_ms, size, echo, ttl, recverr, sport, ip_option, ip6_ext } => {
+            let mut payload = udp_payload(size)?;
+            if echo && size >= 5 {
+                payload = b"echo\n".iter().copied().chain((0..(size - 5) as u64).map(pattern)).collect();
+            }
+            let o = UdpOpts { connected, payload, recverr };
+            let new_sock = || udp_socket(addr, Duration::from_millis(timeout_ms), ttl, recverr, sport, ip_option.as_deref(), ip6_ext.as_deref());
             let mut sock = new_sock()?;
             for i in 0..count {
                 if i > 0 && !one_socket {
