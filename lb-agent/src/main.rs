@@ -143,7 +143,7 @@ enum Cmd {
         /// How outside traffic (externalTrafficPolicy Cluster) reaches a
         /// backend on another node: snat (to this node's address, so the
         /// replies come back here, as kube-proxy does) or dsr (direct server
-        /// return, IPv4: the pod sees the client's address and its node,
+        /// return: the pod sees the client's address and its node,
         /// which must run lb too, answers the client directly). A Service's
         /// annotation lb.dev/nodeport-mode overrides it.
         #[arg(long, default_value = "snat", value_parser = ["snat", "dsr"])]

@@ -109,8 +109,8 @@ pub enum Mode {
     /// kube-proxy does).
     #[default]
     Snat,
-    /// Direct server return (IPv4): the pod sees the client's address and
-    /// its node answers the client directly. IPv6 frontends use SNAT.
+    /// Direct server return (both families): the pod sees the client's
+    /// address and its node answers the client directly.
     Dsr,
 }
 

@@ -286,8 +286,8 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
             source_ranges,
             extra_serving: extra,
             maglev: p.maglev,
-            // DSR is IPv4 only, and Local never leaves the node.
-            dsr: p.dsr && e.addr.is_ipv4() && !ext_local,
+            // Local never leaves the node.
+            dsr: p.dsr && !ext_local,
             ..p.base.clone()
         };
         out.claim(claimed, p.sref, FrontendKey { addr: e.addr, port: e.port, proto: p.proto }, front, true);

@@ -1,9 +1,13 @@
-//! Direct server return for IPv4 (a frontend's `svc_flags::DSR`, for
+//! Direct server return (a frontend's `svc_flags::DSR`, for
 //! externalTrafficPolicy Cluster): the node a flow arrives at (node A)
 //! DNATs it to a backend on another node (node B) but keeps the client's
 //! address, and tells node B the frontend in an IPv4 option after the
 //! header: type 0x9a (copied into fragments; the number Cilium uses), length
-//! 8, the frontend port and address. Node B's ingress program records the
+//! 8, the frontend port and address. IPv6 carries it in a destination
+//! options header right after the fixed header (24 bytes): option type
+//! 0x1b (a node that does not know it skips it: the two high bits are 00;
+//! Cilium's number), length 18, the frontend port and address, and a PadN.
+//! Node B's ingress program records the
 //! flow's reply translation (backend -> client becomes frontend -> client)
 //! in its NAT table, strips the option and delivers the packet; the
 //! backend's replies leave node B straight to the client, rewritten by its
@@ -14,18 +18,25 @@
 //! (TCP's path MTU discovery then sends smaller segments), GSO packets get
 //! an 8-byte smaller segment size. IPv4 fragments carry the option each
 //! (node A adds it to every fragment of the flow; node B strips it); node B
-//! records the flow from the first fragment.
+//! records the flow from the first fragment. IPv6: 24 bytes; the header
+//! goes before a fragment header (every fragment carries it); a packet
+//! with hop-by-hop options (which must stay first) is dropped, counted as
+//! `nat_dropped`, as an IPv4 packet with options of its own is.
 use aya_ebpf::{
     bindings::{__sk_buff, BPF_ANY, TC_ACT_OK},
     programs::TcContext,
 };
 use lb_common::{NatEntry, NatKey, NodePortKey, SCOPE_ALL, SvcKey, nat_flags, stats, svc_flags};
 
-use super::{A4, ACT_TRANSLATED, Buf, ETH_HLEN, LB4_NAT, csum_add, csum_fold, ld, load_exact, note, parse};
-use crate::lb::{self, Family, V4};
+use super::{A4, A6, ACT_TRANSLATED, Buf, ETH_HLEN, IPV6_DSTOPTS, IPV6_HOPOPTS, Net, Pkt, csum_add, csum_fold, ld, load_exact, note, parse};
+use crate::lb::{self, V4, V6};
 
 pub const OPT_TYPE: u8 = 0x9a;
 pub const OPT_LEN: usize = 8;
+/// IPv6: the option's type, its data length, and the whole header's length.
+pub const OPT6_TYPE: u8 = 0x1b;
+const OPT6_DATA: u8 = 18;
+pub const OPT6_LEN: usize = 24;
 /// bpf_skb_adjust_room's mode: room between the L3 and L4 headers.
 const BPF_ADJ_ROOM_NET: u32 = 0;
 
@@ -33,6 +44,13 @@ const BPF_ADJ_ROOM_NET: u32 = 0;
 #[inline(always)]
 pub fn carries_option(ctx: &TcContext) -> bool {
     ld::<[u8; 2]>(ctx, ETH_HLEN).is_ok_and(|v| v[0] == 0x47) && ld::<[u8; 2]>(ctx, ETH_HLEN + 20).is_ok_and(|o| o == [OPT_TYPE, OPT_LEN as u8])
+}
+
+/// An IPv6 header followed by our destination options header.
+#[inline(always)]
+pub fn carries_option6(ctx: &TcContext) -> bool {
+    ld::<[u8; 2]>(ctx, ETH_HLEN + 6).is_ok_and(|v| v[0] == IPV6_DSTOPTS)
+        && ld::<[u8; 4]>(ctx, ETH_HLEN + 40).is_ok_and(|o| o[1] == (OPT6_LEN / 8 - 1) as u8 && o[2] == OPT6_TYPE && o[3] == OPT6_DATA)
 }
 
 /// Recompute the IPv4 header checksum of the `N`-byte header in `b`.
@@ -75,15 +93,89 @@ pub fn add_option(skb: *mut __sk_buff, addr: A4, port: u16) -> i32 {
     ACT_TRANSLATED
 }
 
+/// IPv6, node A: insert the destination options header naming the
+/// frontend `addr:port` after the (translated) packet's fixed header.
+/// Returns ACT_TRANSLATED, or TC_ACT_SHOT.
+#[inline(never)]
+pub fn add_option6(skb: *mut __sk_buff, addr: A6, port: u16) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let mut h = Buf([0u8; 40]);
+    if load_exact(ctx, ETH_HLEN, h.0.as_mut_ptr(), 40).is_err() {
+        return aya_ebpf::bindings::TC_ACT_SHOT;
+    }
+    let next = h.0[6];
+    if next == IPV6_HOPOPTS {
+        // Hop-by-hop options must stay first: no room for ours before them.
+        lb::event(stats::NAT_DROPPED);
+        return aya_ebpf::bindings::TC_ACT_SHOT;
+    }
+    if ctx.adjust_room(OPT6_LEN as i32, BPF_ADJ_ROOM_NET, 0).is_err() {
+        return aya_ebpf::bindings::TC_ACT_SHOT;
+    }
+    let mut b = Buf([0u8; 64]);
+    b.0[..40].copy_from_slice(&h.0);
+    let len = u16::from_be_bytes([h.0[4], h.0[5]]).wrapping_add(OPT6_LEN as u16);
+    b.0[4..6].copy_from_slice(&len.to_be_bytes());
+    b.0[6] = IPV6_DSTOPTS;
+    b.0[40] = next;
+    b.0[41] = (OPT6_LEN / 8 - 1) as u8;
+    b.0[42] = OPT6_TYPE;
+    b.0[43] = OPT6_DATA;
+    b.0[44..46].copy_from_slice(&port.to_be_bytes());
+    b.0[46..62].copy_from_slice(&addr);
+    // PadN of 2 bytes.
+    b.0[62] = 1;
+    b.0[63] = 0;
+    if ctx.store(ETH_HLEN, &b.0, 0).is_err() {
+        return aya_ebpf::bindings::TC_ACT_SHOT;
+    }
+    lb::event(stats::DSR_SENT);
+    ACT_TRANSLATED
+}
+
 /// Whether `addr:port` is a frontend outside traffic may use here: an
 /// external frontend, or a NodePort (of another node's address: the
 /// option names the address the client used).
 #[inline(always)]
-fn known_frontend(addr: A4, port: u16, proto: u8) -> bool {
-    if V4::svc(&SvcKey::new(addr, port, proto, SCOPE_ALL, 0)).is_some_and(|f| f.flags & svc_flags::EXTERNAL != 0) {
+fn known_frontend<F: Net>(addr: F::A, port: u16, proto: u8) -> bool {
+    if F::svc(&SvcKey::new(addr, port, proto, SCOPE_ALL, 0)).is_some_and(|f| f.flags & svc_flags::EXTERNAL != 0) {
         return true;
     }
     crate::sock::LB_NODEPORTS.get_ptr(&NodePortKey { port, proto, _pad: 0 }).is_some()
+}
+
+/// Node B: record (or refresh) the reply translation of the DSR flow of
+/// packet `p`, whose frontend is `addr:port`. False: the table refused it.
+#[inline(always)]
+fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> bool {
+    // The reply tuple: backend -> client.
+    let key = NatKey { saddr: p.daddr, daddr: p.saddr, sport: p.dport, dport: p.sport, proto: p.proto, _pad: [0; 3] };
+    match F::nat_get(&key) {
+        // SAFETY: a map value, alive for this program run; plain integers.
+        Some(e) if unsafe { (*e).to_saddr == addr && (*e).to_sport == port && (*e).flags & nat_flags::DSR != 0 } => {
+            // The client's packet keeps the entry alive and notes its
+            // FIN / RST; only the backend's own packets (on egress)
+            // mark it SEEN, so spoofed options cannot keep entries long.
+            note(e, p.tcp_flags, 0);
+            true
+        }
+        _ => {
+            // SAFETY: plain helper.
+            let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
+            let v = NatEntry {
+                to_saddr: addr,
+                to_daddr: p.saddr,
+                to_sport: port,
+                to_dport: p.sport,
+                flags: nat_flags::REPLY | nat_flags::DSR,
+                state: 0,
+                rev_nat_id: 0,
+                created_ns: now,
+                last_seen_ns: now,
+            };
+            F::nat_put(&key, &v, BPF_ANY as u64)
+        }
+    }
 }
 
 /// Node B: a packet of a DSR flow. Record (or refresh) the flow's reply
@@ -101,40 +193,12 @@ pub fn receive(skb: *mut __sk_buff) -> i32 {
     }
     let port = u16::from_be_bytes([b.0[22], b.0[23]]);
     let addr: A4 = [b.0[24], b.0[25], b.0[26], b.0[27]];
-    if !known_frontend(addr, port, p.proto) {
+    if !known_frontend::<V4>(addr, port, p.proto) {
         return TC_ACT_OK;
     }
-    if !p.later {
-        // The reply tuple: backend -> client.
-        let key = NatKey { saddr: p.daddr, daddr: p.saddr, sport: p.dport, dport: p.sport, proto: p.proto, _pad: [0; 3] };
-        match LB4_NAT.get_ptr_mut(&key) {
-            // SAFETY: a map value, alive for this program run; plain integers.
-            Some(e) if unsafe { (*e).to_saddr == addr && (*e).to_sport == port && (*e).flags & nat_flags::DSR != 0 } => {
-                // The client's packet keeps the entry alive and notes its
-                // FIN / RST; only the backend's own packets (on egress)
-                // mark it SEEN, so spoofed options cannot keep entries long.
-                note(e, p.tcp_flags, 0);
-            }
-            _ => {
-                // SAFETY: plain helper.
-                let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
-                let v = NatEntry {
-                    to_saddr: addr,
-                    to_daddr: p.saddr,
-                    to_sport: port,
-                    to_dport: p.sport,
-                    flags: nat_flags::REPLY | nat_flags::DSR,
-                    state: 0,
-                    rev_nat_id: 0,
-                    created_ns: now,
-                    last_seen_ns: now,
-                };
-                if LB4_NAT.insert(&key, &v, BPF_ANY as u64).is_err() {
-                    lb::event(stats::NAT_FAILED);
-                    return aya_ebpf::bindings::TC_ACT_SHOT;
-                }
-            }
-        }
+    if !p.later && !record::<V4>(&p, addr, port) {
+        lb::event(stats::NAT_FAILED);
+        return aya_ebpf::bindings::TC_ACT_SHOT;
     }
     // Strip the option: the 8 bytes after the fixed header.
     let mut h = Buf([0u8; 20]);
@@ -144,6 +208,43 @@ pub fn receive(skb: *mut __sk_buff) -> i32 {
     h.0[2..4].copy_from_slice(&len.to_be_bytes());
     fix_csum(&mut h);
     if ctx.adjust_room(-(OPT_LEN as i32), BPF_ADJ_ROOM_NET, 0).is_err() || ctx.store(ETH_HLEN, &h.0, 0).is_err() {
+        return aya_ebpf::bindings::TC_ACT_SHOT;
+    }
+    lb::event(stats::DSR_RECEIVED);
+    ACT_TRANSLATED
+}
+
+/// IPv6, node B: as `receive`, for a packet carrying our destination
+/// options header. A first fragment leaves its ports for the later ones
+/// (which carry the header too).
+#[inline(never)]
+pub fn receive6(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let Some(p) = parse::<V6>(ctx) else { return TC_ACT_OK };
+    let mut b = Buf([0u8; 64]);
+    if load_exact(ctx, ETH_HLEN, b.0.as_mut_ptr(), 64).is_err() {
+        return TC_ACT_OK;
+    }
+    let port = u16::from_be_bytes([b.0[44], b.0[45]]);
+    let mut addr: A6 = [0; 16];
+    addr.copy_from_slice(&b.0[46..62]);
+    if !known_frontend::<V6>(addr, port, p.proto) {
+        return TC_ACT_OK;
+    }
+    if let Some((id, true, true)) = V6::fragment(ctx) {
+        V6::frag_put(&p, id);
+    }
+    if !p.later && !record::<V6>(&p, addr, port) {
+        lb::event(stats::NAT_FAILED);
+        return aya_ebpf::bindings::TC_ACT_SHOT;
+    }
+    // Strip the header: the 24 bytes after the fixed header.
+    let mut h = Buf([0u8; 40]);
+    h.0.copy_from_slice(&b.0[..40]);
+    h.0[6] = b.0[40];
+    let len = u16::from_be_bytes([b.0[4], b.0[5]]).wrapping_sub(OPT6_LEN as u16);
+    h.0[4..6].copy_from_slice(&len.to_be_bytes());
+    if ctx.adjust_room(-(OPT6_LEN as i32), BPF_ADJ_ROOM_NET, 0).is_err() || ctx.store(ETH_HLEN, &h.0, 0).is_err() {
         return aya_ebpf::bindings::TC_ACT_SHOT;
     }
     lb::event(stats::DSR_RECEIVED);

@@ -320,9 +320,10 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     fn inner_fix(b: &mut [u8; 60]);
     /// The source and destination of a route lookup.
     fn fib_addrs(f: &mut bpf_fib_lookup, src: Self::A, dst: Self::A);
-    /// Add the DSR option naming the frontend in the scratch value
-    /// (IPv4; IPv6 frontends never have DSR).
+    /// Add the DSR option (IPv4) or header (IPv6) naming the frontend in
+    /// the scratch value; `DSR_LEN` bytes.
     fn dsr_add(skb: *mut __sk_buff) -> i32;
+    const DSR_LEN: usize;
     /// The next hop a route lookup found, for bpf_redirect_neigh.
     fn next_hop(f: &bpf_fib_lookup, nh: &mut bpf_redir_neigh);
     /// Decrement the TTL / hop limit, as a router does (IPv4: with its
@@ -354,6 +355,7 @@ impl Net for V4 {
     const PORT_UNREACHABLE: (u8, u8) = (3, 3);
     const TOO_BIG: (u8, u8) = (3, 4);
     const TIME_EXCEEDED: (u8, u8) = (11, 0);
+    const DSR_LEN: usize = dsr::OPT_LEN;
 
     #[inline(always)]
     fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
@@ -535,6 +537,7 @@ impl Net for V6 {
     const PORT_UNREACHABLE: (u8, u8) = (1, 4);
     const TOO_BIG: (u8, u8) = (2, 0);
     const TIME_EXCEEDED: (u8, u8) = (3, 0);
+    const DSR_LEN: usize = dsr::OPT6_LEN;
 
     #[inline(always)]
     fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
@@ -586,8 +589,11 @@ impl Net for V6 {
         nh.__bindgen_anon_1.ipv6_nh = unsafe { f.__bindgen_anon_4.ipv6_dst };
     }
     #[inline(always)]
-    fn dsr_add(_: *mut __sk_buff) -> i32 {
-        TC_ACT_SHOT
+    fn dsr_add(skb: *mut __sk_buff) -> i32 {
+        let Some(sc) = Self::scratch() else { return TC_ACT_SHOT };
+        // SAFETY: this CPU's scratch value, set by forward for this packet.
+        let (addr, port) = unsafe { ((*sc).front_addr, (*sc).front_port) };
+        dsr::add_option6(skb, addr, port)
     }
     #[inline(always)]
     fn dec_ttl(ctx: &TcContext) -> Result<(), i64> {
@@ -1124,7 +1130,7 @@ fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
                 (*sc).backend_id = backend_id;
                 (*sc).rev_nat_id = rev_nat_id;
                 (*sc).hash = h;
-                (*sc).dsr = (front.flags & svc_flags::DSR != 0 && F::ID == lb_common::FAMILY_V4) as u8;
+                (*sc).dsr = (front.flags & svc_flags::DSR != 0) as u8;
             }
             ACT_ESTABLISH
         }
@@ -1258,7 +1264,7 @@ fn forward<F: Net>(skb: *mut __sk_buff) -> i32 {
     let sc = unsafe { &mut *sc };
     let dsr = sc.fwd.flags & nat_flags::DSR != 0;
     // The DSR option's 8 bytes must fit too.
-    let extra = if dsr { dsr::OPT_LEN as u32 } else { 0 };
+    let extra = if dsr { F::DSR_LEN as u32 } else { 0 };
     if sc.fwd.flags & (nat_flags::SNAT | nat_flags::DSR) != 0 && !p.later {
         if F::ttl(ctx) <= 1 {
             return ACT_TIME_EXCEEDED;
@@ -1483,6 +1489,10 @@ pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
             act => act,
         },
         ETH_P_IP => ingress_then::<V4>(ctx.skb.skb),
+        ETH_P_IPV6 if dsr::carries_option6(&ctx) => match dsr::receive6(ctx.skb.skb) {
+            ACT_TRANSLATED => fib::send_on::<V6>(ctx.skb.skb),
+            act => act,
+        },
         ETH_P_IPV6 => ingress_then::<V6>(ctx.skb.skb),
         _ => TC_ACT_OK,
     }

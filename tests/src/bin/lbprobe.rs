@@ -215,10 +215,10 @@ enum Cmd {
         /// spaces are ignored.
         #[arg(long)]
         ip_option: Option<String>,
-        /// IPv6: an extension header before every datagram's UDP header,
-        /// 8 bytes holding one PadN option: "hbh" (hop-by-hop options,
-        /// IPV6_HOPOPTS: before a fragment header) or "dst" (destination
-        /// options, IPV6_DSTOPTS: after one).
+        /// IPv6: an extension header before every datagram's UDP header:
+        /// "hbh" (hop-by-hop options, IPV6_HOPOPTS) or "dst" (destination
+        /// options, IPV6_DSTOPTS), 8 bytes holding one PadN option, or
+        /// "KIND:HEX" for a header of those bytes (spaces ignored).
         #[arg(long)]
         ip6_ext: Option<String>,
     },
@@ -789,14 +789,17 @@ fn udp_socket(
 ) -> anyhow::Result<UdpSocket> {
     use nix::sys::socket::{setsockopt, sockopt};
     let u = UdpSocket::bind(any_addr(addr, sport.unwrap_or(0)))?;
-    if let Some(kind) = ip6_ext {
+    if let Some(ext) = ip6_ext {
+        let (kind, hex) = ext.split_once(':').unwrap_or((ext, "00000104 00000000"));
         let opt = match kind {
             "hbh" => libc::IPV6_HOPOPTS,
             "dst" => libc::IPV6_DSTOPTS,
             k => anyhow::bail!("--ip6-ext {k}: hbh or dst"),
         };
-        // Next header (the kernel fills it in), length 0 (8 bytes), PadN of 4.
-        let hdr = [0u8, 0, 1, 4, 0, 0, 0, 0];
+        // Default: next header (the kernel fills it in), length 0 (8
+        // bytes), PadN of 4.
+        let hex: String = hex.chars().filter(|c| !c.is_whitespace()).collect();
+        let hdr: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16)).collect::<Result<_, _>>()?;
         // SAFETY: a plain setsockopt with a buffer of the given length.
         let rc = unsafe { libc::setsockopt(std::os::fd::AsRawFd::as_raw_fd(&u), libc::IPPROTO_IPV6, opt, hdr.as_ptr().cast(), hdr.len() as libc::socklen_t) };
         if rc != 0 {
