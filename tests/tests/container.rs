@@ -452,8 +452,12 @@ fn the_containerized_agent_destroys_a_held_connection_to_a_removed_endpoint() ->
         "a prompt error, not a timeout: {s:?}"
     );
     assert!(s.max_fail_ms < 1000, "{s:?}");
-    let (_, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
-    assert!(metric(&m, "lb_sockets_destroyed_total").is_some_and(|n| n >= 1.0), "{m}");
+    // The client sees the error as the socket is destroyed, a moment
+    // before the agent counts it.
+    w.c.wait_for("lb_sockets_destroyed_total >= 1", Duration::from_secs(3), || {
+        let (_, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
+        Ok(metric(&m, "lb_sockets_destroyed_total").is_some_and(|n| n >= 1.0))
+    })?;
     // The client's new connections go to the pod that stayed.
     let s = tcp(&w.c, &w.client, 10)?;
     assert_eq!(names(&s), [other.name.as_str()].into(), "{s:?}");
