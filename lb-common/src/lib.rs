@@ -514,7 +514,7 @@ pub mod stats {
 /// meaning without changing size (the loader compares sizes, types and
 /// max_entries by itself). Pins of another version are replaced by an
 /// upgrade, and the state maps' entries carried over where sizes agree.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;
 
 /// Map names, shared by the loader, `lb-agent list` and the pin layout.
 pub mod maps {
@@ -546,10 +546,14 @@ pub mod maps {
     /// each monitor's) and one ring buffer per monitor.
     pub const MONITOR: &str = "LB_MONITOR";
     pub const EVENTS: [&str; 4] = ["LB_EVENTS0", "LB_EVENTS1", "LB_EVENTS2", "LB_EVENTS3"];
-    pub const ALL: [&str; 27] = [
+    /// The ports of datagrams in fragments, from their first fragment.
+    pub const FRAG4: &str = "LB4_FRAG";
+    pub const FRAG6: &str = "LB6_FRAG";
+    pub const ALL: [&str; 29] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
         AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
         SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3], MAGLEV4, MAGLEV6, SOCK_UDP, XDP_DEVS,
+        FRAG4, FRAG6,
     ];
 }
 
@@ -572,6 +576,8 @@ pub mod capacity {
     /// The inner map template's size; tables of other (prime) sizes are
     /// accepted too (BPF_F_INNER_MAP).
     pub const MAGLEV_TEMPLATE: u32 = 16381;
+    /// Datagrams in fragments under way at once, per family.
+    pub const FRAG: u32 = 8192;
 }
 
 /// Value of the `LB_NODE_CONFIG` array (index 0): facts about this node
@@ -605,6 +611,39 @@ pub struct MaglevKey {
     pub rev_nat_id: u16,
     pub proto: u8,
     pub scope: u8,
+}
+
+/// Key of `LB4_FRAG`: an IPv4 datagram in fragments. The value
+/// (`FragPorts`) holds the ports its first fragment carried, so that the
+/// later ones, which carry no L4 header, follow the same flow.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct FragKey {
+    pub saddr: [u8; 4],
+    pub daddr: [u8; 4],
+    pub id: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+
+/// Key of `LB6_FRAG`: the same for IPv6 (a fragment extension header, a
+/// 32-bit identification).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Frag6Key {
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub id: u32,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Value of `LB4_FRAG` and `LB6_FRAG` (host byte order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct FragPorts {
+    pub sport: u16,
+    pub dport: u16,
 }
 
 /// Values of `LB_XDP_DEVS`.
@@ -655,6 +694,9 @@ mod user {
     unsafe impl aya::Pod for NodePortKey {}
     unsafe impl aya::Pod for NodeConfig {}
     unsafe impl aya::Pod for MaglevKey {}
+    unsafe impl aya::Pod for FragKey {}
+    unsafe impl aya::Pod for Frag6Key {}
+    unsafe impl aya::Pod for FragPorts {}
 }
 
 // Layouts are part of the pinned-map ABI: a change must be deliberate.
@@ -685,6 +727,9 @@ const _: () = {
     assert!(core::mem::size_of::<NodePortKey>() == 4);
     assert!(core::mem::size_of::<NodeConfig>() == 40);
     assert!(core::mem::size_of::<MaglevKey>() == 4);
+    assert!(core::mem::size_of::<FragKey>() == 12);
+    assert!(core::mem::size_of::<Frag6Key>() == 40);
+    assert!(core::mem::size_of::<FragPorts>() == 4);
 };
 
 #[cfg(test)]
@@ -724,6 +769,9 @@ mod layout_tests {
             ("NodePortKey", core::mem::size_of::<NodePortKey>(), &[core::mem::offset_of!(NodePortKey, port), core::mem::offset_of!(NodePortKey, proto), core::mem::offset_of!(NodePortKey, _pad)]),
             ("NodeConfig", core::mem::size_of::<NodeConfig>(), &[core::mem::offset_of!(NodeConfig, netns_cookie), core::mem::offset_of!(NodeConfig, snat_addr), core::mem::offset_of!(NodeConfig, snat_port_min), core::mem::offset_of!(NodeConfig, snat_port_max), core::mem::offset_of!(NodeConfig, snat_addr6), core::mem::offset_of!(NodeConfig, flags), core::mem::offset_of!(NodeConfig, maglev_size)]),
             ("MaglevKey", core::mem::size_of::<MaglevKey>(), &[core::mem::offset_of!(MaglevKey, rev_nat_id), core::mem::offset_of!(MaglevKey, proto), core::mem::offset_of!(MaglevKey, scope)]),
+            ("FragKey", core::mem::size_of::<FragKey>(), &[core::mem::offset_of!(FragKey, saddr), core::mem::offset_of!(FragKey, daddr), core::mem::offset_of!(FragKey, id), core::mem::offset_of!(FragKey, proto), core::mem::offset_of!(FragKey, _pad)]),
+            ("Frag6Key", core::mem::size_of::<Frag6Key>(), &[core::mem::offset_of!(Frag6Key, saddr), core::mem::offset_of!(Frag6Key, daddr), core::mem::offset_of!(Frag6Key, id), core::mem::offset_of!(Frag6Key, proto), core::mem::offset_of!(Frag6Key, _pad)]),
+            ("FragPorts", core::mem::size_of::<FragPorts>(), &[core::mem::offset_of!(FragPorts, sport), core::mem::offset_of!(FragPorts, dport)]),
         ];
         // FNV-1a over names, sizes and offsets.
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -740,8 +788,8 @@ mod layout_tests {
                 eat(&o.to_le_bytes());
             }
         }
-        assert_eq!((LAYOUT_VERSION, h), (4, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION and set FINGERPRINT to {h:#x}");
+        assert_eq!((LAYOUT_VERSION, h), (5, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0xa92f_5262_dea0_1d7c;
+    const FINGERPRINT: u64 = 0x088c_fbf7_461b_0cd0;
 }

@@ -493,6 +493,12 @@ impl Cluster {
         Ok(())
     }
 
+    /// The netns of the fabric (the bridge every node and outside client
+    /// hangs off; node `i`'s port there is "n{i}").
+    pub fn fabric_netns(&self) -> &str {
+        &self.fabric
+    }
+
     /// `wire_checksums` for one veth pair: `dev` in `netns` and `peer` in
     /// `peer_netns`; `napi`: the peer gets GRO (NAPI) for XDP_TX.
     fn wire(&self, netns: &str, dev: &str, peer_netns: &str, peer: &str, napi: bool) -> Result<()> {

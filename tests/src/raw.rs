@@ -43,6 +43,28 @@ pub fn tcp_segment(src: &[u8], dst: &[u8], sport: u16, dport: u16, flags: u8) ->
     t
 }
 
+/// A UDP datagram (header and `payload`) from `src` to `dst`, checksum
+/// right (for fragmenting by hand).
+pub fn udp_datagram(src: &[u8], dst: &[u8], sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
+    let mut u = vec![0u8; 8];
+    u[0..2].copy_from_slice(&sport.to_be_bytes());
+    u[2..4].copy_from_slice(&dport.to_be_bytes());
+    u[4..6].copy_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    u.extend_from_slice(payload);
+    let c = csum(&u, pseudo_sum(src, dst, 17, u.len()));
+    u[6..8].copy_from_slice(&(if c == 0 { 0xffff } else { c }).to_be_bytes());
+    u
+}
+
+/// An IPv6 fragment header (8 bytes) for a fragment of `next` at byte
+/// `offset` (a multiple of 8) of datagram `id`.
+pub fn ipv6_frag_header(next: u8, offset: usize, more: bool, id: u32) -> Vec<u8> {
+    let mut h = vec![next, 0];
+    h.extend_from_slice(&((offset as u16) | more as u16).to_be_bytes());
+    h.extend_from_slice(&id.to_be_bytes());
+    h
+}
+
 /// An IPv4 packet: `ihl` words of header (5 unless testing bad ones), the
 /// given fragment field and ID, and `payload`.
 pub fn ipv4(src: [u8; 4], dst: [u8; 4], proto: u8, ihl: u8, frag: u16, id: u16, payload: &[u8]) -> Vec<u8> {
@@ -140,9 +162,10 @@ pub fn send(netns: &str, dev: &str, frames: Vec<Vec<u8>>) -> Result<()> {
     .map_err(|_| anyhow::anyhow!("sender thread panicked"))?
 }
 
-/// Whether the TCP or UDP checksum (and the IPv4 header checksum) of an
-/// Ethernet frame holds; None: not a TCP/UDP packet we check (other
-/// protocols, fragments, IPv4 options, UDP without a checksum).
+/// Whether the TCP, UDP, ICMP or ICMPv6 checksum (and the IPv4 header
+/// checksum) of an Ethernet frame holds; None: not a packet we check
+/// (other protocols, fragments, IPv4 options, IPv6 extension headers, UDP
+/// without a checksum).
 pub fn checksums_hold(f: &[u8]) -> Option<bool> {
     let et = u16::from_be_bytes([*f.get(12)?, *f.get(13)?]);
     let (l3, l4, proto, pseudo) = match et {
@@ -163,14 +186,16 @@ pub fn checksums_hold(f: &[u8]) -> Option<bool> {
         }
         _ => return None,
     };
-    if proto != 6 && proto != 17 || (proto == 17 && et == 0x0800 && l4.get(6..8)? == [0, 0]) {
+    // ICMP's checksum covers the message alone, ICMPv6's a pseudo header too.
+    let pseudo = if proto == 1 && et == 0x0800 { 0 } else { pseudo };
+    if !matches!((proto, et), (6 | 17, _) | (1, 0x0800) | (58, 0x86dd)) || (proto == 17 && et == 0x0800 && l4.get(6..8)? == [0, 0]) {
         return None;
     }
     Some(l3.is_none_or(|ip| csum(ip, 0) == 0) && csum(l4, pseudo) == 0)
 }
 
 /// Run `f` while capturing what arrives at every device of `netns`:
-/// returns its result and how many TCP/UDP packets arrived with valid and
+/// returns its result and how many TCP/UDP/ICMP packets arrived with valid and
 /// with broken checksums (`checksums_hold`). Only meaningful where senders
 /// compute complete checksums (`Cluster::wire_checksums`): a partial one
 /// is broken on the wire by design.

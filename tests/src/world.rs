@@ -118,7 +118,7 @@ pub fn flows_from(c: &Cluster, src: &str) -> Result<Vec<String>> {
 }
 
 /// Run `traffic` while capturing at the outside client and at `pod`, and
-/// check every TCP and UDP checksum that arrives (`raw::count_checksums`):
+/// check every TCP, UDP and ICMP checksum that arrives (`raw::count_checksums`):
 /// none broken, and at least `min` (pod, client) packets seen, so that the
 /// capture cannot pass by seeing nothing.
 pub fn checksums_hold(w: &World, pod: &Pod, min: (u64, u64), traffic: impl FnOnce() -> Result<()>) -> Result<()> {

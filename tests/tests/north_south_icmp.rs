@@ -182,3 +182,142 @@ fn fragmented_datagrams_and_ipv6_extension_headers_are_translated_both_ways() ->
     assert_eq!(s.ok, 5, "{s:?}");
     Ok(())
 }
+
+/// The answers lb builds itself (REJECT's RST and port unreachable, the RST
+/// of a flow whose backend left, "fragmentation needed", "time exceeded")
+/// are made from the packet they answer, and that packet's checksum may be
+/// partial: a NIC's GRO'd segments and a local sender's are. The device
+/// that sends the answer must not finish a checksum over it. Here the
+/// client's checksums are partial (its offload on, TSO too, and the
+/// fabric's port to node-1 passes them on as they are) and node-1's eth0
+/// finishes checksums in software (its offload off), as a NIC does in
+/// hardware; the client's stack checks every one it receives, and a
+/// capture there checks them all again.
+#[test]
+fn answers_lb_builds_from_partially_checksummed_packets_hold_on_the_wire() -> Result<()> {
+    let w = world_wired(&web("NodePort", "", &[]), &["--nodeport-acceleration", "none"])?;
+    w.c.in_netns(&w.outside.netns, &["ethtool", "-K", "eth0", "tx", "on", "tso", "on"])?;
+    w.c.in_netns(w.c.fabric_netns(), &["ethtool", "-K", "n1", "tx", "on", "tso", "on"])?;
+    for n in &w.c.nodes {
+        w.c.in_netns(&n.netns, &["sysctl", "-qw", "net.ipv4.icmp_ratelimit=0", "net.ipv6.icmp.ratelimit=0"])?;
+    }
+    narrow_paths_to_pods(&w)?;
+    let traffic = || -> Result<()> {
+        for node in [NODE1, NODE1_6] {
+            let addr = hostport(node, 30080);
+            set_endpoints(&w, &[(&w.p2, E::ready)])?;
+            wait_only(&w.c, node, 30080, &w.p2)?;
+            // "Fragmentation needed" / "packet too big" for the client's
+            // TSO segments: the upload finishes.
+            let s = upload(&w.c, &w.outside, &addr)?;
+            assert_eq!(s.ok, 1, "{addr}: lb's fragmentation needed reached the client: {s:?}");
+            // "Time exceeded" for a datagram whose TTL runs out at node-1.
+            let s = icmp_seen(&w.c, &w.outside, &addr, Some("1"))?;
+            assert_eq!(s.errors.get("EHOSTUNREACH"), Some(&2), "{addr}: {s:?}");
+            // pod-2 leaves while a connection to it is open: its next
+            // segment gets lb's RST.
+            let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &addr, "--hold-ms", "3000", "--interval-ms", "50", "--timeout-ms", "5000"])?;
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            set_endpoints(&w, &[(&w.p1, E::ready)])?;
+            let s = Cluster::finish(held)?;
+            assert_eq!(s.errors.keys().collect::<Vec<_>>(), ["ECONNRESET"], "{addr}: lb's RST was taken: {s:?}");
+            assert!(s.max_fail_ms < 1000, "{addr}: at once: {s:?}");
+            // No endpoints: REJECT (a RST for TCP, port unreachable for UDP).
+            set_endpoints(&w, &[])?;
+            w.c.wait_for("no backends", std::time::Duration::from_secs(5), || {
+                Ok(w.c.programmed(1, node, 30080, "TCP")?.is_some_and(|b| b.is_empty()))
+            })?;
+            let s = w.c.probe(&w.outside, &["tcp", "--addr", &addr, "--count", "3", "--timeout-ms", "2000"])?;
+            assert_eq!(s.errors.get("ECONNREFUSED"), Some(&3), "{addr}: {s:?}");
+            assert!(s.max_fail_ms < 500, "{addr}: at once, not after a timeout: {s:?}");
+            let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "2", "--connected", "--timeout-ms", "2000"])?;
+            assert_eq!(s.errors.get("ECONNREFUSED"), Some(&2), "{addr}: {s:?}");
+        }
+        Ok(())
+    };
+    let ((), ok, bad) = lbtest::raw::count_checksums(&w.outside.netns, traffic)?;
+    assert_eq!(bad, 0, "broken checksums at the client ({ok} good)");
+    assert!(ok >= 100, "checksums seen at the client: {ok}");
+    for event in ["nat_too_big", "nat_reset", "nat_rejected"] {
+        assert!(datapath(&w.c, 1, event)? >= 2, "{event}");
+    }
+    Ok(())
+}
+
+/// A datagram in fragments whose first fragment went through the old
+/// agent's programs and the rest through the new one's: the ports the
+/// first fragment carried are pinned with the flows, so the later
+/// fragments still follow it and the pod gets the datagram whole.
+#[test]
+fn a_datagram_whose_fragments_straddle_an_agent_restart_arrives_whole() -> Result<()> {
+    use lbtest::raw::{ether, ipv4, ipv6, ipv6_frag_header, udp_datagram};
+    use std::net::{IpAddr, UdpSocket};
+    let mut w = world(&web("NodePort", "", &[]))?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    let (node_mac, client_mac) = (lbtest::raw::mac(&w.c, &w.c.nodes[0].netns, "eth0")?, lbtest::raw::mac(&w.c, &w.outside.netns, "eth0")?);
+    for (n, (client, node)) in [(CLIENT, NODE1), (CLIENT6, NODE1_6)].into_iter().enumerate() {
+        let (client_ip, node_ip): (IpAddr, IpAddr) = (client.parse()?, node.parse()?);
+        // A socket at the client to receive the pod's answer.
+        let sock = lbtest::with_netns(Some(&w.outside.netns), || Ok(UdpSocket::bind((client_ip, 0))?))?;
+        sock.set_read_timeout(Some(std::time::Duration::from_secs(3)))?;
+        let sport = sock.local_addr()?.port();
+        // A "big" datagram: the server answers with its length if every
+        // pattern byte (lbprobe's bulk pattern) arrived right.
+        let payload: Vec<u8> = b"big\n".iter().copied().chain((0..1996u64).map(|i| (i.wrapping_mul(2654435761) >> 7) as u8)).collect();
+        let (first, rest) = match (client_ip, node_ip) {
+            (IpAddr::V4(c), IpAddr::V4(d)) => {
+                let d4 = udp_datagram(&c.octets(), &d.octets(), sport, 30080, &payload);
+                let id = 0x4242 + n as u16;
+                let f1 = ipv4(c.octets(), d.octets(), 17, 5, 0x2000, id, &d4[..1480]);
+                let f2 = ipv4(c.octets(), d.octets(), 17, 5, (1480 / 8) as u16, id, &d4[1480..]);
+                (ether(node_mac, client_mac, 0x0800, &f1), ether(node_mac, client_mac, 0x0800, &f2))
+            }
+            (IpAddr::V6(c), IpAddr::V6(d)) => {
+                let d6 = udp_datagram(&c.octets(), &d.octets(), sport, 30080, &payload);
+                let id = 0x4242_0000 + n as u32;
+                let f1 = [ipv6_frag_header(17, 0, true, id), d6[..1448].to_vec()].concat();
+                let f2 = [ipv6_frag_header(17, 1448, false, id), d6[1448..].to_vec()].concat();
+                (ether(node_mac, client_mac, 0x86dd, &ipv6(c.octets(), d.octets(), 44, &f1)), ether(node_mac, client_mac, 0x86dd, &ipv6(c.octets(), d.octets(), 44, &f2)))
+            }
+            _ => unreachable!(),
+        };
+        lbtest::raw::send(&w.outside.netns, "eth0", vec![first])?;
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        w.c.kill_agent(1);
+        w.c.start_agent(1)?;
+        lbtest::raw::send(&w.outside.netns, "eth0", vec![rest])?;
+        let mut buf = [0u8; 512];
+        let (len, from) = sock.recv_from(&mut buf).map_err(|e| anyhow::anyhow!("{node}: no answer to the datagram sent across the restart: {e}"))?;
+        let answer = String::from_utf8_lossy(&buf[..len]);
+        assert_eq!(answer, format!("pod-2 {node} bytes=2000"), "{node}: the datagram arrived whole at pod-2 (SNATed)");
+        assert_eq!(from.ip(), node_ip, "from the frontend");
+    }
+    Ok(())
+}
+
+/// A pod answers a large UDP datagram with as large a one, which it sends
+/// in IPv6 fragments; a router on the way to the client has a narrower
+/// link and answers the first fragment with "packet too big", to the
+/// frontend. lb translates it, fragment header and all, so the pod learns
+/// the path's MTU and its next answers arrive (IPv6 routers never
+/// fragment: without it every answer would be lost).
+#[test]
+fn packet_too_big_about_a_pods_fragmented_answer_reaches_the_pod() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let addr = hostport(NODE1_6, 30080);
+    for (pod, host) in [(w.p2.clone(), 120), (w.p1.clone(), 121)] {
+        let client = w.c.add_outside_via_router(&format!("narrow-{}", pod.node), host, 1300, &[])?;
+        set_endpoints(&w, &[(&pod, E::ready)])?;
+        wait_only(&w.c, NODE1_6, 30080, &pod)?;
+        let before = datapath(&w.c, 1, "nat_icmp")?;
+        // One socket: the first answer is lost (it taught the pod the
+        // path's MTU), the next ones arrive.
+        let s = w.c.probe(&client, &["udp", "--addr", &addr, "--count", "5", "--size", "4000", "--echo", "--one-socket", "--timeout-ms", "1000"])?;
+        assert!(s.ok >= 4, "{}: {s:?}", pod.name);
+        assert!(keys(&s).iter().all(|k| k.starts_with(&pod.name) && k.ends_with("echo reply=4000")), "{s:?}");
+        assert!(datapath(&w.c, 1, "nat_icmp")? > before, "{}: the router's packet too big was translated", pod.name);
+    }
+    Ok(())
+}

@@ -57,7 +57,7 @@ pub(super) fn mark_layout(dir: &Path, version: &str) -> Result<()> {
 
 /// Every map with the type, key size, value size and max_entries this agent
 /// gives it.
-pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 27] {
+pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 29] {
     use aya::maps::MapType as T;
     use lb_common::capacity as c;
     let revnat = cap.services.min(u16::MAX as u32);
@@ -89,6 +89,8 @@ pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapT
         (maps::MAGLEV6, T::HashOfMaps, size_of::<lb_common::MaglevKey>(), size_of::<u32>(), c::MAGLEV),
         (maps::SOCK_UDP, T::Hash, size_of::<u64>(), size_of::<lb_common::SockXlate>(), cap.sock_revnat),
         (maps::XDP_DEVS, T::Hash, size_of::<u32>(), size_of::<u32>(), lb_common::xdp_dev::CAPACITY),
+        (maps::FRAG4, T::LruHash, size_of::<lb_common::FragKey>(), size_of::<lb_common::FragPorts>(), c::FRAG),
+        (maps::FRAG6, T::LruHash, size_of::<lb_common::Frag6Key>(), size_of::<lb_common::FragPorts>(), c::FRAG),
     ]
 }
 
@@ -138,7 +140,7 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
 }
 
 /// Copy the entries of the state maps the datapath writes (sessionAffinity,
-/// socket tracking, NAT) from their old pins to the staged new maps, where
+/// socket tracking, NAT, fragments) from their old pins to the staged new maps, where
 /// key and value sizes and their BTF layouts agree (the new map may be
 /// larger or smaller: a `--max-*` change); entries already in the new map
 /// win. `warn`: say which maps' entries cannot come along. Returns how many
@@ -183,6 +185,8 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -
             maps::SOCK_REVNAT6 => copy::<SockRevNat6Key, SockRevNat6Value>(&old, &new, true),
             maps::NAT4 => copy::<Nat4Key, Nat4Entry>(&old, &new, false),
             maps::NAT6 => copy::<Nat6Key, Nat6Entry>(&old, &new, false),
+            maps::FRAG4 => copy::<lb_common::FragKey, lb_common::FragPorts>(&old, &new, true),
+            maps::FRAG6 => copy::<lb_common::Frag6Key, lb_common::FragPorts>(&old, &new, true),
             _ => Ok(0),
         };
         match r {

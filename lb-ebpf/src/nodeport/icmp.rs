@@ -70,18 +70,26 @@ pub fn translate_error<F: Net>(skb: *mut __sk_buff, ingress: bool) -> i32 {
     // The quote: the IP header, then at least the first 8 bytes of L4 (the
     // ports, and a UDP checksum); a TCP checksum only if 20 are there.
     let quoted = (ctx.len() as usize).saturating_sub(l4 + 8 + F::IH);
+    // An IPv6 datagram's first fragment: a fragment header between its
+    // IPv6 and UDP headers (a router's "packet too big" about a large
+    // answer a pod sent in fragments).
+    if F::IH == 40 && quoted >= 16 && ctx.load::<u8>(l4 + 8 + 6).ok() == Some(super::IPV6_FRAGMENT) {
+        return translate::<F, 8, 8>(ctx, l4, ingress);
+    }
     if quoted >= 20 {
-        translate::<F, 20>(ctx, l4, ingress)
+        translate::<F, 20, 0>(ctx, l4, ingress)
     } else if quoted >= 8 {
-        translate::<F, 8>(ctx, l4, ingress)
+        translate::<F, 8, 0>(ctx, l4, ingress)
     } else {
         TC_ACT_OK
     }
 }
 
+/// Translate an error quoting `Q` bytes of L4 header after the IP header
+/// and `FH` bytes of IPv6 fragment header (0: none).
 #[inline(always)]
-fn translate<F: Net, const Q: usize>(ctx: &TcContext, l4: usize, ingress: bool) -> i32 {
-    let ih = F::IH;
+fn translate<F: Net, const Q: usize, const FH: usize>(ctx: &TcContext, l4: usize, ingress: bool) -> i32 {
+    let ih = F::IH + FH;
     let n = ih + Q;
     let inner = l4 + 8;
     let (src, dst) = (F::SRC - ETH_HLEN, F::DST - ETH_HLEN);
@@ -90,7 +98,12 @@ fn translate<F: Net, const Q: usize>(ctx: &TcContext, l4: usize, ingress: bool) 
     if load_exact(ctx, inner, old.0.as_mut_ptr(), n as u32).is_err() || !F::inner_ok(&old.0) {
         return TC_ACT_OK;
     }
-    let proto = old.0[F::PROTO_OFF];
+    // With a fragment header: the first fragment only (a later one
+    // carries no ports), its next header the L4 protocol.
+    if FH != 0 && (old.0[F::IH + 2] != 0 || old.0[F::IH + 3] & 0xf8 != 0) {
+        return TC_ACT_OK;
+    }
+    let proto = if FH != 0 { old.0[F::IH] } else { old.0[F::PROTO_OFF] };
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return TC_ACT_OK;
     }
@@ -214,7 +227,8 @@ pub fn too_big<F: Net>(skb: *mut __sk_buff) -> i32 {
     // SAFETY: this CPU's scratch value, set by ingress for this packet.
     let mtu = unsafe { (*sc).mtu };
     lb::event(stats::NAT_TOO_BIG);
-    match F::icmp_reply(ctx, F::TOO_BIG, mtu) {
+    let Some((l4, _)) = F::l4(ctx) else { return TC_ACT_SHOT };
+    match F::icmp_reply(ctx, F::TOO_BIG, mtu, l4) {
         Ok(()) => bounce(ctx),
         Err(_) => TC_ACT_SHOT,
     }
@@ -227,7 +241,8 @@ pub fn too_big<F: Net>(skb: *mut __sk_buff) -> i32 {
 pub fn time_exceeded<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
     lb::event(stats::NAT_DROPPED);
-    match F::icmp_reply(ctx, F::TIME_EXCEEDED, 0) {
+    let Some((l4, _)) = F::l4(ctx) else { return TC_ACT_SHOT };
+    match F::icmp_reply(ctx, F::TIME_EXCEEDED, 0, l4) {
         Ok(()) => bounce(ctx),
         Err(_) => TC_ACT_SHOT,
     }

@@ -39,7 +39,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
-    Backend, NatEntry, NatKey, NodeConfig, PROTO_TCP, PROTO_UDP, SCOPE_ALL, STATS_FRONTEND, SrcRange, SvcKey, backend_flags, capacity,
+    Backend, Frag6Key, FragKey, FragPorts, NatEntry, NatKey, NodeConfig, PROTO_TCP, PROTO_UDP, SCOPE_ALL, STATS_FRONTEND, SrcRange, SvcKey, backend_flags, capacity,
     nat_flags, nat_state, stats, svc_flags,
 };
 
@@ -60,37 +60,14 @@ static LB6_NAT: HashMap<NatKey<A6>, NatEntry<A6>, { capacity::NAT as usize }, NO
 
 /// The ports of fragmented IPv4 datagrams, from their first fragment, so
 /// that the later ones (which carry no L4 header) follow the same flow.
+/// Pinned: a datagram whose fragments straddle an agent restart arrives.
 #[btf_map]
-static LB4_FRAG: LruHashMap<FragKey, FragPorts, 8192> = LruHashMap::new();
-
-#[repr(C)]
-pub struct FragKey {
-    saddr: A4,
-    daddr: A4,
-    id: u16,
-    proto: u8,
-    _pad: u8,
-}
+static LB4_FRAG: LruHashMap<FragKey, FragPorts, { capacity::FRAG as usize }> = LruHashMap::new();
 
 /// The same for IPv6 fragments (a fragment extension header, a 32-bit
 /// identification).
 #[btf_map]
-static LB6_FRAG: LruHashMap<Frag6Key, FragPorts, 8192> = LruHashMap::new();
-
-#[repr(C)]
-pub struct Frag6Key {
-    saddr: A6,
-    daddr: A6,
-    id: u32,
-    proto: u8,
-    _pad: [u8; 3],
-}
-
-#[repr(C)]
-pub struct FragPorts {
-    sport: u16,
-    dport: u16,
-}
+static LB6_FRAG: LruHashMap<Frag6Key, FragPorts, { capacity::FRAG as usize }> = LruHashMap::new();
 
 #[btf_map]
 static LB_SRC_RANGE: LpmTrie<SrcRange, u8, { capacity::SRC_RANGE as usize }> = LpmTrie::new();
@@ -307,7 +284,7 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     const TIME_EXCEEDED: (u8, u8);
     /// Turn the packet into an ICMP error `kind` to its source, from its
     /// destination, quoting its headers; `mtu` (if not 0) is the next hop's.
-    fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32) -> Result<(), i64>;
+    fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32, l4: usize) -> Result<(), i64>;
     /// The packet's TTL / hop limit.
     fn ttl(ctx: &TcContext) -> u8;
     /// Whether ICMP type `ty` is an error that quotes the packet it is about.
@@ -471,7 +448,7 @@ impl Net for V4 {
         ctx.load(ETH_HLEN + 8).unwrap_or(0)
     }
     #[inline(always)]
-    fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32) -> Result<(), i64> {
+    fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32, l4: usize) -> Result<(), i64> {
         // IP header (20), ICMP header (8), the packet's IP header and the
         // first 8 bytes of its L4 header (28). Only packets without IP options.
         let vihl: u8 = ctx.load(ETH_HLEN)?;
@@ -497,7 +474,7 @@ impl Net for V4 {
         // SAFETY: offset 20 of a 4-aligned buffer of 56 bytes.
         let icmp = csum_fold(csum_add(unsafe { b.0.as_ptr().add(20) }, 36, 0));
         b.0[22..24].copy_from_slice(&icmp.to_ne_bytes());
-        emit(ctx, &b)
+        emit(ctx, &b, l4)
     }
     #[inline(always)]
     fn tcp_reset(ctx: &TcContext, p: &Pkt<A4>, seq: u32, ack: u32, flags: u8) -> Result<(), i64> {
@@ -516,7 +493,7 @@ impl Net for V4 {
         let s = csum_add(unsafe { b.0.as_ptr().add(12) }, 28, 0);
         let s = csum_add(pseudo.0.as_ptr(), 4, s);
         b.0[36..38].copy_from_slice(&csum_fold(s).to_ne_bytes());
-        emit(ctx, &b)
+        emit(ctx, &b, p.l4)
     }
     #[inline(always)]
     fn tcp_payload(ctx: &TcContext, l4: usize) -> Option<u32> {
@@ -643,7 +620,7 @@ impl Net for V6 {
         ctx.load(ETH_HLEN + 7).unwrap_or(0)
     }
     #[inline(always)]
-    fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32) -> Result<(), i64> {
+    fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32, l4: usize) -> Result<(), i64> {
         // IPv6 header (40), ICMPv6 header (8), the packet's IPv6 header and
         // the first 8 bytes of its L4 header (48).
         let mut b = Buf([0u8; 96]);
@@ -667,7 +644,7 @@ impl Net for V6 {
         let s = csum_add(unsafe { b.0.as_ptr().add(8) }, 88, 0);
         let s = csum_add(pseudo.0.as_ptr(), 8, s);
         b.0[42..44].copy_from_slice(&csum_fold(s).to_ne_bytes());
-        emit(ctx, &b)
+        emit(ctx, &b, l4)
     }
     #[inline(always)]
     fn tcp_reset(ctx: &TcContext, p: &Pkt<A6>, seq: u32, ack: u32, flags: u8) -> Result<(), i64> {
@@ -684,7 +661,7 @@ impl Net for V6 {
         let s = csum_add(unsafe { b.0.as_ptr().add(8) }, 52, 0);
         let s = csum_add(pseudo.0.as_ptr(), 8, s);
         b.0[56..58].copy_from_slice(&csum_fold(s).to_ne_bytes());
-        emit(ctx, &b)
+        emit(ctx, &b, p.l4)
     }
     #[inline(always)]
     fn tcp_payload(ctx: &TcContext, l4: usize) -> Option<u32> {
@@ -768,26 +745,49 @@ fn tcp_rst_header<A, const N: usize>(b: &mut [u8; N], at: usize, p: &Pkt<A>, seq
     b[at + 13] = flags;
 }
 
+/// bpf_skb_adjust_room's mode: room between the L2 and L3 headers.
+const BPF_ADJ_ROOM_MAC: u32 = 1;
+/// bpf_skb_store_bytes: keep a CHECKSUM_COMPLETE skb's sum right.
+const BPF_F_RECOMPUTE_CSUM: u64 = 1;
+
 /// Make the packet exactly the frame header plus `b`, then send it back out
-/// of the interface it came in on, with the MAC addresses swapped.
+/// of the interface it came in on, with the MAC addresses swapped. `l4`:
+/// where the L4 header of the packet being answered starts.
+///
+/// The answer is made from that packet's skb, and with it its checksum
+/// state. A packet with a partial checksum (CHECKSUM_PARTIAL: every GRO'd
+/// TCP packet from a NIC, a local sender's segments) would leave with it:
+/// the device sending the answer would finish "its" checksum at the old L4
+/// header's offset, over the checksums computed here (a RST's would be
+/// wrong, an ICMP error's quote or MTU overwritten). Pulling the frame
+/// past that offset is what drops the partial state in the kernel
+/// (skb_postpull_rcsum), and the pull also drops CHECKSUM_UNNECESSARY: so
+/// the frame is grown to `l4 + 2` bytes more than the answer, those bytes
+/// are removed behind the MAC header, and the answer leaves with
+/// CHECKSUM_NONE and checksums complete.
 #[inline(always)]
-fn emit<const N: usize>(ctx: &TcContext, b: &Buf<N>) -> Result<(), i64> {
+fn emit<const N: usize>(ctx: &TcContext, b: &Buf<N>, l4: usize) -> Result<(), i64> {
     let mut mac = [0u8; 12];
     load_exact(ctx, 0, mac.as_mut_ptr(), 12)?;
     let mut swapped = [0u8; 12];
     swapped[..6].copy_from_slice(&mac[6..]);
     swapped[6..].copy_from_slice(&mac[..6]);
+    let pull = l4 + 2;
     // SAFETY: helpers on the program's own skb, stack buffers of the given sizes.
     unsafe {
-        let rc = bpf_skb_change_tail(ctx.skb.skb, (ETH_HLEN + N) as u32, 0);
+        let rc = bpf_skb_change_tail(ctx.skb.skb, (ETH_HLEN + pull + N) as u32, 0);
         if rc != 0 {
             return Err(rc);
         }
-        let rc = bpf_skb_store_bytes(ctx.skb.skb, 0, swapped.as_ptr().cast(), 12, 0);
+    }
+    ctx.adjust_room(-(pull as i32), BPF_ADJ_ROOM_MAC, 0)?;
+    // SAFETY: as above.
+    unsafe {
+        let rc = bpf_skb_store_bytes(ctx.skb.skb, 0, swapped.as_ptr().cast(), 12, BPF_F_RECOMPUTE_CSUM);
         if rc != 0 {
             return Err(rc);
         }
-        let rc = bpf_skb_store_bytes(ctx.skb.skb, ETH_HLEN as u32, b.0.as_ptr().cast(), N as u32, 0);
+        let rc = bpf_skb_store_bytes(ctx.skb.skb, ETH_HLEN as u32, b.0.as_ptr().cast(), N as u32, BPF_F_RECOMPUTE_CSUM);
         if rc != 0 {
             return Err(rc);
         }
@@ -1018,10 +1018,11 @@ fn drop_packet() -> i32 {
 fn reject<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
     lb::event(stats::NAT_REJECTED);
-    if F::l4(ctx).is_some_and(|(_, proto)| proto == PROTO_TCP) {
+    let Some((l4, proto)) = F::l4(ctx) else { return TC_ACT_SHOT };
+    if proto == PROTO_TCP {
         return send_reset::<F>(ctx);
     }
-    match F::icmp_reply(ctx, F::PORT_UNREACHABLE, 0) {
+    match F::icmp_reply(ctx, F::PORT_UNREACHABLE, 0, l4) {
         Ok(()) => bounce(ctx),
         Err(_) => TC_ACT_SHOT,
     }
