@@ -330,15 +330,17 @@ fn replies_of_snated_flows_arriving_on_an_overlay_device_are_translated() -> Res
 }
 
 /// The TC programs' checksum updates hold on the wire, for both kinds of
-/// packets they meet: the client's are partial (its offload is on: only
-/// the pseudo-header sum, finished in software where node-1's eth0 sends
-/// them on without offload), pod-2's replies arrive complete (node-2's
-/// eth0 finished them). A capture at pod-2 and at the client checks every
-/// TCP and UDP checksum, both families.
+/// packets they meet: the client's are partial (its offload is on, and the
+/// fabric's port to node-1 passes them on as they are: only the
+/// pseudo-header sum, finished in software where node-1's eth0 sends them
+/// on without offload), pod-2's replies arrive complete (node-2's eth0
+/// finished them). A capture at pod-2 and at the client checks every TCP
+/// and UDP checksum, both families.
 #[test]
 fn translated_packets_carry_valid_checksums() -> Result<()> {
     let w = world_wired(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--nodeport-acceleration", "none"])?;
     w.c.in_netns(&w.outside.netns, &["ethtool", "-K", "eth0", "tx", "on"])?;
+    w.c.in_netns(w.c.fabric_netns(), &["ethtool", "-K", "n1", "tx", "on"])?;
     set_endpoints(&w, &[(&w.p2, E::ready)])?;
     wait_only(&w.c, NODE1, 30080, &w.p2)?;
     wait_only(&w.c, NODE1_6, 30080, &w.p2)?;

@@ -138,3 +138,43 @@ fn a_half_finished_upgrade_is_started_over() -> Result<()> {
     assert_eq!(s.ok, 5, "{s:?}");
     Ok(())
 }
+
+/// Pins name a device as a pin name can hold it ("eth0.100", a VLAN, as
+/// "eth0_100"). An upgrade finds each device again by that spelling and
+/// moves its program to the new maps: here a pod device named "vp.3" with
+/// the pod program (`--bpf-forward`).
+#[test]
+fn an_upgrade_moves_the_programs_of_devices_whose_pins_spell_them_otherwise() -> Result<()> {
+    use lbtest::objects::Endpoint as E;
+    let mut w = world_with(&web("NodePort", "", &[]), &["--bpf-forward"])?;
+    let p3 = w.c.add_pod(1, "pod-3")?;
+    let node = w.c.nodes[0].netns.clone();
+    let dev = format!("v{}", p3.ip.rsplit('.').next().unwrap_or_default());
+    for args in [vec!["link", "set", &dev, "down"], vec!["link", "set", &dev, "name", "vp.3"], vec!["link", "set", "vp.3", "up"]] {
+        let mut cmd = vec!["ip"];
+        cmd.extend(args);
+        w.c.in_netns(&node, &cmd)?;
+    }
+    w.c.serve_reporting_peer(&p3, 8080)?;
+    set_endpoints(&w, &[(&p3, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &p3)?;
+    let pin = w.c.nodes[0].bpffs.join("links").join("lb_pod_ingress_vp_3");
+    w.c.wait_for("the pod program pinned for vp.3", Duration::from_secs(10), || Ok(pin.exists()))?;
+
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    w.c.start_agent_env(1, &objects, &["--bpf-forward"], &[("LB_LAYOUT_VERSION", "99")])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let warned: Vec<String> = lines_with(&w.c, "upgrade:")?.into_iter().filter(|l| l.contains("WARN")).collect();
+    assert!(warned.is_empty(), "every pinned device was found again: {warned:?}");
+    // The program on vp.3 reads the maps now pinned.
+    let nat = aya::maps::MapInfo::from_pin(w.c.nodes[0].bpffs.join(lb_common::maps::NAT4))?.id();
+    let (_, progs) = lbtest::with_netns(Some(&node), || {
+        Ok(aya::programs::SchedClassifier::query_tcx("vp.3", aya::programs::TcAttachType::Ingress)?)
+    })?;
+    let maps: Vec<u32> = progs.iter().filter(|p| p.name_as_str() == Some("lb_pod_ingress")).flat_map(|p| p.map_ids().ok().flatten().unwrap_or_default()).collect();
+    assert!(maps.contains(&nat), "the pod program on vp.3 uses the new {} ({nat}): {maps:?}", lb_common::maps::NAT4);
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    Ok(())
+}

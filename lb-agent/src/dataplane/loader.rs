@@ -282,16 +282,24 @@ impl Tc {
         let copied = carry_state(&self.bpffs, replaced, true);
         self.attach_cgroup()?;
         let links = self.bpffs.join("links");
+        // Pins name devices as `pin_safe` spells them ("eth0.100" ->
+        // "eth0_100"): find each one's device again by that spelling.
+        let devices: Vec<(String, u32)> = crate::netdev::links()?.into_iter().map(|l| (l.name, l.ifindex)).collect();
+        let device = |safe: &str| devices.iter().find(|(n, _)| pin_safe(n) == safe).cloned();
         let mut ifaces = BTreeSet::new();
         for e in fs::read_dir(&links)?.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
             for prog in device_programs() {
-                if let Some(iface) = n.strip_prefix(prog).and_then(|r| r.strip_prefix('_')) {
-                    ifaces.insert(iface.to_string());
+                if let Some(safe) = n.strip_prefix(prog).and_then(|r| r.strip_prefix('_')) {
+                    ifaces.insert(safe.to_string());
                 }
             }
         }
-        for iface in ifaces {
+        for safe in ifaces {
+            let Some((iface, _)) = device(&safe) else {
+                tracing::warn!(iface = safe, "upgrade: no such device any more; its programs stay on the old maps until the device goes");
+                continue;
+            };
             if let Err(e) = self.attach_tc(&iface) {
                 tracing::warn!(iface, "upgrade: {e:#}");
             }
@@ -302,10 +310,8 @@ impl Tc {
             .flatten()
             .filter_map(|e| e.file_name().to_string_lossy().strip_prefix(&pod_prefix).map(str::to_string))
             .collect();
-        for iface in pods {
-            let c = std::ffi::CString::new(iface.as_str())?;
-            // SAFETY: a NUL-terminated name.
-            let ifindex = unsafe { libc::if_nametoindex(c.as_ptr()) };
+        for safe in pods {
+            let Some((iface, ifindex)) = device(&safe) else { continue };
             if let Err(e) = self.attach_pod(&iface, ifindex) {
                 tracing::warn!(iface, "upgrade: {e:#}");
             }
