@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use anyhow::{Context as _, Result};
 use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
 use netlink_packet_route::RouteNetlinkMessage;
-use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
+use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkLayerType, LinkMessage};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
 /// The driver's own statistics of `iface`, by name, as `ethtool -S` shows
@@ -82,6 +82,9 @@ pub struct Link {
     /// The kernel's index: a device removed and created again under the
     /// same name has a new one.
     pub ifindex: u32,
+    /// An L3 device: its packets start with the IP header, no link-layer
+    /// header (WireGuard and TUN: ARPHRD_NONE; IPIP, ip6tnl, SIT, GRE, raw IP).
+    pub l3: bool,
 }
 
 /// Every device of this network namespace.
@@ -120,6 +123,16 @@ fn link_of(l: &LinkMessage) -> Link {
         up: l.header.flags.contains(LinkFlags::Up),
         loopback: l.header.flags.contains(LinkFlags::Loopback),
         ifindex: l.header.index,
+        l3: matches!(
+            l.header.link_layer_type,
+            LinkLayerType::None
+                | LinkLayerType::Tunnel
+                | LinkLayerType::Tunnel6
+                | LinkLayerType::Sit
+                | LinkLayerType::Ipgre
+                | LinkLayerType::Ip6gre
+                | LinkLayerType::Rawip
+        ),
     };
     for a in &l.attributes {
         match a {
@@ -159,8 +172,8 @@ fn kind_name(k: &InfoKind) -> String {
 /// Whether traffic from outside the node may arrive on a device of this
 /// kind: NICs (physical, VLAN, bond, team, macvlan, ipvlan) and the
 /// Ethernet overlays (VXLAN, Geneve, GRETAP) that carry pod traffic between
-/// nodes. Not pod-facing devices (veth, bridge), not dummies, and not L3
-/// tunnels (IPIP, GRE, WireGuard): the programs parse Ethernet frames.
+/// nodes. Not pod-facing devices (veth, bridge), not dummies. (L3 tunnels
+/// count by their link-layer type: `Link::l3`.)
 fn outside_kind(kind: Option<&str>) -> bool {
     matches!(kind, None | Some("vlan" | "bond" | "team" | "macvlan" | "ipvlan" | "vxlan" | "geneve" | "gretap" | "ip6gretap"))
 }
@@ -168,8 +181,11 @@ fn outside_kind(kind: Option<&str>) -> bool {
 /// Where the TC programs go when no `--nodeport-interface` is given: every
 /// device that holds one of the node's addresses (`node_addrs`), and every
 /// other up device outside traffic or replies of SNATed flows may arrive
-/// on: a NIC holding a global address, or an Ethernet overlay. Devices
-/// enslaved to a bridge or bond are left out (their master is the device).
+/// on: a NIC holding a global address, an Ethernet overlay, or an L3
+/// tunnel holding an address (Calico's `tunl0` and `wireguard.cali`,
+/// flannel's `flannel-wg`: replies to this node can come back through
+/// them). Devices enslaved to a bridge or bond are left out (their master
+/// is the device).
 pub fn nodeport_devices(links: &[Link], addrs: &[(String, IpAddr)], node_addrs: &[IpAddr]) -> Vec<String> {
     let mut v: Vec<String> = Vec::new();
     for l in links {
@@ -179,7 +195,7 @@ pub fn nodeport_devices(links: &[Link], addrs: &[(String, IpAddr)], node_addrs: 
         let holds_node_addr = addrs.iter().any(|(i, a)| *i == l.name && node_addrs.contains(a));
         let holds_addr = addrs.iter().any(|(i, _)| *i == l.name);
         let overlay = matches!(l.kind.as_deref(), Some("vxlan" | "geneve" | "gretap" | "ip6gretap"));
-        if holds_node_addr || (outside_kind(l.kind.as_deref()) && (holds_addr || overlay)) {
+        if holds_node_addr || (outside_kind(l.kind.as_deref()) && (holds_addr || overlay)) || (l.l3 && holds_addr) {
             v.push(l.name.clone());
         }
     }
@@ -208,7 +224,8 @@ mod tests {
     use super::*;
 
     fn link(name: &str, kind: Option<&str>) -> Link {
-        Link { name: name.into(), kind: kind.map(Into::into), has_master: false, up: true, loopback: false, ifindex: 7 }
+        let l3 = matches!(kind, Some("ipip" | "wireguard" | "tun"));
+        Link { name: name.into(), kind: kind.map(Into::into), has_master: false, up: true, loopback: false, ifindex: 7, l3 }
     }
 
     #[test]
@@ -223,6 +240,8 @@ mod tests {
             Link { has_master: true, ..link("v10", Some("veth")) },
             link("vx0", Some("vxlan")),
             link("tunl0", Some("ipip")),
+            link("wg0", Some("wireguard")),
+            link("tun9", Some("tun")),
             link("kube-ipvs0", Some("dummy")),
             Link { up: false, ..link("eth3", None) },
             Link { has_master: true, ..link("eth4", None) },
@@ -238,10 +257,11 @@ mod tests {
             ("bond0".to_string(), "10.1.0.5".parse().unwrap()),
         ];
         // eth0: a veth, but it holds the node address (a netns node); eth1
-        // and bond0: NICs with addresses; vx0: an overlay. Not: eth2 (no
-        // address), the bridge, bridge ports, the dummy, the L3 tunnel, a
-        // down device, a bond slave.
-        assert_eq!(nodeport_devices(&links, &addrs, &[node]), ["bond0", "eth0", "eth1", "vx0"]);
+        // and bond0: NICs with addresses; vx0: an overlay; tunl0: an L3
+        // tunnel with an address. Not: eth2 (no address), the bridge,
+        // bridge ports, the dummy, an L3 device without an address (wg0
+        // here), a down device, a bond slave.
+        assert_eq!(nodeport_devices(&links, &addrs, &[node]), ["bond0", "eth0", "eth1", "tunl0", "vx0"]);
     }
 
     #[test]
@@ -268,6 +288,6 @@ mod tests {
     #[test]
     fn links_lists_this_namespaces_devices() {
         let l = links().expect("rtnetlink dump");
-        assert!(l.iter().any(|l| l.loopback && l.name == "lo"), "{l:?}");
+        assert!(l.iter().any(|l| l.loopback && l.name == "lo" && !l.l3), "{l:?}");
     }
 }

@@ -32,6 +32,7 @@ pub mod btfmap;
 pub mod objects;
 pub mod podspec;
 pub mod raw;
+pub mod tunnel;
 pub mod world;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);

@@ -238,8 +238,17 @@ fn build_bins(release: bool) -> Result<()> {
 
 /// The north-south suites, run again with each other TC attach mode and
 /// with XDP acceleration.
-const NETLINK_SUITES: [&str; 8] =
-    ["nodeport", "north_south", "north_south_icmp", "north_south_abuse", "north_south_forward", "north_south_maglev", "north_south_dsr", "north_south_xdp"];
+const NETLINK_SUITES: [&str; 9] = [
+    "nodeport",
+    "north_south",
+    "north_south_icmp",
+    "north_south_abuse",
+    "north_south_forward",
+    "north_south_maglev",
+    "north_south_dsr",
+    "north_south_xdp",
+    "north_south_l3",
+];
 
 /// `cargo xtask image`, after setup: the release binaries, the base image,
 /// then the lb-agent image (`e2e`: the e2e stage). Returns its tag.

@@ -7,7 +7,9 @@
 //!   DIR/links/<PROG>   the cgroup links; they keep the programs attached
 //!                      while no agent runs
 //!   DIR/links/<PROG>_<IFACE>  the TCX and XDP links of a NodePort device,
-//!                      and of a pod device (`lb_pod_ingress`)
+//!                      and of a pod device (`lb_pod_ingress`); an L3
+//!                      device's links carry the names of the Ethernet
+//!                      programs whose place they take (`L3_PROGRAMS`)
 use std::collections::BTreeSet;
 use std::fs;
 use std::os::fd::AsFd as _;
@@ -45,6 +47,10 @@ pub const SOCK_PROGRAMS: [&str; 3] = ["lb_post_bind4", "lb_post_bind6", "lb_sock
 /// The TC programs, attached to each NodePort interface.
 pub const TC_PROGRAMS: [(&str, TcAttachType); 2] =
     [("lb_nodeport_ingress", TcAttachType::Ingress), ("lb_nodeport_egress", TcAttachType::Egress)];
+
+/// The TC programs for NodePort interfaces without a link-layer header
+/// (WireGuard, IPIP, GRE, TUN), in the same order as `TC_PROGRAMS`.
+pub const L3_PROGRAMS: [(&str, TcAttachType); 2] = [("lb_l3_ingress", TcAttachType::Ingress), ("lb_l3_egress", TcAttachType::Egress)];
 
 /// The XDP program (`--nodeport-acceleration xdp`), on each NodePort
 /// interface beside the TC programs.
@@ -198,7 +204,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
             .try_into()?;
         prog.load().with_context(|| format!("verify program {name}"))?;
     }
-    for name in TC_PROGRAMS.iter().map(|(n, _)| *n).chain([POD_PROGRAM]) {
+    for name in TC_PROGRAMS.iter().chain(L3_PROGRAMS.iter()).map(|(n, _)| *n).chain([POD_PROGRAM]) {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the object"))?
@@ -353,7 +359,11 @@ impl Tc {
             }
         }
         let safe = pin_safe(iface);
-        for (name, ty) in TC_PROGRAMS {
+        // A device without a link-layer header gets the programs built for
+        // that layout, in the same places (and pins).
+        let l3 = crate::netdev::links()?.iter().any(|l| l.name == iface && l.l3);
+        let programs = if l3 { L3_PROGRAMS } else { TC_PROGRAMS };
+        for ((name, ty), (place, _)) in programs.into_iter().zip(TC_PROGRAMS) {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
             if !tcx {
                 attach_netlink(prog, iface, ty).with_context(|| format!("attach {name} to {iface} (netlink)"))?;
@@ -363,9 +373,9 @@ impl Tc {
             let id = prog.attach_with_options(iface, ty, opts).with_context(|| format!("attach {name} to {iface} (tcx)"))?;
             let link = prog.take_link(id)?;
             let fd = FdLink::try_from(link).map_err(|_| anyhow::anyhow!("attach {name} to {iface}: not a TCX link"))?;
-            pin_link(&self.bpffs, &format!("{name}_{safe}"), fd)?;
+            pin_link(&self.bpffs, &format!("{place}_{safe}"), fd)?;
         }
-        let xdp = self.attach_xdp(iface, &safe)?;
+        let xdp = self.attach_xdp(iface, &safe, l3)?;
         // A SNATed flow's packets re-enter the stack with this node's own
         // address as their source: accept them (as Cilium does).
         for (knob, value) in [("accept_local", "1"), ("rp_filter", "0")] {
@@ -375,7 +385,7 @@ impl Tc {
             }
         }
         self.attached.insert(iface.to_string());
-        tracing::info!(iface, tcx, xdp, "NodePort programs attached");
+        tracing::info!(iface, tcx, xdp, l3, "NodePort programs attached");
         Ok(())
     }
 
@@ -474,12 +484,17 @@ impl Tc {
     /// in place of an earlier agent's (one atomic link update: no packet
     /// misses it), else native (in the driver), else generic (after the
     /// skb is built: correct, little faster than TC). Without, take an
-    /// earlier agent's off. Returns how it runs there.
-    fn attach_xdp(&mut self, iface: &str, safe: &str) -> Result<&'static str> {
+    /// earlier agent's off. Not on an L3 device (`l3`: the XDP program
+    /// parses Ethernet frames; TC carries its traffic). Returns how it runs
+    /// there.
+    fn attach_xdp(&mut self, iface: &str, safe: &str, l3: bool) -> Result<&'static str> {
         use aya::programs::links::PinnedLink;
         use aya::programs::xdp::XdpLink;
         let pin = self.xdp_pin(safe);
-        if !self.xdp {
+        if self.xdp && l3 {
+            tracing::info!(iface, "an L3 device: no XDP acceleration here (the XDP program reads Ethernet frames); the TC programs carry its traffic");
+        }
+        if !self.xdp || l3 {
             if pin.exists() {
                 fs::remove_file(&pin).with_context(|| format!("unpin {}", pin.display()))?;
                 tracing::info!(iface, "XDP acceleration off: the XDP program an earlier agent attached is detached");
@@ -644,7 +659,7 @@ pub fn teardown(bpffs: &Path) -> Result<()> {
     // this network namespace's devices.
     if let Ok(links) = crate::netdev::links() {
         for l in links {
-            for (name, ty) in TC_PROGRAMS.into_iter().chain([(POD_PROGRAM, TcAttachType::Ingress)]) {
+            for (name, ty) in TC_PROGRAMS.into_iter().chain(L3_PROGRAMS).chain([(POD_PROGRAM, TcAttachType::Ingress)]) {
                 let _ = aya::programs::tc::qdisc_detach_program(&l.name, ty, name);
             }
         }

@@ -28,8 +28,8 @@ use aya_ebpf::{
 };
 use lb_common::{NatEntry, NatKey, NodePortKey, SCOPE_ALL, SvcKey, nat_flags, stats, svc_flags};
 
-use super::{A4, A6, ACT_TRANSLATED, Buf, ETH_HLEN, IPV6_DSTOPTS, IPV6_HOPOPTS, Net, Pkt, csum_add, csum_fold, ld, load_exact, note, parse};
-use crate::lb::{self, V4, V6};
+use super::{A4, A6, ACT_TRANSLATED, Buf, Ip4, Ip6, IPV6_DSTOPTS, IPV6_HOPOPTS, Net, Pkt, csum_add, csum_fold, ld, load_exact, note, parse};
+use crate::lb;
 
 pub const OPT_TYPE: u8 = 0x9a;
 pub const OPT_LEN: usize = 8;
@@ -42,15 +42,15 @@ const BPF_ADJ_ROOM_NET: u32 = 0;
 
 /// An IPv4 header with exactly our option (IHL 7).
 #[inline(always)]
-pub fn carries_option(ctx: &TcContext) -> bool {
-    ld::<[u8; 2]>(ctx, ETH_HLEN).is_ok_and(|v| v[0] == 0x47) && ld::<[u8; 2]>(ctx, ETH_HLEN + 20).is_ok_and(|o| o == [OPT_TYPE, OPT_LEN as u8])
+pub fn carries_option<const L: usize>(ctx: &TcContext) -> bool {
+    ld::<[u8; 2]>(ctx, L).is_ok_and(|v| v[0] == 0x47) && ld::<[u8; 2]>(ctx, L + 20).is_ok_and(|o| o == [OPT_TYPE, OPT_LEN as u8])
 }
 
 /// An IPv6 header followed by our destination options header.
 #[inline(always)]
-pub fn carries_option6(ctx: &TcContext) -> bool {
-    ld::<[u8; 2]>(ctx, ETH_HLEN + 6).is_ok_and(|v| v[0] == IPV6_DSTOPTS)
-        && ld::<[u8; 4]>(ctx, ETH_HLEN + 40).is_ok_and(|o| o[1] == (OPT6_LEN / 8 - 1) as u8 && o[2] == OPT6_TYPE && o[3] == OPT6_DATA)
+pub fn carries_option6<const L: usize>(ctx: &TcContext) -> bool {
+    ld::<[u8; 2]>(ctx, L + 6).is_ok_and(|v| v[0] == IPV6_DSTOPTS)
+        && ld::<[u8; 4]>(ctx, L + 40).is_ok_and(|o| o[1] == (OPT6_LEN / 8 - 1) as u8 && o[2] == OPT6_TYPE && o[3] == OPT6_DATA)
 }
 
 /// Recompute the IPv4 header checksum of the `N`-byte header in `b`.
@@ -65,10 +65,10 @@ fn fix_csum<const N: usize>(b: &mut Buf<N>) {
 /// Node A: insert the option naming the frontend `addr:port` into the
 /// (translated) packet. Returns ACT_TRANSLATED, or TC_ACT_SHOT.
 #[inline(never)]
-pub fn add_option(skb: *mut __sk_buff, addr: A4, port: u16) -> i32 {
+pub fn add_option<const L: usize>(skb: *mut __sk_buff, addr: A4, port: u16) -> i32 {
     let ctx = &TcContext::new(skb);
     let mut h = Buf([0u8; 20]);
-    if load_exact(ctx, ETH_HLEN, h.0.as_mut_ptr(), 20).is_err() || h.0[0] != 0x45 {
+    if load_exact(ctx, L, h.0.as_mut_ptr(), 20).is_err() || h.0[0] != 0x45 {
         // The client sent IP options of its own: no room for ours.
         lb::event(stats::NAT_DROPPED);
         return aya_ebpf::bindings::TC_ACT_SHOT;
@@ -86,7 +86,7 @@ pub fn add_option(skb: *mut __sk_buff, addr: A4, port: u16) -> i32 {
     b.0[22..24].copy_from_slice(&port.to_be_bytes());
     b.0[24..28].copy_from_slice(&addr);
     fix_csum(&mut b);
-    if ctx.store(ETH_HLEN, &b.0, 0).is_err() {
+    if ctx.store(L, &b.0, 0).is_err() {
         return aya_ebpf::bindings::TC_ACT_SHOT;
     }
     lb::event(stats::DSR_SENT);
@@ -97,10 +97,10 @@ pub fn add_option(skb: *mut __sk_buff, addr: A4, port: u16) -> i32 {
 /// frontend `addr:port` after the (translated) packet's fixed header.
 /// Returns ACT_TRANSLATED, or TC_ACT_SHOT.
 #[inline(never)]
-pub fn add_option6(skb: *mut __sk_buff, addr: A6, port: u16) -> i32 {
+pub fn add_option6<const L: usize>(skb: *mut __sk_buff, addr: A6, port: u16) -> i32 {
     let ctx = &TcContext::new(skb);
     let mut h = Buf([0u8; 40]);
-    if load_exact(ctx, ETH_HLEN, h.0.as_mut_ptr(), 40).is_err() {
+    if load_exact(ctx, L, h.0.as_mut_ptr(), 40).is_err() {
         return aya_ebpf::bindings::TC_ACT_SHOT;
     }
     let next = h.0[6];
@@ -126,7 +126,7 @@ pub fn add_option6(skb: *mut __sk_buff, addr: A6, port: u16) -> i32 {
     // PadN of 2 bytes.
     b.0[62] = 1;
     b.0[63] = 0;
-    if ctx.store(ETH_HLEN, &b.0, 0).is_err() {
+    if ctx.store(L, &b.0, 0).is_err() {
         return aya_ebpf::bindings::TC_ACT_SHOT;
     }
     lb::event(stats::DSR_SENT);
@@ -184,19 +184,19 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> bool {
 /// for an option naming no frontend of ours (left as it is: the stack
 /// ignores options it does not know), or TC_ACT_SHOT.
 #[inline(never)]
-pub fn receive(skb: *mut __sk_buff) -> i32 {
+pub fn receive<const L: usize>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
-    let Some(p) = parse::<V4>(ctx) else { return TC_ACT_OK };
+    let Some(p) = parse::<Ip4<L>>(ctx) else { return TC_ACT_OK };
     let mut b = Buf([0u8; 28]);
-    if load_exact(ctx, ETH_HLEN, b.0.as_mut_ptr(), 28).is_err() {
+    if load_exact(ctx, L, b.0.as_mut_ptr(), 28).is_err() {
         return TC_ACT_OK;
     }
     let port = u16::from_be_bytes([b.0[22], b.0[23]]);
     let addr: A4 = [b.0[24], b.0[25], b.0[26], b.0[27]];
-    if !known_frontend::<V4>(addr, port, p.proto) {
+    if !known_frontend::<Ip4<L>>(addr, port, p.proto) {
         return TC_ACT_OK;
     }
-    if !p.later && !record::<V4>(&p, addr, port) {
+    if !p.later && !record::<Ip4<L>>(&p, addr, port) {
         lb::event(stats::NAT_FAILED);
         return aya_ebpf::bindings::TC_ACT_SHOT;
     }
@@ -207,7 +207,7 @@ pub fn receive(skb: *mut __sk_buff) -> i32 {
     let len = u16::from_be_bytes([b.0[2], b.0[3]]).wrapping_sub(OPT_LEN as u16);
     h.0[2..4].copy_from_slice(&len.to_be_bytes());
     fix_csum(&mut h);
-    if ctx.adjust_room(-(OPT_LEN as i32), BPF_ADJ_ROOM_NET, 0).is_err() || ctx.store(ETH_HLEN, &h.0, 0).is_err() {
+    if ctx.adjust_room(-(OPT_LEN as i32), BPF_ADJ_ROOM_NET, 0).is_err() || ctx.store(L, &h.0, 0).is_err() {
         return aya_ebpf::bindings::TC_ACT_SHOT;
     }
     lb::event(stats::DSR_RECEIVED);
@@ -218,23 +218,23 @@ pub fn receive(skb: *mut __sk_buff) -> i32 {
 /// options header. A first fragment leaves its ports for the later ones
 /// (which carry the header too).
 #[inline(never)]
-pub fn receive6(skb: *mut __sk_buff) -> i32 {
+pub fn receive6<const L: usize>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
-    let Some(p) = parse::<V6>(ctx) else { return TC_ACT_OK };
+    let Some(p) = parse::<Ip6<L>>(ctx) else { return TC_ACT_OK };
     let mut b = Buf([0u8; 64]);
-    if load_exact(ctx, ETH_HLEN, b.0.as_mut_ptr(), 64).is_err() {
+    if load_exact(ctx, L, b.0.as_mut_ptr(), 64).is_err() {
         return TC_ACT_OK;
     }
     let port = u16::from_be_bytes([b.0[44], b.0[45]]);
     let mut addr: A6 = [0; 16];
     addr.copy_from_slice(&b.0[46..62]);
-    if !known_frontend::<V6>(addr, port, p.proto) {
+    if !known_frontend::<Ip6<L>>(addr, port, p.proto) {
         return TC_ACT_OK;
     }
-    if let Some((id, true, true)) = V6::fragment(ctx) {
-        V6::frag_put(&p, id);
+    if let Some((id, true, true)) = Ip6::<L>::fragment(ctx) {
+        Ip6::<L>::frag_put(&p, id);
     }
-    if !p.later && !record::<V6>(&p, addr, port) {
+    if !p.later && !record::<Ip6<L>>(&p, addr, port) {
         lb::event(stats::NAT_FAILED);
         return aya_ebpf::bindings::TC_ACT_SHOT;
     }
@@ -244,7 +244,7 @@ pub fn receive6(skb: *mut __sk_buff) -> i32 {
     h.0[6] = b.0[40];
     let len = u16::from_be_bytes([b.0[4], b.0[5]]).wrapping_sub(OPT6_LEN as u16);
     h.0[4..6].copy_from_slice(&len.to_be_bytes());
-    if ctx.adjust_room(-(OPT6_LEN as i32), BPF_ADJ_ROOM_NET, 0).is_err() || ctx.store(ETH_HLEN, &h.0, 0).is_err() {
+    if ctx.adjust_room(-(OPT6_LEN as i32), BPF_ADJ_ROOM_NET, 0).is_err() || ctx.store(L, &h.0, 0).is_err() {
         return aya_ebpf::bindings::TC_ACT_SHOT;
     }
     lb::event(stats::DSR_RECEIVED);

@@ -14,13 +14,17 @@ use aya_ebpf::{
 };
 use lb_common::{nat_flags, node_flags, stats};
 
-use super::{ACT_TRANSLATED, ETH_HLEN, Net, parse, touch, translate};
+use super::{ACT_TRANSLATED, Net, parse, touch, translate};
 use crate::lb;
 
 /// A translated packet goes on: forwarded here if the agent asked for
-/// forwarding in BPF, else through the stack.
+/// forwarding in BPF, else through the stack. From an L3 device always
+/// through the stack (the packet has no Ethernet header to set MACs in).
 #[inline(always)]
 pub fn send_on<F: Net>(skb: *mut __sk_buff) -> i32 {
+    if F::L2 == 0 {
+        return TC_ACT_OK;
+    }
     if lb::node_config().is_some_and(|c| c.flags & node_flags::BPF_FORWARD != 0) { forward::<F>(skb) } else { TC_ACT_OK }
 }
 
@@ -96,7 +100,7 @@ fn lookup<F: Net>(skb: *mut __sk_buff, f: &mut bpf_fib_lookup, proto: u8, src: (
     f.dport = dst.1.to_be();
     // A GSO packet leaves as segments, each within the MTU: no length check.
     if gso == 0 {
-        f.__bindgen_anon_1.tot_len = len.saturating_sub(ETH_HLEN as u32) as u16;
+        f.__bindgen_anon_1.tot_len = len.saturating_sub(F::L2 as u32) as u16;
     }
     f.ifindex = ifindex;
     F::fib_addrs(f, src.0, dst.0);

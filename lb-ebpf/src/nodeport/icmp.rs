@@ -19,7 +19,7 @@ use aya_ebpf::{
 };
 use lb_common::{NatEntry, NatKey, PROTO_TCP, PROTO_UDP, nat_flags, stats};
 
-use super::{Buf, ETH_HLEN, Net, Pkt, bounce, load_exact};
+use super::{Buf, Net, Pkt, bounce, load_exact};
 use crate::lb;
 
 /// Packets up to this size (IP header and all) fit every IPv6 path and
@@ -92,7 +92,7 @@ fn translate<F: Net, const Q: usize, const FH: usize>(ctx: &TcContext, l4: usize
     let ih = F::IH + FH;
     let n = ih + Q;
     let inner = l4 + 8;
-    let (src, dst) = (F::SRC - ETH_HLEN, F::DST - ETH_HLEN);
+    let (src, dst) = (F::SRC - F::L2, F::DST - F::L2);
     let alen = F::DST - F::SRC;
     let mut old = Buf([0u8; 60]);
     if load_exact(ctx, inner, old.0.as_mut_ptr(), n as u32).is_err() || !F::inner_ok(&old.0) {
@@ -184,7 +184,7 @@ pub fn path_mtu<F: Net>(skb: *mut __sk_buff, p: &Pkt<F::A>, e: &NatEntry<F::A>, 
     // SAFETY: fields of our own skb.
     let (len, gso, ifindex) = unsafe { ((*skb).len, (*skb).gso_size, (*skb).ifindex) };
     // A GSO packet leaves as segments: each must fit.
-    let mut need = len.saturating_sub(ETH_HLEN as u32) + extra;
+    let mut need = len.saturating_sub(F::L2 as u32) + extra;
     if gso != 0 {
         let l4_hdr = if p.proto == PROTO_TCP {
             match ctx.load::<u8>(p.l4 + 12) {
@@ -194,7 +194,7 @@ pub fn path_mtu<F: Net>(skb: *mut __sk_buff, p: &Pkt<F::A>, e: &NatEntry<F::A>, 
         } else {
             8
         };
-        need = (p.l4 - ETH_HLEN) as u32 + l4_hdr + gso + extra;
+        need = (p.l4 - F::L2) as u32 + l4_hdr + gso + extra;
     }
     if need as usize <= MTU_CHECK_ABOVE || need > u16::MAX as u32 {
         return 0;

@@ -44,6 +44,7 @@ use lb_common::{
 };
 
 use crate::lb::{self, Client, ECONNREFUSED, Family, NO_PREALLOC, V4, V6, Verdict};
+use lb_common::{MaglevKey, RevNat, SvcValue};
 
 mod dsr;
 mod fib;
@@ -52,6 +53,41 @@ mod xdp;
 
 type A4 = [u8; 4];
 type A6 = [u8; 16];
+
+/// IPv4 and IPv6 packets behind `L` bytes of link-layer header: the same
+/// maps as the socket programs' `V4` and `V6`, a layout per device kind.
+pub struct Ip4<const L: usize>;
+pub struct Ip6<const L: usize>;
+/// On Ethernet devices.
+type E4 = Ip4<ETH_HLEN>;
+type E6 = Ip6<ETH_HLEN>;
+
+macro_rules! family_of {
+    ($t:ident, $f:ident, $a:ty) => {
+        impl<const L: usize> Family for $t<L> {
+            type A = $a;
+            const ID: u8 = $f::ID;
+            #[inline(always)]
+            fn svc(k: &SvcKey<$a>) -> Option<SvcValue> {
+                $f::svc(k)
+            }
+            #[inline(always)]
+            fn backend(id: u32) -> Option<Backend<$a>> {
+                $f::backend(id)
+            }
+            #[inline(always)]
+            fn revnat(id: u16) -> Option<RevNat<$a>> {
+                $f::revnat(id)
+            }
+            #[inline(always)]
+            fn maglev(key: &MaglevKey, index: u32) -> Option<u32> {
+                $f::maglev(key, index)
+            }
+        }
+    };
+}
+family_of!(Ip4, V4, A4);
+family_of!(Ip6, V6, A6);
 
 #[btf_map]
 static LB4_NAT: HashMap<NatKey<A4>, NatEntry<A4>, { capacity::NAT as usize }, NO_PREALLOC> = HashMap::new();
@@ -249,6 +285,9 @@ fn csum_fold(s: u32) -> u16 {
 
 /// One address family's packet layout and NAT table.
 trait Net: Family<A: Copy + PartialEq + Default> {
+    /// Length of the link-layer header before the IP header: 14 on
+    /// Ethernet devices, 0 on L3 devices (WireGuard, IPIP, GRE, TUN).
+    const L2: usize;
     /// Offsets of the source and destination addresses from the frame start.
     const SRC: usize;
     const DST: usize;
@@ -321,9 +360,10 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     fn tcp_payload(ctx: &TcContext, l4: usize) -> Option<u32>;
 }
 
-impl Net for V4 {
-    const SRC: usize = ETH_HLEN + 12;
-    const DST: usize = ETH_HLEN + 16;
+impl<const L: usize> Net for Ip4<L> {
+    const L2: usize = L;
+    const SRC: usize = L + 12;
+    const DST: usize = L + 16;
     const BITS: u32 = 32;
     const IH: usize = 20;
     const PROTO_OFF: usize = 9;
@@ -336,20 +376,20 @@ impl Net for V4 {
 
     #[inline(always)]
     fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
-        let vihl = ld8(ctx, ETH_HLEN).ok()?;
+        let vihl = ld8(ctx, L).ok()?;
         let ihl = ((vihl & 0x0f) as usize) * 4;
         if vihl >> 4 != 4 || ihl < 20 {
             return None;
         }
-        Some((ETH_HLEN + ihl, ld8(ctx, ETH_HLEN + 9).ok()?))
+        Some((L + ihl, ld8(ctx, L + 9).ok()?))
     }
     #[inline(always)]
     fn fragment(ctx: &TcContext) -> Option<(u32, bool, bool)> {
-        let frag = u16::from_be(ld::<u16>(ctx, ETH_HLEN + 6).ok()?);
+        let frag = u16::from_be(ld::<u16>(ctx, L + 6).ok()?);
         if frag & 0x3fff == 0 {
             return None;
         }
-        let id = u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).ok()?);
+        let id = u16::from_be(ctx.load::<u16>(L + 4).ok()?);
         Some((id as u32, frag & 0x1fff == 0, frag & 0x2000 != 0))
     }
     #[inline(always)]
@@ -394,19 +434,19 @@ impl Net for V4 {
         let Some(sc) = Self::scratch() else { return TC_ACT_SHOT };
         // SAFETY: this CPU's scratch value, set by forward for this packet.
         let (addr, port) = unsafe { ((*sc).front_addr, (*sc).front_port) };
-        dsr::add_option(skb, addr, port)
+        dsr::add_option::<L>(skb, addr, port)
     }
     #[inline(always)]
     fn dec_ttl(ctx: &TcContext) -> Result<(), i64> {
         // TTL and protocol form one 16-bit word of the header checksum.
-        let old: [u8; 2] = ctx.load(ETH_HLEN + 8)?;
+        let old: [u8; 2] = ctx.load(L + 8)?;
         let new = [old[0].wrapping_sub(1), old[1]];
-        ctx.l3_csum_replace(ETH_HLEN + 10, u16::from_ne_bytes(old) as u64, u16::from_ne_bytes(new) as u64, 2)?;
-        ctx.store(ETH_HLEN + 8, &new, 0)
+        ctx.l3_csum_replace(L + 10, u16::from_ne_bytes(old) as u64, u16::from_ne_bytes(new) as u64, 2)?;
+        ctx.store(L + 8, &new, 0)
     }
     #[inline(always)]
     fn may_fragment(ctx: &TcContext) -> bool {
-        ctx.load::<u8>(ETH_HLEN + 6).is_ok_and(|b| b & 0x40 == 0)
+        ctx.load::<u8>(L + 6).is_ok_and(|b| b & 0x40 == 0)
     }
     #[inline(always)]
     fn nat_get(k: &NatKey<A4>) -> Option<*mut NatEntry<A4>> {
@@ -440,29 +480,29 @@ impl Net for V4 {
         if l4_csum {
             ctx.l4_csum_replace(csum, from, to, BPF_F_PSEUDO_HDR as u64 | mangled | 4)?;
         }
-        ctx.l3_csum_replace(ETH_HLEN + 10, from, to, 4)?;
+        ctx.l3_csum_replace(L + 10, from, to, 4)?;
         ctx.store(off, &new, 0)
     }
     #[inline(always)]
     fn ttl(ctx: &TcContext) -> u8 {
-        ctx.load(ETH_HLEN + 8).unwrap_or(0)
+        ctx.load(L + 8).unwrap_or(0)
     }
     #[inline(always)]
     fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32, l4: usize) -> Result<(), i64> {
         // IP header (20), ICMP header (8), the packet's IP header and the
         // first 8 bytes of its L4 header (28). Only packets without IP options.
-        let vihl: u8 = ctx.load(ETH_HLEN)?;
+        let vihl: u8 = ctx.load(L)?;
         if vihl != 0x45 {
             return Err(-1);
         }
         let mut b = Buf([0u8; 56]);
         // SAFETY: offset 28 of a 56-byte buffer.
-        load_exact(ctx, ETH_HLEN, unsafe { b.0.as_mut_ptr().add(28) }, 28)?;
+        load_exact(ctx, L, unsafe { b.0.as_mut_ptr().add(28) }, 28)?;
         b.0[0] = 0x45;
         b.0[2..4].copy_from_slice(&56u16.to_be_bytes());
         b.0[8] = 64;
         b.0[9] = PROTO_ICMP;
-        let (src, dst) = (Self::SRC - ETH_HLEN + 28, Self::DST - ETH_HLEN + 28);
+        let (src, dst) = (Self::SRC - L + 28, Self::DST - L + 28);
         let (osrc, odst): (A4, A4) = (b.0[src..src + 4].try_into().map_err(|_| -1i64)?, b.0[dst..dst + 4].try_into().map_err(|_| -1i64)?);
         b.0[12..16].copy_from_slice(&odst);
         b.0[16..20].copy_from_slice(&osrc);
@@ -474,7 +514,7 @@ impl Net for V4 {
         // SAFETY: offset 20 of a 4-aligned buffer of 56 bytes.
         let icmp = csum_fold(csum_add(unsafe { b.0.as_ptr().add(20) }, 36, 0));
         b.0[22..24].copy_from_slice(&icmp.to_ne_bytes());
-        emit(ctx, &b, l4)
+        emit::<_, L>(ctx, &b, l4)
     }
     #[inline(always)]
     fn tcp_reset(ctx: &TcContext, p: &Pkt<A4>, seq: u32, ack: u32, flags: u8) -> Result<(), i64> {
@@ -493,19 +533,20 @@ impl Net for V4 {
         let s = csum_add(unsafe { b.0.as_ptr().add(12) }, 28, 0);
         let s = csum_add(pseudo.0.as_ptr(), 4, s);
         b.0[36..38].copy_from_slice(&csum_fold(s).to_ne_bytes());
-        emit(ctx, &b, p.l4)
+        emit::<_, L>(ctx, &b, p.l4)
     }
     #[inline(always)]
     fn tcp_payload(ctx: &TcContext, l4: usize) -> Option<u32> {
-        let total = u16::from_be(ctx.load::<u16>(ETH_HLEN + 2).ok()?) as u32;
+        let total = u16::from_be(ctx.load::<u16>(L + 2).ok()?) as u32;
         let doff = (ctx.load::<u8>(l4 + 12).ok()? >> 4) as u32 * 4;
-        Some(total.saturating_sub((l4 - ETH_HLEN) as u32 + doff))
+        Some(total.saturating_sub((l4 - L) as u32 + doff))
     }
 }
 
-impl Net for V6 {
-    const SRC: usize = ETH_HLEN + 8;
-    const DST: usize = ETH_HLEN + 24;
+impl<const L: usize> Net for Ip6<L> {
+    const L2: usize = L;
+    const SRC: usize = L + 8;
+    const DST: usize = L + 24;
     const BITS: u32 = 128;
     const IH: usize = 40;
     const PROTO_OFF: usize = 6;
@@ -518,11 +559,11 @@ impl Net for V6 {
 
     #[inline(always)]
     fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
-        v6_walk(ctx).map(|(l4, proto, _)| (l4, proto))
+        v6_walk::<L>(ctx).map(|(l4, proto, _)| (l4, proto))
     }
     #[inline(always)]
     fn fragment(ctx: &TcContext) -> Option<(u32, bool, bool)> {
-        let (_, _, at) = v6_walk(ctx)?;
+        let (_, _, at) = v6_walk::<L>(ctx)?;
         if at == 0 {
             return None;
         }
@@ -570,12 +611,12 @@ impl Net for V6 {
         let Some(sc) = Self::scratch() else { return TC_ACT_SHOT };
         // SAFETY: this CPU's scratch value, set by forward for this packet.
         let (addr, port) = unsafe { ((*sc).front_addr, (*sc).front_port) };
-        dsr::add_option6(skb, addr, port)
+        dsr::add_option6::<L>(skb, addr, port)
     }
     #[inline(always)]
     fn dec_ttl(ctx: &TcContext) -> Result<(), i64> {
-        let hop: u8 = ctx.load(ETH_HLEN + 7)?;
-        ctx.store(ETH_HLEN + 7, &hop.wrapping_sub(1), 0)
+        let hop: u8 = ctx.load(L + 7)?;
+        ctx.store(L + 7, &hop.wrapping_sub(1), 0)
     }
     #[inline(always)]
     fn may_fragment(_: &TcContext) -> bool {
@@ -617,7 +658,7 @@ impl Net for V6 {
     }
     #[inline(always)]
     fn ttl(ctx: &TcContext) -> u8 {
-        ctx.load(ETH_HLEN + 7).unwrap_or(0)
+        ctx.load(L + 7).unwrap_or(0)
     }
     #[inline(always)]
     fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32, l4: usize) -> Result<(), i64> {
@@ -625,7 +666,7 @@ impl Net for V6 {
         // the first 8 bytes of its L4 header (48).
         let mut b = Buf([0u8; 96]);
         // SAFETY: offset 48 of a 96-byte buffer.
-        load_exact(ctx, ETH_HLEN, unsafe { b.0.as_mut_ptr().add(48) }, 48)?;
+        load_exact(ctx, L, unsafe { b.0.as_mut_ptr().add(48) }, 48)?;
         b.0[0] = 0x60;
         b.0[4..6].copy_from_slice(&56u16.to_be_bytes());
         b.0[6] = PROTO_ICMPV6;
@@ -644,7 +685,7 @@ impl Net for V6 {
         let s = csum_add(unsafe { b.0.as_ptr().add(8) }, 88, 0);
         let s = csum_add(pseudo.0.as_ptr(), 8, s);
         b.0[42..44].copy_from_slice(&csum_fold(s).to_ne_bytes());
-        emit(ctx, &b, l4)
+        emit::<_, L>(ctx, &b, l4)
     }
     #[inline(always)]
     fn tcp_reset(ctx: &TcContext, p: &Pkt<A6>, seq: u32, ack: u32, flags: u8) -> Result<(), i64> {
@@ -661,14 +702,14 @@ impl Net for V6 {
         let s = csum_add(unsafe { b.0.as_ptr().add(8) }, 52, 0);
         let s = csum_add(pseudo.0.as_ptr(), 8, s);
         b.0[56..58].copy_from_slice(&csum_fold(s).to_ne_bytes());
-        emit(ctx, &b, p.l4)
+        emit::<_, L>(ctx, &b, p.l4)
     }
     #[inline(always)]
     fn tcp_payload(ctx: &TcContext, l4: usize) -> Option<u32> {
         // The payload length counts extension headers too.
-        let payload = u16::from_be(ctx.load::<u16>(ETH_HLEN + 4).ok()?) as u32;
+        let payload = u16::from_be(ctx.load::<u16>(L + 4).ok()?) as u32;
         let doff = (ctx.load::<u8>(l4 + 12).ok()? >> 4) as u32 * 4;
-        Some(payload.saturating_sub((l4 - ETH_HLEN - 40) as u32).saturating_sub(doff))
+        Some(payload.saturating_sub((l4 - L - 40) as u32).saturating_sub(doff))
     }
 }
 
@@ -681,9 +722,9 @@ impl Net for V6 {
 /// ICMPv6, so the packet is not ours and passes untouched. So do headers
 /// that reach past what `pull_headers` makes linear.
 #[inline(always)]
-fn v6_walk(ctx: &TcContext) -> Option<(usize, u8, usize)> {
+fn v6_walk<const L: usize>(ctx: &TcContext) -> Option<(usize, u8, usize)> {
     // SAFETY: our own skb.
-    let r = v6_walk_packed(unsafe { ctx.skb.skb });
+    let r = v6_walk_packed::<L>(unsafe { ctx.skb.skb });
     if r == 0 {
         return None;
     }
@@ -694,17 +735,17 @@ fn v6_walk(ctx: &TcContext) -> Option<(usize, u8, usize)> {
 /// otherwise), its answer packed: L4 offset << 16 | fragment header offset
 /// << 8 | next header; 0 for not IPv6.
 #[inline(never)]
-fn v6_walk_packed(skb: *mut __sk_buff) -> u32 {
+fn v6_walk_packed<const L: usize>(skb: *mut __sk_buff) -> u32 {
     let ctx = &TcContext::new(skb);
     // Through a helper, which needs the skb itself: LLVM would otherwise
     // pass this function the packet pointers instead (argument promotion),
     // and the verifier refuses arithmetic on a passed packet end.
-    let Ok(v) = ctx.load::<u8>(ETH_HLEN) else { return 0 };
+    let Ok(v) = ctx.load::<u8>(L) else { return 0 };
     if v >> 4 != 6 {
         return 0;
     }
-    let Ok(mut nh) = ld8(ctx, ETH_HLEN + 6) else { return 0 };
-    let mut off = ETH_HLEN + 40;
+    let Ok(mut nh) = ld8(ctx, L + 6) else { return 0 };
+    let mut off = L + 40;
     let mut frag = 0;
     for _ in 0..IPV6_EXT_MAX {
         match nh {
@@ -766,16 +807,18 @@ const BPF_F_RECOMPUTE_CSUM: u64 = 1;
 /// are removed behind the MAC header, and the answer leaves with
 /// CHECKSUM_NONE and checksums complete.
 #[inline(always)]
-fn emit<const N: usize>(ctx: &TcContext, b: &Buf<N>, l4: usize) -> Result<(), i64> {
+fn emit<const N: usize, const L: usize>(ctx: &TcContext, b: &Buf<N>, l4: usize) -> Result<(), i64> {
     let mut mac = [0u8; 12];
-    load_exact(ctx, 0, mac.as_mut_ptr(), 12)?;
+    if L != 0 {
+        load_exact(ctx, 0, mac.as_mut_ptr(), 12)?;
+    }
     let mut swapped = [0u8; 12];
     swapped[..6].copy_from_slice(&mac[6..]);
     swapped[6..].copy_from_slice(&mac[..6]);
     let pull = l4 + 2;
     // SAFETY: helpers on the program's own skb, stack buffers of the given sizes.
     unsafe {
-        let rc = bpf_skb_change_tail(ctx.skb.skb, (ETH_HLEN + pull + N) as u32, 0);
+        let rc = bpf_skb_change_tail(ctx.skb.skb, (L + pull + N) as u32, 0);
         if rc != 0 {
             return Err(rc);
         }
@@ -783,11 +826,13 @@ fn emit<const N: usize>(ctx: &TcContext, b: &Buf<N>, l4: usize) -> Result<(), i6
     ctx.adjust_room(-(pull as i32), BPF_ADJ_ROOM_MAC, 0)?;
     // SAFETY: as above.
     unsafe {
-        let rc = bpf_skb_store_bytes(ctx.skb.skb, 0, swapped.as_ptr().cast(), 12, BPF_F_RECOMPUTE_CSUM);
-        if rc != 0 {
-            return Err(rc);
+        if L != 0 {
+            let rc = bpf_skb_store_bytes(ctx.skb.skb, 0, swapped.as_ptr().cast(), 12, BPF_F_RECOMPUTE_CSUM);
+            if rc != 0 {
+                return Err(rc);
+            }
         }
-        let rc = bpf_skb_store_bytes(ctx.skb.skb, ETH_HLEN as u32, b.0.as_ptr().cast(), N as u32, BPF_F_RECOMPUTE_CSUM);
+        let rc = bpf_skb_store_bytes(ctx.skb.skb, L as u32, b.0.as_ptr().cast(), N as u32, BPF_F_RECOMPUTE_CSUM);
         if rc != 0 {
             return Err(rc);
         }
@@ -877,7 +922,7 @@ fn rewrite<F: Net>(ctx: &TcContext, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> Result
             ctx.l4_csum_replace(csum, 0, d as u64, BPF_F_PSEUDO_HDR as u64 | mangled)?;
         }
         if F::ID == lb_common::FAMILY_V4 {
-            ctx.l3_csum_replace(ETH_HLEN + 10, 0, d as u64, 0)?;
+            ctx.l3_csum_replace(F::L2 + 10, 0, d as u64, 0)?;
         }
         st(ctx, F::SRC, e.to_saddr)?;
         st(ctx, F::DST, e.to_daddr)?;
@@ -1270,7 +1315,7 @@ fn forward<F: Net>(skb: *mut __sk_buff) -> i32 {
         if F::ttl(ctx) <= 1 {
             return ACT_TIME_EXCEEDED;
         }
-        if ctx.len() as usize + extra as usize > ETH_HLEN + icmp::MTU_CHECK_ABOVE {
+        if ctx.len() as usize + extra as usize > F::L2 + icmp::MTU_CHECK_ABOVE {
             let mtu = icmp::path_mtu::<F>(skb, &p, &sc.fwd, extra);
             if mtu != 0 {
                 sc.mtu = mtu - extra;
@@ -1443,6 +1488,14 @@ fn ethertype(ctx: &TcContext) -> u16 {
     ld::<u16>(ctx, 12).map(u16::from_be).unwrap_or(0)
 }
 
+/// The packet's protocol as the device handed it up (an L3 device's
+/// packets have no Ethernet header to read it from).
+#[inline(always)]
+fn skb_protocol(ctx: &TcContext) -> u16 {
+    // SAFETY: a field of our own skb.
+    u16::from_be(unsafe { (*ctx.skb.skb).protocol } as u16)
+}
+
 #[inline(always)]
 fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
     // One call after another, not nested: each gets the whole stack.
@@ -1483,18 +1536,37 @@ fn egress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
 #[classifier]
 pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
     pull_headers(&ctx);
-    match ethertype(&ctx) {
+    let proto = ethertype(&ctx);
+    ingress_on::<ETH_HLEN>(&ctx, proto)
+}
+
+/// `lb_nodeport_ingress` on an L3 device (WireGuard, IPIP, GRE, TUN: the
+/// packet starts with its IP header): replies of SNATed flows whose route
+/// back runs through a tunnel, and NodePort traffic that arrives through
+/// one. Translated packets go on through the stack (no forwarding in BPF
+/// from here).
+#[classifier]
+pub fn lb_l3_ingress(ctx: TcContext) -> i32 {
+    pull_headers(&ctx);
+    let proto = skb_protocol(&ctx);
+    ingress_on::<0>(&ctx, proto)
+}
+
+#[inline(always)]
+fn ingress_on<const L: usize>(ctx: &TcContext, proto: u16) -> i32 {
+    let skb = ctx.skb.skb;
+    match proto {
         // A DSR flow's packet for a backend on this node.
-        ETH_P_IP if dsr::carries_option(&ctx) => match dsr::receive(ctx.skb.skb) {
-            ACT_TRANSLATED => fib::send_on::<V4>(ctx.skb.skb),
+        ETH_P_IP if dsr::carries_option::<L>(ctx) => match dsr::receive::<L>(skb) {
+            ACT_TRANSLATED => fib::send_on::<Ip4<L>>(skb),
             act => act,
         },
-        ETH_P_IP => ingress_then::<V4>(ctx.skb.skb),
-        ETH_P_IPV6 if dsr::carries_option6(&ctx) => match dsr::receive6(ctx.skb.skb) {
-            ACT_TRANSLATED => fib::send_on::<V6>(ctx.skb.skb),
+        ETH_P_IP => ingress_then::<Ip4<L>>(skb),
+        ETH_P_IPV6 if dsr::carries_option6::<L>(ctx) => match dsr::receive6::<L>(skb) {
+            ACT_TRANSLATED => fib::send_on::<Ip6<L>>(skb),
             act => act,
         },
-        ETH_P_IPV6 => ingress_then::<V6>(ctx.skb.skb),
+        ETH_P_IPV6 => ingress_then::<Ip6<L>>(skb),
         _ => TC_ACT_OK,
     }
 }
@@ -1507,8 +1579,8 @@ pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
 pub fn lb_pod_ingress(ctx: TcContext) -> i32 {
     pull_headers(&ctx);
     match ethertype(&ctx) {
-        ETH_P_IP => fib::reply::<V4>(ctx.skb.skb),
-        ETH_P_IPV6 => fib::reply::<V6>(ctx.skb.skb),
+        ETH_P_IP => fib::reply::<E4>(ctx.skb.skb),
+        ETH_P_IPV6 => fib::reply::<E6>(ctx.skb.skb),
         _ => TC_ACT_OK,
     }
 }
@@ -1516,9 +1588,24 @@ pub fn lb_pod_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn lb_nodeport_egress(ctx: TcContext) -> i32 {
     pull_headers(&ctx);
-    match ethertype(&ctx) {
-        ETH_P_IP => egress_then::<V4>(ctx.skb.skb),
-        ETH_P_IPV6 => egress_then::<V6>(ctx.skb.skb),
+    let proto = ethertype(&ctx);
+    egress_on::<ETH_HLEN>(&ctx, proto)
+}
+
+/// `lb_nodeport_egress` on an L3 device: replies of backends on this node
+/// to clients whose route runs through a tunnel.
+#[classifier]
+pub fn lb_l3_egress(ctx: TcContext) -> i32 {
+    pull_headers(&ctx);
+    let proto = skb_protocol(&ctx);
+    egress_on::<0>(&ctx, proto)
+}
+
+#[inline(always)]
+fn egress_on<const L: usize>(ctx: &TcContext, proto: u16) -> i32 {
+    match proto {
+        ETH_P_IP => egress_then::<Ip4<L>>(ctx.skb.skb),
+        ETH_P_IPV6 => egress_then::<Ip6<L>>(ctx.skb.skb),
         _ => TC_ACT_OK,
     }
 }

@@ -32,8 +32,8 @@ use lb_common::{FAMILY_V4, NatEntry, NatKey, PROTO_TCP, PROTO_UDP, nat_flags, na
 #[btf_map]
 static LB_XDP_DEVS: HashMap<u32, u32, { xdp_dev::CAPACITY as usize }> = HashMap::new();
 
-use super::{ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Net, TCP_ACK, TCP_RST, TCP_SYN, addr_diff, packet_stats, touch, word_diff};
-use crate::lb::{self, V4, V6};
+use super::{E4, E6, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Net, TCP_ACK, TCP_RST, TCP_SYN, addr_diff, packet_stats, touch, word_diff};
+use crate::lb;
 
 /// The packet's bounds, read once per packet (LLVM emits shifts on a
 /// second read of the data pointer, which the verifier refuses).
@@ -228,8 +228,8 @@ fn send<F: Net>(md: *mut xdp_md, pkt: Frame, e: *mut NatEntry<F::A>, proto: u8, 
 #[xdp]
 pub fn lb_nodeport_xdp(ctx: XdpContext) -> u32 {
     match Frame::new(&ctx).get::<u16>(12).map(u16::from_be) {
-        Some(ETH_P_IP) => run::<V4>(ctx.ctx),
-        Some(ETH_P_IPV6) => run::<V6>(ctx.ctx),
+        Some(ETH_P_IP) => run::<E4>(ctx.ctx),
+        Some(ETH_P_IPV6) => run::<E6>(ctx.ctx),
         _ => XDP_PASS,
     }
 }

@@ -1,0 +1,121 @@
+//! North-south traffic through L3 devices (WireGuard, IPIP, GRE, TUN:
+//! no link-layer header), as on clusters whose nodes reach each other
+//! through an encrypted or IP-in-IP tunnel (Calico IPIP and WireGuard,
+//! flannel's wireguard backend): kube-proxy's rules do not care which
+//! device a packet uses, so lb's programs must not either. The tunnel here
+//! is a TUN device on each node, carried by the test (`lbtest::tunnel`).
+use std::time::Duration;
+
+use anyhow::Result;
+use lbtest::objects::{Endpoint as E, service_typed};
+use lbtest::tunnel::Tunnel;
+use lbtest::world::*;
+
+const TUN4: [&str; 2] = ["10.99.0.1/32", "10.99.0.2/32"];
+const TUN6: [&str; 2] = ["fd00:99::1/128", "fd00:99::2/128"];
+
+/// The tunnel "wg0" between node-1 and node-2, and the world's agents
+/// attached to it (they pick new devices up at the next sync, which the
+/// endpoints written here bring).
+fn tunnel(w: &World, eps: &[(&lbtest::Pod, Make)]) -> Result<Tunnel> {
+    let (n1, n2) = (&w.c.nodes[0].netns, &w.c.nodes[1].netns);
+    let t = Tunnel::new(n1, n2, "wg0", [&[TUN4[0], TUN6[0]], &[TUN4[1], TUN6[1]]])?;
+    set_endpoints(w, eps)?;
+    for node in [1, 2] {
+        w.c.wait_for("the agent's programs on wg0", Duration::from_secs(20), || {
+            Ok(std::fs::read_to_string(w.c.agent_log(node))?.lines().any(|l| l.contains("NodePort programs attached") && l.contains("wg0") && l.contains("l3=true")))
+        })?;
+    }
+    Ok(t)
+}
+
+fn route(w: &World, node: usize, dst: &str) -> Result<()> {
+    let ns = &w.c.nodes[node - 1].netns;
+    if dst.contains(':') {
+        lbtest::run("ip", &["-n", ns, "-6", "route", "add", &format!("{dst}/128"), "dev", "wg0"])?;
+    } else {
+        lbtest::run("ip", &["-n", ns, "route", "add", &format!("{dst}/32"), "dev", "wg0"])?;
+    }
+    Ok(())
+}
+
+#[test]
+fn replies_of_snated_flows_that_come_back_through_a_tunnel_are_translated() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    let t = tunnel(&w, &[(&w.p2, E::ready)])?;
+    // node-1 reaches pod-2 through the tunnel, and node-2 reaches node-1
+    // through it: the SNATed flows' replies arrive on node-1's wg0.
+    for a in [&w.p2.ip, &w.p2.ip6] {
+        route(&w, 1, a)?;
+    }
+    for a in [NODE1, NODE1_6] {
+        route(&w, 2, a)?;
+    }
+    wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+    wait_backends(&w.c, 1, NODE1_6, 30080, 1)?;
+    let before = t.carried();
+    for node in [NODE1, NODE1_6] {
+        let np = hostport(node, 30080);
+        let s = tcp(&w.c, &w.outside, &np, 20)?;
+        assert_eq!(s.ok, 20, "{np}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-2 {node}").as_str()].into(), "pod-2 sees node-1's SNAT address: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np.as_str()], "replies come from the NodePort: {s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &np, "--count", "10"])?;
+        assert_eq!(s.ok, 10, "{np} (UDP): {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np.as_str()], "{s:?}");
+    }
+    let after = t.carried();
+    // Both ways through the tunnel: 60 connections and 20 datagrams at least.
+    assert!(after.0 - before.0 >= 80 && after.1 - before.1 >= 80, "the flows went through the tunnel: {before:?} -> {after:?}");
+    Ok(())
+}
+
+#[test]
+fn node_port_traffic_through_a_tunnel_is_served_answered_and_rejected() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    // A Service without endpoints, for the REJECT.
+    w.c.write_object("empty.yaml", &service_typed("empty", "10.96.0.11", "NodePort", &[("http", 80, 8080, "TCP", 30081)], "  ipFamilyPolicy: PreferDualStack\n", &[]))?;
+    let t = tunnel(&w, &[(&w.p1, E::ready)])?;
+    // Replies of pod-1 (on node-1) to the client leave node-1 through the
+    // tunnel (node-2 forwards them on): the egress program on wg0
+    // translates them.
+    for a in [CLIENT, CLIENT6] {
+        route(&w, 1, a)?;
+    }
+    wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+    wait_backends(&w.c, 1, NODE1_6, 30080, 1)?;
+    let before = t.carried();
+    for (node, client) in [(NODE1, CLIENT), (NODE1_6, CLIENT6)] {
+        let np = hostport(node, 30080);
+        let s = tcp(&w.c, &w.outside, &np, 20)?;
+        assert_eq!(s.ok, 20, "{np}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-1 {client}").as_str()].into(), "pod-1 sees the client: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np.as_str()], "replies come from the NodePort: {s:?}");
+    }
+    let mid = t.carried();
+    assert!(mid.0 - before.0 >= 40, "pod-1's replies went through the tunnel: {before:?} -> {mid:?}");
+
+    // Now the client's requests reach node-1 through the tunnel too: the
+    // client sends node-1's address via node-2, which routes it into wg0.
+    let (n2, o) = (&w.c.nodes[1], &w.outside.netns);
+    lbtest::run("ip", &["-n", o, "route", "add", &format!("{NODE1}/32"), "via", &n2.ip])?;
+    lbtest::run("ip", &["-n", o, "-6", "route", "add", &format!("{NODE1_6}/128"), "via", &n2.ip6])?;
+    for a in [NODE1, NODE1_6] {
+        route(&w, 2, a)?;
+    }
+    for (node, client) in [(NODE1, CLIENT), (NODE1_6, CLIENT6)] {
+        let np = hostport(node, 30080);
+        let s = tcp(&w.c, &w.outside, &np, 20)?;
+        assert_eq!(s.ok, 20, "{np} through the tunnel: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-1 {client}").as_str()].into(), "{s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np.as_str()], "{s:?}");
+        // No endpoints: REJECTed as kube-proxy does, the answer built on
+        // wg0 and sent back through the tunnel.
+        let empty = hostport(node, 30081);
+        let s = tcp(&w.c, &w.outside, &empty, 3)?;
+        assert_eq!(s.errors.get("ECONNREFUSED"), Some(&3), "{empty}: {s:?}");
+    }
+    let after = t.carried();
+    assert!(after.1 - mid.1 >= 40 && after.0 - mid.0 >= 40, "the requests went through the tunnel: {mid:?} -> {after:?}");
+    Ok(())
+}
