@@ -204,7 +204,10 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
             .try_into()?;
         prog.load().with_context(|| format!("verify program {name}"))?;
     }
-    for name in TC_PROGRAMS.iter().chain(L3_PROGRAMS.iter()).map(|(n, _)| *n).chain([POD_PROGRAM]) {
+    // The L3 programs are verified when a first L3 device needs them
+    // (`attach_tc`): most nodes have none, and verifying costs a restart
+    // more than a second.
+    for name in TC_PROGRAMS.iter().map(|(n, _)| *n).chain([POD_PROGRAM]) {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the object"))?
@@ -365,6 +368,9 @@ impl Tc {
         let programs = if l3 { L3_PROGRAMS } else { TC_PROGRAMS };
         for ((name, ty), (place, _)) in programs.into_iter().zip(TC_PROGRAMS) {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
+            if prog.fd().is_err() {
+                prog.load().with_context(|| format!("verify program {name}"))?;
+            }
             if !tcx {
                 attach_netlink(prog, iface, ty).with_context(|| format!("attach {name} to {iface} (netlink)"))?;
                 continue;

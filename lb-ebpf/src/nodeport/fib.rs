@@ -8,7 +8,10 @@
 //! destination, no route, forwarding off on the device, a packet too big
 //! for the egress MTU) goes to the stack, which answers as it always has.
 use aya_ebpf::{
-    bindings::{__sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{
+        __sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC,
+        TC_ACT_OK, TC_ACT_SHOT,
+    },
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
 };
@@ -86,6 +89,31 @@ pub fn reply<F: Net>(skb: *mut __sk_buff) -> i32 {
         return TC_ACT_SHOT;
     }
     send::<F>(ctx, &mut f, rc)
+}
+
+/// The source address the route from `src` (a client) to `dst` (a
+/// backend) picks for this node: the route's preferred source, else the egress device's address
+/// for it (`BPF_FIB_LOOKUP_SRC`, Linux 6.8+). None where the kernel cannot
+/// say (older kernels, no route, forwarding off on the packet's device).
+/// kube-proxy's MASQUERADE picks the same, except that it ignores a
+/// route's `src` (lb follows it, as the node's own connections do).
+#[inline(always)]
+pub fn route_source<F: Net>(skb: *mut __sk_buff, proto: u8, src: F::A, dst: F::A, dport: u16) -> Option<F::A> {
+    // SAFETY: an all-zero bpf_fib_lookup is a valid value.
+    let mut f: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    f.family = F::AF;
+    f.l4_protocol = proto;
+    f.dport = dport.to_be();
+    // SAFETY: a field of our own skb.
+    f.ifindex = unsafe { (*skb).ifindex };
+    // The client's address: policy routing sees what it will see when
+    // the packet is forwarded (SNAT comes after routing, as in netfilter).
+    F::fib_addrs(&mut f, src, dst);
+    let flags = (BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH) as u32;
+    // SAFETY: our own skb and a stack value of the right size.
+    let rc = unsafe { fib_lookup(skb.cast(), &mut f, size_of::<bpf_fib_lookup>() as i32, flags) };
+    let src = F::fib_src(&f);
+    (rc == BPF_FIB_LKUP_RET_SUCCESS as i64 && src != F::A::default()).then_some(src)
 }
 
 /// The FIB lookup for a packet from `src` to `dst` that arrived on the

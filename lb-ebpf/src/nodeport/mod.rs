@@ -336,6 +336,8 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     fn inner_fix(b: &mut [u8; 60]);
     /// The source and destination of a route lookup.
     fn fib_addrs(f: &mut bpf_fib_lookup, src: Self::A, dst: Self::A);
+    /// The source address a route lookup chose (`BPF_FIB_LOOKUP_SRC`).
+    fn fib_src(f: &bpf_fib_lookup) -> Self::A;
     /// Add the DSR option (IPv4) or header (IPv6) naming the frontend in
     /// the scratch value; `DSR_LEN` bytes.
     fn dsr_add(skb: *mut __sk_buff) -> i32;
@@ -423,6 +425,11 @@ impl<const L: usize> Net for Ip4<L> {
     fn fib_addrs(f: &mut bpf_fib_lookup, src: A4, dst: A4) {
         f.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(src);
         f.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(dst);
+    }
+    #[inline(always)]
+    fn fib_src(f: &bpf_fib_lookup) -> A4 {
+        // SAFETY: the IPv4 member of the union, which an IPv4 lookup fills.
+        unsafe { f.__bindgen_anon_3.ipv4_src }.to_ne_bytes()
     }
     #[inline(always)]
     fn next_hop(f: &bpf_fib_lookup, nh: &mut bpf_redir_neigh) {
@@ -600,6 +607,16 @@ impl<const L: usize> Net for Ip6<L> {
         let w = |a: &A6, i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
         f.__bindgen_anon_3.ipv6_src = [w(&src, 0), w(&src, 4), w(&src, 8), w(&src, 12)];
         f.__bindgen_anon_4.ipv6_dst = [w(&dst, 0), w(&dst, 4), w(&dst, 8), w(&dst, 12)];
+    }
+    #[inline(always)]
+    fn fib_src(f: &bpf_fib_lookup) -> A6 {
+        // SAFETY: the IPv6 member of the union, which an IPv6 lookup fills.
+        let w = unsafe { f.__bindgen_anon_3.ipv6_src };
+        let mut a = [0u8; 16];
+        for (i, v) in w.iter().enumerate() {
+            a[i * 4..i * 4 + 4].copy_from_slice(&v.to_ne_bytes());
+        }
+        a
     }
     #[inline(always)]
     fn next_hop(f: &bpf_fib_lookup, nh: &mut bpf_redir_neigh) {
@@ -1121,6 +1138,9 @@ pub struct Scratch<A> {
     /// The frontend a DSR packet's option names.
     front_addr: A,
     front_port: u16,
+    /// The address a new SNATed flow leaves from (`snat_source`); zero:
+    /// the node address.
+    snat_src: A,
 }
 
 #[btf_map]
@@ -1213,6 +1233,27 @@ fn report<F: Net>(p: &Pkt<F::A>, v: &Verdict<F::A>) {
     lb::emit(ev);
 }
 
+/// The address a new flow to a backend on another node is SNATed to, into
+/// the scratch value: the one the route to the backend picks, as
+/// kube-proxy's MASQUERADE does (a tunnel's own address where the route
+/// runs through one, so that the replies come back through it); zero, for
+/// the node address, where the kernel cannot say. A step of its own: the
+/// route lookup's stack does not fit beside establish's.
+#[inline(never)]
+fn snat_source<F: Net>(skb: *mut __sk_buff) {
+    let Some(sc) = F::scratch() else { return };
+    // SAFETY: this CPU's scratch value, filled by new_flow for this packet.
+    let sc = unsafe { &mut *sc };
+    sc.snat_src = F::A::default();
+    if sc.backend.flags & backend_flags::LOCAL != 0 || sc.dsr != 0 {
+        return;
+    }
+    let Some(p) = parse::<F>(&TcContext::new(skb)) else { return };
+    if let Some(a) = fib::route_source::<F>(skb, p.proto, p.saddr, sc.backend.addr, sc.backend.port) {
+        sc.snat_src = a;
+    }
+}
+
 /// Create the flow's two entries (for the backend in the scratch value);
 /// its first packet is translated by the forward step.
 #[inline(never)]
@@ -1255,7 +1296,7 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
         sc.fwd.flags = nat_flags::DSR;
     } else if snat {
         let Some(cfg) = lb::node_config() else { return drop_packet() };
-        let addr = F::snat_addr(&cfg);
+        let addr = if sc.snat_src != F::A::default() { sc.snat_src } else { F::snat_addr(&cfg) };
         if cfg.snat_port_min == 0 || addr == F::A::default() {
             lb::event(stats::NAT_FAILED);
             return TC_ACT_SHOT;
@@ -1504,6 +1545,7 @@ fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
         act = new_flow::<F>(skb);
     }
     if act == ACT_ESTABLISH {
+        snat_source::<F>(skb);
         act = establish::<F>(skb);
     }
     if act == ACT_FORWARD {
