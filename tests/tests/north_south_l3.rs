@@ -14,18 +14,21 @@ use lbtest::world::*;
 const TUN4: [&str; 2] = ["10.99.0.1/32", "10.99.0.2/32"];
 const TUN6: [&str; 2] = ["fd00:99::1/128", "fd00:99::2/128"];
 
-/// The tunnel "wg0" between node-1 and node-2, and the world's agents
-/// attached to it (they pick new devices up at the next sync, which the
-/// endpoints written here bring).
+/// The tunnel "wg0" between node-1 and node-2, the world's agents
+/// attached to it, then endpoints `eps`. The agents see the device at once
+/// (it gets its addresses, then comes up: a link event), not only at the
+/// next Kubernetes change.
 fn tunnel(w: &World, eps: &[(&lbtest::Pod, Make)]) -> Result<Tunnel> {
     let (n1, n2) = (&w.c.nodes[0].netns, &w.c.nodes[1].netns);
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    wait_backends(&w.c, 2, "192.168.77.12", 30080, 2)?;
     let t = Tunnel::new(n1, n2, "wg0", [&[TUN4[0], TUN6[0]], &[TUN4[1], TUN6[1]]])?;
-    set_endpoints(w, eps)?;
     for node in [1, 2] {
         w.c.wait_for("the agent's programs on wg0", Duration::from_secs(20), || {
             Ok(std::fs::read_to_string(w.c.agent_log(node))?.lines().any(|l| l.contains("NodePort programs attached") && l.contains("wg0") && l.contains("l3=true")))
         })?;
     }
+    set_endpoints(w, eps)?;
     Ok(t)
 }
 

@@ -4,10 +4,12 @@ use std::net::IpAddr;
 
 use anyhow::{Context as _, Result};
 
-/// The global addresses on this netns' interfaces, with the interface.
-pub fn interface_addrs() -> Vec<(String, IpAddr)> {
-    let Ok(addrs) = nix::ifaddrs::getifaddrs() else { return Vec::new() };
-    addrs
+/// The global addresses on this netns' interfaces (with the interface), and
+/// the interfaces holding one that are up, sorted.
+fn interface_state() -> (Vec<(String, IpAddr)>, Vec<String>) {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else { return Default::default() };
+    let mut up = Vec::new();
+    let held = addrs
         .filter_map(|ifa| {
             let sa = ifa.address?;
             let ip = if let Some(v4) = sa.as_sockaddr_in() {
@@ -21,19 +23,30 @@ pub fn interface_addrs() -> Vec<(String, IpAddr)> {
                 IpAddr::V4(a) => !a.is_loopback() && !a.is_link_local(),
                 IpAddr::V6(a) => !a.is_loopback() && !a.is_unicast_link_local(),
             };
+            if global && ifa.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP) {
+                up.push(ifa.interface_name.clone());
+            }
             global.then_some((ifa.interface_name, ip))
         })
-        .collect()
+        .collect();
+    up.sort();
+    up.dedup();
+    (held, up)
 }
 
-/// rtnetlink multicast groups: IPv4 and IPv6 address changes.
+/// rtnetlink multicast groups: links (a device created, up or down), IPv4
+/// and IPv6 address changes.
+const RTMGRP_LINK: u32 = 0x1;
 const RTMGRP_IPV4_IFADDR: u32 = 0x10;
 const RTMGRP_IPV6_IFADDR: u32 = 0x100;
 
 /// The node's interface addresses, kept current by rtnetlink address
 /// events (a thread listens) instead of read at every sync; each change
 /// wakes the agent (`changed`), so a new or removed node address takes
-/// effect at once, without waiting for a Kubernetes event.
+/// effect at once, without waiting for a Kubernetes event. So does a
+/// device holding an address going up or down (link events): a tunnel
+/// usually gets its address before it comes up, and the TC programs go on
+/// it then.
 pub struct Addresses {
     current: std::sync::Arc<std::sync::Mutex<Vec<(String, IpAddr)>>>,
     changed: std::sync::Arc<tokio::sync::Notify>,
@@ -44,8 +57,9 @@ impl Addresses {
     pub fn watch() -> Result<Self> {
         use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
         let mut sock = Socket::new(NETLINK_ROUTE).context("rtnetlink socket")?;
-        sock.bind(&SocketAddr::new(0, RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR)).context("rtnetlink bind to the address groups")?;
-        let current = std::sync::Arc::new(std::sync::Mutex::new(interface_addrs()));
+        sock.bind(&SocketAddr::new(0, RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR)).context("rtnetlink bind to the link and address groups")?;
+        let (addrs, mut up) = interface_state();
+        let current = std::sync::Arc::new(std::sync::Mutex::new(addrs));
         let changed = std::sync::Arc::new(tokio::sync::Notify::new());
         let (cur, ch) = (current.clone(), changed.clone());
         std::thread::Builder::new()
@@ -60,11 +74,16 @@ impl Addresses {
                         tracing::warn!("rtnetlink address events: {e}; reading the addresses every second");
                         std::thread::sleep(std::time::Duration::from_secs(1));
                     }
-                    let now = interface_addrs();
+                    let (now, now_up) = interface_state();
                     let mut held = cur.lock().unwrap_or_else(|e| e.into_inner());
                     if *held != now {
                         tracing::info!(addresses = ?now.iter().map(|(i, a)| format!("{i}:{a}")).collect::<Vec<_>>(), "interface addresses changed");
                         *held = now;
+                        up = now_up;
+                        ch.notify_one();
+                    } else if up != now_up {
+                        tracing::info!(up = ?now_up, "devices holding an address went up or down");
+                        up = now_up;
                         ch.notify_one();
                     }
                 }
