@@ -14,19 +14,25 @@ use lbtest::world::*;
 const TUN4: [&str; 2] = ["10.99.0.1/32", "10.99.0.2/32"];
 const TUN6: [&str; 2] = ["fd00:99::1/128", "fd00:99::2/128"];
 
+/// How many times the agent on `node` attached its programs to wg0.
+fn attaches(w: &World, node: usize) -> Result<usize> {
+    Ok(std::fs::read_to_string(w.c.agent_log(node))?.lines().filter(|l| l.contains("NodePort programs attached") && l.contains("wg0") && l.contains("l3=true")).count())
+}
+
 /// The tunnel "wg0" between node-1 and node-2, the world's agents
 /// attached to it, then endpoints `eps`. The agents see the device at once
 /// (it gets its addresses, then comes up: a link event), not only at the
 /// next Kubernetes change.
 fn tunnel(w: &World, eps: &[(&lbtest::Pod, Make)]) -> Result<Tunnel> {
     let (n1, n2) = (&w.c.nodes[0].netns, &w.c.nodes[1].netns);
-    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
-    wait_backends(&w.c, 2, "192.168.77.12", 30080, 2)?;
+    // Both agents past their first sync: what attaches below is the link event.
+    for (node, addr) in [(1, NODE1), (2, "192.168.77.12")] {
+        w.c.wait_for("the NodePort programmed", Duration::from_secs(5), || Ok(w.c.programmed(node, addr, 30080, "TCP")?.is_some_and(|b| !b.is_empty())))?;
+    }
+    let before = [attaches(w, 1)?, attaches(w, 2)?];
     let t = Tunnel::new(n1, n2, "wg0", [&[TUN4[0], TUN6[0]], &[TUN4[1], TUN6[1]]])?;
     for node in [1, 2] {
-        w.c.wait_for("the agent's programs on wg0", Duration::from_secs(20), || {
-            Ok(std::fs::read_to_string(w.c.agent_log(node))?.lines().any(|l| l.contains("NodePort programs attached") && l.contains("wg0") && l.contains("l3=true")))
-        })?;
+        w.c.wait_for("the agent's programs on wg0", Duration::from_secs(20), || Ok(attaches(w, node)? > before[node - 1]))?;
     }
     set_endpoints(w, eps)?;
     Ok(t)
@@ -78,6 +84,38 @@ fn snated_flows_through_a_tunnel_leave_from_its_address_and_their_replies_are_tr
     lbtest::run("ip", &["-n", &w.c.nodes[0].netns, "route", "del", &format!("{}/32", w.p2.ip), "dev", "wg0"])?;
     let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 5)?;
     assert_eq!(keys(&s), [format!("pod-2 {NODE1}").as_str()].into(), "{s:?}");
+    Ok(())
+}
+
+#[test]
+fn a_tunnel_created_again_gets_the_programs_again() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    let routed = |t: &Tunnel| -> Result<()> {
+        // Routes through a device go with it: set them again each time.
+        for a in [&w.p2.ip, &w.p2.ip6] {
+            route(&w, 1, a)?;
+        }
+        for a in [TUN4[0], TUN6[0]] {
+            route(&w, 2, a.split('/').next().unwrap_or_default())?;
+        }
+        let before = t.carried();
+        for node in [NODE1, NODE1_6] {
+            let np = hostport(node, 30080);
+            let s = tcp(&w.c, &w.outside, &np, 10)?;
+            assert_eq!(s.ok, 10, "{np}: {s:?}");
+        }
+        let after = t.carried();
+        assert!(after.1 - before.1 >= 20, "the replies came back through the tunnel: {before:?} -> {after:?}");
+        Ok(())
+    };
+    let t = tunnel(&w, &[(&w.p2, E::ready)])?;
+    wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+    routed(&t)?;
+    // The CNI restarts: its tunnel device is deleted and created again
+    // under the same name (a new device, without programs).
+    drop(t);
+    let t = tunnel(&w, &[(&w.p2, E::ready)])?;
+    routed(&t)?;
     Ok(())
 }
 

@@ -127,7 +127,10 @@ pub struct Tc {
     cgroup: PathBuf,
     ebpf: Ebpf,
     bpffs: PathBuf,
-    attached: std::collections::BTreeSet<String>,
+    /// The NodePort devices the TC programs are attached to, by name, with
+    /// the index the device had then: a tunnel deleted and created again
+    /// (a CNI restart) is a new device and needs them again.
+    attached: std::collections::BTreeMap<String, u32>,
     /// The pod devices `POD_PROGRAM` is attached to, by name, with the
     /// index the device had then (a name may come back on a new device).
     pods: std::collections::BTreeMap<String, u32>,
@@ -241,6 +244,13 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     Ok(Dataplane { maps, logs, upgrade, tc, adopted })
 }
 
+/// The index of device `iface`; 0 if there is none.
+fn ifindex_of(iface: &str) -> u32 {
+    let Ok(c) = std::ffi::CString::new(iface) else { return 0 };
+    // SAFETY: a NUL-terminated name.
+    unsafe { libc::if_nametoindex(c.as_ptr()) }
+}
+
 /// Pin a new link beside the old one, then rename it over the old one: the
 /// old link is released (detached) only once the new one is attached. Both
 /// programs translate idempotently meanwhile.
@@ -346,11 +356,13 @@ impl Tc {
         Ok(())
     }
 
-    /// Attach the TC programs to `iface` (ingress and egress), once per agent.
-    /// With TCX (kernel 6.6+) the links are pinned like the cgroup ones;
-    /// otherwise aya falls back to a clsact qdisc and netlink filters.
+    /// Attach the TC programs to `iface` (ingress and egress), once per
+    /// device (again if the name now belongs to a new device). With TCX
+    /// (kernel 6.6+) the links are pinned like the cgroup ones; otherwise
+    /// aya falls back to a clsact qdisc and netlink filters.
     pub fn attach_tc(&mut self, iface: &str) -> Result<()> {
-        if self.attached.contains(iface) {
+        let ifindex = ifindex_of(iface);
+        if ifindex != 0 && self.attached.get(iface) == Some(&ifindex) {
             return Ok(());
         }
         let tcx = self.tcx();
@@ -390,8 +402,8 @@ impl Tc {
                 tracing::warn!(iface, "cannot set {path} to {value}: {e}; SNATed NodePort flows may be dropped");
             }
         }
-        self.attached.insert(iface.to_string());
-        tracing::info!(iface, tcx, xdp, l3, "NodePort programs attached");
+        let again = self.attached.insert(iface.to_string(), ifindex).is_some();
+        tracing::info!(iface, ifindex, tcx, xdp, l3, again, "NodePort programs attached");
         Ok(())
     }
 
@@ -582,9 +594,7 @@ impl Tc {
     /// turns on), anything else by XDP_TX.
     fn set_xdp_dev(&mut self, iface: &str) -> Result<()> {
         let veth = crate::netdev::links()?.iter().any(|l| l.name == iface && l.kind.as_deref() == Some("veth"));
-        let c = std::ffi::CString::new(iface)?;
-        // SAFETY: a NUL-terminated name.
-        let ifindex = unsafe { libc::if_nametoindex(c.as_ptr()) };
+        let ifindex = ifindex_of(iface);
         if ifindex == 0 {
             bail!("no interface {iface}");
         }
