@@ -119,6 +119,17 @@ fn a_tunnel_created_again_gets_the_programs_again() -> Result<()> {
     Ok(())
 }
 
+/// 20 connections from the outside client to node `node`'s NodePort all
+/// answered by pod-1, which sees `client`, the replies from the NodePort.
+fn served_by_pod1(w: &World, node: &str, client: &str) -> Result<()> {
+    let np = hostport(node, 30080);
+    let s = tcp(&w.c, &w.outside, &np, 20)?;
+    assert_eq!(s.ok, 20, "{np}: {s:?}");
+    assert_eq!(keys(&s), [format!("pod-1 {client}").as_str()].into(), "pod-1 sees the client: {s:?}");
+    assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np.as_str()], "replies come from the NodePort: {s:?}");
+    Ok(())
+}
+
 #[test]
 fn node_port_traffic_through_a_tunnel_is_served_answered_and_rejected() -> Result<()> {
     let w = world(&web("NodePort", "", &[]))?;
@@ -135,11 +146,7 @@ fn node_port_traffic_through_a_tunnel_is_served_answered_and_rejected() -> Resul
     wait_backends(&w.c, 1, NODE1_6, 30080, 1)?;
     let before = t.carried();
     for (node, client) in [(NODE1, CLIENT), (NODE1_6, CLIENT6)] {
-        let np = hostport(node, 30080);
-        let s = tcp(&w.c, &w.outside, &np, 20)?;
-        assert_eq!(s.ok, 20, "{np}: {s:?}");
-        assert_eq!(keys(&s), [format!("pod-1 {client}").as_str()].into(), "pod-1 sees the client: {s:?}");
-        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np.as_str()], "replies come from the NodePort: {s:?}");
+        served_by_pod1(&w, node, client)?;
     }
     let mid = t.carried();
     assert!(mid.0 - before.0 >= 40, "pod-1's replies went through the tunnel: {before:?} -> {mid:?}");
@@ -153,11 +160,7 @@ fn node_port_traffic_through_a_tunnel_is_served_answered_and_rejected() -> Resul
         route(&w, 2, a)?;
     }
     for (node, client) in [(NODE1, CLIENT), (NODE1_6, CLIENT6)] {
-        let np = hostport(node, 30080);
-        let s = tcp(&w.c, &w.outside, &np, 20)?;
-        assert_eq!(s.ok, 20, "{np} through the tunnel: {s:?}");
-        assert_eq!(keys(&s), [format!("pod-1 {client}").as_str()].into(), "{s:?}");
-        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np.as_str()], "{s:?}");
+        served_by_pod1(&w, node, client)?;
         // No endpoints: REJECTed as kube-proxy does, the answer built on
         // wg0 and sent back through the tunnel.
         let empty = hostport(node, 30081);

@@ -39,12 +39,11 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
-    Backend, Frag6Key, FragKey, FragPorts, NatEntry, NatKey, NodeConfig, PROTO_TCP, PROTO_UDP, SCOPE_ALL, STATS_FRONTEND, SrcRange, SvcKey, backend_flags, capacity,
+    Backend, Frag6Key, FragKey, FragPorts, MaglevKey, NatEntry, NatKey, NodeConfig, RevNat, SvcValue, PROTO_TCP, PROTO_UDP, SCOPE_ALL, STATS_FRONTEND, SrcRange, SvcKey, backend_flags, capacity,
     nat_flags, nat_state, stats, svc_flags,
 };
 
 use crate::lb::{self, Client, ECONNREFUSED, Family, NO_PREALLOC, V4, V6, Verdict};
-use lb_common::{MaglevKey, RevNat, SvcValue};
 
 mod dsr;
 mod fib;
