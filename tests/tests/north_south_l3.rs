@@ -48,18 +48,23 @@ fn route(w: &World, node: usize, dst: &str) -> Result<()> {
     Ok(())
 }
 
+/// node-1 reaches pod-2 through the tunnel, and node-2 reaches node-1's
+/// tunnel addresses through it, as WireGuard and IPIP setups route.
+fn routes_through_the_tunnel(w: &World) -> Result<()> {
+    for a in [&w.p2.ip, &w.p2.ip6] {
+        route(w, 1, a)?;
+    }
+    for a in [TUN4[0], TUN6[0]] {
+        route(w, 2, a.split('/').next().unwrap_or_default())?;
+    }
+    Ok(())
+}
+
 #[test]
 fn snated_flows_through_a_tunnel_leave_from_its_address_and_their_replies_are_translated() -> Result<()> {
     let w = world(&web("NodePort", "", &[]))?;
     let t = tunnel(&w, &[(&w.p2, E::ready)])?;
-    // node-1 reaches pod-2 through the tunnel, and node-2 reaches node-1's
-    // tunnel address through it, as WireGuard and IPIP setups route.
-    for a in [&w.p2.ip, &w.p2.ip6] {
-        route(&w, 1, a)?;
-    }
-    for a in [TUN4[0], TUN6[0]] {
-        route(&w, 2, a.split('/').next().unwrap_or_default())?;
-    }
+    routes_through_the_tunnel(&w)?;
     wait_backends(&w.c, 1, NODE1, 30080, 1)?;
     wait_backends(&w.c, 1, NODE1_6, 30080, 1)?;
     let before = t.carried();
@@ -92,12 +97,7 @@ fn a_tunnel_created_again_gets_the_programs_again() -> Result<()> {
     let w = world(&web("NodePort", "", &[]))?;
     let routed = |t: &Tunnel| -> Result<()> {
         // Routes through a device go with it: set them again each time.
-        for a in [&w.p2.ip, &w.p2.ip6] {
-            route(&w, 1, a)?;
-        }
-        for a in [TUN4[0], TUN6[0]] {
-            route(&w, 2, a.split('/').next().unwrap_or_default())?;
-        }
+        routes_through_the_tunnel(&w)?;
         let before = t.carried();
         for node in [NODE1, NODE1_6] {
             let np = hostport(node, 30080);
@@ -169,5 +169,102 @@ fn node_port_traffic_through_a_tunnel_is_served_answered_and_rejected() -> Resul
     }
     let after = t.carried();
     assert!(after.1 - mid.1 >= 40 && after.0 - mid.0 >= 40, "the requests went through the tunnel: {mid:?} -> {after:?}");
+    Ok(())
+}
+
+/// What `udp --recverr` saw for two datagrams to `addr` with `ttl`.
+fn icmp_seen(w: &World, addr: &str, ttl: &str) -> Result<lbtest::Summary> {
+    w.c.probe(&w.outside, &["udp", "--addr", addr, "--count", "2", "--connected", "--recverr", "--timeout-ms", "2000", "--ttl", ttl])
+}
+
+/// ICMP errors about SNATed flows through a tunnel come back through it,
+/// addressed to node-1's tunnel address (the flows' source): node-2's
+/// "fragmentation needed" / "packet too big" for a path narrower than the
+/// tunnel, and its "time exceeded". lb translates them on wg0 and the
+/// client gets them from the frontend. And node-1's own "fragmentation
+/// needed" for a tunnel narrower than the client's path (WireGuard's 1420).
+#[test]
+fn icmp_errors_about_flows_through_a_tunnel_reach_the_client() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let up = w.c.add_outside("up", 101, &[])?;
+    let up_narrow_tunnel = w.c.add_outside("up-narrow", 102, &[])?;
+    let t = tunnel(&w, &[(&w.p2, E::ready)])?;
+    routes_through_the_tunnel(&w)?;
+    for n in &w.c.nodes {
+        w.c.in_netns(&n.netns, &["sysctl", "-qw", "net.ipv4.icmp_ratelimit=0", "net.ipv6.icmp.ratelimit=0"])?;
+    }
+    // node-2's path on to pod-2 is narrower than the tunnel.
+    let n2 = &w.c.nodes[1].netns;
+    w.c.in_netns(n2, &["ip", "route", "add", &w.p2.ip, "dev", "cni0", "mtu", "lock", "1300"])?;
+    w.c.in_netns(n2, &["ip", "-6", "route", "add", &w.p2.ip6, "dev", "cni0", "mtu", "lock", "1300"])?;
+    wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+    wait_backends(&w.c, 1, NODE1_6, 30080, 1)?;
+    let before = (t.carried(), datapath(&w.c, 1, "nat_icmp")?);
+    for (node, exceeded) in [(NODE1, "icmp type=11 code=0"), (NODE1_6, "icmp6 type=3 code=0")] {
+        let addr = hostport(node, 30080);
+        let s = w.c.probe(&up, &["upload", "--addr", &addr, "--bytes", "2000000", "--timeout-ms", "10000"])?;
+        assert_eq!(s.ok, 1, "upload via {addr}, node-2's fragmentation needed through the tunnel: {s:?}");
+        // TTL 2 runs out at node-2.
+        let s = icmp_seen(&w, &addr, "2")?;
+        assert_eq!(s.errors.get("EHOSTUNREACH"), Some(&2), "ttl 2 via {addr}: {s:?}");
+        let from = format!("{exceeded} from={node}");
+        assert!(s.offenders.keys().all(|k| *k == from) && !s.offenders.is_empty(), "{from}: {s:?}");
+    }
+    let after = (t.carried(), datapath(&w.c, 1, "nat_icmp")?);
+    // Two "too big" and four "time exceeded" at least, translated on wg0.
+    assert!(after.1 - before.1 >= 6, "node-1 translated the errors: {} -> {}", before.1, after.1);
+    assert!(after.0.1 > before.0.1, "{:?} -> {:?}", before.0, after.0);
+
+    // node-1's tunnel is the narrow part: lb answers the client itself.
+    w.c.in_netns(n2, &["ip", "route", "del", &w.p2.ip, "dev", "cni0"])?;
+    w.c.in_netns(n2, &["ip", "-6", "route", "del", &w.p2.ip6, "dev", "cni0"])?;
+    w.c.in_netns(&w.c.nodes[0].netns, &["ip", "link", "set", "wg0", "mtu", "1420"])?;
+    let too_big = datapath(&w.c, 1, "nat_too_big")?;
+    for node in [NODE1, NODE1_6] {
+        let addr = hostport(node, 30080);
+        let s = w.c.probe(&up_narrow_tunnel, &["upload", "--addr", &addr, "--bytes", "2000000", "--timeout-ms", "10000"])?;
+        assert_eq!(s.ok, 1, "upload via {addr} through a tunnel of MTU 1420: {s:?}");
+    }
+    assert!(datapath(&w.c, 1, "nat_too_big")? >= too_big + 2, "lb said fragmentation needed / packet too big");
+    Ok(())
+}
+
+/// DSR to a backend whose node is reached through the tunnel: node-1 sends
+/// the client's packets through wg0 with the option (IPv4) or destination
+/// options header (IPv6), node-2 takes them on its wg0, and pod-2's replies
+/// leave node-2 straight to the client, from the frontend.
+#[test]
+fn dsr_through_a_tunnel_keeps_the_client_address() -> Result<()> {
+    let w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--nodeport-mode", "dsr"])?;
+    let t = tunnel(&w, &[(&w.p2, E::ready)])?;
+    for a in [&w.p2.ip, &w.p2.ip6] {
+        route(&w, 1, a)?;
+    }
+    wait_only(&w.c, LB_IP, 80, &w.p2)?;
+    wait_only(&w.c, LB_IP6, 80, &w.p2)?;
+    let before = (t.carried(), datapath(&w.c, 2, "dsr_received")?);
+    for (addr, client) in [(hostport(LB_IP, 80), CLIENT), (hostport(NODE1, 30080), CLIENT), (hostport(LB_IP6, 80), CLIENT6), (hostport(NODE1_6, 30080), CLIENT6)] {
+        let s = tcp(&w.c, &w.outside, &addr, 20)?;
+        assert_eq!(s.ok, 20, "{addr}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-2 {client}").as_str()].into(), "pod-2 sees the client: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr.as_str()], "replies come from the frontend: {s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "10"])?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-2 {client}").as_str()].into(), "{s:?}");
+    }
+    // The option's bytes through a tunnel of full MTU: node-1 answers
+    // "fragmentation needed" for that much less, the uploads finish.
+    let too_big = datapath(&w.c, 1, "nat_too_big")?;
+    for addr in [hostport(LB_IP, 80), hostport(LB_IP6, 80)] {
+        let s = w.c.probe(&w.outside, &["upload", "--addr", &addr, "--bytes", "2000000", "--timeout-ms", "10000"])?;
+        assert_eq!(s.ok, 1, "an upload through DSR and the tunnel via {addr}: {s:?}");
+    }
+    assert!(datapath(&w.c, 1, "nat_too_big")? >= too_big + 2, "node-1 said fragmentation needed for the option");
+    let after = (t.carried(), datapath(&w.c, 2, "dsr_received")?);
+    assert!(after.1 - before.1 >= 4 * (20 * 3 + 10), "node-2 took the flows from wg0: {} -> {}", before.1, after.1);
+    assert!(after.0.0 - before.0.0 >= 4 * (20 * 3 + 10), "through the tunnel: {:?} -> {:?}", before.0, after.0);
+    // The replies leave node-2 by its NIC: next to nothing comes back
+    // through the tunnel.
+    assert!(after.0.1 - before.0.1 < 5, "no reply through the tunnel: {:?} -> {:?}", before.0, after.0);
     Ok(())
 }
