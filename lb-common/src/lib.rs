@@ -483,7 +483,11 @@ pub mod stats {
     /// translation went into the socket rev-NAT LRU instead, which can
     /// evict it.
     pub const SOCK_STORAGE_FAILED: u32 = 21;
-    pub const COUNT: u32 = 22;
+    /// TC: ICMP errors about replies of a Maglev DSR flow this node does
+    /// not hold (ECMP sent the error to another node than the flow),
+    /// translated and sent on to the backend Maglev picks for the flow.
+    pub const NAT_ICMP_MAGLEV: u32 = 22;
+    pub const COUNT: u32 = 23;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -507,6 +511,7 @@ pub mod stats {
         "dsr_received",
         "forwarded_xdp",
         "sock_storage_failed",
+        "nat_icmp_maglev",
     ];
 }
 

@@ -495,7 +495,7 @@ pub fn select<F: Family>(
 /// backends after it swapped the tables that name them, but a program may
 /// run in between): the caller falls back to the slots.
 #[inline(always)]
-fn maglev_pick<F: Family>(rev_nat_id: u16, proto: u8, scope: u8, h: u32) -> u32 {
+pub fn maglev_pick<F: Family>(rev_nat_id: u16, proto: u8, scope: u8, h: u32) -> u32 {
     let size = node_config().map_or(0, |c| c.maglev_size);
     if size == 0 {
         return 0;

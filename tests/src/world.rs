@@ -39,6 +39,12 @@ pub fn world_with(svc: &str, agent_args: &[&str]) -> Result<World> {
     world_of(Cluster::new(2)?, svc, agent_args)
 }
 
+/// `world_with` on `nodes` nodes (pod-1 on node-1, pod-2 on node-2), an
+/// agent on each.
+pub fn world_on(nodes: usize, svc: &str, agent_args: &[&str]) -> Result<World> {
+    world_of(Cluster::new(nodes)?, svc, agent_args)
+}
+
 /// `world_with` on a fabric that carries complete checksums, as XDP
 /// acceleration needs (`Cluster::wire_checksums`).
 pub fn world_wired(svc: &str, agent_args: &[&str]) -> Result<World> {
@@ -55,8 +61,9 @@ fn world_of(mut c: Cluster, svc: &str, agent_args: &[&str]) -> Result<World> {
     c.write_object("svc.yaml", svc)?;
     let mut w = World { c, p1, p2, outside, servers };
     set_endpoints(&w, &[(&w.p1, E::ready), (&w.p2, E::ready)])?;
-    w.c.start_agent_with(1, agent_args)?;
-    w.c.start_agent_with(2, agent_args)?;
+    for node in 1..=w.c.nodes.len() {
+        w.c.start_agent_with(node, agent_args)?;
+    }
     Ok(w)
 }
 

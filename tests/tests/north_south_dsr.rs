@@ -133,3 +133,92 @@ fn an_option_naming_no_frontend_records_nothing() -> Result<()> {
     assert!(!n2.contains("[DSR]"), "{n2}");
     Ok(())
 }
+
+/// A router between the backend's node and the client has a narrower link
+/// than the client's own (a VPN, PPPoE): the pod's full-size replies, sent
+/// straight from node-2 with the frontend as their source, draw
+/// "fragmentation needed" / "packet too big" addressed to the frontend,
+/// which reaches node-1 (the node the frontend routes to). node-1 sends
+/// it on to the pod, translated to the packet the pod sent, so the pod
+/// learns the path's MTU and the download finishes.
+#[test]
+fn errors_about_dsr_replies_reach_the_pod() -> Result<()> {
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--nodeport-mode", "dsr"])?;
+    for n in &w.c.nodes {
+        w.c.in_netns(&n.netns, &["sysctl", "-qw", "net.ipv4.icmp_ratelimit=0", "net.ipv6.icmp.ratelimit=0"])?;
+    }
+    let client = w.c.add_outside_via_router("narrow", 110, 1300, &[(LB_IP, 1), (LB_IP6, 1)])?;
+    // The client's own link stays at 1500: it asks for full-size segments.
+    w.c.in_netns(&client.netns, &["ip", "link", "set", "eth0", "mtu", "1500"])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, LB_IP, 80, &w.p2)?;
+    wait_only(&w.c, LB_IP6, 80, &w.p2)?;
+    let before = datapath(&w.c, 1, "nat_icmp")?;
+    for addr in [hostport(LB_IP, 80), hostport(LB_IP6, 80)] {
+        let s = w.c.probe(&client, &["bulk", "--addr", &addr, "--bytes", "2000000"])?;
+        assert_eq!(s.ok, 1, "a download through DSR behind a narrow router via {addr}: {s:?}");
+    }
+    assert!(datapath(&w.c, 1, "nat_icmp")? >= before + 2, "node-1 sent the router's errors on to the pod");
+    Ok(())
+}
+
+/// A router that spreads a LoadBalancer IP over several nodes (ECMP, the
+/// address announced by BGP) may send the frontend's ICMP errors to
+/// another node than the flow's: here the router sends ICMP for the
+/// frontend to node-3 (no flow there), then to node-2 (the backend's own
+/// node), and the flows to node-1. With Maglev that node sends the error
+/// on to the backend Maglev picks for the flow, as node-1 did: the pod
+/// learns the path's MTU, the download finishes. Without Maglev no node
+/// but node-1 can tell the backend (the control at the end).
+#[test]
+fn with_maglev_errors_about_dsr_replies_reach_the_pod_from_any_node() -> Result<()> {
+    let mut w = world_on(3, &web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--nodeport-mode", "dsr", "--nodeport-algorithm", "maglev"])?;
+    for n in &w.c.nodes {
+        w.c.in_netns(&n.netns, &["sysctl", "-qw", "net.ipv4.icmp_ratelimit=0", "net.ipv6.icmp.ratelimit=0"])?;
+    }
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    // A fresh client per case: the pod remembers the path's MTU to each.
+    let mut narrow_client = |host: u8, icmp_to: usize| -> Result<lbtest::Pod> {
+        let client = w.c.add_outside_via_router(&format!("narrow-{host}"), host, 1300, &[(LB_IP, 1), (LB_IP6, 1)])?;
+        w.c.in_netns(&client.netns, &["ip", "link", "set", "eth0", "mtu", "1500"])?;
+        let router = client.netns.replace(&format!("-o{host}"), &format!("-r{host}"));
+        let (n4, n6) = (&w.c.nodes[icmp_to - 1].ip, &w.c.nodes[icmp_to - 1].ip6);
+        for args in [
+            vec!["ip", "rule", "add", "ipproto", "icmp", "table", "100"],
+            vec!["ip", "route", "add", LB_IP, "via", n4, "table", "100"],
+            vec!["ip", "-6", "rule", "add", "ipproto", "ipv6-icmp", "table", "100"],
+            vec!["ip", "-6", "route", "add", LB_IP6, "via", n6, "table", "100"],
+        ] {
+            w.c.in_netns(&router, &args)?;
+        }
+        Ok(client)
+    };
+    let clients = [(narrow_client(110, 3)?, 3), (narrow_client(111, 2)?, 2)];
+    let control = narrow_client(112, 3)?;
+    for node in 1..=3 {
+        for (lb, ip) in [(LB_IP, &w.p2.ip), (LB_IP6, &w.p2.ip6)] {
+            let want = vec![format!("{ip}:8080")];
+            w.c.wait_for(&format!("{lb} on node-{node}"), std::time::Duration::from_secs(5), || Ok(w.c.programmed(node, lb, 80, "TCP")?.is_some_and(|b| b == want)))?;
+        }
+    }
+    for (client, node) in &clients {
+        let (before, on_node1) = (datapath(&w.c, *node, "nat_icmp_maglev")?, datapath(&w.c, 1, "nat_icmp")?);
+        for addr in [hostport(LB_IP, 80), hostport(LB_IP6, 80)] {
+            let s = w.c.probe(client, &["bulk", "--addr", &addr, "--bytes", "2000000"])?;
+            assert_eq!(s.ok, 1, "a download via {addr}, the router's errors to node-{node}: {s:?}");
+        }
+        assert!(datapath(&w.c, *node, "nat_icmp_maglev")? >= before + 2, "node-{node} sent the errors on to pod-2");
+        assert_eq!(datapath(&w.c, 1, "nat_icmp")?, on_node1, "none went through node-1");
+    }
+    // The control: the Service opts out of Maglev. node-3 cannot tell the
+    // flow's backend, the pod never learns the path's MTU.
+    let svc = web("LoadBalancer", "", &[LB_IP, LB_IP6]).replacen("metadata:\n", "metadata:\n  annotations:\n    lb.dev/nodeport-algorithm: random\n", 1);
+    w.c.write_object("svc.yaml", &svc)?;
+    w.c.wait_for("the frontend without maglev", std::time::Duration::from_secs(5), || {
+        let l = w.c.list(3)?;
+        Ok(l["frontends"].as_array().unwrap().iter().any(|f| f["address"] == LB_IP && !f["flags"].as_array().unwrap().iter().any(|x| x == "maglev")))
+    })?;
+    let s = w.c.probe(&control, &["bulk", "--addr", &hostport(LB_IP, 80), "--bytes", "2000000", "--timeout-ms", "3000"])?;
+    assert_eq!(s.ok, 0, "without Maglev the error is lost: {s:?}");
+    Ok(())
+}

@@ -12,14 +12,17 @@
 //!   the frontend: the stack would send it to the SNAT address (this node),
 //!   where nobody listens, and path MTU discovery through the NodePort would
 //!   stall. Likewise "time exceeded" when its TTL runs out here.
+//! - an error about a reply of a Maglev DSR flow that reaches a node
+//!   without the flow (ECMP spreading the frontend over the nodes) goes on
+//!   to the backend Maglev picks for the flow, as the flow's node does.
 use aya_ebpf::{
     bindings::{__sk_buff, BPF_FIB_LKUP_RET_FRAG_NEEDED, TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup},
     helpers::{bpf_csum_diff, bpf_fib_lookup as fib_lookup},
     programs::TcContext,
 };
-use lb_common::{NatEntry, NatKey, PROTO_TCP, PROTO_UDP, nat_flags, stats};
+use lb_common::{NatEntry, NatKey, PROTO_TCP, PROTO_UDP, SCOPE_ALL, SvcKey, nat_flags, stats, svc_flags};
 
-use super::{Buf, Net, Pkt, bounce, load_exact};
+use super::{ACT_ICMP_NO_FLOW, Buf, Net, Pkt, bounce, load_exact};
 use crate::lb;
 
 /// Packets up to this size (IP header and all) fit every IPv6 path and
@@ -60,7 +63,7 @@ fn write_addr<A: Copy>(b: &mut [u8; 60], off: usize, a: A) {
 /// An ICMP packet on the NodePort interface (`ingress` or egress): if it
 /// is an error about a packet of one of our flows, translate it.
 #[inline(never)]
-pub fn translate_error<F: Net>(skb: *mut __sk_buff, ingress: bool) -> i32 {
+pub fn translate_error<F: Net>(skb: *mut __sk_buff, ingress: bool, maglev: bool) -> i32 {
     let ctx = &TcContext::new(skb);
     let Some((l4, _)) = F::l4(ctx) else { return TC_ACT_OK };
     let Ok(ty) = ctx.load::<u8>(l4) else { return TC_ACT_OK };
@@ -74,12 +77,12 @@ pub fn translate_error<F: Net>(skb: *mut __sk_buff, ingress: bool) -> i32 {
     // IPv6 and UDP headers (a router's "packet too big" about a large
     // answer a pod sent in fragments).
     if F::IH == 40 && quoted >= 16 && ctx.load::<u8>(l4 + 8 + 6).ok() == Some(super::IPV6_FRAGMENT) {
-        return translate::<F, 8, 8>(ctx, l4, ingress);
+        return translate::<F, 8, 8>(ctx, l4, ingress, maglev);
     }
     if quoted >= 20 {
-        translate::<F, 20, 0>(ctx, l4, ingress)
+        translate::<F, 20, 0>(ctx, l4, ingress, maglev)
     } else if quoted >= 8 {
-        translate::<F, 8, 0>(ctx, l4, ingress)
+        translate::<F, 8, 0>(ctx, l4, ingress, maglev)
     } else {
         TC_ACT_OK
     }
@@ -88,7 +91,7 @@ pub fn translate_error<F: Net>(skb: *mut __sk_buff, ingress: bool) -> i32 {
 /// Translate an error quoting `Q` bytes of L4 header after the IP header
 /// and `FH` bytes of IPv6 fragment header (0: none).
 #[inline(always)]
-fn translate<F: Net, const Q: usize, const FH: usize>(ctx: &TcContext, l4: usize, ingress: bool) -> i32 {
+fn translate<F: Net, const Q: usize, const FH: usize>(ctx: &TcContext, l4: usize, ingress: bool, maglev: bool) -> i32 {
     let ih = F::IH + FH;
     let n = ih + Q;
     let inner = l4 + 8;
@@ -114,15 +117,33 @@ fn translate<F: Net, const Q: usize, const FH: usize>(ctx: &TcContext, l4: usize
     // The quoted packet went out translated; the flow's entry for the
     // other direction has the reverse of its tuple.
     let key = NatKey { saddr: idst, daddr: isrc, sport: idport, dport: isport, proto, _pad: [0; 3] };
-    let Some(e) = F::nat_get(&key) else { return TC_ACT_OK };
-    // SAFETY: a map value, alive for this program run (RCU).
-    let e: &NatEntry<F::A> = unsafe { &*e };
-    let (reply, snat) = (e.flags & nat_flags::REPLY != 0, e.flags & nat_flags::SNAT != 0);
-    // Errors about SNATed packets and about replies arrive on ingress;
-    // errors about packets to local backends leave on egress.
-    if ingress != (!reply || snat) {
-        return TC_ACT_OK;
-    }
+    let e: &NatEntry<F::A> = if maglev {
+        // The entry maglev_dsr_backend made for this error's flow.
+        let Some(sc) = F::scratch() else { return TC_ACT_OK };
+        // SAFETY: this CPU's scratch value, filled for this packet.
+        unsafe { &(*sc).fwd }
+    } else {
+        let Some(e) = F::nat_get(&key) else {
+            // No flow here: maybe an error about a Maglev DSR flow's
+            // reply (the caller's next step), its key in the scratch value.
+            if !ingress {
+                return TC_ACT_OK;
+            }
+            let Some(sc) = F::scratch() else { return TC_ACT_OK };
+            // SAFETY: this CPU's scratch value.
+            unsafe { (*sc).key = key };
+            return ACT_ICMP_NO_FLOW;
+        };
+        // SAFETY: a map value, alive for this program run (RCU).
+        let e: &NatEntry<F::A> = unsafe { &*e };
+        let (reply, snat) = (e.flags & nat_flags::REPLY != 0, e.flags & nat_flags::SNAT != 0);
+        // Errors about SNATed packets and about replies arrive on ingress;
+        // errors about packets to local backends leave on egress.
+        if ingress != (!reply || snat) {
+            return TC_ACT_OK;
+        }
+        e
+    };
     // The quoted packet as its sender sent it: the reverse of what the
     // entry rewrites to.
     let mut new = Buf(old.0);
@@ -168,8 +189,39 @@ fn translate<F: Net, const Q: usize, const FH: usize>(ctx: &TcContext, l4: usize
     if e.to_saddr != key.saddr && osrc != e.to_saddr && F::set_addr(ctx, F::SRC, l4 + 2, icmp6, 0, osrc, e.to_saddr).is_err() {
         return TC_ACT_SHOT;
     }
-    lb::event(stats::NAT_ICMP);
+    lb::event(if maglev { stats::NAT_ICMP_MAGLEV } else { stats::NAT_ICMP });
     TC_ACT_OK
+}
+
+/// After translate_error found no flow for an ICMP error on ingress (its
+/// key, client to frontend, in the scratch value): if the frontend is
+/// external and uses Maglev and DSR (and no session affinity, which is per
+/// node), the flow's entry towards the backend Maglev picks for it, as
+/// every node running lb picks it, into the scratch value; then
+/// translate_error with `maglev` sends the error on to that backend.
+/// Such an error is about a DSR reply sent to the frontend and routed to
+/// a node that does not hold the flow (a router spreading the frontend
+/// over the nodes by ECMP). False: not such a frontend, or no backend.
+#[inline(never)]
+pub fn maglev_dsr_backend<F: Net>() -> bool {
+    let Some(sc) = F::scratch() else { return false };
+    // SAFETY: this CPU's scratch value, its key set by translate_error.
+    let sc = unsafe { &mut *sc };
+    let key = &sc.key;
+    let want = svc_flags::EXTERNAL | svc_flags::MAGLEV | svc_flags::DSR;
+    let Some(front) = F::svc(&SvcKey::new(key.daddr, key.dport, key.proto, SCOPE_ALL, 0)) else { return false };
+    if front.flags & want != want || front.flags & (svc_flags::AFFINITY | svc_flags::EXT_LOCAL) != 0 {
+        return false;
+    }
+    let p = Pkt { l4: 0, proto: key.proto, saddr: key.saddr, daddr: key.daddr, sport: key.sport, dport: key.dport, tcp_flags: 0, later: false };
+    let id = lb::maglev_pick::<F>(front.rev_nat_id, key.proto, SCOPE_ALL, super::flow_hash::<F>(&p));
+    let Some(b) = (if id == 0 { None } else { F::backend(id) }) else { return false };
+    sc.fwd.to_saddr = key.saddr;
+    sc.fwd.to_sport = key.sport;
+    sc.fwd.to_daddr = b.addr;
+    sc.fwd.to_dport = b.port;
+    sc.fwd.flags = 0;
+    true
 }
 
 /// The MTU of the route the translated packet `p` of flow `e` will take,

@@ -156,6 +156,9 @@ const ACT_TRANSLATED: i32 = -109;
 /// Translated, a DSR flow: add the option naming the frontend (in the
 /// scratch value), then forward it.
 const ACT_DSR: i32 = -110;
+/// An ICMP error on ingress about no flow of this node (its flow's key in
+/// the scratch value): maybe about a Maglev DSR flow's reply.
+const ACT_ICMP_NO_FLOW: i32 = -111;
 
 pub struct Pkt<A> {
     l4: usize,
@@ -1557,7 +1560,11 @@ fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
         ACT_CLEAR_LEFTOVER => clear_leftover::<F>(skb),
         ACT_REJECT => reject::<F>(skb),
         ACT_RESET => reset::<F>(skb),
-        ACT_ICMP => icmp::translate_error::<F>(skb, true),
+        ACT_ICMP => match icmp::translate_error::<F>(skb, true, false) {
+            ACT_ICMP_NO_FLOW if icmp::maglev_dsr_backend::<F>() => icmp::translate_error::<F>(skb, true, true),
+            ACT_ICMP_NO_FLOW => TC_ACT_OK,
+            act => act,
+        },
         ACT_TOO_BIG => icmp::too_big::<F>(skb),
         ACT_TIME_EXCEEDED => icmp::time_exceeded::<F>(skb),
         ACT_TRANSLATED => fib::send_on::<F>(skb),
@@ -1568,7 +1575,7 @@ fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
 #[inline(always)]
 fn egress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
     match egress::<F>(skb) {
-        ACT_ICMP => icmp::translate_error::<F>(skb, false),
+        ACT_ICMP => icmp::translate_error::<F>(skb, false, false),
         ACT_TRANSLATED => TC_ACT_OK,
         act => act,
     }

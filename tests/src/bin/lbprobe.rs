@@ -84,6 +84,9 @@ enum Cmd {
         addr: SocketAddr,
         #[arg(long)]
         bytes: u64,
+        /// Read timeout.
+        #[arg(long, default_value_t = 10_000)]
+        timeout_ms: u64,
     },
     /// TCP: upload N bytes of a known pattern; the server checks every byte.
     Upload {
@@ -1019,12 +1022,12 @@ fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::json!({"sent": sent, "received": received, "secs": el, "rate": received as f64 / el}));
             return Ok(());
         }
-        Cmd::Bulk { addr, bytes } => {
+        Cmd::Bulk { addr, bytes, timeout_ms } => {
             s.attempts = 1;
             let started = Instant::now();
             let r = (|| -> std::io::Result<u64> {
                 let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-                c.set_read_timeout(Some(Duration::from_secs(10)))?;
+                c.set_read_timeout(Some(Duration::from_millis(timeout_ms)))?;
                 c.write_all(format!("bulk {bytes}\n").as_bytes())?;
                 let mut buf = vec![0u8; 65536];
                 let mut off = 0u64;
