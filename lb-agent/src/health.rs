@@ -182,6 +182,8 @@ pub struct Metrics {
     pub drift_repaired: Counter,
     /// Processes of the attached cgroup the agent cannot see (no hostPID).
     pub cgroup_invisible: Gauge,
+    /// kube-proxy's rules found on the node, per mode (1: there).
+    pub kube_proxy_rules: Family<[(&'static str, &'static str); 1], Gauge>,
     /// Each frontend's Service, for `lb-agent monitor` (GET /frontends).
     pub frontend_names: Mutex<std::collections::BTreeMap<crate::model::FrontendKey, crate::monitor::FrontendName>>,
     registry: Mutex<Registry>,
@@ -209,6 +211,7 @@ impl Metrics {
             source_failing: Gauge::default(),
             drift_repaired: Counter::default(),
             cgroup_invisible: Gauge::default(),
+            kube_proxy_rules: Family::default(),
             frontend_names: Mutex::new(Default::default()),
             registry: Mutex::new(Registry::default()),
         };
@@ -270,6 +273,11 @@ impl Metrics {
                 "lb_cgroup_processes_invisible",
                 "Processes of the attached cgroup the agent cannot see in /proc (a PID namespace of its own: stale sockets cannot be destroyed)",
                 m.cgroup_invisible.clone(),
+            );
+            r.register(
+                "lb_kube_proxy_rules",
+                "kube-proxy's rules found on the node, by mode (iptables-legacy, iptables-nft, nftables, ipvs): 1 while there (kube-proxy running, or its rules left behind)",
+                m.kube_proxy_rules.clone(),
             );
             r.register_collector(Box::new(DatapathCollector(datapath)));
         }

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 mod agent;
 mod dataplane;
 mod health;
+mod kube_proxy;
 mod model;
 mod monitor;
 mod netdev;
@@ -172,6 +173,12 @@ enum Cmd {
         /// clients fail fast instead of sending into a black hole.
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
         destroy_stale_sockets: bool,
+        /// Look for kube-proxy's rules on the node (kube-proxy still
+        /// running, or its rules left behind) at start and then this often;
+        /// what is found is warned about and exported as
+        /// lb_kube_proxy_rules{mode}. 0 turns it off.
+        #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+        kube_proxy_check_period: std::time::Duration,
         /// Export each frontend's and backend's counters in /metrics
         /// (lb_frontend_*, lb_backend_*; one series per frontend and
         /// backend, so off by default).
@@ -307,6 +314,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             nat_unreplied_timeout,
             nat_gc_interval,
             destroy_stale_sockets,
+            kube_proxy_check_period,
             metrics_per_service,
             bpf_log,
         } => {
@@ -366,6 +374,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     nodeport_mode: nodeport_mode.parse().map_err(|e| anyhow::anyhow!("--nodeport-mode: {e}"))?,
                 },
                 destroy_stale_sockets,
+                kube_proxy_check_period,
                 metrics_per_service,
                 bpf_log,
             };

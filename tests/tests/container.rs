@@ -312,8 +312,11 @@ impl World {
 #[test]
 fn the_daemonset_pod_serves_the_cluster_ip_with_health_metrics_and_pins_on_the_host() -> Result<()> {
     let w = setup()?;
+    // kube-proxy's rules left on the node: the image's own iptables finds
+    // them (below).
+    w.c.in_netns(&w.c.nodes[0].netns, &["iptables-nft", "-t", "nat", "-N", "KUBE-SERVICES"])?;
     let started = Instant::now();
-    let (_agent, log) = w.start_synced(&w.c.id)?;
+    let (agent, log) = w.start_synced(&w.c.id)?;
     // In-cluster configuration: the URL from the ConfigMap's
     // KUBERNETES_SERVICE_HOST/PORT; the stand-in answers 401 without the
     // mounted token, so the sync also proves the token and CA were read.
@@ -334,6 +337,12 @@ fn the_daemonset_pod_serves_the_cluster_ip_with_health_metrics_and_pins_on_the_h
     assert!(metric(&m, "kubeproxy_sync_proxy_rules_duration_seconds_count").is_some_and(|n| n >= 1.0), "{m}");
     // hostPID: the agent sees the pods' processes in the cgroup.
     assert_eq!(metric(&m, "lb_cgroup_processes_invisible"), Some(0.0), "{m}");
+    // The agent's look for kube-proxy's rules works in the image.
+    w.c.wait_for("lb_kube_proxy_rules", Duration::from_secs(10), || {
+        Ok(metric(&w.c.http(1, "127.0.0.1:10249", "/metrics")?.1, "lb_kube_proxy_rules{mode=\"iptables-nft\"}") == Some(1.0))
+    })?;
+    let log = w.wait_log(&agent, "kube-proxy's rules are on this node", Duration::from_secs(10))?;
+    assert!(log.contains("iptables-nft (nat KUBE-SERVICES)"), "{log}");
 
     // (3) --bpffs=/sys/fs/bpf/lb in the container is <dir>/lb on the host,
     // and the host's bpftool reads the entries the agent wrote.

@@ -265,3 +265,98 @@ fn per_frontend_and_backend_counters_like_ipvsadm_stats() -> Result<()> {
     assert!(metric(&m, &format!("lb_frontend_packets_total{{frontend=\"{NODE1}:30080\"}}")).unwrap() >= 24.0, "{m}");
     Ok(())
 }
+
+/// kube-proxy's rules on a node (kube-proxy still running, or its rules
+/// left behind when its DaemonSet was deleted) are named in a warning and
+/// in `lb_kube_proxy_rules{mode}`, in each mode kube-proxy has: iptables
+/// through either backend, nftables, IPVS. kubelet's own KUBE-* chains are
+/// not kube-proxy's. Rules removed later are seen gone at the next check.
+#[test]
+fn kube_proxys_rules_on_a_node_are_named_in_a_warning_and_a_metric() -> Result<()> {
+    let mut c = Cluster::new(2)?;
+    let pod = c.add_pod(2, "pod-a")?;
+    c.write_object("svc.yaml", &service("web", "10.96.0.10", &[("http", 80, 8080, "TCP")]))?;
+    c.write_object("slice.yaml", &slice("web", "web-1", &[("http", 8080, "TCP")], &[(&pod.ip, "node-2", true)]))?;
+    let (n1, n2) = (c.nodes[0].netns.clone(), c.nodes[1].netns.clone());
+    let run = |c: &Cluster, ns: &str, cmds: &[&[&str]]| -> Result<()> {
+        for cmd in cmds {
+            c.in_netns(ns, cmd)?;
+        }
+        Ok(())
+    };
+    // node-1: kube-proxy's iptables mode (IPv4 in iptables-legacy, IPv6 in
+    // iptables-nft), its nftables mode, and IPVS mode's device (a veth
+    // here: this kernel has no dummy driver; it is found by name).
+    run(
+        &c,
+        &n1,
+        &[
+            &["iptables-legacy", "-t", "nat", "-N", "KUBE-SERVICES"],
+            &["iptables-legacy", "-t", "nat", "-N", "KUBE-NODEPORTS"],
+            &["iptables-legacy", "-t", "nat", "-N", "KUBE-SVC-AAAAAAAAAAAAAAAA"],
+            &["iptables-legacy", "-t", "nat", "-N", "KUBE-SEP-BBBBBBBBBBBBBBBB"],
+            &["iptables-legacy", "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES"],
+            &["ip6tables-nft", "-t", "filter", "-N", "KUBE-FORWARD"],
+            &["ip6tables-nft", "-t", "filter", "-A", "FORWARD", "-j", "KUBE-FORWARD"],
+            &["nft", "add", "table", "ip", "kube-proxy"],
+            &["ip", "link", "add", "kube-ipvs0", "type", "veth", "peer", "name", "kube-ipvs0p"],
+        ],
+    )?;
+    // node-2: only kubelet's chains (and those older kubelets made).
+    run(
+        &c,
+        &n2,
+        &[
+            &["iptables-legacy", "-t", "filter", "-N", "KUBE-FIREWALL"],
+            &["iptables-legacy", "-t", "mangle", "-N", "KUBE-KUBELET-CANARY"],
+            &["iptables-nft", "-t", "nat", "-N", "KUBE-MARK-MASQ"],
+            &["iptables-nft", "-t", "nat", "-N", "KUBE-POSTROUTING"],
+        ],
+    )?;
+    for node in [1, 2] {
+        c.start_agent_with(node, &["--kube-proxy-check-period", "1s"])?;
+    }
+    let log1 = c.agent_log(1);
+    c.wait_for("node-1's warning", Duration::from_secs(20), || Ok(std::fs::read_to_string(&log1)?.contains("kube-proxy's rules are on this node")))?;
+    let text = std::fs::read_to_string(&log1)?;
+    for want in [
+        "iptables-legacy (nat KUBE-NODEPORTS, nat KUBE-SERVICES; 2 per-Service chains)",
+        "iptables-nft (filter KUBE-FORWARD)",
+        "nftables (table ip kube-proxy)",
+        "ipvs (device kube-ipvs0)",
+        "kube-proxy --cleanup",
+    ] {
+        assert!(text.contains(want), "node-1's warning names {want}: {text}");
+    }
+    let gauge = |node: usize, mode: &str| -> Result<Option<f64>> {
+        Ok(metric(&c.http(node, "127.0.0.1:10249", "/metrics")?.1, &format!("lb_kube_proxy_rules{{mode=\"{mode}\"}}")))
+    };
+    for mode in ["iptables-legacy", "iptables-nft", "nftables", "ipvs"] {
+        assert_eq!(gauge(1, mode)?, Some(1.0), "node-1 {mode}");
+    }
+    // node-2 has been looked at as often, and holds nothing of kube-proxy's.
+    c.wait_for("node-2's metric", Duration::from_secs(10), || Ok(gauge(2, "iptables-legacy")?.is_some()))?;
+    for mode in ["iptables-legacy", "iptables-nft", "nftables", "ipvs"] {
+        assert_eq!(gauge(2, mode)?, Some(0.0), "node-2 {mode}");
+    }
+    let text2 = std::fs::read_to_string(c.agent_log(2))?;
+    assert!(!text2.contains("kube-proxy's rules"), "kubelet's chains are not kube-proxy's: {text2}");
+    // The operator cleans node-1 up: gone at the next check.
+    run(
+        &c,
+        &n1,
+        &[
+            &["iptables-legacy", "-t", "nat", "-F"],
+            &["iptables-legacy", "-t", "nat", "-X"],
+            &["ip6tables-nft", "-t", "filter", "-F"],
+            &["ip6tables-nft", "-t", "filter", "-X"],
+            &["nft", "delete", "table", "ip", "kube-proxy"],
+            &["ip", "link", "del", "kube-ipvs0"],
+        ],
+    )?;
+    c.wait_for("node-1's rules seen gone", Duration::from_secs(10), || Ok(std::fs::read_to_string(&log1)?.contains("kube-proxy's rules are gone")))?;
+    for mode in ["iptables-legacy", "iptables-nft", "nftables", "ipvs"] {
+        assert_eq!(gauge(1, mode)?, Some(0.0), "node-1 {mode} after the clean-up");
+    }
+    Ok(())
+}

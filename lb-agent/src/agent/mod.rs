@@ -57,6 +57,8 @@ pub struct RunConfig {
     pub model: model::Options,
     /// Destroy connected sockets to endpoints that left their Service.
     pub destroy_stale_sockets: bool,
+    /// `--kube-proxy-check-period` (zero: off).
+    pub kube_proxy_check_period: Duration,
     /// Per-frontend and per-backend series in /metrics.
     pub metrics_per_service: bool,
     /// `--bpf-log`.
@@ -312,6 +314,32 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mut health_checks = crate::nodeport::HealthChecks::default();
     rec.export(&metrics, &cfg.capacity);
     rec.export_names(&metrics);
+    // kube-proxy's rules on the node, at start and then every period (off
+    // the runtime thread: iptables-save of a large rule set takes a while).
+    if !cfg.kube_proxy_check_period.is_zero() {
+        let (metrics, period) = (metrics.clone(), cfg.kube_proxy_check_period);
+        tokio::spawn(async move {
+            let mut last = None;
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let m = metrics.clone();
+                match tokio::task::spawn_blocking(move || {
+                    crate::kube_proxy::check(&m.kube_proxy_rules, &mut last);
+                    last
+                })
+                .await
+                {
+                    Ok(l) => last = l,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "looking for kube-proxy's rules failed");
+                        last = None;
+                    }
+                }
+            }
+        });
+    }
     // How long the watches have been failing, for the metric.
     {
         let (status, metrics) = (source_status.clone(), metrics.clone());

@@ -1,0 +1,226 @@
+//! kube-proxy's rules on this node: kube-proxy still running next to lb, or
+//! its rules left behind when its DaemonSet was deleted without
+//! `kube-proxy --cleanup`. They go on acting on whatever lb passes (a
+//! Service lb has not programmed yet, traffic on a device without lb's
+//! programs) with the endpoints kube-proxy last saw, and a kube-proxy
+//! still running fights over the node's ports (10256, 10249). Nothing
+//! fails outright, so the agent looks for them, at start and then every
+//! `--kube-proxy-check-period`, and says what it found: a warning naming
+//! each mode's tables and chains, and `lb_kube_proxy_rules{mode}`.
+//!
+//! Only kube-proxy's own chains count: kubelet's (KUBE-FIREWALL,
+//! KUBE-KUBELET-CANARY, KUBE-MARK-DROP) and the ones older kubelets made
+//! for host ports (KUBE-MARK-MASQ, KUBE-POSTROUTING) stay out of it.
+use std::process::Command;
+
+/// The modes kube-proxy's rules can be in, as the metric names them.
+pub const MODES: [&str; 4] = ["iptables-legacy", "iptables-nft", "nftables", "ipvs"];
+
+/// Chains only kube-proxy creates (iptables and ipvs modes).
+const CHAINS: &[&str] = &[
+    "KUBE-SERVICES",
+    "KUBE-NODEPORTS",
+    "KUBE-EXTERNAL-SERVICES",
+    "KUBE-FORWARD",
+    "KUBE-PROXY-FIREWALL",
+    "KUBE-PROXY-CANARY",
+    "KUBE-LOAD-BALANCER",
+    "KUBE-NODE-PORT",
+];
+
+/// kube-proxy's per-Service and per-endpoint chains (iptables mode).
+const PER_SERVICE: &[&str] = &["KUBE-SVC-", "KUBE-SEP-", "KUBE-EXT-", "KUBE-FW-", "KUBE-XLB-", "KUBE-SVL-"];
+
+/// What one mode left: "nat KUBE-SERVICES", ... and how many per-Service
+/// chains.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Found {
+    pub chains: Vec<String>,
+    pub per_service: usize,
+}
+
+impl Found {
+    fn is_empty(&self) -> bool {
+        self.chains.is_empty() && self.per_service == 0
+    }
+
+    fn merge(&mut self, other: Found) {
+        for c in other.chains {
+            if !self.chains.contains(&c) {
+                self.chains.push(c);
+            }
+        }
+        self.chains.sort();
+        self.per_service += other.per_service;
+    }
+}
+
+impl std::fmt::Display for Found {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.chains.join(", "))?;
+        if self.per_service > 0 {
+            write!(f, "{}{} per-Service chains", if self.chains.is_empty() { "" } else { "; " }, self.per_service)?;
+        }
+        Ok(())
+    }
+}
+
+/// kube-proxy's chains in `iptables-save` output (one family): the
+/// table and name of each fixed one (sorted), and a count of the rest.
+pub fn chains_in_save(save: &str) -> Found {
+    let mut found = Found::default();
+    let mut table = "";
+    for line in save.lines() {
+        if let Some(t) = line.strip_prefix('*') {
+            table = t.trim();
+        } else if let Some(decl) = line.strip_prefix(':') {
+            let name = decl.split_whitespace().next().unwrap_or_default();
+            if CHAINS.contains(&name) {
+                let c = format!("{table} {name}");
+                if !found.chains.contains(&c) {
+                    found.chains.push(c);
+                }
+            } else if PER_SERVICE.iter().any(|p| name.starts_with(p)) {
+                found.per_service += 1;
+            }
+        }
+    }
+    found.chains.sort();
+    found
+}
+
+/// kube-proxy's tables (nftables mode: `kube-proxy` in the ip and ip6
+/// families) in `nft list tables` output.
+pub fn tables_in_nft(list: &str) -> Found {
+    let chains = list
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            match (w.next(), w.next(), w.next()) {
+                (Some("table"), Some(family), Some("kube-proxy")) => Some(format!("table {family} kube-proxy")),
+                _ => None,
+            }
+        })
+        .collect();
+    Found { chains, per_service: 0 }
+}
+
+/// The output of `cmd args`, or None where the tool is not installed or
+/// fails (said at debug level: each mode is looked for with its own tool).
+fn output(cmd: &str, args: &[&str]) -> Option<String> {
+    match Command::new(cmd).args(args).output() {
+        Ok(o) if o.status.success() => Some(String::from_utf8_lossy(&o.stdout).into_owned()),
+        Ok(o) => {
+            tracing::debug!(cmd, status = %o.status, stderr = %String::from_utf8_lossy(&o.stderr).trim(), "cannot look for kube-proxy's rules");
+            None
+        }
+        Err(e) => {
+            tracing::debug!(cmd, error = %e, "cannot look for kube-proxy's rules");
+            None
+        }
+    }
+}
+
+/// Look on this node (its network namespace): each mode with what it left.
+pub fn detect() -> Vec<(&'static str, Found)> {
+    let mut out = Vec::new();
+    for (mode, tools) in [
+        ("iptables-legacy", ["iptables-legacy-save", "ip6tables-legacy-save"]),
+        ("iptables-nft", ["iptables-nft-save", "ip6tables-nft-save"]),
+    ] {
+        let mut found = Found::default();
+        for tool in tools {
+            if let Some(save) = output(tool, &[]) {
+                found.merge(chains_in_save(&save));
+            }
+        }
+        out.push((mode, found));
+    }
+    out.push(("nftables", output("nft", &["list", "tables"]).map(|l| tables_in_nft(&l)).unwrap_or_default()));
+    // IPVS mode's dummy device, which holds every ClusterIP as a local
+    // address.
+    let ipvs = match crate::netdev::links() {
+        Ok(links) => links.iter().filter(|l| l.name == "kube-ipvs0").map(|l| format!("device {}", l.name)).collect(),
+        Err(e) => {
+            tracing::debug!(error = format!("{e:#}"), "cannot list devices to look for kube-ipvs0");
+            Vec::new()
+        }
+    };
+    out.push(("ipvs", Found { chains: ipvs, per_service: 0 }));
+    out.retain(|(_, f)| !f.is_empty());
+    out
+}
+
+/// Look, set the metric, and say what changed since `last`: a warning for
+/// what is there, a note when it is gone.
+pub fn check(metric: &prometheus_client::metrics::family::Family<[(&'static str, &'static str); 1], prometheus_client::metrics::gauge::Gauge>, last: &mut Option<Vec<(&'static str, Found)>>) {
+    let now = detect();
+    for mode in MODES {
+        metric.get_or_create(&[("mode", mode)]).set(now.iter().any(|(m, _)| *m == mode) as i64);
+    }
+    if last.as_ref() == Some(&now) {
+        return;
+    }
+    if now.is_empty() {
+        if last.is_some() {
+            tracing::info!("kube-proxy's rules are gone from this node");
+        }
+    } else {
+        let what: Vec<String> = now.iter().map(|(m, f)| format!("{m} ({f})")).collect();
+        tracing::warn!(
+            "kube-proxy's rules are on this node: {}. kube-proxy is still running or its rules were left behind; they act on \
+             traffic lb passes (a Service lb has not programmed yet, a device without lb's programs) with the endpoints kube-proxy \
+             last saw. Delete kube-proxy's DaemonSet, then run `kube-proxy --cleanup` on the node (README: Installing on a cluster)",
+            what.join("; ")
+        );
+    }
+    *last = Some(now);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kube_proxys_chains_are_found_and_kubelets_are_not() {
+        let save = "# Generated by iptables-save\n*mangle\n:PREROUTING ACCEPT [0:0]\n:KUBE-KUBELET-CANARY - [0:0]\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n\
+                    *filter\n:INPUT ACCEPT [0:0]\n:KUBE-FIREWALL - [0:0]\n:KUBE-FORWARD - [0:0]\n:KUBE-EXTERNAL-SERVICES - [0:0]\n-A FORWARD -j KUBE-FORWARD\nCOMMIT\n\
+                    *nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-NODEPORTS - [0:0]\n\
+                    :KUBE-SVC-ABCDEFGHIJKLMNOP - [0:0]\n:KUBE-SEP-ABCDEFGHIJKLMNOP - [0:0]\n:KUBE-EXT-ABCDEFGHIJKLMNOP - [0:0]\n\
+                    -A PREROUTING -j KUBE-SERVICES\n-A KUBE-SERVICES -j KUBE-SVC-ABCDEFGHIJKLMNOP\nCOMMIT\n";
+        let f = chains_in_save(save);
+        assert_eq!(f.chains, ["filter KUBE-EXTERNAL-SERVICES", "filter KUBE-FORWARD", "mangle KUBE-PROXY-CANARY", "nat KUBE-NODEPORTS", "nat KUBE-SERVICES"]);
+        assert_eq!(f.per_service, 3);
+        assert_eq!(
+            f.to_string(),
+            "filter KUBE-EXTERNAL-SERVICES, filter KUBE-FORWARD, mangle KUBE-PROXY-CANARY, nat KUBE-NODEPORTS, nat KUBE-SERVICES; 3 per-Service chains"
+        );
+        // Rules naming a chain ("-A ... -j KUBE-SERVICES") do not count twice.
+        assert_eq!(chains_in_save("*nat\n-A PREROUTING -j KUBE-SERVICES\nCOMMIT\n"), Found::default());
+    }
+
+    #[test]
+    fn kubelets_chains_alone_are_not_kube_proxys() {
+        let save = "*mangle\n:KUBE-KUBELET-CANARY - [0:0]\nCOMMIT\n*filter\n:KUBE-FIREWALL - [0:0]\nCOMMIT\n\
+                    *nat\n:KUBE-MARK-DROP - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-HOSTPORTS - [0:0]\nCOMMIT\n";
+        assert!(chains_in_save(save).is_empty());
+        assert!(chains_in_save("").is_empty());
+    }
+
+    #[test]
+    fn both_families_merge_into_one_finding() {
+        let mut f = chains_in_save("*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-A - [0:0]\nCOMMIT\n");
+        f.merge(chains_in_save("*nat\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-B - [0:0]\n:KUBE-SVC-C - [0:0]\nCOMMIT\n"));
+        assert_eq!(f.chains, ["nat KUBE-SERVICES"]);
+        assert_eq!(f.per_service, 3);
+        assert_eq!(Found { chains: vec![], per_service: 2 }.to_string(), "2 per-Service chains");
+    }
+
+    #[test]
+    fn nftables_modes_tables_are_found_by_name() {
+        let list = "table ip filter\ntable ip kube-proxy\ntable ip6 kube-proxy\ntable inet cilium\ntable ip nat\n";
+        assert_eq!(tables_in_nft(list).chains, ["table ip kube-proxy", "table ip6 kube-proxy"]);
+        assert!(tables_in_nft("table ip filter\ntable ip kube-proxy-other\n").is_empty());
+        assert!(tables_in_nft("").is_empty());
+    }
+}
