@@ -316,6 +316,25 @@ async fn metrics(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], m.encode())
 }
 
+/// Listen on `addr` (given by `flag`). A port in use says who holds it,
+/// and, on kube-proxy's own ports, that kube-proxy may still run here.
+async fn listen(flag: &str, addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
+    match tokio::net::TcpListener::bind(addr).await {
+        Ok(l) => Ok(l),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
+            let holder = crate::kube_proxy::port_holder(addr.port()).map(|h| format!(", held by {h}")).unwrap_or_default();
+            let hint = if [10256, 10249].contains(&addr.port()) {
+                "; kube-proxy listens there too (healthz 10256, metrics 10249): if it still runs on this node, delete its \
+                 DaemonSet first (README: Installing on a cluster), or move lb's with the flag"
+            } else {
+                ""
+            };
+            anyhow::bail!("{flag} {addr}: {e}{holder}{hint}")
+        }
+        Err(e) => Err(anyhow::Error::new(e).context(format!("{flag} {addr}"))),
+    }
+}
+
 /// Bind both listeners now (so that a bad address fails at start), and
 /// serve them in the background. Returns the bound addresses.
 pub async fn serve(
@@ -324,16 +343,15 @@ pub async fn serve(
     health: Arc<Health>,
     m: Arc<Metrics>,
 ) -> anyhow::Result<(Option<SocketAddr>, Option<SocketAddr>)> {
-    use anyhow::Context as _;
     let mut bound = (None, None);
     if let Some(addr) = healthz_bind {
-        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--healthz-bind {addr}"))?;
+        let l = listen("--healthz-bind", addr).await?;
         bound.0 = Some(l.local_addr()?);
         let app = Router::new().route("/healthz", get(healthz)).route("/livez", get(livez)).with_state(health);
         tokio::spawn(async move { axum::serve(l, app).await });
     }
     if let Some(addr) = metrics_bind {
-        let l = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("--metrics-bind {addr}"))?;
+        let l = listen("--metrics-bind", addr).await?;
         bound.1 = Some(l.local_addr()?);
         let app = Router::new().route("/metrics", get(metrics)).route("/frontends", get(frontends)).with_state(m);
         tokio::spawn(async move { axum::serve(l, app).await });

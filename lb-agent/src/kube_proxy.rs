@@ -8,6 +8,10 @@
 //! `--kube-proxy-check-period`, and says what it found: a warning naming
 //! each mode's tables and chains, and `lb_kube_proxy_rules{mode}`.
 //!
+//! A kube-proxy still running also holds the ports lb's health and metrics
+//! servers want: the agent's error then names the process holding the
+//! port (`port_holder`).
+//!
 //! Only kube-proxy's own chains count: kubelet's (KUBE-FIREWALL,
 //! KUBE-KUBELET-CANARY, KUBE-MARK-DROP) and the ones older kubelets made
 //! for host ports (KUBE-MARK-MASQ, KUBE-POSTROUTING) stay out of it.
@@ -177,9 +181,34 @@ pub fn check(metric: &prometheus_client::metrics::family::Family<[(&'static str,
     *last = Some(now);
 }
 
+/// Who listens on TCP port `port` in this network namespace ("NAME (pid
+/// N)"), as `ss` tells it; None if it cannot (no ss, no process found).
+pub fn port_holder(port: u16) -> Option<String> {
+    holder_in_ss(&output("ss", &["-ltnpH", "sport", "=", &format!(":{port}")])?)
+}
+
+/// The first process `ss -ltnp` names: `users:(("NAME",pid=N,fd=M))`.
+pub fn holder_in_ss(out: &str) -> Option<String> {
+    let users = out.split("users:((\"").nth(1)?;
+    let (name, rest) = users.split_once('"')?;
+    let pid: String = rest.split("pid=").nth(1)?.chars().take_while(char::is_ascii_digit).collect();
+    (!pid.is_empty()).then(|| format!("{name} (pid {pid})"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_process_holding_a_port_is_read_from_ss() {
+        let out = "LISTEN 0      4096         0.0.0.0:10256      0.0.0.0:*    users:((\"kube-proxy\",pid=1234,fd=10))\n";
+        assert_eq!(holder_in_ss(out).as_deref(), Some("kube-proxy (pid 1234)"));
+        let two = "LISTEN 0 128 *:10256 *:* users:((\"kube-proxy\",pid=7,fd=3),(\"kube-proxy\",pid=8,fd=3))\n";
+        assert_eq!(holder_in_ss(two).as_deref(), Some("kube-proxy (pid 7)"));
+        // No process column (no permission to see it), or nothing there.
+        assert_eq!(holder_in_ss("LISTEN 0 4096 0.0.0.0:10256 0.0.0.0:*\n"), None);
+        assert_eq!(holder_in_ss(""), None);
+    }
 
     #[test]
     fn kube_proxys_chains_are_found_and_kubelets_are_not() {

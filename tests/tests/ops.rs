@@ -360,3 +360,20 @@ fn kube_proxys_rules_on_a_node_are_named_in_a_warning_and_a_metric() -> Result<(
     }
     Ok(())
 }
+
+/// kube-proxy still running on the node holds 10256 (and 10249): the
+/// agent stops at start with an error naming the flag, the address, the
+/// process that holds it and what to do.
+#[test]
+fn a_port_held_by_another_process_is_an_error_naming_it() -> Result<()> {
+    let mut c = Cluster::new(1)?;
+    c.write_object("svc.yaml", &service("web", "10.96.0.10", &[("http", 80, 8080, "TCP")]))?;
+    let host = c.host(1);
+    let pid = c.serve(&host, 10256)?;
+    let err = c.start_agent(1).expect_err("the agent cannot serve /healthz on a port in use");
+    let text = format!("{err:#}");
+    for want in ["--healthz-bind 0.0.0.0:10256", "in use", &format!("held by lbprobe (pid {pid})"), "kube-proxy listens there too", "delete its DaemonSet"] {
+        assert!(text.contains(want), "the error says {want:?}: {text}");
+    }
+    Ok(())
+}
