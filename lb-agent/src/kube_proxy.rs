@@ -93,6 +93,105 @@ pub fn chains_in_save(save: &str) -> Found {
     found
 }
 
+fn is_kube_proxys(chain: &str) -> bool {
+    CHAINS.contains(&chain) || PER_SERVICE.iter().any(|p| chain.starts_with(p))
+}
+
+/// An `iptables-restore --noflush` script that removes kube-proxy's chains
+/// from the rule set `save` (`iptables-save` output) and nothing else:
+/// per table, the rules of other chains that jump (or go) to one of them,
+/// then every one of them flushed, then deleted. None: nothing to remove.
+pub fn cleanup_script(save: &str) -> Option<String> {
+    let mut out = String::new();
+    let (mut table, mut chains, mut jumps) = ("", Vec::new(), Vec::new());
+    for line in save.lines() {
+        if let Some(t) = line.strip_prefix('*') {
+            (table, chains, jumps) = (t.trim(), Vec::new(), Vec::new());
+        } else if let Some(decl) = line.strip_prefix(':') {
+            let name = decl.split_whitespace().next().unwrap_or_default();
+            if is_kube_proxys(name) {
+                chains.push(name.to_string());
+            }
+        } else if let Some(rule) = line.strip_prefix("-A ") {
+            let mut w = rule.split_whitespace();
+            let chain = w.next().unwrap_or_default();
+            let mut target = None;
+            while let Some(t) = w.next() {
+                if t == "-j" || t == "-g" || t == "--jump" || t == "--goto" {
+                    target = w.next();
+                }
+            }
+            if !is_kube_proxys(chain) && target.is_some_and(is_kube_proxys) {
+                jumps.push(format!("-D {rule}"));
+            }
+        } else if line.trim() == "COMMIT" && !chains.is_empty() {
+            out += &format!("*{table}\n");
+            for j in &jumps {
+                out += &format!("{j}\n");
+            }
+            for c in &chains {
+                out += &format!("-F {c}\n");
+            }
+            for c in &chains {
+                out += &format!("-X {c}\n");
+            }
+            out += "COMMIT\n";
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+/// `lb-agent cleanup-kube-proxy`: remove kube-proxy's rules from this
+/// node (`kube-proxy --cleanup`'s job), saying what goes.
+pub fn cleanup(dry_run: bool) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use std::io::Write as _;
+    let mut removed = 0;
+    for (save, restore) in [
+        ("iptables-legacy-save", "iptables-legacy-restore"),
+        ("ip6tables-legacy-save", "ip6tables-legacy-restore"),
+        ("iptables-nft-save", "iptables-nft-restore"),
+        ("ip6tables-nft-save", "ip6tables-nft-restore"),
+    ] {
+        let Some(script) = output(save, &[]).as_deref().and_then(cleanup_script) else { continue };
+        println!("{restore} --noflush:\n{script}");
+        removed += 1;
+        if dry_run {
+            continue;
+        }
+        let mut child = Command::new(restore)
+            .arg("--noflush")
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .with_context(|| format!("run {restore}"))?;
+        child.stdin.take().context("stdin")?.write_all(script.as_bytes()).with_context(|| format!("write to {restore}"))?;
+        let st = child.wait()?;
+        anyhow::ensure!(st.success(), "{restore} --noflush failed ({st}) on the script above");
+    }
+    for table in output("nft", &["list", "tables"]).map(|l| tables_in_nft(&l).chains).unwrap_or_default() {
+        // "table ip kube-proxy"
+        let args: Vec<&str> = ["delete"].into_iter().chain(table.split_whitespace()).collect();
+        println!("nft {}", args.join(" "));
+        removed += 1;
+        if !dry_run {
+            let st = Command::new("nft").args(&args).status().context("run nft")?;
+            anyhow::ensure!(st.success(), "nft {} failed ({st})", args.join(" "));
+        }
+    }
+    if crate::netdev::links()?.iter().any(|l| l.name == "kube-ipvs0") {
+        println!("ip link del kube-ipvs0");
+        removed += 1;
+        if !dry_run {
+            let st = Command::new("ip").args(["link", "del", "kube-ipvs0"]).status().context("run ip")?;
+            anyhow::ensure!(st.success(), "ip link del kube-ipvs0 failed ({st})");
+        }
+    }
+    if removed == 0 {
+        println!("no kube-proxy rules on this node");
+    }
+    Ok(())
+}
+
 /// kube-proxy's tables (nftables mode: `kube-proxy` in the ip and ip6
 /// families) in `nft list tables` output.
 pub fn tables_in_nft(list: &str) -> Found {
@@ -174,7 +273,7 @@ pub fn check(metric: &prometheus_client::metrics::family::Family<[(&'static str,
         tracing::warn!(
             "kube-proxy's rules are on this node: {}. kube-proxy is still running or its rules were left behind; they act on \
              traffic lb passes (a Service lb has not programmed yet, a device without lb's programs) with the endpoints kube-proxy \
-             last saw. Delete kube-proxy's DaemonSet, then run `kube-proxy --cleanup` on the node (README: Installing on a cluster)",
+             last saw. Delete kube-proxy's DaemonSet, then run `kube-proxy --cleanup` or `lb-agent cleanup-kube-proxy` on the node (README: Installing on a cluster)",
             what.join("; ")
         );
     }
@@ -243,6 +342,28 @@ mod tests {
         assert_eq!(f.chains, ["nat KUBE-SERVICES"]);
         assert_eq!(f.per_service, 3);
         assert_eq!(Found { chains: vec![], per_service: 2 }.to_string(), "2 per-Service chains");
+    }
+
+    #[test]
+    fn the_cleanup_removes_kube_proxys_chains_and_the_jumps_to_them_only() {
+        let save = "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:KUBE-FIREWALL - [0:0]\n:KUBE-FORWARD - [0:0]\n\
+                    -A INPUT -j KUBE-FIREWALL\n-A FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD\n\
+                    -A FORWARD -s 10.0.0.0/8 -j ACCEPT\n-A KUBE-FORWARD -m mark --mark 0x4000/0x4000 -j ACCEPT\nCOMMIT\n\
+                    *mangle\n:PREROUTING ACCEPT [0:0]\n:KUBE-KUBELET-CANARY - [0:0]\nCOMMIT\n\
+                    *nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-SVC-AAAA - [0:0]\n:KUBE-SEP-BBBB - [0:0]\n\
+                    -A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n-A OUTPUT -g KUBE-SERVICES\n\
+                    -A PREROUTING -p tcp --dport 8080 -j REDIRECT --to-ports 80\n\
+                    -A KUBE-SERVICES -d 10.96.0.10/32 -j KUBE-SVC-AAAA\n-A KUBE-SVC-AAAA -j KUBE-SEP-BBBB\nCOMMIT\n";
+        let script = cleanup_script(save).unwrap();
+        assert_eq!(
+            script,
+            "*filter\n-D FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD\n-F KUBE-FORWARD\n-X KUBE-FORWARD\nCOMMIT\n\
+             *nat\n-D PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n-D OUTPUT -g KUBE-SERVICES\n\
+             -F KUBE-SERVICES\n-F KUBE-SVC-AAAA\n-F KUBE-SEP-BBBB\n-X KUBE-SERVICES\n-X KUBE-SVC-AAAA\n-X KUBE-SEP-BBBB\nCOMMIT\n"
+        );
+        // kubelet's chains alone: nothing to do.
+        assert_eq!(cleanup_script("*filter\n:KUBE-FIREWALL - [0:0]\n-A INPUT -j KUBE-FIREWALL\nCOMMIT\n"), None);
+        assert_eq!(cleanup_script(""), None);
     }
 
     #[test]

@@ -234,6 +234,15 @@ enum Cmd {
         #[arg(long, default_value = "/sys/fs/bpf/lb")]
         bpffs: PathBuf,
     },
+    /// Remove kube-proxy's rules from this node, as `kube-proxy --cleanup`
+    /// does: its iptables chains (legacy and nft, both families; the
+    /// jumps to them first), its nftables tables and IPVS mode's
+    /// kube-ipvs0 device. kubelet's chains and everything else stay.
+    CleanupKubeProxy {
+        /// Print what would be removed, change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
 }
 
 fn port_range(flag: &str, s: &str) -> anyhow::Result<(u16, u16)> {
@@ -443,6 +452,10 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         Cmd::Teardown { bpffs } => {
             loader::check_root()?;
             loader::teardown(&bpffs)
+        }
+        Cmd::CleanupKubeProxy { dry_run } => {
+            loader::check_root()?;
+            kube_proxy::cleanup(dry_run)
         }
     }
 }

@@ -295,7 +295,13 @@ fn kube_proxys_rules_on_a_node_are_named_in_a_warning_and_a_metric() -> Result<(
             &["iptables-legacy", "-t", "nat", "-N", "KUBE-NODEPORTS"],
             &["iptables-legacy", "-t", "nat", "-N", "KUBE-SVC-AAAAAAAAAAAAAAAA"],
             &["iptables-legacy", "-t", "nat", "-N", "KUBE-SEP-BBBBBBBBBBBBBBBB"],
-            &["iptables-legacy", "-t", "nat", "-A", "PREROUTING", "-j", "KUBE-SERVICES"],
+            &["iptables-legacy", "-t", "nat", "-A", "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"],
+            &["iptables-legacy", "-t", "nat", "-A", "KUBE-SERVICES", "-d", "10.96.0.10/32", "-j", "KUBE-SVC-AAAAAAAAAAAAAAAA"],
+            &["iptables-legacy", "-t", "nat", "-A", "KUBE-SVC-AAAAAAAAAAAAAAAA", "-j", "KUBE-SEP-BBBBBBBBBBBBBBBB"],
+            // kubelet's chain and an operator's own rule, which stay.
+            &["iptables-legacy", "-t", "filter", "-N", "KUBE-FIREWALL"],
+            &["iptables-legacy", "-t", "filter", "-A", "INPUT", "-j", "KUBE-FIREWALL"],
+            &["iptables-legacy", "-t", "nat", "-A", "PREROUTING", "-p", "tcp", "--dport", "8081", "-j", "REDIRECT", "--to-ports", "81"],
             &["ip6tables-nft", "-t", "filter", "-N", "KUBE-FORWARD"],
             &["ip6tables-nft", "-t", "filter", "-A", "FORWARD", "-j", "KUBE-FORWARD"],
             &["nft", "add", "table", "ip", "kube-proxy"],
@@ -341,19 +347,26 @@ fn kube_proxys_rules_on_a_node_are_named_in_a_warning_and_a_metric() -> Result<(
     }
     let text2 = std::fs::read_to_string(c.agent_log(2))?;
     assert!(!text2.contains("kube-proxy's rules"), "kubelet's chains are not kube-proxy's: {text2}");
-    // The operator cleans node-1 up: gone at the next check.
-    run(
-        &c,
-        &n1,
-        &[
-            &["iptables-legacy", "-t", "nat", "-F"],
-            &["iptables-legacy", "-t", "nat", "-X"],
-            &["ip6tables-nft", "-t", "filter", "-F"],
-            &["ip6tables-nft", "-t", "filter", "-X"],
-            &["nft", "delete", "table", "ip", "kube-proxy"],
-            &["ip", "link", "del", "kube-ipvs0"],
-        ],
-    )?;
+    // The operator cleans node-1 up with lb-agent cleanup-kube-proxy
+    // (kube-proxy --cleanup's job): a dry run first changes nothing.
+    let agent = lbtest::bin("lb-agent");
+    let agent = agent.to_str().unwrap();
+    let saves = || -> Result<String> {
+        Ok(c.in_netns(&n1, &["iptables-legacy-save"])? + &c.in_netns(&n1, &["ip6tables-nft-save"])? + &c.in_netns(&n1, &["nft", "list", "tables"])?)
+    };
+    let before = saves()?;
+    let dry = c.in_netns(&n1, &[agent, "cleanup-kube-proxy", "--dry-run"])?;
+    assert!(dry.contains("-X KUBE-SERVICES") && dry.contains("nft delete table ip kube-proxy") && dry.contains("ip link del kube-ipvs0"), "{dry}");
+    assert_eq!(saves()?.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>(), before.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>(), "a dry run changes nothing");
+    c.in_netns(&n1, &[agent, "cleanup-kube-proxy"])?;
+    let after = saves()?;
+    for gone in ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-SVC-", "KUBE-SEP-", "KUBE-FORWARD", "kube-proxy"] {
+        assert!(!after.contains(gone), "{gone} removed: {after}");
+    }
+    for kept in ["-A INPUT -j KUBE-FIREWALL", ":KUBE-FIREWALL", "--dport 8081 -j REDIRECT --to-ports 81"] {
+        assert!(after.contains(kept), "{kept} kept: {after}");
+    }
+    assert_eq!(c.in_netns(&n1, &[agent, "cleanup-kube-proxy"])?.trim(), "no kube-proxy rules on this node");
     c.wait_for("node-1's rules seen gone", Duration::from_secs(10), || Ok(std::fs::read_to_string(&log1)?.contains("kube-proxy's rules are gone")))?;
     for mode in ["iptables-legacy", "iptables-nft", "nftables", "ipvs"] {
         assert_eq!(gauge(1, mode)?, Some(0.0), "node-1 {mode} after the clean-up");
