@@ -2,15 +2,15 @@
 //! its rules left behind when its DaemonSet was deleted without
 //! `kube-proxy --cleanup`. They go on acting on whatever lb passes (a
 //! Service lb has not programmed yet, traffic on a device without lb's
-//! programs) with the endpoints kube-proxy last saw, and a kube-proxy
-//! still running fights over the node's ports (10256, 10249). Nothing
-//! fails outright, so the agent looks for them, at start and then every
+//! programs) with the endpoints kube-proxy last saw. Nothing fails
+//! outright, so the agent looks for them, at start and then every
 //! `--kube-proxy-check-period`, and says what it found: a warning naming
 //! each mode's tables and chains, and `lb_kube_proxy_rules{mode}`.
+//! `lb-agent cleanup-kube-proxy` removes them (`cleanup`).
 //!
 //! A kube-proxy still running also holds the ports lb's health and metrics
-//! servers want: the agent's error then names the process holding the
-//! port (`port_holder`).
+//! servers want (10256, 10249): the agent's error then names the process
+//! holding the port (`port_holder`).
 //!
 //! Only kube-proxy's own chains count: kubelet's (KUBE-FIREWALL,
 //! KUBE-KUBELET-CANARY, KUBE-MARK-DROP) and the ones older kubelets made

@@ -34,11 +34,22 @@ fn tun_in(netns: &str, name: &str) -> Result<OwnedFd> {
             *d = s as libc::c_char;
         }
         req.ifr_ifru.ifru_flags = (libc::IFF_TUN | libc::IFF_NO_PI) as libc::c_short;
-        // SAFETY: TUNSETIFF takes a struct ifreq.
-        if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNSETIFF, &mut req) } != 0 {
-            bail!("TUNSETIFF {name} in {netns}: {}", std::io::Error::last_os_error());
+        // A device of the same name still attached to a file is busy: the
+        // one a dropped Tunnel closed can still be held for a moment by a
+        // child another thread forked and has not yet exec'd (the fd is
+        // close-on-exec, not close-on-fork). Try again for a while.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            // SAFETY: TUNSETIFF takes a struct ifreq.
+            if unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNSETIFF, &mut req) } == 0 {
+                return Ok(fd);
+            }
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EBUSY) || std::time::Instant::now() > deadline {
+                bail!("TUNSETIFF {name} in {netns}: {e}");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        Ok(fd)
     })
     .with_context(|| format!("tun device {name} in {netns}"))
 }
