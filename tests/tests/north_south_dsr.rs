@@ -218,7 +218,14 @@ fn with_maglev_errors_about_dsr_replies_reach_the_pod_from_any_node() -> Result<
         let l = w.c.list(3)?;
         Ok(l["frontends"].as_array().unwrap().iter().any(|f| f["address"] == LB_IP && !f["flags"].as_array().unwrap().iter().any(|x| x == "maglev")))
     })?;
+    // The flow itself works (an answer that fits the narrow link), ...
+    let s = w.c.probe(&control, &["bulk", "--addr", &hostport(LB_IP, 80), "--bytes", "1000"])?;
+    assert_eq!(s.ok, 1, "a small download through the narrow router: {s:?}");
+    // ... a full-size one stalls: node-3 sends no error on.
+    let before = datapath(&w.c, 3, "nat_icmp_maglev")?;
     let s = w.c.probe(&control, &["bulk", "--addr", &hostport(LB_IP, 80), "--bytes", "2000000", "--timeout-ms", "3000"])?;
     assert_eq!(s.ok, 0, "without Maglev the error is lost: {s:?}");
+    assert_eq!(s.errors.keys().collect::<Vec<_>>(), ["EAGAIN"], "it stalled: {s:?}");
+    assert_eq!(datapath(&w.c, 3, "nat_icmp_maglev")?, before, "node-3 sent nothing on");
     Ok(())
 }
