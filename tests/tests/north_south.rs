@@ -113,12 +113,16 @@ fn session_affinity_keys_on_the_outside_clients_address() -> Result<()> {
         let first = s.replies.keys().next().unwrap().split(' ').next().unwrap().to_string();
         let stay = if first == "pod-1" { &w.p2 } else { &w.p1 };
         set_endpoints(&w, &[(stay, E::ready)])?;
+        // Both families' slices changed: wait for the one tested (the IPv6
+        // frontend can lag the IPv4 one by a sync).
         wait_backends(&w.c, 1, NODE1, 30080, 1)?;
+        wait_backends(&w.c, 1, NODE1_6, 30080, 1)?;
         let s = tcp(&w.c, &w.outside, &addr, 10)?;
         assert_eq!(s.ok, 10, "{s:?}");
         assert!(s.replies.keys().all(|k| k.starts_with(&stay.name)), "{addr}: {s:?}");
         set_endpoints(&w, &[(&w.p1, E::ready), (&w.p2, E::ready)])?;
         wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+        wait_backends(&w.c, 1, NODE1_6, 30080, 2)?;
     }
     Ok(())
 }
