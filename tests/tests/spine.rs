@@ -278,6 +278,11 @@ fn a_second_agent_on_the_same_pins_is_refused() -> Result<()> {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("another lb-agent is running"), "{err}");
+    // It waited for the lock to go (an agent just killed may leave it to a
+    // child for a moment), then named the agent that holds it.
+    let pid = w.c.agent_pid(1).expect("the first agent runs");
+    assert!(err.contains(&format!("held by pid {pid} (lb-agent)")), "{err}");
+    assert!(err.contains("waiting up to 5s"), "{err}");
     // The first agent's programs are untouched.
     let s = tcp(&w.c, &w.client, "10.96.0.10:80", 5)?;
     assert_eq!(s.ok, 5, "{s:?}");

@@ -139,15 +139,48 @@ pub struct Tc {
 }
 
 /// Take an exclusive lock on the pin directory, so that two agents never
-/// program the same maps. The kernel drops it when the agent dies.
+/// program the same maps. The kernel drops it when the agent dies and
+/// every process holding the directory open has closed it: a child the
+/// agent was starting when it was killed (the kube-proxy checks run
+/// `iptables-save`) keeps it until it has exec'd. So a lock still held is
+/// waited for, up to `LOCK_WAIT`, before it is an error.
 fn lock(dir: &Path) -> Result<fs::File> {
     use std::os::fd::AsRawFd as _;
+    use std::os::unix::fs::MetadataExt as _;
     let f = fs::File::open(dir).with_context(|| format!("open {}", dir.display()))?;
+    let start = std::time::Instant::now();
+    let mut said = false;
     // SAFETY: valid fd.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        bail!("another lb-agent is running with --bpffs {}", dir.display());
+    while unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let holder = f.metadata().ok().and_then(|m| lock_holder(&fs::read_to_string("/proc/locks").unwrap_or_default(), m.ino()));
+        let holder = holder.map(|pid| match fs::read_to_string(format!("/proc/{pid}/comm")) {
+            Ok(comm) => format!("pid {pid} ({})", comm.trim()),
+            Err(_) => format!("pid {pid}, which has exited (a process it started still holds the directory open)"),
+        });
+        let holder = holder.unwrap_or_else(|| "another process".into());
+        if start.elapsed() >= LOCK_WAIT {
+            bail!("another lb-agent is running with --bpffs {}: its lock is held by {holder}", dir.display());
+        }
+        if !said {
+            tracing::warn!(bpffs = %dir.display(), "the pin directory is locked by {holder}; waiting up to {}s for it to exit", LOCK_WAIT.as_secs());
+            said = true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
     }
     Ok(f)
+}
+
+/// How long `lock` waits for an earlier agent's lock to go.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The pid that took the FLOCK on inode `ino`, from /proc/locks
+/// (`1: FLOCK  ADVISORY  WRITE 1234 00:2a:5678 0 EOF`).
+fn lock_holder(locks: &str, ino: u64) -> Option<u32> {
+    locks.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let (kind, pid, dev_ino) = (f.get(1)?, f.get(4)?, f.get(5)?);
+        (*kind == "FLOCK" && dev_ino.rsplit(':').next()?.parse::<u64>().ok()? == ino).then(|| pid.parse().ok())?
+    })
 }
 
 /// Load the programs, reusing pinned maps, and attach them to `cgroup`,
@@ -700,4 +733,18 @@ pub fn teardown(bpffs: &Path) -> Result<()> {
     }
     fs::remove_dir(bpffs).with_context(|| format!("remove {} (not empty?)", bpffs.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lock_holder;
+
+    #[test]
+    fn the_lock_holder_is_read_from_proc_locks() {
+        let locks = "1: POSIX  ADVISORY  WRITE 77 00:1f:42 0 EOF\n2: FLOCK  ADVISORY  WRITE 1234 00:2a:5678 0 EOF\n2: -> FLOCK  ADVISORY  WRITE 99 00:2a:5678 0 EOF\n";
+        assert_eq!(lock_holder(locks, 5678), Some(1234));
+        assert_eq!(lock_holder(locks, 42), None, "a POSIX lock is not ours");
+        assert_eq!(lock_holder(locks, 1), None);
+        assert_eq!(lock_holder("", 5678), None);
+    }
 }
