@@ -268,3 +268,61 @@ fn dsr_through_a_tunnel_keeps_the_client_address() -> Result<()> {
     assert!(after.0.1 - before.0.1 < 5, "no reply through the tunnel: {:?} -> {:?}", before.0, after.0);
     Ok(())
 }
+
+/// With `--bpf-forward`, translated packets that arrive through the tunnel
+/// are forwarded in BPF as those from a NIC are (the neighbour layer
+/// builds the Ethernet header they lack): the replies of SNATed flows,
+/// back through wg0 and on to the client by the NIC, and requests that
+/// come through wg0 for a local pod. None of them passes node-1's FORWARD
+/// chain, on both families.
+#[test]
+fn translated_traffic_from_a_tunnel_is_forwarded_in_bpf() -> Result<()> {
+    let w = world_with(&web("NodePort", "", &[]), &["--bpf-forward"])?;
+    let t = tunnel(&w, &[(&w.p2, E::ready)])?;
+    routes_through_the_tunnel(&w)?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    let in_bpf = |w: &World| -> Result<u64> { Ok(datapath(&w.c, 1, "forwarded_bpf")? + datapath(&w.c, 1, "forwarded_xdp")?) };
+    count_forwarding(&w)?;
+    let before = (in_bpf(&w)?, t.carried());
+    for (node, tun) in [(NODE1, TUN4[0]), (NODE1_6, TUN6[0])] {
+        let np = hostport(node, 30080);
+        let tun = tun.split('/').next().unwrap_or_default();
+        let s = tcp(&w.c, &w.outside, &np, 20)?;
+        assert_eq!(s.ok, 20, "{np}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-2 {tun}").as_str()].into(), "SNATed to the tunnel's address: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np.as_str()], "replies come from the NodePort: {s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &np, "--count", "10"])?;
+        assert_eq!(s.ok, 10, "{np} (UDP): {s:?}");
+    }
+    let after = (in_bpf(&w)?, t.carried());
+    assert!(after.1.1 - before.1.1 >= 2 * (20 * 3 + 10), "the replies came back through the tunnel: {:?} -> {:?}", before.1, after.1);
+    assert_eq!(forwarded(&w)?, (0, 0), "SNATed flows skip node-1's FORWARD chain both ways");
+    // 2 x 20 TCP flows of at least 3 packets each way, 2 x 10 datagrams each way.
+    assert!(after.0 - before.0 >= 2 * (20 * 3 * 2 + 10 * 2), "packets forwarded in BPF: {} -> {}", before.0, after.0);
+
+    // The client's requests reach node-1 through the tunnel (via node-2),
+    // for pod-1 on node-1, whose replies go back through it.
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p1)?;
+    let (n2, o) = (&w.c.nodes[1], &w.outside.netns);
+    lbtest::run("ip", &["-n", o, "route", "add", &format!("{NODE1}/32"), "via", &n2.ip])?;
+    lbtest::run("ip", &["-n", o, "-6", "route", "add", &format!("{NODE1_6}/128"), "via", &n2.ip6])?;
+    for a in [NODE1, NODE1_6] {
+        route(&w, 2, a)?;
+    }
+    for a in [CLIENT, CLIENT6] {
+        route(&w, 1, a)?;
+    }
+    count_forwarding(&w)?;
+    let before = (in_bpf(&w)?, t.carried());
+    for (node, client) in [(NODE1, CLIENT), (NODE1_6, CLIENT6)] {
+        served_by_pod1(&w, node, client)?;
+    }
+    let after = (in_bpf(&w)?, t.carried());
+    assert!(after.1.1 - before.1.1 >= 40 && after.1.0 - before.1.0 >= 40, "both ways through the tunnel: {:?} -> {:?}", before.1, after.1);
+    assert_eq!(forwarded(&w)?, (0, 0), "requests from the tunnel to a local pod and its replies skip node-1's FORWARD chain");
+    assert!(after.0 - before.0 >= 2 * 20 * 3 * 2, "packets forwarded in BPF: {} -> {}", before.0, after.0);
+    Ok(())
+}

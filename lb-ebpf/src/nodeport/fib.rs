@@ -4,7 +4,9 @@
 //! for its new destination, the TTL / hop limit decremented as a router
 //! does, the MACs set, and a redirect to the egress device. The kernel's
 //! neighbour layer resolves a next hop the lookup does not know yet
-//! (`bpf_redirect_neigh`). Anything else the lookup reports (a local
+//! (`bpf_redirect_neigh`), and builds the link-layer header of a packet
+//! that arrived on an L3 device (WireGuard, IPIP, GRE, TUN: no Ethernet
+//! header to set MACs in). Anything else the lookup reports (a local
 //! destination, no route, forwarding off on the device, a packet too big
 //! for the egress MTU) goes to the stack, which answers as it always has.
 use aya_ebpf::{
@@ -12,22 +14,18 @@ use aya_ebpf::{
         __sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC,
         TC_ACT_OK, TC_ACT_SHOT,
     },
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_skb_change_head},
     programs::TcContext,
 };
 use lb_common::{nat_flags, node_flags, stats};
 
-use super::{ACT_TRANSLATED, Net, parse, touch, translate};
+use super::{ACT_TRANSLATED, ETH_HLEN, Net, parse, touch, translate};
 use crate::lb;
 
 /// A translated packet goes on: forwarded here if the agent asked for
-/// forwarding in BPF, else through the stack. From an L3 device always
-/// through the stack (the packet has no Ethernet header to set MACs in).
+/// forwarding in BPF, else through the stack.
 #[inline(always)]
 pub fn send_on<F: Net>(skb: *mut __sk_buff) -> i32 {
-    if F::L2 == 0 {
-        return TC_ACT_OK;
-    }
     if lb::node_config().is_some_and(|c| c.flags & node_flags::BPF_FORWARD != 0) { forward::<F>(skb) } else { TC_ACT_OK }
 }
 
@@ -138,11 +136,19 @@ fn lookup<F: Net>(skb: *mut __sk_buff, f: &mut bpf_fib_lookup, proto: u8, src: (
 
 /// Send the packet on as the lookup `f` (result `rc`) says: TTL, MACs,
 /// redirect (through the neighbour layer when the next hop's MAC is not
-/// known yet).
+/// known yet). A packet from an L3 device first gets an Ethernet header
+/// pushed in front of its IP header, as the redirect into an Ethernet
+/// device and the neighbour layer both need; a redirect into another L3
+/// device takes it off again (the kernel pulls what lies before the
+/// network header).
 #[inline(always)]
 fn send<F: Net>(ctx: &TcContext, f: &mut bpf_fib_lookup, rc: u32) -> i32 {
     if F::dec_ttl(ctx).is_err() {
         return TC_ACT_OK;
+    }
+    if F::L2 == 0 && push_ethernet(ctx).is_err() {
+        // The TTL is already taken: the packet cannot go back to the stack.
+        return TC_ACT_SHOT;
     }
     lb::event(stats::FWD_BPF);
     if rc == BPF_FIB_LKUP_RET_NO_NEIGH {
@@ -158,4 +164,17 @@ fn send<F: Net>(ctx: &TcContext, f: &mut bpf_fib_lookup, rc: u32) -> i32 {
     }
     // SAFETY: plain helper.
     unsafe { bpf_redirect(f.ifindex, 0) as i32 }
+}
+
+/// Put an Ethernet header (addresses zero, the packet's ethertype) in
+/// front of a packet that arrived on an L3 device.
+#[inline(always)]
+fn push_ethernet(ctx: &TcContext) -> Result<(), i64> {
+    // SAFETY: fields of our own skb; the helper checks the room it makes.
+    let proto = unsafe { (*ctx.skb.skb).protocol } as u16;
+    let rc = unsafe { bpf_skb_change_head(ctx.skb.skb, ETH_HLEN as u32, 0) };
+    if rc != 0 {
+        return Err(rc);
+    }
+    ctx.store(12, &proto, 0)
 }

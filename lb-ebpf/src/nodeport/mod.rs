@@ -1591,8 +1591,8 @@ pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
 /// `lb_nodeport_ingress` on an L3 device (WireGuard, IPIP, GRE, TUN: the
 /// packet starts with its IP header): replies of SNATed flows whose route
 /// back runs through a tunnel, and NodePort traffic that arrives through
-/// one. Translated packets go on through the stack (no forwarding in BPF
-/// from here).
+/// one. With `--bpf-forward`, translated packets are forwarded in BPF
+/// from here too (`fib::send`: through the neighbour layer).
 #[classifier]
 pub fn lb_l3_ingress(ctx: TcContext) -> i32 {
     pull_headers(&ctx);
