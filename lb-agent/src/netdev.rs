@@ -8,6 +8,8 @@ use netlink_packet_route::RouteNetlinkMessage;
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkLayerType, LinkMessage};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
+use crate::dataplane::maps::RouteMtus;
+
 /// The driver's own statistics of `iface`, by name, as `ethtool -S` shows
 /// them. Only the ethtool ioctl has these (ETHTOOL_GSTRINGS / GSTATS of the
 /// ETH_SS_STATS set: netlink's ethtool stats carry the standard groups
@@ -89,11 +91,22 @@ pub struct Link {
 
 /// Every device of this network namespace.
 pub fn links() -> Result<Vec<Link>> {
+    let mut out = Vec::new();
+    dump(RouteNetlinkMessage::GetLink(LinkMessage::default()), |m| {
+        if let RouteNetlinkMessage::NewLink(l) = m {
+            out.push(link_of(&l));
+        }
+    })
+    .context("rtnetlink link dump")?;
+    Ok(out)
+}
+
+/// An rtnetlink dump: `request`, then each message of the answer to `each`.
+fn dump(request: RouteNetlinkMessage, mut each: impl FnMut(RouteNetlinkMessage)) -> Result<()> {
     let mut sock = Socket::new(NETLINK_ROUTE).context("rtnetlink socket")?;
     sock.bind_auto().context("rtnetlink bind")?;
     sock.connect(&SocketAddr::new(0, 0)).context("rtnetlink connect")?;
-    crate::stale::send(&sock, NLM_F_REQUEST | NLM_F_DUMP, RouteNetlinkMessage::GetLink(LinkMessage::default())).context("rtnetlink")?;
-    let mut out = Vec::new();
+    crate::stale::send(&sock, NLM_F_REQUEST | NLM_F_DUMP, request).context("rtnetlink")?;
     let mut buf = vec![0u8; 1 << 16];
     loop {
         let n = sock.recv(&mut &mut buf[..], 0).context("rtnetlink recv")?;
@@ -102,9 +115,9 @@ pub fn links() -> Result<Vec<Link>> {
             let msg = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[off..n]).context("rtnetlink parse")?;
             let len = msg.header.length as usize;
             match msg.payload {
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewLink(l)) => out.push(link_of(&l)),
-                NetlinkPayload::Done(_) => return Ok(out),
-                NetlinkPayload::Error(e) => anyhow::bail!("rtnetlink link dump: {e:?}"),
+                NetlinkPayload::InnerMessage(m) => each(m),
+                NetlinkPayload::Done(_) => return Ok(()),
+                NetlinkPayload::Error(e) => anyhow::bail!("{e:?}"),
                 _ => {}
             }
             if len == 0 {
@@ -113,6 +126,72 @@ pub fn links() -> Result<Vec<Link>> {
             off += len;
         }
     }
+}
+
+/// The routes of this network namespace's main table that set an MTU
+/// (`ip route ... mtu N`), both families. The stack's forwarding honours
+/// them; the TC programs' FIB lookup sees only locked ones, so the agent
+/// gives them these (LB_ROUTE_MTU). Of two routes to one prefix (other
+/// metrics), the smaller MTU; a multipath route's device is 0 (any).
+pub fn route_mtus() -> Result<RouteMtus> {
+    use netlink_packet_route::{AddressFamily, route::RouteMessage};
+    let mut out = RouteMtus::new();
+    for family in [AddressFamily::Inet, AddressFamily::Inet6] {
+        let mut m = RouteMessage::default();
+        m.header.address_family = family;
+        dump(RouteNetlinkMessage::GetRoute(m), |m| {
+            if let RouteNetlinkMessage::NewRoute(r) = m
+                && let Some((dst, len, mtu, ifindex)) = route_mtu_of(&r)
+            {
+                let e = out.entry((dst, len)).or_insert((mtu, ifindex));
+                if mtu < e.0 {
+                    *e = (mtu, ifindex);
+                }
+            }
+        })
+        .context("rtnetlink route dump")?;
+    }
+    Ok(out)
+}
+
+/// (destination, prefix length, MTU, device) of a unicast route of the
+/// main table that sets an MTU.
+fn route_mtu_of(r: &netlink_packet_route::route::RouteMessage) -> Option<(IpAddr, u8, u32, u32)> {
+    use netlink_packet_route::AddressFamily;
+    use netlink_packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, RouteMetric, RouteType};
+    if r.header.kind != RouteType::Unicast {
+        return None;
+    }
+    let mut table = r.header.table as u32;
+    let (mut dst, mut mtu, mut oif) = (None, None, 0);
+    for a in &r.attributes {
+        match a {
+            RouteAttribute::Table(t) => table = *t,
+            RouteAttribute::Destination(RouteAddress::Inet(v4)) => dst = Some(IpAddr::V4(*v4)),
+            RouteAttribute::Destination(RouteAddress::Inet6(v6)) => dst = Some(IpAddr::V6(*v6)),
+            RouteAttribute::Oif(i) => oif = *i,
+            RouteAttribute::Metrics(ms) => {
+                for m in ms {
+                    if let RouteMetric::Mtu(v) = m {
+                        mtu = Some(*v);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    if table != RouteHeader::RT_TABLE_MAIN as u32 {
+        return None;
+    }
+    let mtu = mtu.filter(|m| *m > 0)?;
+    // A default route has no destination attribute.
+    let dst = match (dst, r.header.address_family) {
+        (Some(d), _) => d,
+        (None, AddressFamily::Inet6) => IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        (None, AddressFamily::Inet) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+        (None, _) => return None,
+    };
+    Some((dst, r.header.destination_prefix_length, mtu, oif))
 }
 
 fn link_of(l: &LinkMessage) -> Link {
@@ -226,6 +305,42 @@ mod tests {
     fn link(name: &str, kind: Option<&str>) -> Link {
         let l3 = matches!(kind, Some("ipip" | "wireguard" | "tun"));
         Link { name: name.into(), kind: kind.map(Into::into), has_master: false, up: true, loopback: false, ifindex: 7, l3 }
+    }
+
+    fn route(family: netlink_packet_route::AddressFamily, table: u8, len: u8, attrs: Vec<netlink_packet_route::route::RouteAttribute>) -> netlink_packet_route::route::RouteMessage {
+        use netlink_packet_route::route::{RouteMessage, RouteType};
+        let mut r = RouteMessage::default();
+        r.header.address_family = family;
+        r.header.table = table;
+        r.header.kind = RouteType::Unicast;
+        r.header.destination_prefix_length = len;
+        r.attributes = attrs;
+        r
+    }
+
+    #[test]
+    fn routes_that_set_an_mtu_are_read_from_the_main_table() {
+        use netlink_packet_route::AddressFamily::{Inet, Inet6};
+        use netlink_packet_route::route::{RouteAddress as RA, RouteAttribute as A, RouteMetric as M, RouteType};
+        let v4: std::net::Ipv4Addr = "10.244.1.0".parse().unwrap();
+        let v6: std::net::Ipv6Addr = "fd00:244::".parse().unwrap();
+        let r = route(Inet, 254, 24, vec![A::Destination(RA::Inet(v4)), A::Oif(3), A::Metrics(vec![M::Mtu(1300)])]);
+        assert_eq!(route_mtu_of(&r), Some((IpAddr::V4(v4), 24, 1300, 3)));
+        // A locked MTU too (harmless: the FIB lookup sees it anyway).
+        let r = route(Inet6, 254, 64, vec![A::Destination(RA::Inet6(v6)), A::Metrics(vec![M::Lock(1 << 2), M::Mtu(1280)])]);
+        assert_eq!(route_mtu_of(&r), Some((IpAddr::V6(v6), 64, 1280, 0)), "multipath or no device: any device");
+        // The table as an attribute (tables above 255).
+        let r = route(Inet, 0, 24, vec![A::Table(254), A::Destination(RA::Inet(v4)), A::Metrics(vec![M::Mtu(1400)])]);
+        assert_eq!(route_mtu_of(&r).map(|r| r.2), Some(1400));
+        // A default route has no destination.
+        let r = route(Inet, 254, 0, vec![A::Oif(2), A::Metrics(vec![M::Mtu(1400)])]);
+        assert_eq!(route_mtu_of(&r), Some((IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0, 1400, 2)));
+        // Not ours: no MTU, another table, a local route.
+        assert_eq!(route_mtu_of(&route(Inet, 254, 24, vec![A::Destination(RA::Inet(v4)), A::Metrics(vec![M::Advmss(1200)])])), None);
+        assert_eq!(route_mtu_of(&route(Inet, 100, 24, vec![A::Destination(RA::Inet(v4)), A::Metrics(vec![M::Mtu(1300)])])), None);
+        let mut local = route(Inet, 254, 32, vec![A::Destination(RA::Inet(v4)), A::Metrics(vec![M::Mtu(1300)])]);
+        local.header.kind = RouteType::Local;
+        assert_eq!(route_mtu_of(&local), None);
     }
 
     #[test]

@@ -418,6 +418,29 @@ pub struct SrcRange {
     pub addr: [u8; 16],
 }
 
+/// Data of the `LB_ROUTE_MTU` LPM trie key (after its prefix length): a
+/// route's destination, so the entry for route a/n has prefix length
+/// 32 + n (the family and padding fill the first 32 bits). An IPv4 address
+/// fills the first 4 bytes of `addr`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct RouteKey {
+    pub family: u8,
+    pub _pad: [u8; 3],
+    pub addr: [u8; 16],
+}
+
+/// Value of `LB_ROUTE_MTU`: the MTU a route of the node's main table sets
+/// (`ip route ... mtu N`, locked or not), and the device it leaves by (0:
+/// any, a multipath route). The stack's forwarding path honours such an
+/// MTU; `bpf_fib_lookup` sees it only when it is locked.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct RouteMtu {
+    pub mtu: u32,
+    pub ifindex: u32,
+}
+
 /// Key of the `LB_NODEPORTS` hash map: a NodePort in use, which local
 /// processes in the cgroup may not bind().
 #[repr(C)]
@@ -554,11 +577,13 @@ pub mod maps {
     /// The ports of datagrams in fragments, from their first fragment.
     pub const FRAG4: &str = "LB4_FRAG";
     pub const FRAG6: &str = "LB6_FRAG";
-    pub const ALL: [&str; 29] = [
+    /// Routes that set an MTU (`RouteKey` -> `RouteMtu`).
+    pub const ROUTE_MTU: &str = "LB_ROUTE_MTU";
+    pub const ALL: [&str; 30] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
         AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
         SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3], MAGLEV4, MAGLEV6, SOCK_UDP, XDP_DEVS,
-        FRAG4, FRAG6,
+        FRAG4, FRAG6, ROUTE_MTU,
     ];
 }
 
@@ -583,6 +608,8 @@ pub mod capacity {
     pub const MAGLEV_TEMPLATE: u32 = 16381;
     /// Datagrams in fragments under way at once, per family.
     pub const FRAG: u32 = 8192;
+    /// Routes that set an MTU (a tunnelling CNI may set one per node).
+    pub const ROUTE_MTU: u32 = 65536;
 }
 
 /// Value of the `LB_NODE_CONFIG` array (index 0): facts about this node
@@ -696,6 +723,8 @@ mod user {
     unsafe impl aya::Pod for Nat4Entry {}
     unsafe impl aya::Pod for Nat6Entry {}
     unsafe impl aya::Pod for SrcRange {}
+    unsafe impl aya::Pod for RouteKey {}
+    unsafe impl aya::Pod for RouteMtu {}
     unsafe impl aya::Pod for NodePortKey {}
     unsafe impl aya::Pod for NodeConfig {}
     unsafe impl aya::Pod for MaglevKey {}
@@ -729,6 +758,8 @@ const _: () = {
     assert!(core::mem::size_of::<Nat6Key>() == 40);
     assert!(core::mem::size_of::<Nat6Entry>() == 56);
     assert!(core::mem::size_of::<SrcRange>() == 20);
+    assert!(core::mem::size_of::<RouteKey>() == 20);
+    assert!(core::mem::size_of::<RouteMtu>() == 8);
     assert!(core::mem::size_of::<NodePortKey>() == 4);
     assert!(core::mem::size_of::<NodeConfig>() == 40);
     assert!(core::mem::size_of::<MaglevKey>() == 4);

@@ -71,6 +71,44 @@ fn path_mtu_discovery_works_through_a_node_port_in_both_directions() -> Result<(
     Ok(())
 }
 
+/// The routes LB_ROUTE_MTU of node-1 holds, as bpftool dumps them.
+fn route_mtu_entries(w: &World) -> Result<Vec<serde_json::Value>> {
+    let pin = w.c.nodes[0].bpffs.join("LB_ROUTE_MTU");
+    let out = lbtest::run("bpftool", &["-j", "map", "dump", "pinned", pin.to_str().unwrap_or_default()])?;
+    Ok(serde_json::from_str::<Vec<serde_json::Value>>(&out)?)
+}
+
+/// A route's MTU that is not locked (`ip route ... mtu 1300`, as some CNIs
+/// set on their routes to other nodes' pods): the stack's forwarding
+/// honours it, bpf_fib_lookup does not. lb reads such routes (and follows
+/// their changes) and answers a SNATed packet too big for one itself, as
+/// for a locked one; before, the stack's answer went to the SNAT address,
+/// node-1 itself, and uploads stalled.
+#[test]
+fn an_unlocked_route_mtu_is_honoured_as_the_stack_does() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    let n1 = w.c.nodes[0].netns.clone();
+    w.c.in_netns(&n1, &["ip", "route", "change", "10.244.2.0/24", "via", "192.168.77.12", "mtu", "1300"])?;
+    w.c.in_netns(&n1, &["ip", "-6", "route", "change", "fd00:244:2::/64", "via", "fd00:77::12", "mtu", "1300"])?;
+    w.c.wait_for("node-1's routes with an MTU in LB_ROUTE_MTU", std::time::Duration::from_secs(5), || Ok(route_mtu_entries(&w)?.len() == 2))?;
+    let up = w.c.add_outside("up", 101, &[])?;
+    let too_big = datapath(&w.c, 1, "nat_too_big")?;
+    for node in [NODE1, NODE1_6] {
+        let addr = hostport(node, 30080);
+        let s = upload(&w.c, &up, &addr)?;
+        assert_eq!(s.ok, 1, "upload via {addr} over a route of MTU 1300 (not locked): {s:?}");
+    }
+    assert!(datapath(&w.c, 1, "nat_too_big")? >= too_big + 2, "lb said fragmentation needed / packet too big");
+    // The MTU taken off the routes: the entries go.
+    w.c.in_netns(&n1, &["ip", "route", "change", "10.244.2.0/24", "via", "192.168.77.12"])?;
+    w.c.in_netns(&n1, &["ip", "-6", "route", "change", "fd00:244:2::/64", "via", "fd00:77::12"])?;
+    w.c.wait_for("LB_ROUTE_MTU emptied", std::time::Duration::from_secs(5), || Ok(route_mtu_entries(&w)?.is_empty()))?;
+    Ok(())
+}
+
 /// What `udp --recverr` saw: the errors and which ICMP said so, from where.
 fn icmp_seen(c: &Cluster, from: &Pod, addr: &str, ttl: Option<&str>) -> Result<Summary> {
     let mut args = vec!["udp", "--addr", addr, "--count", "2", "--connected", "--recverr", "--timeout-ms", "2000"];

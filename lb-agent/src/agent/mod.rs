@@ -216,6 +216,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let v4 = Mirror::new(maps.v4.read_table(&maps.affinity_match, &maps.src_range)?);
     let v6 = Mirror::new(maps.v6.read_table(&maps.affinity_match, &maps.src_range)?);
     let nodeports = maps.read_nodeports()?;
+    let route_mtus = maps.read_route_mtus()?;
     if let Err(e) = crate::nodeport::reserve_ports(cfg.nodeport_range.0, cfg.nodeport_range.1, &cfg.bpffs) {
         tracing::warn!("cannot reserve the NodePort range for local ports: {e:#}");
     }
@@ -282,6 +283,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         opts: cfg.model.clone(),
         capacity: cfg.capacity,
         nodeports,
+        route_mtus,
+        route_mtu_error: None,
         snat_ports: cfg.snat_ports,
         node_flags: cfg.node_flags,
         addresses: crate::nodeport::Addresses::watch()?,

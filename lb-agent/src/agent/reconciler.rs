@@ -185,6 +185,10 @@ pub(super) struct Reconciler {
     pub(super) opts: model::Options,
     pub(super) capacity: Capacity,
     pub(super) nodeports: BTreeSet<lb_common::NodePortKey>,
+    /// The routes that set an MTU, as LB_ROUTE_MTU holds them.
+    pub(super) route_mtus: crate::dataplane::maps::RouteMtus,
+    /// The last error writing them, logged once.
+    pub(super) route_mtu_error: Option<String>,
     pub(super) snat_ports: (u16, u16),
     pub(super) node_flags: u32,
     /// The interface addresses, from rtnetlink events.
@@ -407,6 +411,22 @@ impl Reconciler {
                 maglev_size: self.maglev.size(),
             })?;
             self.node_addresses = node.addresses.clone();
+        }
+        // Routes that set an MTU the TC programs' FIB lookup does not see.
+        let routes = self.addresses.route_mtus();
+        if routes != self.route_mtus {
+            // Not a failed sync: the Services are programmed; a packet too
+            // big for a route left out goes to the stack as before.
+            match self.maps.set_route_mtus(&mut self.route_mtus, &routes) {
+                Ok(()) => self.route_mtu_error = None,
+                Err(e) => {
+                    let e = format!("{e:#}");
+                    if self.route_mtu_error.as_ref() != Some(&e) {
+                        tracing::warn!("routes that set an MTU not all given to the TC programs: {e}");
+                        self.route_mtu_error = Some(e);
+                    }
+                }
+            }
         }
         if full || ch.health_checks {
             self.health_checks = desired.health_checks.clone();

@@ -6,7 +6,7 @@ use aya::Pod;
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use lb_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend, Nat4Entry, Nat4Key, Nat6Entry, Nat6Key, NodeConfig, NodePortKey, RevNat, SrcRange,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend, Nat4Entry, Nat4Key, Nat6Entry, Nat6Key, NodeConfig, NodePortKey, RevNat, RouteKey, RouteMtu, SrcRange,
     SvcKey, SvcStats, SvcStatsKey, SvcValue, maps, stats,
 };
 
@@ -201,6 +201,8 @@ pub struct Maps {
     pub nat6: HashMap<MapData, Nat6Key, Nat6Entry>,
     pub stats: PerCpuArray<MapData, u64>,
     pub svc_stats: HashMap<MapData, SvcStatsKey, SvcStats>,
+    /// None under an older agent's pins (`list`): the map came later.
+    pub route_mtu: Option<LpmTrie<MapData, RouteKey, RouteMtu>>,
 }
 
 /// The maps a family's ops touch besides its own.
@@ -226,16 +228,31 @@ impl Shared<'_> {
     }
 }
 
-/// The LPM key of a loadBalancerSourceRange of frontend `id`.
-pub fn range_key(id: u16, addr: std::net::IpAddr, len: u8) -> Key<SrcRange> {
-    let (family, wide) = match addr {
+/// Routes that set an MTU: (destination, prefix length) -> (MTU, device).
+pub type RouteMtus = std::collections::BTreeMap<(std::net::IpAddr, u8), (u32, u32)>;
+
+/// The LPM key of a route to `addr`/`len` in LB_ROUTE_MTU.
+pub fn route_key(addr: std::net::IpAddr, len: u8) -> Key<RouteKey> {
+    let (family, wide) = family_wide(addr);
+    Key::new(32 + len as u32, RouteKey { family, _pad: [0; 3], addr: wide })
+}
+
+/// An address as the LPM keys hold it: its family, and its bytes in 16
+/// (IPv4 in the first 4).
+fn family_wide(addr: std::net::IpAddr) -> (u8, [u8; 16]) {
+    match addr {
         std::net::IpAddr::V4(a) => {
             let mut w = [0u8; 16];
             w[..4].copy_from_slice(&a.octets());
             (lb_common::FAMILY_V4, w)
         }
         std::net::IpAddr::V6(a) => (lb_common::FAMILY_V6, a.octets()),
-    };
+    }
+}
+
+/// The LPM key of a loadBalancerSourceRange of frontend `id`.
+pub fn range_key(id: u16, addr: std::net::IpAddr, len: u8) -> Key<SrcRange> {
+    let (family, wide) = family_wide(addr);
     Key::new(32 + len as u32, SrcRange { rev_nat_id: id, family, _pad: 0, addr: wide })
 }
 
@@ -391,6 +408,7 @@ impl Maps {
             nat6: hash(dir, maps::NAT6)?,
             stats: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(dir, maps::STATS)?))?,
             svc_stats: hash(dir, maps::SVC_STATS)?,
+            route_mtu: open_pinned(dir, maps::ROUTE_MTU).ok().map(|m| LpmTrie::try_from(Map::LpmTrie(m))).transpose()?,
         })
     }
 
@@ -444,6 +462,40 @@ impl Maps {
             current.remove(k);
         }
         Ok(())
+    }
+
+    /// Make LB_ROUTE_MTU hold `want` (routes that set an MTU: prefix ->
+    /// (MTU, device)); `current` is what it holds, kept up to date.
+    pub fn set_route_mtus(&mut self, current: &mut RouteMtus, want: &RouteMtus) -> Result<()> {
+        let Some(m) = self.route_mtu.as_mut() else { anyhow::bail!("{} is not pinned", maps::ROUTE_MTU) };
+        for (k, v) in want {
+            if current.get(k) != Some(v) {
+                m.insert(&route_key(k.0, k.1), RouteMtu { mtu: v.0, ifindex: v.1 }, 0).with_context(|| format!("{}: insert {}/{}", maps::ROUTE_MTU, k.0, k.1))?;
+                current.insert(*k, *v);
+            }
+        }
+        for k in current.clone().keys().filter(|k| !want.contains_key(k)) {
+            ignore_missing(m.remove(&route_key(k.0, k.1))).with_context(|| format!("{}: delete {}/{}", maps::ROUTE_MTU, k.0, k.1))?;
+            current.remove(k);
+        }
+        Ok(())
+    }
+
+    /// What LB_ROUTE_MTU holds.
+    pub fn read_route_mtus(&self) -> Result<RouteMtus> {
+        let Some(m) = self.route_mtu.as_ref() else { return Ok(RouteMtus::new()) };
+        let mut out = RouteMtus::new();
+        for r in m.iter() {
+            let (k, v) = r.with_context(|| format!("read {}", maps::ROUTE_MTU))?;
+            let d = k.data();
+            let addr = if d.family == lb_common::FAMILY_V4 {
+                std::net::IpAddr::V4(std::net::Ipv4Addr::new(d.addr[0], d.addr[1], d.addr[2], d.addr[3]))
+            } else {
+                std::net::IpAddr::V6(std::net::Ipv6Addr::from(d.addr))
+            };
+            out.insert((addr, (k.prefix_len() - 32) as u8), (v.mtu, v.ifindex));
+        }
+        Ok(out)
     }
 
     pub fn set_node_config(&mut self, cfg: &NodeConfig) -> Result<()> {

@@ -57,7 +57,7 @@ pub(super) fn mark_layout(dir: &Path, version: &str) -> Result<()> {
 
 /// Every map with the type, key size, value size and max_entries this agent
 /// gives it.
-pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 29] {
+pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 30] {
     use aya::maps::MapType as T;
     use lb_common::capacity as c;
     let revnat = cap.services.min(u16::MAX as u32);
@@ -91,6 +91,7 @@ pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapT
         (maps::XDP_DEVS, T::Hash, size_of::<u32>(), size_of::<u32>(), lb_common::xdp_dev::CAPACITY),
         (maps::FRAG4, T::LruHash, size_of::<lb_common::FragKey>(), size_of::<lb_common::FragPorts>(), c::FRAG),
         (maps::FRAG6, T::LruHash, size_of::<lb_common::Frag6Key>(), size_of::<lb_common::FragPorts>(), c::FRAG),
+        (maps::ROUTE_MTU, T::LpmTrie, 4 + size_of::<lb_common::RouteKey>(), size_of::<lb_common::RouteMtu>(), c::ROUTE_MTU),
     ]
 }
 

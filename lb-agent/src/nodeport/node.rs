@@ -4,6 +4,8 @@ use std::net::IpAddr;
 
 use anyhow::{Context as _, Result};
 
+use crate::dataplane::maps::RouteMtus;
+
 /// The global addresses on this netns' interfaces (with the interface), and
 /// the interfaces holding one that are up, sorted.
 fn interface_state() -> (Vec<(String, IpAddr)>, Vec<String>) {
@@ -35,10 +37,21 @@ fn interface_state() -> (Vec<(String, IpAddr)>, Vec<String>) {
 }
 
 /// rtnetlink multicast groups: links (a device created, up or down), IPv4
-/// and IPv6 address changes.
+/// and IPv6 address changes, IPv4 and IPv6 route changes.
 const RTMGRP_LINK: u32 = 0x1;
 const RTMGRP_IPV4_IFADDR: u32 = 0x10;
+const RTMGRP_IPV4_ROUTE: u32 = 0x40;
 const RTMGRP_IPV6_IFADDR: u32 = 0x100;
+const RTMGRP_IPV6_ROUTE: u32 = 0x400;
+
+/// The routes that set an MTU (`netdev::route_mtus`); empty, with a
+/// warning, where they cannot be read.
+fn route_mtus() -> RouteMtus {
+    crate::netdev::route_mtus().unwrap_or_else(|e| {
+        tracing::warn!("cannot read the routes: {e:#}; route MTUs are not given to the TC programs");
+        RouteMtus::new()
+    })
+}
 
 /// The node's interface addresses, kept current by rtnetlink address
 /// events (a thread listens) instead of read at every sync; each change
@@ -46,9 +59,11 @@ const RTMGRP_IPV6_IFADDR: u32 = 0x100;
 /// effect at once, without waiting for a Kubernetes event. So does a
 /// device holding an address going up or down (link events): a tunnel
 /// usually gets its address before it comes up, and the TC programs go on
-/// it then.
+/// it then. So does a route that sets an MTU, added, changed or removed
+/// (`route_mtus`).
 pub struct Addresses {
     current: std::sync::Arc<std::sync::Mutex<Vec<(String, IpAddr)>>>,
+    routes: std::sync::Arc<std::sync::Mutex<RouteMtus>>,
     changed: std::sync::Arc<tokio::sync::Notify>,
 }
 
@@ -57,11 +72,13 @@ impl Addresses {
     pub fn watch() -> Result<Self> {
         use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
         let mut sock = Socket::new(NETLINK_ROUTE).context("rtnetlink socket")?;
-        sock.bind(&SocketAddr::new(0, RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR)).context("rtnetlink bind to the link and address groups")?;
+        let groups = RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE;
+        sock.bind(&SocketAddr::new(0, groups)).context("rtnetlink bind to the link, address and route groups")?;
         let (addrs, mut up) = interface_state();
         let current = std::sync::Arc::new(std::sync::Mutex::new(addrs));
+        let routes = std::sync::Arc::new(std::sync::Mutex::new(route_mtus()));
         let changed = std::sync::Arc::new(tokio::sync::Notify::new());
-        let (cur, ch) = (current.clone(), changed.clone());
+        let (cur, rts, ch) = (current.clone(), routes.clone(), changed.clone());
         std::thread::Builder::new()
             .name("addresses".into())
             .spawn(move || {
@@ -74,6 +91,17 @@ impl Addresses {
                         tracing::warn!("rtnetlink address events: {e}; reading the addresses every second");
                         std::thread::sleep(std::time::Duration::from_secs(1));
                     }
+                    // A burst of events (routes come and go with pods) is
+                    // one read.
+                    while sock.recv(&mut &mut buf[..], libc::MSG_DONTWAIT).is_ok() {}
+                    let now_routes = route_mtus();
+                    let mut held_routes = rts.lock().unwrap_or_else(|e| e.into_inner());
+                    if *held_routes != now_routes {
+                        tracing::info!(routes = ?now_routes.iter().map(|((a, l), (m, i))| format!("{a}/{l} mtu {m} dev {i}")).collect::<Vec<_>>(), "routes that set an MTU changed");
+                        *held_routes = now_routes;
+                        ch.notify_one();
+                    }
+                    drop(held_routes);
                     let (now, now_up) = interface_state();
                     let mut held = cur.lock().unwrap_or_else(|e| e.into_inner());
                     if *held != now {
@@ -89,7 +117,12 @@ impl Addresses {
                 }
             })
             .context("spawn the address watcher")?;
-        Ok(Self { current, changed })
+        Ok(Self { current, routes, changed })
+    }
+
+    /// The routes that set an MTU, as of the last event.
+    pub fn route_mtus(&self) -> RouteMtus {
+        self.routes.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// The addresses as of the last event.

@@ -11,13 +11,14 @@
 //! for the egress MTU) goes to the stack, which answers as it always has.
 use aya_ebpf::{
     bindings::{
-        __sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC,
+        __sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC,
         TC_ACT_OK, TC_ACT_SHOT,
     },
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_skb_change_head},
+    maps::lpm_trie::Key,
     programs::TcContext,
 };
-use lb_common::{nat_flags, node_flags, stats};
+use lb_common::{RouteKey, nat_flags, node_flags, stats};
 
 use super::{ACT_TRANSLATED, ETH_HLEN, Net, parse, touch, translate};
 use crate::lb;
@@ -114,8 +115,23 @@ pub fn route_source<F: Net>(skb: *mut __sk_buff, proto: u8, src: F::A, dst: F::A
     (rc == BPF_FIB_LKUP_RET_SUCCESS as i64 && src != F::A::default()).then_some(src)
 }
 
+/// The MTU a route of the node's main table sets for `dst`, if that route
+/// leaves by `ifindex` (the device the FIB lookup chose). The stack's
+/// forwarding path honours a route's `mtu`; bpf_fib_lookup reads it only
+/// when it is locked, so the agent copies those routes into LB_ROUTE_MTU.
+/// (Its own BPF function: the key gets a stack frame of its own, beside
+/// the rewrite's, not under it.)
+#[inline(never)]
+pub fn route_mtu<F: Net>(dst: F::A, ifindex: u32) -> Option<u32> {
+    let key = Key::new(32 + F::BITS, RouteKey { family: F::ID, _pad: [0; 3], addr: F::wide(dst) });
+    let r = super::LB_ROUTE_MTU.get(&key)?;
+    (r.ifindex == 0 || r.ifindex == ifindex).then_some(r.mtu)
+}
+
 /// The FIB lookup for a packet from `src` to `dst` that arrived on the
-/// skb's device; `f` holds the answer.
+/// skb's device; `f` holds the answer. A packet too big for a route's MTU
+/// that the lookup does not see (`route_mtu`) is reported as too big, so
+/// it goes to the stack, which answers it.
 #[inline(always)]
 fn lookup<F: Net>(skb: *mut __sk_buff, f: &mut bpf_fib_lookup, proto: u8, src: (F::A, u16), dst: (F::A, u16)) -> u32 {
     // SAFETY: fields of our own skb.
@@ -131,7 +147,15 @@ fn lookup<F: Net>(skb: *mut __sk_buff, f: &mut bpf_fib_lookup, proto: u8, src: (
     f.ifindex = ifindex;
     F::fib_addrs(f, src.0, dst.0);
     // SAFETY: our own skb and a stack value of the right size.
-    unsafe { fib_lookup(skb.cast(), f, size_of::<bpf_fib_lookup>() as i32, 0) as u32 }
+    let rc = unsafe { fib_lookup(skb.cast(), f, size_of::<bpf_fib_lookup>() as i32, 0) as u32 };
+    if (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH)
+        && gso == 0
+        && len.saturating_sub(F::L2 as u32) as usize > super::icmp::MTU_CHECK_ABOVE
+        && route_mtu::<F>(dst.0, f.ifindex).is_some_and(|mtu| len.saturating_sub(F::L2 as u32) > mtu)
+    {
+        return BPF_FIB_LKUP_RET_FRAG_NEEDED;
+    }
+    rc
 }
 
 /// Send the packet on as the lookup `f` (result `rc`) says: TTL, MACs,

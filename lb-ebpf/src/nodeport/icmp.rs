@@ -16,7 +16,7 @@
 //!   without the flow (ECMP spreading the frontend over the nodes) goes on
 //!   to the backend Maglev picks for the flow, as the flow's node does.
 use aya_ebpf::{
-    bindings::{__sk_buff, BPF_FIB_LKUP_RET_FRAG_NEEDED, TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup},
+    bindings::{__sk_buff, BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, TC_ACT_OK, TC_ACT_SHOT, bpf_fib_lookup},
     helpers::{bpf_csum_diff, bpf_fib_lookup as fib_lookup},
     programs::TcContext,
 };
@@ -265,6 +265,11 @@ pub fn path_mtu<F: Net>(skb: *mut __sk_buff, p: &Pkt<F::A>, e: &NatEntry<F::A>, 
     if rc as u32 == BPF_FIB_LKUP_RET_FRAG_NEEDED {
         // SAFETY: the kernel set mtu_result (a union with tot_len).
         return unsafe { f.__bindgen_anon_1.mtu_result } as u32;
+    }
+    // A route's MTU the lookup does not see (not locked): the stack would
+    // answer the packet, to the SNAT address.
+    if rc as u32 == BPF_FIB_LKUP_RET_SUCCESS || rc as u32 == BPF_FIB_LKUP_RET_NO_NEIGH {
+        return super::fib::route_mtu::<F>(e.to_daddr, f.ifindex).filter(|mtu| need > *mtu).unwrap_or(0);
     }
     0
 }

@@ -39,7 +39,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
-    Backend, Frag6Key, FragKey, FragPorts, MaglevKey, NatEntry, NatKey, NodeConfig, RevNat, SvcValue, PROTO_TCP, PROTO_UDP, SCOPE_ALL, STATS_FRONTEND, SrcRange, SvcKey, backend_flags, capacity,
+    Backend, Frag6Key, FragKey, FragPorts, MaglevKey, NatEntry, NatKey, NodeConfig, RevNat, RouteKey, RouteMtu, SvcValue, PROTO_TCP, PROTO_UDP, SCOPE_ALL, STATS_FRONTEND, SrcRange, SvcKey, backend_flags, capacity,
     nat_flags, nat_state, stats, svc_flags,
 };
 
@@ -106,6 +106,10 @@ static LB6_FRAG: LruHashMap<Frag6Key, FragPorts, { capacity::FRAG as usize }> = 
 
 #[btf_map]
 static LB_SRC_RANGE: LpmTrie<SrcRange, u8, { capacity::SRC_RANGE as usize }> = LpmTrie::new();
+
+/// Routes of the node's main table that set an MTU (`fib::route_mtu`).
+#[btf_map]
+static LB_ROUTE_MTU: LpmTrie<RouteKey, RouteMtu, { capacity::ROUTE_MTU as usize }> = LpmTrie::new();
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;

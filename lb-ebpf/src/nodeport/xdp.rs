@@ -11,8 +11,8 @@
 //! - a flow whose backend left (STALE: TC ends it);
 //! - a packet whose TTL runs out here, or that the route lookup does not
 //!   send back out of the same device with a known neighbour (another
-//!   device, local delivery, too big for the MTU: TC and the stack answer
-//!   as they always have).
+//!   device, local delivery, too big for the MTU or for a route's MTU the
+//!   lookup does not see: TC and the stack answer as they always have).
 //!
 //! The checksums are updated in the packet by RFC 1624 arithmetic: XDP
 //! sees the bytes only, so it needs the complete checksums a NIC receives
@@ -177,6 +177,10 @@ fn send<F: Net>(md: *mut xdp_md, pkt: Frame, e: *mut NatEntry<F::A>, proto: u8, 
     // SAFETY: our own context and a stack value of the right size.
     let rc = unsafe { fib_lookup(md.cast(), &mut f, size_of::<bpf_fib_lookup>() as i32, 0) } as u32;
     if rc != BPF_FIB_LKUP_RET_SUCCESS || f.ifindex != ifindex {
+        return XDP_PASS;
+    }
+    // Too big for a route's MTU the lookup does not see: TC answers it.
+    if ip_len as usize > super::icmp::MTU_CHECK_ABOVE && super::fib::route_mtu::<F>(entry.to_daddr, f.ifindex).is_some_and(|mtu| ip_len > mtu) {
         return XDP_PASS;
     }
 
