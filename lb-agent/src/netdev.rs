@@ -130,7 +130,10 @@ fn dump(request: RouteNetlinkMessage, mut each: impl FnMut(RouteNetlinkMessage))
 
 /// The routes of this network namespace's main table that set an MTU
 /// (`ip route ... mtu N`), both families. The stack's forwarding honours
-/// them; the TC programs' FIB lookup sees only locked ones, so the agent
+/// them (IPv4 in its forwarding check; IPv6 at output, where a forwarded
+/// packet too big for the route's MTU gets "packet too big": measured by
+/// `an_unlocked_route_mtu_is_honoured_as_the_stack_does`); the TC
+/// programs' FIB lookup sees only locked ones, so the agent
 /// gives them these (LB_ROUTE_MTU). Of two routes to one prefix (other
 /// metrics), the smaller MTU; a multipath route's device is 0 (any).
 pub fn route_mtus() -> Result<RouteMtus> {

@@ -83,7 +83,10 @@ fn route_mtu_entries(w: &World) -> Result<Vec<serde_json::Value>> {
 /// honours it, bpf_fib_lookup does not. lb reads such routes (and follows
 /// their changes) and answers a SNATed packet too big for one itself, as
 /// for a locked one; before, the stack's answer went to the SNAT address,
-/// node-1 itself, and uploads stalled.
+/// node-1 itself, and uploads stalled. On both families: IPv6's forwarding
+/// check reads only a locked route MTU, but its output path sends "packet
+/// too big" for an unlocked one (without lb's answer the IPv6 upload
+/// stalls as well).
 #[test]
 fn an_unlocked_route_mtu_is_honoured_as_the_stack_does() -> Result<()> {
     let mut w = world(&web("NodePort", "", &[]))?;
