@@ -8,7 +8,8 @@
 //! that arrived on an L3 device (WireGuard, IPIP, GRE, TUN: no Ethernet
 //! header to set MACs in). Anything else the lookup reports (a local
 //! destination, no route, forwarding off on the device, a packet too big
-//! for the egress MTU) goes to the stack, which answers as it always has.
+//! for the egress MTU or for a route's MTU the lookup does not see:
+//! `route_mtu`) goes to the stack, which answers as it always has.
 use aya_ebpf::{
     bindings::{
         __sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC,
