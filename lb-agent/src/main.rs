@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 mod agent;
 mod dataplane;
 mod health;
+mod firewall;
 mod kube_proxy;
 mod model;
 mod monitor;
@@ -179,6 +180,23 @@ enum Cmd {
         /// lb_kube_proxy_rules{mode}. 0 turns it off.
         #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
         kube_proxy_check_period: std::time::Duration,
+        /// Where the node's iptables FORWARD chain may drop forwarded
+        /// traffic (a DROP policy or rules: Docker, ufw, a hardened node),
+        /// accept what lb translates and forwards through the stack, as
+        /// kube-proxy's KUBE-FORWARD does: `iptables` keeps a jump to
+        /// LB-FORWARD first in FORWARD (legacy and nft, both families),
+        /// accepting --forward-mark-bit; `none` sets no mark and removes
+        /// those rules.
+        #[arg(long, default_value = "iptables", value_parser = ["iptables", "none"])]
+        forward_accept: String,
+        /// The skb mark bit (0-31) the TC programs set on what they hand to
+        /// the stack to forward (kube-proxy uses 14 and 15, Calico 16-31).
+        #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u32).range(0..32))]
+        forward_mark_bit: u32,
+        /// How often the FORWARD chains are looked at (lb's rules put back
+        /// where something removed them, or where a firewall came later).
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        forward_accept_period: std::time::Duration,
         /// Export each frontend's and backend's counters in /metrics
         /// (lb_frontend_*, lb_backend_*; one series per frontend and
         /// backend, so off by default).
@@ -229,7 +247,8 @@ enum Cmd {
         #[arg(long)]
         stats: bool,
     },
-    /// Detach the programs and unpin every map.
+    /// Detach the programs, unpin every map, and remove lb's FORWARD rules
+    /// (`--forward-accept`).
     Teardown {
         #[arg(long, default_value = "/sys/fs/bpf/lb")]
         bpffs: PathBuf,
@@ -324,6 +343,9 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             nat_gc_interval,
             destroy_stale_sockets,
             kube_proxy_check_period,
+            forward_accept,
+            forward_mark_bit,
+            forward_accept_period,
             metrics_per_service,
             bpf_log,
         } => {
@@ -340,6 +362,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 }
                 v.parse().map(Some).map_err(|e| anyhow::anyhow!("{flag} {v:?}: {e}"))
             };
+            anyhow::ensure!(!forward_accept_period.is_zero(), "--forward-accept-period: must be more than 0 (--forward-accept none turns lb's FORWARD rules off)");
             let cfg = agent::RunConfig {
                 source,
                 kubeconfig,
@@ -367,7 +390,9 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 xdp: nodeport_acceleration == "xdp",
                 nodeport_range: port_range("--nodeport-range", &nodeport_range)?,
                 snat_ports: port_range("--snat-ports", &snat_ports)?,
-                node_flags: if bpf_forward { lb_common::node_flags::BPF_FORWARD } else { 0 },
+                node_flags: if bpf_forward { lb_common::node_flags::BPF_FORWARD } else { 0 }
+                    | if forward_accept == "iptables" { lb_common::node_flags::fwd_mark(forward_mark_bit) } else { 0 },
+                forward_accept_period,
                 maglev: model::maglev::Maglev::new(maglev_table_size, &maglev_seed)
                     .map_err(|e| anyhow::anyhow!("--maglev-table-size: {e}"))?,
                 nat_timeouts: nodeport::NatTimeouts {
@@ -451,7 +476,10 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Teardown { bpffs } => {
             loader::check_root()?;
-            loader::teardown(&bpffs)
+            loader::teardown(&bpffs)?;
+            let errors = firewall::remove();
+            anyhow::ensure!(errors.is_empty(), "remove {}: {}", firewall::CHAIN, errors.join("; "));
+            Ok(())
         }
         Cmd::CleanupKubeProxy { dry_run } => {
             loader::check_root()?;

@@ -693,6 +693,23 @@ pub mod node_flags {
     /// Forward translated outside traffic in BPF (FIB lookup and redirect)
     /// instead of through the stack (`lb-agent run --bpf-forward`).
     pub const BPF_FORWARD: u32 = 1 << 0;
+    /// Bits 8-13: the skb mark bit the TC programs set on what they
+    /// translate and hand to the stack to forward, plus one (0: none), so
+    /// that the agent's iptables rule (`LB-FORWARD`) accepts it in a
+    /// FORWARD chain that would drop it (`lb-agent run --forward-mark-bit`).
+    pub const FWD_MARK: u32 = 0x3f << FWD_MARK_SHIFT;
+    pub const FWD_MARK_SHIFT: u32 = 8;
+
+    /// The flags that set mark bit `bit` (0-31).
+    pub const fn fwd_mark(bit: u32) -> u32 {
+        ((bit & 31) + 1) << FWD_MARK_SHIFT
+    }
+
+    /// The mark (a single bit) `flags` asks for; 0: none.
+    pub const fn mark_of(flags: u32) -> u32 {
+        let b = (flags & FWD_MARK) >> FWD_MARK_SHIFT;
+        if b == 0 { 0 } else { 1 << ((b - 1) & 31) }
+    }
 }
 
 #[cfg(feature = "user")]

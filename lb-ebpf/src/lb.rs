@@ -241,6 +241,14 @@ pub fn node_config() -> Option<NodeConfig> {
     LB_NODE_CONFIG.get_ptr(0).map(copy).filter(|c| c.netns_cookie != 0)
 }
 
+/// `NodeConfig::flags` alone (0 until the agent has written them), read
+/// in place: no copy of the whole value on the stack.
+#[inline(always)]
+pub fn node_flags() -> u32 {
+    // SAFETY: a map value, alive for this program run; one aligned u32.
+    LB_NODE_CONFIG.get_ptr(0).map_or(0, |c| unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*c).flags)) })
+}
+
 /// How often a lookup chain is retried when a concurrent update removed an
 /// entry between two lookups (the agent changes a service while we read it).
 const RETRIES: u32 = 3;

@@ -127,7 +127,9 @@ fn the_daemon_set_runs_on_every_node_with_pinned_state_and_health() {
     assert!(res.requests.as_ref().unwrap().contains_key("memory"));
     assert!(res.limits.as_ref().is_none_or(|l| !l.contains_key("memory")), "{res:?}");
     let paths: BTreeSet<String> = vols.iter().filter_map(|v| v.host_path.as_ref().map(|h| h.path.clone())).collect();
-    assert_eq!(paths, ["/sys/fs/bpf".to_string(), "/sys/fs/cgroup".to_string()].into());
+    assert_eq!(paths, ["/run/xtables.lock".to_string(), "/sys/fs/bpf".to_string(), "/sys/fs/cgroup".to_string()].into());
+    // iptables' lock is the host's, shared with kubelet and the CNI.
+    assert_eq!(host_path_of("/run/xtables.lock").as_deref(), Some("/run/xtables.lock"));
 }
 
 #[test]

@@ -404,3 +404,131 @@ fn direct_and_node_port_connections_to_a_local_backend_mixed_at_full_speed() -> 
     assert!(open.is_empty(), "{} of {} flows left open: {open:#?}", open.len(), flows.len());
     Ok(())
 }
+
+/// The iptables FORWARD chain of node-1 drops by default, as Docker and
+/// ufw leave it (IPv4 in iptables-nft, IPv6 in iptables-legacy: each
+/// backend as a node may use it), with Docker's conntrack rule and a
+/// CNI's rule for the pods' own traffic (flannel's `-s POD_CIDR -j
+/// ACCEPT`). kube-proxy's KUBE-FORWARD
+/// passes its NodePort flows there; lb's LB-FORWARD passes what the TC
+/// programs translate (their mark): requests SNATed to pod-2 and their
+/// replies, requests to the local pod-1. The agent puts its rules back
+/// when they are flushed, removes them with `--forward-accept none` (then
+/// those flows are dropped) and on teardown.
+#[test]
+fn a_forward_chain_that_drops_passes_translated_traffic_as_kube_proxys_would() -> Result<()> {
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--forward-accept-period", "1s"])?;
+    let n1 = w.c.nodes[0].netns.clone();
+    let tools = [("iptables-nft", &w.p1.ip), ("ip6tables-legacy", &w.p1.ip6)];
+    // Docker's conntrack rule too: it passes kube-proxy's replies, not
+    // lb's (translated before conntrack sees them, they start a tuple of
+    // their own).
+    let rules = |w: &World| -> Result<()> {
+        for (tool, pod) in tools {
+            w.c.in_netns(&n1, &[tool, "-w", "-A", "FORWARD", "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", "ACCEPT"])?;
+            w.c.in_netns(&n1, &[tool, "-w", "-A", "FORWARD", "-s", pod, "-j", "ACCEPT"])?;
+        }
+        Ok(())
+    };
+    rules(&w)?;
+    for (tool, _) in tools {
+        w.c.in_netns(&n1, &[tool, "-w", "-P", "FORWARD", "DROP"])?;
+    }
+    let jumps = |w: &World| -> Result<usize> {
+        let mut n = 0;
+        for (tool, _) in tools {
+            n += w.c.in_netns(&n1, &[tool, "-w", "-S", "FORWARD"])?.lines().filter(|l| l.ends_with("-j LB-FORWARD")).count();
+        }
+        Ok(n)
+    };
+    w.c.wait_for("LB-FORWARD in both FORWARD chains", Duration::from_secs(10), || Ok(jumps(&w)? == 2))?;
+    let log = std::fs::read_to_string(w.c.agent_log(1))?;
+    for backend in ["iptables-nft (IPv4)", "iptables-legacy (IPv6)"] {
+        assert!(log.contains(backend) && log.contains("LB-FORWARD accepts it (mark 0x1000)"), "the agent says where and why: {log}");
+    }
+    let accepted = |w: &World| -> Result<u64> {
+        let mut n = 0;
+        for (tool, _) in tools {
+            let out = w.c.in_netns(&n1, &[tool, "-w", "-L", "LB-FORWARD", "-v", "-x", "-n"])?;
+            n += out.lines().filter(|l| l.contains("ACCEPT")).filter_map(|l| l.split_whitespace().next()?.parse::<u64>().ok()).sum::<u64>();
+        }
+        Ok(n)
+    };
+    let flows = |w: &World, n: u32| -> Result<()> {
+        for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080), hostport(LB_IP, 80), hostport(LB_IP6, 80)] {
+            let s = tcp(&w.c, &w.outside, &addr, n)?;
+            assert_eq!(s.ok, n, "{addr}: {s:?}");
+            let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", &n.to_string()])?;
+            assert_eq!(s.ok, n, "{addr}: {s:?}");
+        }
+        Ok(())
+    };
+    // pod-2 only: both directions are forwarded by node-1 (SNAT).
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    let before = accepted(&w)?;
+    flows(&w, 10)?;
+    let forwarding = !lbtest::bpf_forward_from_env();
+    if forwarding {
+        // 4 x 10 TCP flows of at least 5 packets each way, 4 x 10 datagrams each way.
+        let n = accepted(&w)? - before;
+        assert!(n >= 4 * (10 * 10 + 10 * 2), "packets LB-FORWARD accepted: {n}");
+    }
+    // The local pod-1: requests are lb's, replies the CNI's rule's.
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p1)?;
+    flows(&w, 5)?;
+
+    // A firewall reload flushes FORWARD: the jump comes back.
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    for (tool, _) in tools {
+        w.c.in_netns(&n1, &[tool, "-w", "-F", "FORWARD"])?;
+    }
+    rules(&w)?;
+    w.c.wait_for("LB-FORWARD back in both FORWARD chains", Duration::from_secs(10), || Ok(jumps(&w)? == 2))?;
+    flows(&w, 5)?;
+
+    // A native nftables forward chain that drops by default: no rule in
+    // another table overrides it, so the agent names it in a warning.
+    w.c.in_netns(&n1, &["nft", "add", "table", "inet", "hostfw"])?;
+    w.c.in_netns(&n1, &["nft", "add chain inet hostfw FORWARD_drop { type filter hook forward priority 0; policy drop; }"])?;
+    let log1 = w.c.agent_log(1);
+    w.c.wait_for("the nftables chain named", Duration::from_secs(10), || Ok(std::fs::read_to_string(&log1)?.contains("chain=\"nftables inet hostfw FORWARD_drop\"")))?;
+    assert!(std::fs::read_to_string(&log1)?.contains("meta mark & 0x1000 == 0x1000 accept"), "the warning says what to add");
+    if forwarding {
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3", "--timeout-ms", "300"])?;
+        assert_eq!(s.ok, 0, "the nftables chain drops them: {s:?}");
+    }
+    w.c.in_netns(&n1, &["nft", "delete", "table", "inet", "hostfw"])?;
+    flows(&w, 3)?;
+
+    // --forward-accept none: no mark, no rules; what the stack forwards is
+    // dropped (BPF forwarding does not pass FORWARD).
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--forward-accept", "none"])?;
+    w.c.wait_for("LB-FORWARD gone", Duration::from_secs(10), || Ok(jumps(&w)? == 0))?;
+    if forwarding {
+        for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080)] {
+            let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "3", "--timeout-ms", "300"])?;
+            assert_eq!(s.ok, 0, "{addr}: dropped by FORWARD: {s:?}");
+        }
+    }
+    // Teardown removes them too.
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--forward-accept-period", "1s"])?;
+    w.c.wait_for("LB-FORWARD again", Duration::from_secs(10), || Ok(jumps(&w)? == 2))?;
+    flows(&w, 3)?;
+    w.c.kill_agent(1);
+    lbtest::teardown_in(&n1, &w.c.nodes[0].bpffs)?;
+    assert_eq!(jumps(&w)?, 0, "teardown removes lb's FORWARD rules");
+    for (tool, _) in tools {
+        let save = w.c.in_netns(&n1, &[tool, "-w", "-S"])?;
+        assert!(!save.contains("LB-FORWARD"), "{tool}: {save}");
+        assert!(save.contains("-P FORWARD DROP"), "the node's own policy stays: {save}");
+    }
+    Ok(())
+}

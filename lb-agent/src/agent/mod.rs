@@ -59,6 +59,9 @@ pub struct RunConfig {
     pub destroy_stale_sockets: bool,
     /// `--kube-proxy-check-period` (zero: off).
     pub kube_proxy_check_period: Duration,
+    /// `--forward-accept-period`; the mark is in `node_flags` (none: lb's
+    /// FORWARD rules are removed).
+    pub forward_accept_period: Duration,
     /// Per-frontend and per-backend series in /metrics.
     pub metrics_per_service: bool,
     /// `--bpf-log`.
@@ -320,28 +323,21 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // kube-proxy's rules on the node, at start and then every period (off
     // the runtime thread: iptables-save of a large rule set takes a while).
     if !cfg.kube_proxy_check_period.is_zero() {
-        let (metrics, period) = (metrics.clone(), cfg.kube_proxy_check_period);
-        tokio::spawn(async move {
-            let mut last = None;
-            let mut tick = tokio::time::interval(period);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let m = metrics.clone();
-                match tokio::task::spawn_blocking(move || {
-                    crate::kube_proxy::check(&m.kube_proxy_rules, &mut last);
-                    last
-                })
-                .await
-                {
-                    Ok(l) => last = l,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "looking for kube-proxy's rules failed");
-                        last = None;
-                    }
-                }
+        let m = metrics.clone();
+        every(cfg.kube_proxy_check_period, "looking for kube-proxy's rules", move |last| crate::kube_proxy::check(&m.kube_proxy_rules, last));
+    }
+    // The FORWARD chains: lb's rules where they may drop what the TC
+    // programs hand to the stack (crate::firewall), at start and then every
+    // period, off the runtime thread.
+    let mark = lb_common::node_flags::mark_of(cfg.node_flags);
+    if mark == 0 {
+        tokio::task::spawn_blocking(|| {
+            for e in crate::firewall::remove() {
+                tracing::warn!("--forward-accept none: cannot remove {}: {e}", crate::firewall::CHAIN);
             }
         });
+    } else {
+        every(cfg.forward_accept_period, "looking at the FORWARD chains", move |last| crate::firewall::ensure(mark, last));
     }
     // How long the watches have been failing, for the metric.
     {
@@ -479,4 +475,32 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     source.abort();
     tracing::info!("exiting; programs stay attached and maps stay pinned");
     Ok(())
+}
+
+/// Run `check` now and then every `period` on a blocking thread (it runs
+/// commands), handing it what it saw last time (None at first, and after
+/// a check that panicked: `what` is logged).
+fn every<T: Send + 'static>(period: Duration, what: &'static str, check: impl Fn(&mut Option<T>) + Send + Sync + 'static) {
+    let check = std::sync::Arc::new(check);
+    tokio::spawn(async move {
+        let mut last = None;
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let check = check.clone();
+            match tokio::task::spawn_blocking(move || {
+                check(&mut last);
+                last
+            })
+            .await
+            {
+                Ok(l) => last = l,
+                Err(e) => {
+                    tracing::warn!(error = %e, "{what} failed");
+                    last = None;
+                }
+            }
+        }
+    });
 }

@@ -25,10 +25,31 @@ use super::{ACT_TRANSLATED, ETH_HLEN, Net, parse, touch, translate};
 use crate::lb;
 
 /// A translated packet goes on: forwarded here if the agent asked for
-/// forwarding in BPF, else through the stack.
+/// forwarding in BPF, else through the stack (marked: `mark_for_stack`).
 #[inline(always)]
 pub fn send_on<F: Net>(skb: *mut __sk_buff) -> i32 {
-    if lb::node_config().is_some_and(|c| c.flags & node_flags::BPF_FORWARD != 0) { forward::<F>(skb) } else { TC_ACT_OK }
+    let flags = lb::node_flags();
+    let act = if flags & node_flags::BPF_FORWARD != 0 { forward::<F>(skb) } else { TC_ACT_OK };
+    if act == TC_ACT_OK {
+        mark_for_stack(skb, flags);
+    }
+    act
+}
+
+/// A packet lb translated goes to the stack, which forwards it: set the
+/// mark bit the agent's iptables rule (`LB-FORWARD`, in the FORWARD
+/// chain) accepts, so that a FORWARD chain that drops by default (Docker,
+/// ufw, a hardened node) passes lb's flows as kube-proxy's KUBE-FORWARD
+/// passes its own (its masquerade mark, and conntrack for replies: lb's
+/// replies are translated before conntrack sees them, so they carry the
+/// mark too). The other bits of the mark stay.
+#[inline(always)]
+pub fn mark_for_stack(skb: *mut __sk_buff, flags: u32) {
+    let mark = node_flags::mark_of(flags);
+    if mark != 0 {
+        // SAFETY: a writable field of our own skb (TC programs may set it).
+        unsafe { (*skb).mark |= mark };
+    }
 }
 
 /// Send the translated packet on to its destination (see the module).

@@ -190,6 +190,11 @@ fn translate<F: Net, const Q: usize, const FH: usize>(ctx: &TcContext, l4: usize
         return TC_ACT_SHOT;
     }
     lb::event(if maglev { stats::NAT_ICMP_MAGLEV } else { stats::NAT_ICMP });
+    // An error for a client is forwarded by the stack (kube-proxy's
+    // KUBE-FORWARD passes it as RELATED).
+    if ingress {
+        super::fib::mark_for_stack(ctx.skb.skb, lb::node_flags());
+    }
     TC_ACT_OK
 }
 

@@ -1,0 +1,377 @@
+//! The node's iptables FORWARD chains. Without `--bpf-forward`, what the TC
+//! programs translate goes on through the stack's forwarding path, and so
+//! through netfilter's FORWARD hook: NodePort requests for a backend on
+//! another node or in a local pod, their replies on the way back to the
+//! client, ICMP errors about them. Docker sets the FORWARD policy to DROP,
+//! ufw does by default, hardened nodes end the chain with a REJECT.
+//! kube-proxy's iptables mode lets its own flows through such a chain with
+//! KUBE-FORWARD, which it jumps to first: its masquerade mark (0x4000)
+//! accepts a flow's first packets, conntrack (ESTABLISHED) the rest.
+//!
+//! lb does the same with a mark: the TC programs set bit
+//! `--forward-mark-bit` (default 12: 0x1000; kube-proxy's are 14 and 15,
+//! Calico's 16-31) on every packet they translate and hand to the stack,
+//! and the agent keeps `-A FORWARD -j LB-FORWARD` first in each FORWARD
+//! chain that may not accept everything (a policy other than ACCEPT, or a
+//! rule that drops, rejects or jumps to a chain), with `LB-FORWARD`
+//! accepting that mark. It looks at
+//! start and every `--forward-accept-period`, in every backend and family
+//! the node uses (iptables-legacy only where its filter table exists:
+//! looking at it would create it), and puts back what an operator or a
+//! firewall service removed. Replies of local pods are not lb's to accept:
+//! the pod's own traffic, which a working CNI accepts (flannel's
+//! `-s POD_CIDR -j ACCEPT`, Calico's workload chains); kube-proxy's
+//! conntrack rule would accept them too.
+//!
+//! The rules stay when the agent stops or restarts (traffic keeps
+//! flowing through an upgrade); `lb-agent teardown` and
+//! `--forward-accept none` remove them. A native nftables ruleset (not
+//! iptables-nft's tables) with a forward chain that drops by default
+//! cannot be overridden from another table: the agent names such a chain
+//! in a warning.
+use std::process::Command;
+
+/// lb's chain in the filter table.
+pub const CHAIN: &str = "LB-FORWARD";
+const JUMP_COMMENT: &str = "lb: translated Service traffic";
+
+/// A backend and family: its save and restore tools, and where the legacy
+/// backend lists its tables (None: nft).
+pub struct Backend {
+    pub name: &'static str,
+    save: &'static str,
+    restore: &'static str,
+    legacy_tables: Option<&'static str>,
+}
+
+pub const BACKENDS: [Backend; 4] = [
+    Backend { name: "iptables-legacy (IPv4)", save: "iptables-legacy-save", restore: "iptables-legacy-restore", legacy_tables: Some("/proc/net/ip_tables_names") },
+    Backend { name: "iptables-legacy (IPv6)", save: "ip6tables-legacy-save", restore: "ip6tables-legacy-restore", legacy_tables: Some("/proc/net/ip6_tables_names") },
+    Backend { name: "iptables-nft (IPv4)", save: "iptables-nft-save", restore: "iptables-nft-restore", legacy_tables: None },
+    Backend { name: "iptables-nft (IPv6)", save: "ip6tables-nft-save", restore: "ip6tables-nft-restore", legacy_tables: None },
+];
+
+/// lb's rule in `LB-FORWARD`, as iptables-save prints it.
+fn accept_rule(mark: u32) -> String {
+    format!("-A {CHAIN} -m comment --comment \"lb: accept what lb translated (mark {mark:#x})\" -m mark --mark {mark:#x}/{mark:#x} -j ACCEPT")
+}
+
+/// What `iptables-save -t filter` says of FORWARD and lb's chain.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Forward {
+    /// FORWARD's policy ("ACCEPT", "DROP").
+    pub policy: String,
+    /// FORWARD's rules, other than lb's jump, that may drop a packet
+    /// (`may_drop_rule`).
+    pub others: usize,
+    /// lb's jump is in FORWARD.
+    pub jump: bool,
+    /// lb's chain exists, with these rules.
+    pub chain: Option<Vec<String>>,
+}
+
+impl Forward {
+    /// Whether FORWARD could refuse what lb forwards.
+    pub fn may_drop(&self) -> bool {
+        self.policy != "ACCEPT" || self.others > 0
+    }
+}
+
+/// Whether a rule may drop a packet: its target is DROP, REJECT or a
+/// chain of rules (Docker's DOCKER-USER, ufw's, kube-proxy's), not one
+/// that only accepts, returns, counts (no target) or logs.
+fn may_drop_rule(rule: &str) -> bool {
+    let mut w = rule.split_whitespace();
+    let mut target = None;
+    while let Some(t) = w.next() {
+        if matches!(t, "-j" | "-g" | "--jump" | "--goto") {
+            target = w.next();
+        }
+    }
+    target.is_some_and(|t| !matches!(t, "ACCEPT" | "RETURN" | "LOG" | "NFLOG" | "MARK" | "CONNMARK" | "TRACE" | "CT" | "NOTRACK" | "TCPMSS" | "CLASSIFY"))
+}
+
+/// FORWARD and lb's chain in `iptables-save` output (the filter table).
+pub fn forward_in_save(save: &str) -> Forward {
+    let mut f = Forward { policy: "ACCEPT".into(), ..Default::default() };
+    let mut table = "";
+    let mut rules = Vec::new();
+    let mut declared = false;
+    for line in save.lines() {
+        if let Some(t) = line.strip_prefix('*') {
+            table = t.trim();
+        } else if table != "filter" {
+            continue;
+        } else if let Some(decl) = line.strip_prefix(':') {
+            let mut w = decl.split_whitespace();
+            match (w.next(), w.next()) {
+                (Some("FORWARD"), Some(policy)) => f.policy = policy.to_string(),
+                (Some(CHAIN), _) => declared = true,
+                _ => {}
+            }
+        } else if line.starts_with("-A FORWARD ") {
+            if line.trim_end().ends_with(&format!("-j {CHAIN}")) {
+                f.jump = true;
+            } else if may_drop_rule(line) {
+                f.others += 1;
+            }
+        } else if line.starts_with(&format!("-A {CHAIN} ")) {
+            rules.push(line.trim_end().to_string());
+        }
+    }
+    if declared {
+        f.chain = Some(rules);
+    }
+    f
+}
+
+/// The `iptables-restore --noflush` script that makes `f` accept mark
+/// `mark` first thing in FORWARD, or None if nothing is to be done
+/// (FORWARD accepts everything, or lb's rules are in place).
+pub fn ensure_script(f: &Forward, mark: u32) -> Option<String> {
+    let want = vec![accept_rule(mark)];
+    if !f.may_drop() || (f.jump && f.chain.as_ref() == Some(&want)) {
+        return None;
+    }
+    // Declaring the chain flushes it (also with --noflush).
+    let mut s = format!("*filter\n:{CHAIN} - [0:0]\n{}\n", want[0]);
+    if !f.jump {
+        s += &format!("-I FORWARD 1 -m comment --comment \"{JUMP_COMMENT}\" -j {CHAIN}\n");
+    }
+    s += "COMMIT\n";
+    Some(s)
+}
+
+/// The script that removes lb's jumps and chain from `save`, or None.
+pub fn removal_script(save: &str) -> Option<String> {
+    let f = forward_in_save(save);
+    if f.chain.is_none() && !f.jump {
+        return None;
+    }
+    let mut s = String::from("*filter\n");
+    let mut table = "";
+    for line in save.lines() {
+        if let Some(t) = line.strip_prefix('*') {
+            table = t.trim();
+        } else if table == "filter" && line.starts_with("-A ") && line.trim_end().ends_with(&format!("-j {CHAIN}")) {
+            s += &format!("-D {}\n", &line.trim_end()[3..]);
+        }
+    }
+    if f.chain.is_some() {
+        s += &format!("-F {CHAIN}\n-X {CHAIN}\n");
+    }
+    s += "COMMIT\n";
+    Some(s)
+}
+
+/// The filter table of `b` (`*-save -t filter`), or None where the
+/// backend is not in use or its tool is missing. The legacy filter table
+/// is read only if it exists: asking for it would create it.
+fn save(b: &Backend) -> Option<String> {
+    if let Some(names) = b.legacy_tables
+        && !std::fs::read_to_string(names).is_ok_and(|t| t.lines().any(|l| l.trim() == "filter"))
+    {
+        return None;
+    }
+    match Command::new(b.save).args(["-t", "filter"]).output() {
+        Ok(o) if o.status.success() => Some(String::from_utf8_lossy(&o.stdout).into_owned()),
+        Ok(o) => {
+            tracing::debug!(tool = b.save, status = %o.status, stderr = %String::from_utf8_lossy(&o.stderr).trim(), "cannot read the FORWARD chain");
+            None
+        }
+        Err(e) => {
+            tracing::debug!(tool = b.save, error = %e, "cannot read the FORWARD chain");
+            None
+        }
+    }
+}
+
+fn restore(b: &Backend, script: &str) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    use std::io::Write as _;
+    let mut child = Command::new(b.restore)
+        .args(["--noflush", "-w", "5"])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("run {}", b.restore))?;
+    child.stdin.take().context("stdin")?.write_all(script.as_bytes()).with_context(|| format!("write to {}", b.restore))?;
+    let out = child.wait_with_output()?;
+    anyhow::ensure!(out.status.success(), "{} --noflush: {} ({}) on:\n{script}", b.restore, String::from_utf8_lossy(&out.stderr).trim(), out.status);
+    Ok(())
+}
+
+/// What one look found: per backend that may drop, whether lb's rules
+/// are in place (or why not); per native nftables chain that drops, its
+/// name.
+pub type Seen = Vec<(String, Result<(), String>)>;
+
+/// Look at every backend's FORWARD chain and put lb's rules where they
+/// are needed (`mark`); warn about what changed since `last`.
+pub fn ensure(mark: u32, last: &mut Option<Seen>) {
+    let mut now = Seen::new();
+    for b in &BACKENDS {
+        let Some(text) = save(b) else { continue };
+        let f = forward_in_save(&text);
+        if !f.may_drop() {
+            continue;
+        }
+        let state = match ensure_script(&f, mark) {
+            None => Ok(()),
+            Some(script) => {
+                let r = restore(b, &script).map_err(|e| format!("{e:#}"));
+                if r.is_ok() {
+                    tracing::info!(
+                        backend = b.name,
+                        policy = f.policy,
+                        rules = f.others,
+                        "the FORWARD chain may drop what lb forwards through the stack: {CHAIN} accepts it (mark {mark:#x}), jumped to first, as kube-proxy's KUBE-FORWARD does"
+                    );
+                }
+                r
+            }
+        };
+        now.push((b.name.to_string(), state));
+    }
+    for (table, chain) in native_forward_drops() {
+        now.push((format!("nftables {table} {chain}"), Err(String::new())));
+    }
+    for (name, state) in &now {
+        let before = last.as_ref().and_then(|l| l.iter().find(|(n, _)| n == name)).map(|(_, s)| s);
+        match state {
+            Err(e) if before != Some(state) && e.is_empty() => tracing::warn!(
+                chain = name,
+                "an nftables forward chain drops by default: what lb forwards through the stack (NodePort traffic for backends on other nodes, and its replies) is dropped there unless that chain accepts mark {mark:#x} (`meta mark & {mark:#x} == {mark:#x} accept`); an accept in another table cannot override it. Or run with --bpf-forward"
+            ),
+            Err(e) if before != Some(state) => tracing::warn!(
+                backend = name,
+                "the FORWARD chain may drop what lb forwards through the stack (NodePort traffic for backends on other nodes, and its replies), and lb's rules could not be put there: {e}. Run with --bpf-forward, or accept mark {mark:#x} in FORWARD"
+            ),
+            _ => {}
+        }
+    }
+    *last = Some(now);
+}
+
+/// Native nftables forward chains (not iptables-nft's filter tables, not
+/// kube-proxy's) whose policy is drop: "inet filter forward".
+fn native_forward_drops() -> Vec<(String, String)> {
+    let Ok(o) = Command::new("nft").args(["list", "chains"]).output() else { return Vec::new() };
+    if !o.status.success() {
+        return Vec::new();
+    }
+    forward_drops_in_nft(&String::from_utf8_lossy(&o.stdout))
+}
+
+/// `native_forward_drops` in `nft list chains` output.
+pub fn forward_drops_in_nft(list: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let (mut table, mut chain) = (String::new(), String::new());
+    for line in list.lines() {
+        let mut w = line.split_whitespace();
+        match (w.next(), w.next(), w.next()) {
+            (Some("table"), Some(family), Some(name)) => table = format!("{family} {name}"),
+            (Some("chain"), Some(name), _) => chain = name.to_string(),
+            // iptables-nft's own tables are handled through iptables.
+            (Some("type"), _, _)
+                if line.contains("hook forward")
+                    && line.contains("policy drop")
+                    && table != "ip filter"
+                    && table != "ip6 filter"
+                    && !table.ends_with(" kube-proxy") =>
+            {
+                out.push((table.clone(), chain.clone()));
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Remove lb's rules from every backend (`lb-agent teardown`,
+/// `--forward-accept none`); errors are returned, each naming its tool.
+pub fn remove() -> Vec<String> {
+    let mut errors = Vec::new();
+    for b in &BACKENDS {
+        let Some(script) = save(b).as_deref().and_then(removal_script) else { continue };
+        match restore(b, &script) {
+            Ok(()) => tracing::info!(backend = b.name, "{CHAIN} removed"),
+            Err(e) => errors.push(format!("{}: {e:#}", b.name)),
+        }
+    }
+    errors
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DOCKER: &str = "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n:DOCKER-USER - [0:0]\n\
+                          -A FORWARD -j DOCKER-USER\n-A DOCKER-USER -j RETURN\nCOMMIT\n";
+
+    #[test]
+    fn a_forward_chain_that_may_drop_gets_lbs_rules_first() {
+        let f = forward_in_save(DOCKER);
+        assert_eq!(f, Forward { policy: "DROP".into(), others: 1, jump: false, chain: None });
+        let s = ensure_script(&f, 0x1000).unwrap();
+        assert_eq!(
+            s,
+            "*filter\n:LB-FORWARD - [0:0]\n\
+             -A LB-FORWARD -m comment --comment \"lb: accept what lb translated (mark 0x1000)\" -m mark --mark 0x1000/0x1000 -j ACCEPT\n\
+             -I FORWARD 1 -m comment --comment \"lb: translated Service traffic\" -j LB-FORWARD\nCOMMIT\n"
+        );
+        // In place: nothing to do.
+        let done = "*filter\n:FORWARD DROP [0:0]\n:LB-FORWARD - [0:0]\n\
+                    -A FORWARD -m comment --comment \"lb: translated Service traffic\" -j LB-FORWARD\n-A FORWARD -j DOCKER-USER\n\
+                    -A LB-FORWARD -m comment --comment \"lb: accept what lb translated (mark 0x1000)\" -m mark --mark 0x1000/0x1000 -j ACCEPT\nCOMMIT\n";
+        let f = forward_in_save(done);
+        assert!(f.jump && f.others == 1);
+        assert_eq!(ensure_script(&f, 0x1000), None);
+        // Another mark: the chain is rewritten, the jump stays.
+        let s = ensure_script(&f, 0x2000).unwrap();
+        assert!(s.contains("--mark 0x2000/0x2000") && !s.contains("-I FORWARD"), "{s}");
+        // The chain flushed by an operator: filled again.
+        let flushed = done.replace("-A LB-FORWARD -m comment --comment \"lb: accept what lb translated (mark 0x1000)\" -m mark --mark 0x1000/0x1000 -j ACCEPT\n", "");
+        assert!(ensure_script(&forward_in_save(&flushed), 0x1000).is_some_and(|s| !s.contains("-I FORWARD")));
+    }
+
+    #[test]
+    fn a_forward_chain_that_accepts_everything_is_left_alone() {
+        let open = "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\nCOMMIT\n";
+        assert!(!forward_in_save(open).may_drop());
+        assert_eq!(ensure_script(&forward_in_save(open), 0x1000), None);
+        // Rules (a REJECT at the end, RHEL's) under an ACCEPT policy.
+        let reject = "*filter\n:FORWARD ACCEPT [0:0]\n-A FORWARD -j REJECT --reject-with icmp-host-prohibited\nCOMMIT\n";
+        assert!(forward_in_save(reject).may_drop());
+        // Rules that cannot drop: counting, accepting, logging.
+        let counting = "*filter\n:FORWARD ACCEPT [0:0]\n-A FORWARD -p tcp -m tcp --dport 8080\n-A FORWARD -s 10.244.0.0/16 -j ACCEPT\n\
+                        -A FORWARD -j LOG --log-prefix \"fwd \"\nCOMMIT\n";
+        assert!(!forward_in_save(counting).may_drop());
+        assert!(forward_in_save("*filter\n:FORWARD ACCEPT [0:0]\n-A FORWARD -j DOCKER-USER\nCOMMIT\n").may_drop(), "a chain may drop");
+        assert!(forward_in_save("*filter\n:FORWARD ACCEPT [0:0]\n-A FORWARD -i eth0 -j DROP\nCOMMIT\n").may_drop());
+        // Other tables' FORWARD chains do not count.
+        let mangle = "*mangle\n:FORWARD ACCEPT [0:0]\n-A FORWARD -j MARK --set-mark 1\nCOMMIT\n*filter\n:FORWARD ACCEPT [0:0]\nCOMMIT\n";
+        assert!(!forward_in_save(mangle).may_drop());
+    }
+
+    #[test]
+    fn removal_takes_lbs_jumps_and_chain_only() {
+        let save = "*filter\n:FORWARD DROP [0:0]\n:LB-FORWARD - [0:0]\n:DOCKER-USER - [0:0]\n\
+                    -A FORWARD -m comment --comment \"lb: translated Service traffic\" -j LB-FORWARD\n-A FORWARD -j DOCKER-USER\n\
+                    -A LB-FORWARD -m mark --mark 0x1000/0x1000 -j ACCEPT\nCOMMIT\n";
+        assert_eq!(
+            removal_script(save).unwrap(),
+            "*filter\n-D FORWARD -m comment --comment \"lb: translated Service traffic\" -j LB-FORWARD\n-F LB-FORWARD\n-X LB-FORWARD\nCOMMIT\n"
+        );
+        assert_eq!(removal_script(DOCKER), None);
+    }
+
+    #[test]
+    fn native_nftables_forward_chains_that_drop_are_found() {
+        let list = "table ip filter {\n\tchain FORWARD {\n\t\ttype filter hook forward priority filter; policy drop;\n\t}\n}\n\
+                    table inet firewall {\n\tchain fwd {\n\t\ttype filter hook forward priority filter; policy drop;\n\t}\n\
+                    \tchain input {\n\t\ttype filter hook input priority filter; policy drop;\n\t}\n}\n\
+                    table inet open {\n\tchain forward {\n\t\ttype filter hook forward priority filter; policy accept;\n\t}\n}\n";
+        assert_eq!(forward_drops_in_nft(list), [("inet firewall".to_string(), "fwd".to_string())]);
+    }
+}
