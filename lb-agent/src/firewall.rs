@@ -201,10 +201,20 @@ fn restore(b: &Backend, script: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// What one look found: per backend that may drop, whether lb's rules
-/// are in place (or why not); per native nftables chain that drops, its
-/// name.
-pub type Seen = Vec<(String, Result<(), String>)>;
+/// What one look found, by backend or chain.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum State {
+    /// An iptables FORWARD chain that may drop, with lb's rules in place.
+    InPlace,
+    /// An iptables FORWARD chain that may drop, where lb's rules could
+    /// not be put (why).
+    Failed(String),
+    /// A native nftables forward chain that may drop (why): lb cannot
+    /// accept its traffic there from another table.
+    Native(&'static str),
+}
+
+pub type Seen = Vec<(String, State)>;
 
 /// Look at every backend's FORWARD chain and put lb's rules where they
 /// are needed (`mark`); warn about what changed since `last`.
@@ -217,54 +227,71 @@ pub fn ensure(mark: u32, last: &mut Option<Seen>) {
             continue;
         }
         let state = match ensure_script(&f, mark) {
-            None => Ok(()),
-            Some(script) => {
-                let r = restore(b, &script).map_err(|e| format!("{e:#}"));
-                if r.is_ok() {
+            None => State::InPlace,
+            Some(script) => match restore(b, &script) {
+                Ok(()) => {
                     tracing::info!(
                         backend = b.name,
                         policy = f.policy,
                         rules = f.others,
                         "the FORWARD chain may drop what lb forwards through the stack: {CHAIN} accepts it (mark {mark:#x}), jumped to first, as kube-proxy's KUBE-FORWARD does"
                     );
+                    State::InPlace
                 }
-                r
-            }
+                Err(e) => State::Failed(format!("{e:#}")),
+            },
         };
         now.push((b.name.to_string(), state));
     }
-    for (table, chain) in native_forward_drops() {
-        now.push((format!("nftables {table} {chain}"), Err(String::new())));
+    for (table, chain, why) in native_forward_drops() {
+        now.push((format!("nftables {table} {chain}"), State::Native(why)));
     }
     for (name, state) in &now {
-        let before = last.as_ref().and_then(|l| l.iter().find(|(n, _)| n == name)).map(|(_, s)| s);
+        if last.as_ref().and_then(|l| l.iter().find(|(n, _)| n == name)).map(|(_, s)| s) == Some(state) {
+            continue;
+        }
         match state {
-            Err(e) if before != Some(state) && e.is_empty() => tracing::warn!(
+            State::Native(why) => tracing::warn!(
                 chain = name,
-                "an nftables forward chain drops by default: what lb forwards through the stack (NodePort traffic for backends on other nodes, and its replies) is dropped there unless that chain accepts mark {mark:#x} (`meta mark & {mark:#x} == {mark:#x} accept`); an accept in another table cannot override it. Or run with --bpf-forward"
+                "an nftables forward chain may drop what lb forwards through the stack (NodePort traffic for backends on other nodes, and its replies): {why}. An accept in another table cannot override it: add `meta mark & {mark:#x} == {mark:#x} accept` first in that chain, or run with --bpf-forward"
             ),
-            Err(e) if before != Some(state) => tracing::warn!(
+            State::Failed(e) => tracing::warn!(
                 backend = name,
                 "the FORWARD chain may drop what lb forwards through the stack (NodePort traffic for backends on other nodes, and its replies), and lb's rules could not be put there: {e}. Run with --bpf-forward, or accept mark {mark:#x} in FORWARD"
             ),
-            _ => {}
+            State::InPlace => {}
         }
     }
     *last = Some(now);
 }
 
 /// Native nftables forward chains (not iptables-nft's filter tables, not
-/// kube-proxy's) whose policy is drop: "inet filter forward".
-fn native_forward_drops() -> Vec<(String, String)> {
-    let Ok(o) = Command::new("nft").args(["list", "chains"]).output() else { return Vec::new() };
-    if !o.status.success() {
-        return Vec::new();
+/// kube-proxy's) that may drop: table ("inet firewalld"), chain, and why.
+fn native_forward_drops() -> Vec<(String, String, &'static str)> {
+    let nft = |args: &[&str]| -> Option<String> {
+        let o = Command::new("nft").args(args).output().ok()?;
+        o.status.success().then(|| String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    let Some(list) = nft(&["list", "chains"]) else { return Vec::new() };
+    let mut out = Vec::new();
+    for (table, chain, policy_drop) in forward_chains_in_nft(&list) {
+        if policy_drop {
+            out.push((table, chain, "its policy is drop"));
+            continue;
+        }
+        let mut args = vec!["list", "chain"];
+        args.extend(table.split_whitespace());
+        args.push(&chain);
+        if nft(&args).is_some_and(|rules| rules_may_drop(&rules)) {
+            out.push((table, chain, "it has rules that drop, reject or jump to other chains"));
+        }
     }
-    forward_drops_in_nft(&String::from_utf8_lossy(&o.stdout))
+    out
 }
 
-/// `native_forward_drops` in `nft list chains` output.
-pub fn forward_drops_in_nft(list: &str) -> Vec<(String, String)> {
+/// The native forward base chains in `nft list chains` output: table,
+/// chain, and whether its policy is drop.
+pub fn forward_chains_in_nft(list: &str) -> Vec<(String, String, bool)> {
     let mut out = Vec::new();
     let (mut table, mut chain) = (String::new(), String::new());
     for line in list.lines() {
@@ -274,18 +301,24 @@ pub fn forward_drops_in_nft(list: &str) -> Vec<(String, String)> {
             (Some("chain"), Some(name), _) => chain = name.to_string(),
             // iptables-nft's own tables are handled through iptables.
             (Some("type"), _, _)
-                if line.contains("hook forward")
-                    && line.contains("policy drop")
-                    && table != "ip filter"
-                    && table != "ip6 filter"
-                    && !table.ends_with(" kube-proxy") =>
+                if line.contains("hook forward") && table != "ip filter" && table != "ip6 filter" && !table.ends_with(" kube-proxy") =>
             {
-                out.push((table.clone(), chain.clone()));
+                out.push((table.clone(), chain.clone(), line.contains("policy drop")));
             }
             _ => {}
         }
     }
     out
+}
+
+/// Whether a chain's rules (`nft list chain` output) may drop a packet: a
+/// rule that drops, rejects, queues, or jumps or goes to another chain.
+pub fn rules_may_drop(chain: &str) -> bool {
+    chain
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.starts_with("type ") && !l.starts_with("table ") && !l.starts_with("chain ") && *l != "}")
+        .any(|l| l.split_whitespace().any(|w| matches!(w, "drop" | "reject" | "queue" | "jump" | "goto")))
 }
 
 /// Remove lb's rules from every backend (`lb-agent teardown`,
@@ -367,11 +400,23 @@ mod tests {
     }
 
     #[test]
-    fn native_nftables_forward_chains_that_drop_are_found() {
+    fn native_nftables_forward_chains_that_may_drop_are_found() {
         let list = "table ip filter {\n\tchain FORWARD {\n\t\ttype filter hook forward priority filter; policy drop;\n\t}\n}\n\
                     table inet firewall {\n\tchain fwd {\n\t\ttype filter hook forward priority filter; policy drop;\n\t}\n\
                     \tchain input {\n\t\ttype filter hook input priority filter; policy drop;\n\t}\n}\n\
-                    table inet open {\n\tchain forward {\n\t\ttype filter hook forward priority filter; policy accept;\n\t}\n}\n";
-        assert_eq!(forward_drops_in_nft(list), [("inet firewall".to_string(), "fwd".to_string())]);
+                    table inet open {\n\tchain forward {\n\t\ttype filter hook forward priority filter; policy accept;\n\t}\n}\n\
+                    table ip kube-proxy {\n\tchain filter-forward {\n\t\ttype filter hook forward priority -110; policy accept;\n\t}\n}\n";
+        assert_eq!(
+            forward_chains_in_nft(list),
+            [("inet firewall".to_string(), "fwd".to_string(), true), ("inet open".to_string(), "forward".to_string(), false)]
+        );
+        // firewalld's: policy accept, then a reject at the end.
+        let firewalld = "table inet firewalld {\n\tchain filter_FORWARD {\n\t\ttype filter hook forward priority filter + 10; policy accept;\n\
+                         \t\tct state { established, related } accept\n\t\tct status dnat accept\n\t\tiifname \"lo\" accept\n\
+                         \t\tct state invalid drop\n\t\treject with icmpx admin-prohibited\n\t}\n}\n";
+        assert!(rules_may_drop(firewalld));
+        let open = "table inet filter {\n\tchain forward {\n\t\ttype filter hook forward priority filter; policy accept;\n\
+                    \t\tct state established counter accept\n\t\tcounter\n\t}\n}\n";
+        assert!(!rules_may_drop(open));
     }
 }

@@ -492,17 +492,31 @@ fn a_forward_chain_that_drops_passes_translated_traffic_as_kube_proxys_would() -
     w.c.wait_for("LB-FORWARD back in both FORWARD chains", Duration::from_secs(10), || Ok(jumps(&w)? == 2))?;
     flows(&w, 5)?;
 
-    // A native nftables forward chain that drops by default: no rule in
-    // another table overrides it, so the agent names it in a warning.
+    // Native nftables forward chains that may drop (a drop policy, or
+    // firewalld's shape: accept, then a reject at the end): no rule in
+    // another table overrides them, so the agent names them in a warning
+    // with the rule they need, and that rule lets the flows through.
     w.c.in_netns(&n1, &["nft", "add", "table", "inet", "hostfw"])?;
     w.c.in_netns(&n1, &["nft", "add chain inet hostfw FORWARD_drop { type filter hook forward priority 0; policy drop; }"])?;
+    w.c.in_netns(&n1, &["nft", "add chain inet hostfw FORWARD_reject { type filter hook forward priority 10; policy accept; }"])?;
+    w.c.in_netns(&n1, &["nft", "add rule inet hostfw FORWARD_reject reject"])?;
     let log1 = w.c.agent_log(1);
-    w.c.wait_for("the nftables chain named", Duration::from_secs(10), || Ok(std::fs::read_to_string(&log1)?.contains("chain=\"nftables inet hostfw FORWARD_drop\"")))?;
-    assert!(std::fs::read_to_string(&log1)?.contains("meta mark & 0x1000 == 0x1000 accept"), "the warning says what to add");
+    w.c.wait_for("the nftables chains named", Duration::from_secs(10), || {
+        let log = std::fs::read_to_string(&log1)?;
+        Ok(log.contains("chain=\"nftables inet hostfw FORWARD_drop\"") && log.contains("chain=\"nftables inet hostfw FORWARD_reject\""))
+    })?;
+    let log = std::fs::read_to_string(&log1)?;
+    for want in ["its policy is drop", "it has rules that drop, reject or jump", "add `meta mark & 0x1000 == 0x1000 accept` first in that chain"] {
+        assert!(log.contains(want), "the warnings say {want:?}: {log}");
+    }
     if forwarding {
         let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3", "--timeout-ms", "300"])?;
-        assert_eq!(s.ok, 0, "the nftables chain drops them: {s:?}");
+        assert_eq!(s.ok, 0, "the nftables chains drop them: {s:?}");
     }
+    for chain in ["FORWARD_drop", "FORWARD_reject"] {
+        w.c.in_netns(&n1, &["nft", &format!("insert rule inet hostfw {chain} meta mark & 0x1000 == 0x1000 accept")])?;
+    }
+    flows(&w, 3)?;
     w.c.in_netns(&n1, &["nft", "delete", "table", "inet", "hostfw"])?;
     flows(&w, 3)?;
 
