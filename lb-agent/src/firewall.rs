@@ -23,12 +23,27 @@
 //! `-s POD_CIDR -j ACCEPT`, Calico's workload chains); kube-proxy's
 //! conntrack rule would accept them too.
 //!
+//! Where conntrack runs (Docker's rules, a firewall's, a CNI's use it),
+//! it sees only half of a SNATed or DSR flow in each tuple: lb translates
+//! the replies before conntrack sees them, so they start a tuple of their
+//! own with a SYN-ACK, and the client's ACKs never see an answer. It calls
+//! those packets INVALID, and the common rule against INVALID packets
+//! (`-t mangle -A PREROUTING -m conntrack --ctstate INVALID -j DROP`)
+//! drops every such TCP handshake, which kube-proxy's flows pass; each
+//! flow also takes conntrack entries for nothing. So the TC programs set
+//! a second bit (`--notrack-mark-bit`, default 13) on those packets, both
+//! ways, and once conntrack holds entries the agent adds the nftables
+//! table `inet lb`, whose raw-priority prerouting chain exempts them
+//! (`notrack`). Flows to local backends stay tracked: their replies are
+//! conntrack's replies, and a CNI's MASQUERADE for the pods' own traffic
+//! must not take them for new connections.
+//!
 //! The rules stay when the agent stops or restarts (traffic keeps
-//! flowing through an upgrade); `lb-agent teardown` and
-//! `--forward-accept none` remove them. A native nftables ruleset (not
-//! iptables-nft's tables) with a forward chain that drops by default
-//! cannot be overridden from another table: the agent names such a chain
-//! in a warning.
+//! flowing through an upgrade); `lb-agent teardown` removes them, and
+//! `--forward-accept none` / `--notrack none` their part. A native
+//! nftables ruleset (not iptables-nft's tables) with a forward chain that
+//! may drop cannot be overridden from another table: the agent names such
+//! a chain in a warning.
 use std::process::Command;
 
 /// lb's chain in the filter table.
@@ -217,9 +232,19 @@ pub enum State {
 pub type Seen = Vec<(String, State)>;
 
 /// Look at every backend's FORWARD chain and put lb's rules where they
-/// are needed (`mark`); warn about what changed since `last`.
-pub fn ensure(mark: u32, last: &mut Option<Seen>) {
+/// are needed (`mark`; 0: not), and the notrack table where conntrack runs
+/// (`notrack`; 0: not); warn about what changed since `last`.
+pub fn ensure(mark: u32, notrack: u32, last: &mut Option<Seen>) {
     let mut now = Seen::new();
+    if notrack != 0
+        && let Some(state) = ensure_notrack(notrack)
+    {
+        now.push((format!("nftables {NFT_TABLE} (notrack)"), state));
+    }
+    if mark == 0 {
+        report(mark, &now, last);
+        return;
+    }
     for b in &BACKENDS {
         let Some(text) = save(b) else { continue };
         let f = forward_in_save(&text);
@@ -246,7 +271,12 @@ pub fn ensure(mark: u32, last: &mut Option<Seen>) {
     for (table, chain, why) in native_forward_drops() {
         now.push((format!("nftables {table} {chain}"), State::Native(why)));
     }
-    for (name, state) in &now {
+    report(mark, &now, last);
+}
+
+/// Warn about what changed since `last`, and keep `now` as the last.
+fn report(mark: u32, now: &Seen, last: &mut Option<Seen>) {
+    for (name, state) in now {
         if last.as_ref().and_then(|l| l.iter().find(|(n, _)| n == name)).map(|(_, s)| s) == Some(state) {
             continue;
         }
@@ -262,16 +292,98 @@ pub fn ensure(mark: u32, last: &mut Option<Seen>) {
             State::InPlace => {}
         }
     }
-    *last = Some(now);
+    *last = Some(now.clone());
+}
+
+/// lb's nftables table: the notrack rule.
+pub const NFT_TABLE: &str = "inet lb";
+
+fn notrack_comment(mark: u32) -> String {
+    format!("lb: SNATed and DSR flows skip conntrack (mark {mark:#x})")
+}
+
+/// The `nft -f` script that makes `inet lb` exempt packets carrying
+/// `mark` from conntrack, replacing what the table held (one
+/// transaction). Priority raw (-300): before conntrack (-200).
+pub fn notrack_script(mark: u32) -> String {
+    format!(
+        "add table {NFT_TABLE}\nflush table {NFT_TABLE}\n\
+         add chain {NFT_TABLE} prerouting {{ type filter hook prerouting priority raw; policy accept; }}\n\
+         add rule {NFT_TABLE} prerouting meta mark & {mark:#x} == {mark:#x} notrack comment \"{}\"\n",
+        notrack_comment(mark)
+    )
+}
+
+/// Whether conntrack holds entries in this network namespace (Docker's
+/// rules, a firewall's or a CNI's use it): then lb's SNATed and DSR flows
+/// are exempted from it.
+fn conntrack_in_use() -> bool {
+    std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_count").is_ok_and(|n| n.trim().parse::<u64>().is_ok_and(|n| n > 0))
+}
+
+fn nft(args: &[&str], stdin: Option<&str>) -> anyhow::Result<String> {
+    use anyhow::Context as _;
+    use std::io::Write as _;
+    let mut child = Command::new("nft")
+        .args(args)
+        .stdin(if stdin.is_some() { std::process::Stdio::piped() } else { std::process::Stdio::null() })
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("run nft")?;
+    if let Some(text) = stdin {
+        child.stdin.take().context("stdin")?.write_all(text.as_bytes()).context("write to nft")?;
+    }
+    let out = child.wait_with_output()?;
+    anyhow::ensure!(out.status.success(), "nft {}: {} ({})", args.join(" "), String::from_utf8_lossy(&out.stderr).trim(), out.status);
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The notrack table: in place (None where it is not needed: conntrack
+/// holds nothing here and the table is not there), put there, or why not.
+fn ensure_notrack(mark: u32) -> Option<State> {
+    let table: Vec<&str> = NFT_TABLE.split_whitespace().collect();
+    let current = nft(&["list", "table", table[0], table[1]], None).ok();
+    if current.as_deref().is_some_and(|t| t.contains(&notrack_comment(mark))) {
+        return Some(State::InPlace);
+    }
+    if current.is_none() && !conntrack_in_use() {
+        return None;
+    }
+    Some(match nft(&["-f", "-"], Some(&notrack_script(mark))) {
+        Ok(_) => {
+            tracing::info!(
+                "conntrack runs on this node: lb's SNATed and DSR flows skip it (nftables table {NFT_TABLE}: notrack for mark {mark:#x}), so that rules dropping INVALID packets pass them and they take no conntrack entries"
+            );
+            State::InPlace
+        }
+        Err(e) => {
+            let e = format!("{e:#}");
+            State::Failed(format!("{e}; lb's SNATed and DSR flows are tracked, and a rule that drops INVALID packets drops their TCP handshakes"))
+        }
+    })
+}
+
+/// Remove the notrack table (`lb-agent teardown`, `--notrack none`).
+pub fn remove_notrack() -> Vec<String> {
+    let table: Vec<&str> = NFT_TABLE.split_whitespace().collect();
+    if nft(&["list", "table", table[0], table[1]], None).is_err() {
+        return Vec::new();
+    }
+    match nft(&["delete", "table", table[0], table[1]], None) {
+        Ok(_) => {
+            tracing::info!("nftables table {NFT_TABLE} removed");
+            Vec::new()
+        }
+        Err(e) => vec![format!("nftables table {NFT_TABLE}: {e:#}")],
+    }
 }
 
 /// Native nftables forward chains (not iptables-nft's filter tables, not
-/// kube-proxy's) that may drop: table ("inet firewalld"), chain, and why.
+/// kube-proxy's, not lb's) that may drop: table ("inet firewalld"), chain,
+/// and why.
 fn native_forward_drops() -> Vec<(String, String, &'static str)> {
-    let nft = |args: &[&str]| -> Option<String> {
-        let o = Command::new("nft").args(args).output().ok()?;
-        o.status.success().then(|| String::from_utf8_lossy(&o.stdout).into_owned())
-    };
+    let nft = |args: &[&str]| nft(args, None).ok();
     let Some(list) = nft(&["list", "chains"]) else { return Vec::new() };
     let mut out = Vec::new();
     for (table, chain, policy_drop) in forward_chains_in_nft(&list) {
@@ -301,7 +413,11 @@ pub fn forward_chains_in_nft(list: &str) -> Vec<(String, String, bool)> {
             (Some("chain"), Some(name), _) => chain = name.to_string(),
             // iptables-nft's own tables are handled through iptables.
             (Some("type"), _, _)
-                if line.contains("hook forward") && table != "ip filter" && table != "ip6 filter" && !table.ends_with(" kube-proxy") =>
+                if line.contains("hook forward")
+                    && table != "ip filter"
+                    && table != "ip6 filter"
+                    && !table.ends_with(" kube-proxy")
+                    && table != NFT_TABLE =>
             {
                 out.push((table.clone(), chain.clone(), line.contains("policy drop")));
             }
@@ -397,6 +513,16 @@ mod tests {
             "*filter\n-D FORWARD -m comment --comment \"lb: translated Service traffic\" -j LB-FORWARD\n-F LB-FORWARD\n-X LB-FORWARD\nCOMMIT\n"
         );
         assert_eq!(removal_script(DOCKER), None);
+    }
+
+    #[test]
+    fn the_notrack_table_is_replaced_whole() {
+        assert_eq!(
+            notrack_script(0x2000),
+            "add table inet lb\nflush table inet lb\n\
+             add chain inet lb prerouting { type filter hook prerouting priority raw; policy accept; }\n\
+             add rule inet lb prerouting meta mark & 0x2000 == 0x2000 notrack comment \"lb: SNATed and DSR flows skip conntrack (mark 0x2000)\"\n"
+        );
     }
 
     #[test]

@@ -193,7 +193,20 @@ enum Cmd {
         /// the stack to forward (kube-proxy uses 14 and 15, Calico 16-31).
         #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u32).range(0..32))]
         forward_mark_bit: u32,
-        /// How often the FORWARD chains are looked at (lb's rules put back
+        /// Where conntrack runs on the node (Docker, a firewall, rules that
+        /// drop INVALID packets), exempt lb's SNATed and DSR flows from it:
+        /// conntrack sees only half of such a flow in each tuple (lb
+        /// translates the replies first) and calls the rest INVALID.
+        /// `auto` adds the nftables table `inet lb` (notrack for
+        /// --notrack-mark-bit) once conntrack holds entries; `none` sets no
+        /// mark and removes that table.
+        #[arg(long, default_value = "auto", value_parser = ["auto", "none"])]
+        notrack: String,
+        /// The skb mark bit (0-31) set on the packets of SNATed and DSR flows
+        /// for that rule (besides --forward-mark-bit).
+        #[arg(long, default_value_t = 13, value_parser = clap::value_parser!(u32).range(0..32))]
+        notrack_mark_bit: u32,
+        /// How often the FORWARD chains (and conntrack) are looked at (lb's rules put back
         /// where something removed them, or where a firewall came later).
         #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
         forward_accept_period: std::time::Duration,
@@ -248,7 +261,7 @@ enum Cmd {
         stats: bool,
     },
     /// Detach the programs, unpin every map, and remove lb's FORWARD rules
-    /// (`--forward-accept`).
+    /// (`--forward-accept`) and nftables table (`--notrack`).
     Teardown {
         #[arg(long, default_value = "/sys/fs/bpf/lb")]
         bpffs: PathBuf,
@@ -346,6 +359,8 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             forward_accept,
             forward_mark_bit,
             forward_accept_period,
+            notrack,
+            notrack_mark_bit,
             metrics_per_service,
             bpf_log,
         } => {
@@ -362,6 +377,10 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 }
                 v.parse().map(Some).map_err(|e| anyhow::anyhow!("{flag} {v:?}: {e}"))
             };
+            anyhow::ensure!(
+                forward_accept == "none" || notrack == "none" || forward_mark_bit != notrack_mark_bit,
+                "--notrack-mark-bit {notrack_mark_bit}: the same bit as --forward-mark-bit; give each its own"
+            );
             anyhow::ensure!(!forward_accept_period.is_zero(), "--forward-accept-period: must be more than 0 (--forward-accept none turns lb's FORWARD rules off)");
             let cfg = agent::RunConfig {
                 source,
@@ -391,7 +410,8 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 nodeport_range: port_range("--nodeport-range", &nodeport_range)?,
                 snat_ports: port_range("--snat-ports", &snat_ports)?,
                 node_flags: if bpf_forward { lb_common::node_flags::BPF_FORWARD } else { 0 }
-                    | if forward_accept == "iptables" { lb_common::node_flags::fwd_mark(forward_mark_bit) } else { 0 },
+                    | if forward_accept == "iptables" { lb_common::node_flags::fwd_mark(forward_mark_bit) } else { 0 }
+                    | if notrack == "auto" { lb_common::node_flags::notrack_mark(notrack_mark_bit) } else { 0 },
                 forward_accept_period,
                 maglev: model::maglev::Maglev::new(maglev_table_size, &maglev_seed)
                     .map_err(|e| anyhow::anyhow!("--maglev-table-size: {e}"))?,
@@ -477,8 +497,9 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         Cmd::Teardown { bpffs } => {
             loader::check_root()?;
             loader::teardown(&bpffs)?;
-            let errors = firewall::remove();
-            anyhow::ensure!(errors.is_empty(), "remove {}: {}", firewall::CHAIN, errors.join("; "));
+            let mut errors = firewall::remove();
+            errors.extend(firewall::remove_notrack());
+            anyhow::ensure!(errors.is_empty(), "remove lb's netfilter rules: {}", errors.join("; "));
             Ok(())
         }
         Cmd::CleanupKubeProxy { dry_run } => {

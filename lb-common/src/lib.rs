@@ -702,12 +702,37 @@ pub mod node_flags {
 
     /// The flags that set mark bit `bit` (0-31).
     pub const fn fwd_mark(bit: u32) -> u32 {
-        ((bit & 31) + 1) << FWD_MARK_SHIFT
+        flags_of(bit, FWD_MARK_SHIFT)
     }
 
     /// The mark (a single bit) `flags` asks for; 0: none.
     pub const fn mark_of(flags: u32) -> u32 {
-        let b = (flags & FWD_MARK) >> FWD_MARK_SHIFT;
+        bit_of(flags, FWD_MARK_SHIFT)
+    }
+
+    /// Bits 14-19: the skb mark bit (plus one; 0: none) the TC programs
+    /// also set on the packets of SNATed and DSR flows, both ways, so that
+    /// the agent's nftables rule (table `inet lb`) exempts them from
+    /// conntrack (`lb-agent run --notrack-mark-bit`).
+    pub const NOTRACK_MARK: u32 = 0x3f << NOTRACK_MARK_SHIFT;
+    pub const NOTRACK_MARK_SHIFT: u32 = 14;
+
+    /// The flags that set notrack mark bit `bit` (0-31).
+    pub const fn notrack_mark(bit: u32) -> u32 {
+        flags_of(bit, NOTRACK_MARK_SHIFT)
+    }
+
+    /// The notrack mark `flags` asks for; 0: none.
+    pub const fn notrack_of(flags: u32) -> u32 {
+        bit_of(flags, NOTRACK_MARK_SHIFT)
+    }
+
+    const fn flags_of(bit: u32, shift: u32) -> u32 {
+        ((bit & 31) + 1) << shift
+    }
+
+    const fn bit_of(flags: u32, shift: u32) -> u32 {
+        let b = (flags >> shift) & 0x3f;
         if b == 0 { 0 } else { 1 << ((b - 1) & 31) }
     }
 }
@@ -788,6 +813,15 @@ const _: () = {
 #[cfg(test)]
 mod layout_tests {
     use super::*;
+
+    #[test]
+    fn mark_bits_ride_in_the_node_flags() {
+        use node_flags::*;
+        let f = BPF_FORWARD | fwd_mark(12) | notrack_mark(13);
+        assert_eq!((mark_of(f), notrack_of(f), f & BPF_FORWARD), (0x1000, 0x2000, BPF_FORWARD));
+        assert_eq!((mark_of(fwd_mark(0)), mark_of(fwd_mark(31)), notrack_of(notrack_mark(31))), (1, 0x8000_0000, 0x8000_0000));
+        assert_eq!((mark_of(BPF_FORWARD), notrack_of(fwd_mark(5))), (0, 0), "no bit asked for: no mark");
+    }
 
     /// Every pinned struct's size and field offsets, hashed. A change that
     /// keeps sizes (a field moved, two swapped) is invisible to the loader's

@@ -546,3 +546,79 @@ fn a_forward_chain_that_drops_passes_translated_traffic_as_kube_proxys_would() -
     }
     Ok(())
 }
+
+/// conntrack runs on node-1 with the common rule against INVALID packets
+/// (`-t mangle -A PREROUTING -m conntrack --ctstate INVALID -j DROP`;
+/// IPv4 in iptables-nft, IPv6 in iptables-legacy). conntrack would see
+/// only half of a SNATed flow in each tuple (lb translates its replies
+/// first) and call the handshake INVALID: kube-proxy's flows pass such a
+/// rule, and lb's must too. The agent's `inet lb` table exempts SNATed
+/// flows from conntrack (they then take no entries), flows to the local
+/// pod stay tracked; `--notrack none` and teardown remove the table.
+#[test]
+fn snated_flows_skip_conntrack_where_it_runs_so_invalid_drops_pass_them() -> Result<()> {
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--forward-accept-period", "1s"])?;
+    let n1 = w.c.nodes[0].netns.clone();
+    for tool in ["iptables-nft", "ip6tables-legacy"] {
+        w.c.in_netns(&n1, &[tool, "-w", "-t", "mangle", "-A", "PREROUTING", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"])?;
+    }
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    let table = |w: &World| -> Result<bool> { Ok(w.c.in_netns(&n1, &["nft", "list", "tables"])?.lines().any(|l| l.trim() == "table inet lb")) };
+    // conntrack holds entries once packets pass it: a datagram to a port
+    // of node-1's own (local delivery; nothing listens there).
+    w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 1), "--count", "1", "--timeout-ms", "300"])?;
+    w.c.wait_for("table inet lb", Duration::from_secs(10), || table(&w))?;
+    let rules = w.c.in_netns(&n1, &["nft", "list", "table", "inet", "lb"])?;
+    assert!(rules.contains("hook prerouting priority raw") && rules.contains("notrack"), "{rules}");
+    let log = std::fs::read_to_string(w.c.agent_log(1))?;
+    assert!(log.contains("lb's SNATed and DSR flows skip it"), "the agent says so: {log}");
+    let count = |w: &World| -> Result<u64> { Ok(w.c.in_netns(&n1, &["cat", "/proc/sys/net/netfilter/nf_conntrack_count"])?.trim().parse()?) };
+    let before = count(&w)?;
+    for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080), hostport(LB_IP, 80), hostport(LB_IP6, 80)] {
+        let s = tcp(&w.c, &w.outside, &addr, 10)?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "10"])?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+    }
+    // 80 SNATed flows, none of them in conntrack.
+    let after = count(&w)?;
+    assert!(after <= before + 5, "conntrack entries: {before} -> {after}");
+    // The local pod-1: tracked, its replies are conntrack's replies.
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p1)?;
+    let before = count(&w)?;
+    for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080)] {
+        let s = tcp(&w.c, &w.outside, &addr, 10)?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+    }
+    let forwarding = !lbtest::bpf_forward_from_env();
+    if forwarding {
+        let after = count(&w)?;
+        assert!(after >= before + 20, "flows to a local pod are tracked: {before} -> {after}");
+    }
+
+    // --notrack none: the table goes, and the SNATed handshakes are
+    // dropped as INVALID (where the stack forwards them).
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--notrack", "none"])?;
+    w.c.wait_for("table inet lb gone", Duration::from_secs(10), || Ok(!table(&w)?))?;
+    if forwarding {
+        let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--count", "2", "--timeout-ms", "500"])?;
+        assert_eq!(s.ok, 0, "INVALID handshakes dropped: {s:?}");
+    }
+    // Back, then teardown removes it.
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--forward-accept-period", "1s"])?;
+    w.c.wait_for("table inet lb again", Duration::from_secs(10), || table(&w))?;
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    w.c.kill_agent(1);
+    lbtest::teardown_in(&n1, &w.c.nodes[0].bpffs)?;
+    assert!(!table(&w)?, "teardown removes table inet lb");
+    Ok(())
+}

@@ -351,8 +351,11 @@ fn kube_proxys_rules_on_a_node_are_named_in_a_warning_and_a_metric() -> Result<(
     // (kube-proxy --cleanup's job): a dry run first changes nothing.
     let agent = lbtest::bin("lb-agent");
     let agent = agent.to_str().unwrap();
+    // The agent's own rules (LB-FORWARD, table inet lb) may come at any
+    // time: conntrack runs here (kube-proxy's nat rules).
     let saves = || -> Result<String> {
-        Ok(c.in_netns(&n1, &["iptables-legacy-save"])? + &c.in_netns(&n1, &["ip6tables-nft-save"])? + &c.in_netns(&n1, &["nft", "list", "tables"])?)
+        let all = c.in_netns(&n1, &["iptables-legacy-save"])? + &c.in_netns(&n1, &["ip6tables-nft-save"])? + &c.in_netns(&n1, &["nft", "list", "tables"])?;
+        Ok(all.lines().filter(|l| !l.contains("LB-FORWARD") && l.trim() != "table inet lb").map(|l| format!("{l}\n")).collect())
     };
     let before = saves()?;
     let dry = c.in_netns(&n1, &[agent, "cleanup-kube-proxy", "--dry-run"])?;

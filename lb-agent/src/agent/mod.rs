@@ -330,14 +330,18 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // programs hand to the stack (crate::firewall), at start and then every
     // period, off the runtime thread.
     let mark = lb_common::node_flags::mark_of(cfg.node_flags);
-    if mark == 0 {
-        tokio::task::spawn_blocking(|| {
-            for e in crate::firewall::remove() {
-                tracing::warn!("--forward-accept none: cannot remove {}: {e}", crate::firewall::CHAIN);
-            }
-        });
-    } else {
-        every(cfg.forward_accept_period, "looking at the FORWARD chains", move |last| crate::firewall::ensure(mark, last));
+    let notrack = lb_common::node_flags::notrack_of(cfg.node_flags);
+    tokio::task::spawn_blocking(move || {
+        let mut errors = if mark == 0 { crate::firewall::remove() } else { Vec::new() };
+        if notrack == 0 {
+            errors.extend(crate::firewall::remove_notrack());
+        }
+        for e in errors {
+            tracing::warn!("lb's netfilter rules turned off: cannot remove {e}");
+        }
+    });
+    if mark != 0 || notrack != 0 {
+        every(cfg.forward_accept_period, "looking at the FORWARD chains and conntrack", move |last| crate::firewall::ensure(mark, notrack, last));
     }
     // How long the watches have been failing, for the metric.
     {

@@ -31,7 +31,7 @@ pub fn send_on<F: Net>(skb: *mut __sk_buff) -> i32 {
     let flags = lb::node_flags();
     let act = if flags & node_flags::BPF_FORWARD != 0 { forward::<F>(skb) } else { TC_ACT_OK };
     if act == TC_ACT_OK {
-        mark_for_stack(skb, flags);
+        mark_for_stack(skb, flags, false);
     }
     act
 }
@@ -42,10 +42,18 @@ pub fn send_on<F: Net>(skb: *mut __sk_buff) -> i32 {
 /// ufw, a hardened node) passes lb's flows as kube-proxy's KUBE-FORWARD
 /// passes its own (its masquerade mark, and conntrack for replies: lb's
 /// replies are translated before conntrack sees them, so they carry the
-/// mark too). The other bits of the mark stay.
+/// mark too). A packet of a SNATed or DSR flow (`untracked`) also gets the
+/// notrack bit: conntrack would see only one half of such a flow in each
+/// tuple (its replies are translated first, into a tuple of their own) and
+/// call the rest INVALID, which rules against INVALID packets drop (the
+/// agent's `inet lb` table exempts them where conntrack runs). The other
+/// bits of the mark stay.
 #[inline(always)]
-pub fn mark_for_stack(skb: *mut __sk_buff, flags: u32) {
-    let mark = node_flags::mark_of(flags);
+pub fn mark_for_stack(skb: *mut __sk_buff, flags: u32, untracked: bool) {
+    let mut mark = node_flags::mark_of(flags);
+    if untracked {
+        mark |= node_flags::notrack_of(flags);
+    }
     if mark != 0 {
         // SAFETY: a writable field of our own skb (TC programs may set it).
         unsafe { (*skb).mark |= mark };

@@ -966,9 +966,18 @@ fn rewrite<F: Net>(ctx: &TcContext, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> Result
 #[inline(always)]
 fn translate<F: Net>(ctx: &TcContext, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> i32 {
     let rev_nat_id = e.rev_nat_id;
+    // A packet that arrived (a client's, or a reply to a SNATed flow) goes
+    // on through the stack unless forwarded in BPF: mark it for the
+    // agent's netfilter rules (`fib::mark_for_stack`). Replies of local
+    // backends leave on egress, past netfilter.
+    let untracked = e.flags & (nat_flags::SNAT | nat_flags::DSR) != 0;
+    let arrived = e.flags & nat_flags::REPLY == 0 || untracked;
     let r = rewrite::<F>(ctx, p, e);
     match r {
         Ok(()) => {
+            if arrived {
+                fib::mark_for_stack(ctx.skb.skb, lb::node_flags(), untracked);
+            }
             packet_stats(F::ID, rev_nat_id, ctx.len());
             ACT_TRANSLATED
         }
