@@ -82,10 +82,19 @@ enum Cmd {
         /// as nat_failed, and logged), as conntrack does.
         #[arg(long, default_value_t = lb_common::capacity::NAT)]
         max_nat: u32,
-        /// This node's address for NodePorts (repeatable). Default: the Node
-        /// object's InternalIP/ExternalIP addresses, else the interfaces'.
+        /// This node's primary address (repeatable, both families): where
+        /// SNAT falls back to, and `--nodeport-addresses primary`. Default:
+        /// the Node object's InternalIP then ExternalIP addresses, else the
+        /// interfaces'.
         #[arg(long = "node-ip")]
         node_ips: Vec<std::net::IpAddr>,
+        /// The node addresses NodePorts are on, as kube-proxy's flag: CIDRs
+        /// (comma-separated or repeated), a family without one keeping all
+        /// its addresses; or `primary` (the first primary address of each
+        /// family). Default: every address of the node (kube-proxy's
+        /// iptables mode).
+        #[arg(long = "nodeport-addresses", value_delimiter = ',')]
+        nodeport_addresses: Vec<String>,
         /// Interface to handle NodePort/LoadBalancer/externalIP traffic on
         /// (repeatable). Default: the devices that hold the node's
         /// addresses, every other NIC with an address (a second NIC), and
@@ -154,6 +163,13 @@ enum Cmd {
         /// see CVE-2020-8554). false: only traffic from outside is translated.
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
         external_ip_socket_lb: bool,
+        /// NodePorts also on 127.0.0.1 for the node's own connections (the
+        /// host network namespace; a pod's 127.0.0.1 stays its own), as
+        /// kube-proxy's iptables mode has them
+        /// (--iptables-localhost-nodeports, IPv4 only), where
+        /// --nodeport-addresses admits 127.0.0.1.
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        localhost_nodeports: bool,
         /// NAT: seconds an idle established TCP flow is kept.
         #[arg(long, default_value_t = 21600)]
         nat_tcp_timeout: u64,
@@ -338,6 +354,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             max_sock_revnat,
             max_nat,
             node_ips,
+            nodeport_addresses,
             nodeport_interfaces,
             tc_attach,
             nodeport_range,
@@ -349,6 +366,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             maglev_seed,
             nodeport_mode,
             external_ip_socket_lb,
+            localhost_nodeports,
             nat_tcp_timeout,
             nat_tcp_close_timeout,
             nat_udp_timeout,
@@ -400,6 +418,8 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     nat: max_nat,
                 },
                 node_ips,
+                nodeport_addresses: model::NodePortAddresses::parse(&nodeport_addresses).map_err(anyhow::Error::msg)?,
+                localhost_nodeports,
                 nodeport_interfaces,
                 tc_attach: match tc_attach.as_str() {
                     "tcx" => loader::TcAttach::Tcx,

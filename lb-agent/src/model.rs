@@ -8,9 +8,9 @@ use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::Node;
-
+mod node;
 pub mod objects;
+pub use node::{NodeFacts, NodeInfo, NodePortAddresses, node_info};
 pub use objects::{Endpoint, EndpointSlice, Service};
 
 /// Label that ties an EndpointSlice to its Service.
@@ -29,56 +29,6 @@ pub const ANNOTATION_NODEPORT_MODE: &str = "lb.dev/nodeport-mode";
 
 /// Label that carries a Node's zone.
 pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
-
-/// What the model knows about the node it runs on.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct NodeInfo {
-    pub name: String,
-    /// The node's zone, for topology hints.
-    pub zone: Option<String>,
-    /// The node's addresses: NodePorts listen on these.
-    pub addresses: Vec<IpAddr>,
-}
-
-/// Where the node's facts come from, strongest first.
-#[derive(Clone, Debug, Default)]
-pub struct NodeFacts<'a> {
-    pub name: &'a str,
-    /// `--zone`.
-    pub zone: Option<&'a str>,
-    /// `--node-ip`.
-    pub ips: &'a [IpAddr],
-    /// The addresses on the node's interfaces, used when neither `--node-ip`
-    /// nor the Node object gives any.
-    pub interface_ips: &'a [IpAddr],
-}
-
-/// This node's facts: the zone comes from `--zone` when given, else from the
-/// `topology.kubernetes.io/zone` label of the Node object named `name`. The
-/// addresses come from `--node-ip`, else the Node's InternalIP and ExternalIP
-/// addresses, else the interfaces.
-pub fn node_info<N: std::borrow::Borrow<Node>>(facts: &NodeFacts, nodes: &[N]) -> NodeInfo {
-    let this = nodes.iter().map(|n| n.borrow()).find(|n| n.metadata.name.as_deref() == Some(facts.name));
-    let zone = facts
-        .zone
-        .map(str::to_string)
-        .or_else(|| this.and_then(|n| n.metadata.labels.as_ref()?.get(LABEL_ZONE).cloned()));
-    let from_node: Vec<IpAddr> = this
-        .and_then(|n| n.status.as_ref()?.addresses.as_ref())
-        .into_iter()
-        .flatten()
-        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
-        .filter_map(|a| a.address.parse().ok())
-        .collect();
-    let addresses = if !facts.ips.is_empty() {
-        facts.ips.to_vec()
-    } else if !from_node.is_empty() {
-        from_node
-    } else {
-        facts.interface_ips.to_vec()
-    };
-    NodeInfo { name: facts.name.to_string(), zone: zone.filter(|z| !z.is_empty()), addresses }
-}
 
 /// Choices the operator makes that change what the model emits.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -235,6 +185,9 @@ pub struct Frontend {
     pub ext_local: bool,
     /// In-cluster connects are not translated (see `Options`).
     pub no_socket: bool,
+    /// Only the node's own sockets are translated (a localhost NodePort:
+    /// `NodeFacts::localhost_nodeports`); never traffic from outside.
+    pub host_only: bool,
     /// loadBalancerSourceRanges (LoadBalancer IPs only): (network, prefix length).
     pub source_ranges: Vec<(IpAddr, u8)>,
     /// Endpoints that still serve (ready, or serving while terminating)
@@ -263,6 +216,7 @@ impl Frontend {
             external: false,
             ext_local: false,
             no_socket: false,
+            host_only: false,
             source_ranges: Vec::new(),
             extra_serving: Vec::new(),
             maglev: false,
@@ -382,7 +336,6 @@ fn skip_reason(svc: &Service) -> Option<&'static str> {
     }
 }
 
-
 /// Compute the desired state of k8s-openapi objects with the default
 /// options.
 #[cfg(test)]
@@ -395,7 +348,6 @@ pub fn compute(
     let slices: Vec<EndpointSlice> = slices.iter().map(EndpointSlice::from).collect();
     compute_with(&services, &slices, node, &Options::default())
 }
-
 
 /// The Service an EndpointSlice belongs to: Err(warning) when it has no
 /// owner label, Ok(None) when it is ignored (FQDN).
@@ -472,13 +424,14 @@ pub(crate) mod proptests;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::Node;
     use k8s_openapi::api::core::v1::ServicePort;
     use k8s_openapi::api::core::v1::{ClientIPConfig, Service, ServiceSpec, SessionAffinityConfig};
     use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointHints, EndpointPort, EndpointSlice, ForZone};
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     fn node() -> NodeInfo {
-        NodeInfo { name: "node-a".into(), zone: Some("zone-a".into()), addresses: vec!["192.168.0.1".parse().unwrap()] }
+        NodeInfo { name: "node-a".into(), zone: Some("zone-a".into()), addresses: vec!["192.168.0.1".parse().unwrap()], primary: vec![] }
     }
 
     fn svc(name: &str, ip: &str, ports: &[(Option<&str>, i32, &str)]) -> Service {
@@ -847,7 +800,7 @@ mod tests {
         let f = topo(&eps, false, &node());
         assert!(!f.topology, "no endpoint hinted for zone-a");
         assert_eq!(f.backends.len(), 2);
-        let zoneless = NodeInfo { name: "node-a".into(), zone: None, addresses: vec![] };
+        let zoneless = NodeInfo { name: "node-a".into(), zone: None, ..NodeInfo::default() };
         let eps = [Ep { zones: &["zone-a"], ..ep("10.0.0.1") }, Ep { zones: &["zone-b"], ..ep("10.0.0.2") }];
         let f = topo(&eps, false, &zoneless);
         assert!(!f.topology);
@@ -909,28 +862,13 @@ mod tests {
         let f = topo(&eps, false, &node());
         assert_eq!(addrs(&f.backends), ["10.0.0.2:8080"]);
         // A zoneless node still uses node hints.
-        let zoneless = NodeInfo { name: "node-a".into(), zone: None, addresses: vec![] };
+        let zoneless = NodeInfo { name: "node-a".into(), zone: None, ..NodeInfo::default() };
         let eps = [Ep { nodes: &["node-a"], ..ep("10.0.0.1") }, Ep { nodes: &["node-b"], ..ep("10.0.0.2") }];
         let f = topo(&eps, false, &zoneless);
         assert_eq!(addrs(&f.backends), ["10.0.0.1:8080"]);
         // internalTrafficPolicy Local: no topology.
         let f = topo(&eps, true, &node());
         assert!(!f.topology);
-    }
-
-    #[test]
-    fn zone_comes_from_the_flag_or_the_node_label() {
-        let mut n = Node::default();
-        n.metadata.name = Some("node-a".into());
-        n.metadata.labels = Some([(LABEL_ZONE.to_string(), "zone-x".to_string())].into());
-        let mut other = Node::default();
-        other.metadata.name = Some("node-b".into());
-        other.metadata.labels = Some([(LABEL_ZONE.to_string(), "zone-y".to_string())].into());
-        let nodes = [other, n];
-        let facts = |name, zone| NodeFacts { name, zone, ips: &[], interface_ips: &[] };
-        assert_eq!(node_info(&facts("node-a", None), &nodes).zone.as_deref(), Some("zone-x"));
-        assert_eq!(node_info(&facts("node-a", Some("zone-f")), &nodes).zone.as_deref(), Some("zone-f"));
-        assert_eq!(node_info(&facts("node-c", None), &nodes).zone, None);
     }
 
     #[test]
@@ -1024,6 +962,34 @@ mod tests {
     }
 
     #[test]
+    fn localhost_node_ports_are_for_the_nodes_own_sockets_on_ipv4_only() {
+        let ifaces: Vec<IpAddr> = vec!["192.168.0.1".parse().unwrap(), "fd00::1".parse().unwrap()];
+        let facts = NodeFacts { name: "node-a", interface_ips: &ifaces, localhost_nodeports: true, ..Default::default() };
+        let node = node_info(&facts, &[] as &[Node]);
+        let mut s = external_svc("NodePort");
+        s.metadata.annotations = Some([(ANNOTATION_NODEPORT_ALGORITHM.to_string(), "maglev".to_string()), (ANNOTATION_NODEPORT_MODE.to_string(), "dsr".to_string())].into());
+        let d = compute(std::slice::from_ref(&s), &[local_and_remote()], &node);
+        let f = &d.frontends[&fk("127.0.0.1", 30080, Proto::Tcp)];
+        assert!(f.external && f.host_only && !f.no_socket);
+        // Outside traffic never reaches it: no Maglev table, no DSR.
+        assert!(!f.maglev && !f.dsr);
+        assert!(d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)].maglev && d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)].dsr);
+        assert_eq!(addrs(&f.backends), ["10.0.0.1:8080", "10.0.0.2:8080"]);
+        assert!(!d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)].host_only);
+        assert!(!d.frontends[&fk("fd00::1", 30080, Proto::Tcp)].host_only);
+        assert!(!d.frontends.keys().any(|k| k.addr == "::1".parse::<IpAddr>().unwrap()), "no ::1, as kube-proxy");
+        let node = node_info(&NodeFacts { localhost_nodeports: false, ..facts.clone() }, &[] as &[Node]);
+        let d = compute(std::slice::from_ref(&s), &[local_and_remote()], &node);
+        assert!(!d.frontends.contains_key(&fk("127.0.0.1", 30080, Proto::Tcp)));
+        // A LoadBalancer's port on its IP is no NodePort: no 127.0.0.1:80.
+        let mut lb = external_svc("LoadBalancer");
+        lb_status(&mut lb, &[("203.0.113.1", None)]);
+        let node = node_info(&facts, &[] as &[Node]);
+        let d = compute(&[lb], &[local_and_remote()], &node);
+        assert!(d.frontends.contains_key(&fk("127.0.0.1", 30080, Proto::Tcp)) && !d.frontends.contains_key(&fk("127.0.0.1", 80, Proto::Tcp)));
+    }
+
+    #[test]
     fn load_balancer_ips_skip_proxy_mode_and_carry_source_ranges() {
         let mut s = external_svc("LoadBalancer");
         lb_status(&mut s, &[("203.0.113.1", None), ("203.0.113.2", Some("VIP")), ("203.0.113.3", Some("Proxy"))]);
@@ -1072,25 +1038,5 @@ mod tests {
         let term = slice("web", "s", "IPv4", WEB_EP, &[Ep { node: "node-a", ready: Some(false), serving: Some(true), terminating: Some(true), ..ep("10.0.0.1") }]);
         let d = compute(&[s], &[term], &node());
         assert_eq!(d.health_checks[&32000].local_endpoints, 0);
-    }
-
-    #[test]
-    fn node_addresses_from_flag_node_object_or_interfaces() {
-        use k8s_openapi::api::core::v1::{NodeAddress, NodeStatus};
-        let mut n = Node::default();
-        n.metadata.name = Some("node-a".into());
-        n.status = Some(NodeStatus {
-            addresses: Some(vec![
-                NodeAddress { type_: "InternalIP".into(), address: "192.168.5.5".into() },
-                NodeAddress { type_: "Hostname".into(), address: "node-a".into() },
-            ]),
-            ..Default::default()
-        });
-        let flag = ["10.1.1.1".parse().unwrap()];
-        let ifaces = ["172.16.0.1".parse().unwrap()];
-        let with = |ips: &[IpAddr], nodes: &[Node]| node_info(&NodeFacts { name: "node-a", zone: None, ips, interface_ips: &ifaces }, nodes).addresses;
-        assert_eq!(with(&flag, std::slice::from_ref(&n)), flag);
-        assert_eq!(with(&[], std::slice::from_ref(&n)), ["192.168.5.5".parse::<IpAddr>().unwrap()]);
-        assert_eq!(with(&[], &[]), ifaces);
     }
 }

@@ -44,6 +44,9 @@ pub mod svc_flags {
     /// Outside flows to a backend on another node keep the client's address
     /// and are answered by that node directly (direct server return, IPv4).
     pub const DSR: u16 = 1 << 9;
+    /// Only sockets in the node's own network namespace are translated (a
+    /// localhost NodePort, 127.0.0.1): a pod's own 127.0.0.1 is its own.
+    pub const HOST_ONLY: u16 = 1 << 10;
 }
 
 /// `Backend::flags`.

@@ -249,6 +249,19 @@ pub fn node_flags() -> u32 {
     LB_NODE_CONFIG.get_ptr(0).map_or(0, |c| unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*c).flags)) })
 }
 
+/// Whether `client` is a socket in the node's own network namespace.
+#[inline(always)]
+fn in_node_netns(client: &Client) -> bool {
+    match client {
+        Client::Sock(ctx) => {
+            // SAFETY: helper valid for sock_addr programs.
+            let netns = unsafe { bpf_get_netns_cookie(*ctx) };
+            node_config().is_some_and(|c| c.netns_cookie == netns)
+        }
+        Client::Addr(_) => false,
+    }
+}
+
 /// How often a lookup chain is retried when a concurrent update removed an
 /// entry between two lookups (the agent changes a service while we read it).
 const RETRIES: u32 = 3;
@@ -412,6 +425,11 @@ pub fn select<F: Family>(
             }
             return Verdict::Pass;
         };
+        // A localhost NodePort: the node's own sockets only (a pod's
+        // 127.0.0.1 is its own); never outside traffic.
+        if front.flags & svc_flags::HOST_ONLY != 0 && !in_node_netns(&client) {
+            return Verdict::Pass;
+        }
         let local_flag = if external { svc_flags::EXT_LOCAL } else { svc_flags::LOCAL_ONLY };
         let (scope, n) = if front.flags & local_flag != 0 {
             // internalTrafficPolicy Local: the node-local slots. With none,

@@ -37,6 +37,13 @@ fn a_maglev_table_size_that_is_no_prime() {
 }
 
 #[test]
+fn nodeport_addresses_that_are_no_cidrs() {
+    assert_one_line_error(&["run", "--nodeport-addresses", "10.0.0.1"], "--nodeport-addresses: \"10.0.0.1\" has no prefix length");
+    assert_one_line_error(&["run", "--nodeport-addresses", "10.0.0.0/8,primary"], "--nodeport-addresses: \"primary\" cannot be combined");
+    assert_one_line_error(&["run", "--nodeport-addresses", "10.0.0.0/40"], "--nodeport-addresses: \"10.0.0.0/40\" is not a CIDR");
+}
+
+#[test]
 fn missing_source_directory() {
     assert_one_line_error(&["run", "--source", "dir:/nonexistent/lb-objects"], "/nonexistent/lb-objects");
 }

@@ -269,3 +269,73 @@ fn a_node_address_added_later_gets_the_node_port_at_once() -> Result<()> {
     assert!(c.programmed(1, &node, 30080, "TCP")?.is_some());
     Ok(())
 }
+
+/// kube-proxy's localhost NodePorts (iptables mode, IPv4 only): the node's
+/// own connections to 127.0.0.1:nodePort reach the Service, TCP and UDP,
+/// and see 127.0.0.1:nodePort as their peer. A pod's 127.0.0.1 stays its
+/// own: a server of its own on that port answers, not the Service.
+/// `--localhost-nodeports false` turns them off.
+#[test]
+fn localhost_node_ports_serve_the_nodes_own_connections_only() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]), &[])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let host = w.c.host(1);
+    let s = tcp(&w.c, &host, "127.0.0.1:30080", 30)?;
+    assert_eq!(s.ok, 30, "{s:?}");
+    let pods: BTreeSet<&str> = s.replies.keys().filter_map(|k| k.split_whitespace().next()).collect();
+    assert_eq!(pods, ["pod-1", "pod-2"].into(), "{s:?}");
+    assert_eq!(s.peers.keys().collect::<Vec<_>>(), ["127.0.0.1:30080"], "getpeername: {s:?}");
+    let s = w.c.probe(&host, &["udp", "--addr", "127.0.0.1:30080", "--count", "10"])?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    assert_eq!(s.peers.keys().collect::<Vec<_>>(), ["127.0.0.1:30080"], "recvfrom: {s:?}");
+    // pod-1 listens on 30080 itself: its own 127.0.0.1:30080 is its own.
+    w.c.serve_reporting_peer(&w.p1, 30080)?;
+    let s = tcp(&w.c, &w.p1, "127.0.0.1:30080", 5)?;
+    assert_eq!(keys(&s), ["pod-1 127.0.0.1"].into(), "{s:?}");
+    // Off: nothing listens on the node's 127.0.0.1:30080.
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--localhost-nodeports", "false"])?;
+    let s = w.c.probe(&host, &["tcp", "--addr", "127.0.0.1:30080", "--count", "3", "--timeout-ms", "500"])?;
+    assert_eq!(s.errors.get("ECONNREFUSED"), Some(&3), "{s:?}");
+    // The node address still works.
+    let s = tcp(&w.c, &host, &format!("{}:30080", w.c.nodes[0].ip), 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}
+
+/// kube-proxy's iptables mode serves NodePorts on every local address
+/// (`--nodeport-addresses` unset): a second address (as a second NIC's) has
+/// them though it is not the node IP (`--node-ip`), and so has the pod
+/// bridge's address. `--nodeport-addresses` CIDRs and `primary` narrow them
+/// as kube-proxy's do, 127.0.0.1 included.
+#[test]
+fn node_ports_are_on_every_node_address_unless_nodeport_addresses_narrow_them() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]), &[])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let netns = w.c.nodes[0].netns.clone();
+    let node = format!("{}:30080", w.c.nodes[0].ip);
+    let gateway = format!("{}.1:30080", w.c.nodes[0].pod_cidr_prefix);
+    w.c.in_netns(&netns, &["ip", "addr", "add", "192.168.77.61/24", "dev", "eth0"])?;
+    w.c.wait_for("the NodePort on the second address", Duration::from_secs(5), || Ok(w.c.programmed(1, "192.168.77.61", 30080, "TCP")?.is_some()))?;
+    let s = tcp(&w.c, &w.outside, "192.168.77.61:30080", 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    let s = tcp(&w.c, &w.p1, &gateway, 5)?;
+    assert_eq!(s.ok, 5, "a pod to its node's bridge address: {s:?}");
+    let refused = |w: &World, from: &Pod, addr: &str| -> Result<()> {
+        let s = w.c.probe(from, &["tcp", "--addr", addr, "--count", "3", "--timeout-ms", "500"])?;
+        assert_eq!(s.errors.get("ECONNREFUSED"), Some(&3), "{addr} from {}: {s:?}", from.name);
+        Ok(())
+    };
+    for flag in ["192.168.77.11/32,fd00::/8", "primary"] {
+        w.c.kill_agent(1);
+        w.c.start_agent_with(1, &["--nodeport-addresses", flag])?;
+        w.c.wait_for("the NodePort off the second address", Duration::from_secs(5), || Ok(w.c.programmed(1, "192.168.77.61", 30080, "TCP")?.is_none()))?;
+        refused(&w, &w.outside, "192.168.77.61:30080")?;
+        refused(&w, &w.p1, &gateway)?;
+        // 127.0.0.1 is in neither: no localhost NodePorts.
+        refused(&w, &w.c.host(1), "127.0.0.1:30080")?;
+        let s = tcp(&w.c, &w.outside, &node, 5)?;
+        assert_eq!(s.ok, 5, "--nodeport-addresses {flag}: {s:?}");
+    }
+    Ok(())
+}

@@ -15,6 +15,7 @@ const FLOOD: [u8; 4] = [192, 168, 77, 201];
 const BAD: [u8; 4] = [192, 168, 77, 202];
 const BAD6: &str = "fd00:77::202";
 const NODE1_B: [u8; 4] = [192, 168, 77, 11];
+const LOCALHOST: [u8; 4] = [127, 0, 0, 1];
 
 fn v6(s: &str) -> [u8; 16] {
     s.parse::<std::net::Ipv6Addr>().unwrap().octets()
@@ -118,6 +119,12 @@ fn malformed_packets_pass_or_drop_without_entries_and_other_flows_go_on() -> Res
         ipv4(BAD, NODE1_B, 1, 5, 0, 9, &icmp(&inner)),
         // Only an Ethernet header and 3 bytes.
         vec![0x45, 0, 0],
+        // To 127.0.0.1:30080, a localhost NodePort: for the node's own
+        // sockets only, never translated for a packet from outside (with
+        // kube-proxy's route_localnet, CVE-2020-8558 needed a rule of its
+        // own); the node drops it as a martian.
+        ipv4(BAD, LOCALHOST, 6, 5, 0x4000, 10, &tcp_syn(&BAD, &LOCALHOST, 40003, 30080)),
+        ipv4(BAD, LOCALHOST, 17, 5, 0, 11, &udp),
     ])?;
     let (bad6, node6) = (v6(BAD6), v6(NODE1_6));
     let syn6 = tcp_syn(&bad6, &node6, 40002, 30080);

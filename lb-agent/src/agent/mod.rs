@@ -35,8 +35,13 @@ pub struct RunConfig {
     pub cgroup: PathBuf,
     pub bpffs: PathBuf,
     pub capacity: Capacity,
-    /// `--node-ip`: the node's addresses (else the Node object's, else the interfaces').
+    /// `--node-ip`: the node's primary addresses (else the Node object's,
+    /// else the interfaces').
     pub node_ips: Vec<std::net::IpAddr>,
+    /// `--nodeport-addresses`.
+    pub nodeport_addresses: model::NodePortAddresses,
+    /// `--localhost-nodeports`.
+    pub localhost_nodeports: bool,
     /// `--nodeport-interface`: where the TC programs attach (else
     /// `netdev::nodeport_devices`).
     pub nodeport_interfaces: Vec<String>,
@@ -283,6 +288,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         node_name: cfg.node_name.clone(),
         zone: cfg.zone.clone(),
         node_ips: cfg.node_ips.clone(),
+        nodeport_addresses: cfg.nodeport_addresses.clone(),
+        localhost_nodeports: cfg.localhost_nodeports,
         opts: cfg.model.clone(),
         capacity: cfg.capacity,
         nodeports,

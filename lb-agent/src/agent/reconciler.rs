@@ -182,6 +182,8 @@ pub(super) struct Reconciler {
     pub(super) node_name: String,
     pub(super) zone: Option<String>,
     pub(super) node_ips: Vec<std::net::IpAddr>,
+    pub(super) nodeport_addresses: model::NodePortAddresses,
+    pub(super) localhost_nodeports: bool,
     pub(super) opts: model::Options,
     pub(super) capacity: Capacity,
     pub(super) nodeports: BTreeSet<lb_common::NodePortKey>,
@@ -343,6 +345,8 @@ impl Reconciler {
             zone: self.zone.as_deref(),
             ips: &self.node_ips,
             interface_ips: &iface_ips,
+            nodeport_addresses: self.nodeport_addresses.clone(),
+            localhost_nodeports: self.localhost_nodeports,
         };
         let node = model::node_info(&facts, &snap.nodes);
         let t_model = Instant::now();
@@ -393,11 +397,11 @@ impl Reconciler {
             self.maps.set_nodeports(&mut self.nodeports, &want)?;
         }
         if full {
-            let snat_addr = node.addresses.iter().find_map(|a| match a {
+            let snat_addr = node.primary.iter().find_map(|a| match a {
                 std::net::IpAddr::V4(v4) => Some(v4.octets()),
                 _ => None,
             });
-            let snat_addr6 = node.addresses.iter().find_map(|a| match a {
+            let snat_addr6 = node.primary.iter().find_map(|a| match a {
                 std::net::IpAddr::V6(v6) => Some(v6.octets()),
                 _ => None,
             });
@@ -410,7 +414,7 @@ impl Reconciler {
                 flags: self.node_flags,
                 maglev_size: self.maglev.size(),
             })?;
-            self.node_addresses = node.addresses.clone();
+            self.node_addresses = node.primary.clone();
         }
         // Routes that set an MTU the TC programs' FIB lookup does not see.
         let routes = self.addresses.route_mtus();

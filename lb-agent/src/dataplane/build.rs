@@ -407,6 +407,9 @@ fn add_frontend<A: Addr>(t: &mut Builder<A>, key: &model::FrontendKey, front: &m
     if front.no_socket {
         flags |= svc_flags::NO_SOCKET;
     }
+    if front.host_only {
+        flags |= svc_flags::HOST_ONLY;
+    }
     if !front.source_ranges.is_empty() {
         flags |= svc_flags::SRC_RANGE;
         for (net, len) in &front.source_ranges {

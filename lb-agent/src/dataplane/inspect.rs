@@ -157,6 +157,9 @@ fn add<A: Addr>(t: &Table<A>, out: &mut ListView, svc: Option<&SvcCounters>) {
         if v.flags & svc_flags::NO_SOCKET != 0 {
             flags.push("no-socket");
         }
+        if v.flags & svc_flags::HOST_ONLY != 0 {
+            flags.push("host-only");
+        }
         if v.flags & svc_flags::SRC_RANGE != 0 {
             flags.push("source-ranges");
         }

@@ -118,7 +118,7 @@ pub(crate) fn slice(max_eps: usize) -> impl Strategy<Value = EndpointSlice> {
 }
 
 pub(crate) fn node() -> NodeInfo {
-    NodeInfo { name: "node-a".into(), zone: Some("zone-a".into()), addresses: vec!["192.168.0.1".parse().unwrap(), "fd00:1::1".parse().unwrap()] }
+    NodeInfo { name: "node-a".into(), zone: Some("zone-a".into()), addresses: vec!["192.168.0.1".parse().unwrap(), "fd00:1::1".parse().unwrap()], primary: vec![] }
 }
 
 /// Everything but the warnings, whose order follows the input's.

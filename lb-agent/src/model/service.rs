@@ -213,6 +213,9 @@ struct External {
     no_socket: bool,
     /// A LoadBalancer ingress IP: loadBalancerSourceRanges apply.
     lb_ip: bool,
+    /// 127.0.0.1 (`NodeFacts::localhost_nodeports`): for the node's own
+    /// sockets only.
+    host_only: bool,
 }
 
 /// The NodePort on every node address, the LoadBalancer ingress IPs (not
@@ -226,7 +229,9 @@ fn external_addresses(out: &mut ServiceOut, p: &Port<'_>) -> Vec<External> {
         match valid_port(np) {
             Some(np) => {
                 out.node_ports.insert((np, proto));
-                external.extend(node.addresses.iter().map(|a| External { addr: *a, port: np, no_socket: false, lb_ip: false }));
+                // 127.0.0.1 among them: kube-proxy's localhost NodePorts,
+                // for the node's own sockets only.
+                external.extend(node.addresses.iter().map(|a| External { addr: *a, port: np, no_socket: false, lb_ip: false, host_only: a.is_loopback() }));
             }
             None => out.warnings.push(format!("Service {sref}: invalid nodePort {np}, ignored")),
         }
@@ -240,7 +245,7 @@ fn external_addresses(out: &mut ServiceOut, p: &Port<'_>) -> Vec<External> {
                 continue;
             }
             match ing.ip.as_deref().map(str::parse::<IpAddr>) {
-                Some(Ok(a)) if usable_ip(&a) => external.push(External { addr: a, port, no_socket: false, lb_ip: true }),
+                Some(Ok(a)) if usable_ip(&a) => external.push(External { addr: a, port, no_socket: false, lb_ip: true, host_only: false }),
                 Some(_) => out.warnings.push(format!("Service {sref}: invalid load balancer ingress IP {:?}", ing.ip)),
                 None => {}
             }
@@ -248,7 +253,7 @@ fn external_addresses(out: &mut ServiceOut, p: &Port<'_>) -> Vec<External> {
     }
     for ip in spec.external_ips.iter().flatten() {
         match ip.parse::<IpAddr>() {
-            Ok(a) if usable_ip(&a) => external.push(External { addr: a, port, no_socket: !opts.external_ip_socket, lb_ip: false }),
+            Ok(a) if usable_ip(&a) => external.push(External { addr: a, port, no_socket: !opts.external_ip_socket, lb_ip: false, host_only: false }),
             _ => out.warnings.push(format!("Service {sref}: invalid externalIP {ip:?}, ignored")),
         }
     }
@@ -283,11 +288,14 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
             external: true,
             ext_local,
             no_socket: e.no_socket,
+            host_only: e.host_only,
             source_ranges,
             extra_serving: extra,
-            maglev: p.maglev,
+            // Outside traffic only: a localhost NodePort (the node's own
+            // sockets) needs no Maglev table and never leaves by DSR.
+            maglev: p.maglev && !e.host_only,
             // Local never leaves the node.
-            dsr: p.dsr && !ext_local,
+            dsr: p.dsr && !ext_local && !e.host_only,
             ..p.base.clone()
         };
         out.claim(claimed, p.sref, FrontendKey { addr: e.addr, port: e.port, proto: p.proto }, front, true);
