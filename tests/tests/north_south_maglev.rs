@@ -26,26 +26,29 @@ fn pods_of(c: &Cluster, client: &Pod, ports: std::ops::Range<u16>) -> Result<BTr
 
 /// How many Maglev tables node `node`'s IPv4 outer map holds.
 fn maglev_tables(w: &World, node: usize) -> Result<usize> {
+    Ok(inner_ids(w, node)?.len())
+}
+
+/// The id of the inner array under each key of node `node`'s `LB4_MAGLEV`.
+fn inner_ids(w: &World, node: usize) -> Result<Vec<u32>> {
     let pin = w.c.nodes[node - 1].bpffs.join("LB4_MAGLEV");
-    let d = lbtest::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])?;
-    Ok(d.lines().filter(|l| l.starts_with("key:")).count())
+    let outer = lbtest::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])?;
+    Ok(outer
+        .lines()
+        .filter_map(|l| l.split("value:").nth(1))
+        .map(|v| {
+            let b: Vec<u8> = v.split_whitespace().filter_map(|x| u8::from_str_radix(x, 16).ok()).collect();
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+        })
+        .collect())
 }
 
 /// Wait until every Maglev table of node `node` names exactly `n`
 /// backends (the tables follow the slots within the same sync, a moment
 /// later).
 fn wait_tables(w: &World, node: usize, n: usize) -> Result<()> {
-    let pin = w.c.nodes[node - 1].bpffs.join("LB4_MAGLEV");
     w.c.wait_for(&format!("node-{node}'s Maglev tables with {n} backends"), std::time::Duration::from_secs(5), || {
-        let outer = lbtest::run("bpftool", &["map", "dump", "pinned", pin.to_str().unwrap()])?;
-        let ids: Vec<u32> = outer
-            .lines()
-            .filter_map(|l| l.split("value:").nth(1))
-            .map(|v| {
-                let b: Vec<u8> = v.split_whitespace().filter_map(|x| u8::from_str_radix(x, 16).ok()).collect();
-                u32::from_le_bytes([b[0], b[1], b[2], b[3]])
-            })
-            .collect();
+        let ids = inner_ids(w, node)?;
         for id in &ids {
             // A table swapped meanwhile is gone: look again.
             let Ok(inner) = lbtest::run("bpftool", &["-j", "map", "dump", "id", &id.to_string()]) else { return Ok(false) };
@@ -109,6 +112,10 @@ fn a_udp_flow_moved_to_another_node_keeps_its_pod_with_maglev() -> Result<()> {
     // pod bridge's, TCP and UDP); none for the localhost NodePorts, which
     // outside traffic never reaches.
     assert_eq!(maglev_tables(&w, 1)?, 6);
+    // Frontends with the same backends share one table: one array for
+    // TCP, one for UDP (their backends have ids of their own).
+    let arrays: std::collections::BTreeSet<u32> = inner_ids(&w, 1)?.into_iter().collect();
+    assert_eq!(arrays.len(), 2, "{:?}", inner_ids(&w, 1)?);
     // `lb-agent list` shows the table as the kernel holds it; its digest
     // (over the backends' addresses) is the same on both nodes.
     let table = |node: usize| -> Result<serde_json::Value> {

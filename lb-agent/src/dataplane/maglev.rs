@@ -7,10 +7,11 @@
 //! frontend's slots and their backends), after the ops that wrote them:
 //! a changed table is built in a new inner array and swapped in with one
 //! outer-map update, so a program sees the old table or the new one,
-//! never a half-written one. A table entry whose backend is not (or no
+//! never a half-written one. Keys whose backends are the same share one
+//! inner array. A table entry whose backend is not (or no
 //! longer) in the backends map makes the program fall back to the slots,
 //! so the order against the other writes cannot refuse a flow.
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::os::fd::{AsFd as _, AsRawFd as _};
 use std::path::Path;
@@ -108,30 +109,48 @@ impl<A: Addr> MaglevTables<A> {
                 }
             }
         }
+        // Frontends with the same backends (a Service port's NodePort on
+        // every node address, its LoadBalancer IPs and externalIPs) share
+        // one inner array: a table is never changed in place, only
+        // swapped, so one can sit under several keys. `have`: a key whose
+        // table holds these backends now.
+        let mut have: HashMap<Vec<(SocketAddr, u32)>, MaglevKey> = self.written.values().map(|w| (w.backends.clone(), w.key)).collect();
         for (f, w) in want {
-            if self.written.get(&f) == Some(&w) {
+            let old = self.written.get(&f);
+            if old == Some(&w) {
                 continue;
             }
-            self.write(maglev, &w).with_context(|| format!("Maglev table of {}:{} (scope {})", f.0.to_ip(), f.1, f.3))?;
+            if let Some(old) = old
+                && have.get(&old.backends) == Some(&old.key)
+            {
+                // Its table is about to be swapped.
+                have.remove(&old.backends);
+            }
+            let shared = have.get(&w.backends).filter(|k| **k != w.key).and_then(|k| self.outer.get(k, 0).ok());
+            let inner = match shared {
+                Some(inner) => inner,
+                None => build(maglev, &w).with_context(|| format!("Maglev table of {}:{} (scope {})", f.0.to_ip(), f.1, f.3))?,
+            };
+            self.outer.insert(w.key, &inner, 0).with_context(|| format!("swap in the Maglev table of {}:{} (scope {})", f.0.to_ip(), f.1, f.3))?;
+            have.insert(w.backends.clone(), w.key);
             self.written.insert(f, w);
             n += 1;
         }
         Ok(n)
     }
+}
 
-    /// Build `w`'s table in a new inner array and swap it in.
-    fn write(&mut self, maglev: &Maglev, w: &Want) -> Result<()> {
-        let addrs: Vec<SocketAddr> = w.backends.iter().map(|b| b.0).collect();
-        let ids: Vec<u32> = maglev.table(&addrs).into_iter().map(|i| w.backends[i as usize].1).collect();
-        let def = aya_obj::Map::new_from_params(BPF_MAP_TYPE_ARRAY, 4, 4, maglev.size(), BPF_F_INNER_MAP);
-        let inner = MapData::create(def, "lb_maglev", None).context("create the inner array")?;
-        let idx: Vec<u32> = (0..maglev.size()).collect();
-        let (done, r) = super::maps::batch::<u32, u32>(inner.fd().as_fd().as_raw_fd(), &idx, Some(&ids));
-        r.context("fill the inner array")?;
-        anyhow::ensure!(done == ids.len(), "filled {done} of {} entries", ids.len());
-        self.outer.insert(w.key, &inner, 0).context("swap it in")?;
-        Ok(())
-    }
+/// `w`'s table, built in a new inner array.
+fn build(maglev: &Maglev, w: &Want) -> Result<MapData> {
+    let addrs: Vec<SocketAddr> = w.backends.iter().map(|b| b.0).collect();
+    let ids: Vec<u32> = maglev.table(&addrs).into_iter().map(|i| w.backends[i as usize].1).collect();
+    let def = aya_obj::Map::new_from_params(BPF_MAP_TYPE_ARRAY, 4, 4, maglev.size(), BPF_F_INNER_MAP);
+    let inner = MapData::create(def, "lb_maglev", None).context("create the inner array")?;
+    let idx: Vec<u32> = (0..maglev.size()).collect();
+    let (done, r) = super::maps::batch::<u32, u32>(inner.fd().as_fd().as_raw_fd(), &idx, Some(&ids));
+    r.context("fill the inner array")?;
+    anyhow::ensure!(done == ids.len(), "filled {done} of {} entries", ids.len());
+    Ok(inner)
 }
 
 /// Every table in the outer map pinned as `name` under `dir`, read back:
