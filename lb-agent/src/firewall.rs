@@ -15,7 +15,10 @@
 //! chain that may not accept everything (a policy other than ACCEPT, or a
 //! rule that drops, rejects or jumps to a chain), with `LB-FORWARD`
 //! accepting that mark. It looks at
-//! start and every `--forward-accept-period`, in every backend and family
+//! start, at every nftables change (`watch_nftables`: iptables-nft's rules
+//! are nftables', so a firewall reload or `nft flush ruleset` is seen at
+//! once) and every `--forward-accept-period` (iptables-legacy has no
+//! change events), in every backend and family
 //! the node uses (iptables-legacy only where its filter table exists:
 //! looking at it would create it), and puts back what an operator or a
 //! firewall service removed. Replies of local pods are not lb's to accept:
@@ -45,6 +48,44 @@
 //! may drop cannot be overridden from another table: the agent names such
 //! a chain in a warning.
 use std::process::Command;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+
+/// nfnetlink's multicast group for nftables changes (tables, chains,
+/// rules, sets; iptables-nft's too).
+const NFNLGRP_NFTABLES: u32 = 7;
+
+/// Wake `wake` at every nftables change in this network namespace, a burst
+/// (a reload) as one, so that lb's rules are put back at once instead of
+/// at the next period. lb's own writes wake it too; the look after them
+/// finds everything in place and writes nothing. Err where the events
+/// cannot be had (the period still covers everything).
+pub fn watch_nftables(wake: Arc<tokio::sync::Notify>) -> anyhow::Result<()> {
+    use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
+    let mut sock = Socket::new(NETLINK_NETFILTER).context("nfnetlink socket")?;
+    sock.bind(&SocketAddr::new(0, 1 << (NFNLGRP_NFTABLES - 1))).context("subscribe to nftables changes")?;
+    std::thread::Builder::new()
+        .name("nftables".into())
+        .spawn(move || {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                // A lost message (ENOBUFS) is a change too.
+                if let Err(e) = sock.recv(&mut &mut buf[..], 0)
+                    && e.raw_os_error() != Some(libc::ENOBUFS)
+                {
+                    tracing::warn!("nftables change events: {e}; lb's netfilter rules are looked at every --forward-accept-period only");
+                    return;
+                }
+                // A reload is many changes: one look once it settles.
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                while sock.recv(&mut &mut buf[..], libc::MSG_DONTWAIT).is_ok() {}
+                wake.notify_one();
+            }
+        })
+        .context("spawn the nftables watcher")?;
+    Ok(())
+}
 
 /// lb's chain in the filter table.
 pub const CHAIN: &str = "LB-FORWARD";
@@ -202,7 +243,6 @@ fn save(b: &Backend) -> Option<String> {
 }
 
 fn restore(b: &Backend, script: &str) -> anyhow::Result<()> {
-    use anyhow::Context as _;
     use std::io::Write as _;
     let mut child = Command::new(b.restore)
         .args(["--noflush", "-w", "5"])
@@ -322,7 +362,6 @@ fn conntrack_in_use() -> bool {
 }
 
 fn nft(args: &[&str], stdin: Option<&str>) -> anyhow::Result<String> {
-    use anyhow::Context as _;
     use std::io::Write as _;
     let mut child = Command::new("nft")
         .args(args)

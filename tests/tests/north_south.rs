@@ -547,6 +547,65 @@ fn a_forward_chain_that_drops_passes_translated_traffic_as_kube_proxys_would() -
     Ok(())
 }
 
+/// A firewall reload takes lb's rules with it: `iptables-restore` of the
+/// node's saved rules (netfilter-persistent) flushes the filter table,
+/// LB-FORWARD and the jump to it included; `nft flush ruleset` and the
+/// rules again (nftables.service) removes the `inet lb` table too. The
+/// agent sees nftables change (iptables-nft's rules are nftables') and
+/// puts its rules back at once, not at its next look (an hour here), so
+/// flows through the stack are dropped for a moment at most.
+#[test]
+fn a_firewall_reload_is_repaired_at_once_not_at_the_next_period() -> Result<()> {
+    let w = world_with(&web("NodePort", "", &[]), &["--forward-accept-period", "3600s"])?;
+    let n1 = w.c.nodes[0].netns.clone();
+    // pod-2 only: SNATed flows, forwarded by node-1 both ways.
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    let saved = std::env::temp_dir().join(format!("lbt-{}-rules.v4", std::process::id()));
+    std::fs::write(
+        &saved,
+        format!(
+            "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD DROP [0:0]\n:OUTPUT ACCEPT [0:0]\n-A FORWARD -s {}/32 -j ACCEPT\nCOMMIT\n*mangle\n:PREROUTING ACCEPT [0:0]\n-A PREROUTING -m conntrack --ctstate INVALID -j DROP\nCOMMIT\n",
+            w.p1.ip
+        ),
+    )?;
+    let reload = || w.c.in_netns(&n1, &["iptables-nft-restore", "-w", "5", saved.to_str().unwrap()]);
+    let jump = || -> Result<bool> { Ok(w.c.in_netns(&n1, &["iptables-nft", "-w", "-S", "FORWARD"])?.lines().any(|l| l.ends_with("-j LB-FORWARD"))) };
+    let table = || -> Result<bool> { Ok(w.c.in_netns(&n1, &["nft", "list", "tables"])?.lines().any(|l| l.trim() == "table inet lb")) };
+    let flows = || -> Result<()> {
+        let addr = hostport(NODE1, 30080);
+        let s = tcp(&w.c, &w.outside, &addr, 10)?;
+        assert_eq!(s.ok, 10, "{s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "10"])?;
+        assert_eq!(s.ok, 10, "{s:?}");
+        Ok(())
+    };
+    let result = (|| -> Result<()> {
+        // The firewall comes after the agent.
+        reload()?;
+        w.c.wait_for("LB-FORWARD after the firewall started", Duration::from_secs(5), jump)?;
+        // conntrack holds an entry (a datagram to a port of node-1's own).
+        w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 1), "--count", "1", "--timeout-ms", "300"])?;
+        // netfilter-persistent reloads: the filter table is rewritten.
+        reload()?;
+        w.c.wait_for("LB-FORWARD and table inet lb after the reload", Duration::from_secs(5), || Ok(jump()? && table()?))?;
+        flows()?;
+        // nftables.service restarts: everything goes, then the rules again.
+        w.c.in_netns(&n1, &["nft", "flush", "ruleset"])?;
+        reload()?;
+        w.c.wait_for("LB-FORWARD and table inet lb after nft flush ruleset", Duration::from_secs(5), || Ok(jump()? && table()?))?;
+        flows()?;
+        // Each load removed them and each was repaired once: the agent's
+        // own writes (nftables changes too) start no loop of repairs.
+        let log = std::fs::read_to_string(w.c.agent_log(1))?;
+        assert_eq!(log.matches("LB-FORWARD accepts it").count(), 3, "{log}");
+        assert_eq!(log.matches("conntrack runs on this node").count(), 2, "{log}");
+        Ok(())
+    })();
+    let _ = std::fs::remove_file(&saved);
+    result
+}
+
 /// conntrack runs on node-1 with the common rule against INVALID packets
 /// (`-t mangle -A PREROUTING -m conntrack --ctstate INVALID -j DROP`;
 /// IPv4 in iptables-nft, IPv6 in iptables-legacy). conntrack would see

@@ -331,7 +331,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // the runtime thread: iptables-save of a large rule set takes a while).
     if !cfg.kube_proxy_check_period.is_zero() {
         let m = metrics.clone();
-        every(cfg.kube_proxy_check_period, "looking for kube-proxy's rules", move |last| crate::kube_proxy::check(&m.kube_proxy_rules, last));
+        every(cfg.kube_proxy_check_period, None, "looking for kube-proxy's rules", move |last| crate::kube_proxy::check(&m.kube_proxy_rules, last));
     }
     // The FORWARD chains: lb's rules where they may drop what the TC
     // programs hand to the stack (crate::firewall), at start and then every
@@ -348,7 +348,12 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         }
     });
     if mark != 0 || notrack != 0 {
-        every(cfg.forward_accept_period, "looking at the FORWARD chains and conntrack", move |last| crate::firewall::ensure(mark, notrack, last));
+        // At once where nftables changed (iptables-nft too): a reload.
+        let wake = std::sync::Arc::new(tokio::sync::Notify::new());
+        if let Err(e) = crate::firewall::watch_nftables(wake.clone()) {
+            tracing::warn!("{e:#}: lb's netfilter rules are looked at every --forward-accept-period only");
+        }
+        every(cfg.forward_accept_period, Some(wake), "looking at the FORWARD chains and conntrack", move |last| crate::firewall::ensure(mark, notrack, last));
     }
     // How long the watches have been failing, for the metric.
     {
@@ -488,17 +493,31 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     Ok(())
 }
 
-/// Run `check` now and then every `period` on a blocking thread (it runs
-/// commands), handing it what it saw last time (None at first, and after
-/// a check that panicked: `what` is logged).
-fn every<T: Send + 'static>(period: Duration, what: &'static str, check: impl Fn(&mut Option<T>) + Send + Sync + 'static) {
+/// Run `check` now and then every `period`, and whenever `wake` is
+/// notified, on a blocking thread (it runs commands), handing it what it
+/// saw last time (None at first, and after a check that panicked: `what`
+/// is logged).
+fn every<T: Send + 'static>(
+    period: Duration,
+    wake: Option<std::sync::Arc<tokio::sync::Notify>>,
+    what: &'static str,
+    check: impl Fn(&mut Option<T>) + Send + Sync + 'static,
+) {
     let check = std::sync::Arc::new(check);
     tokio::spawn(async move {
         let mut last = None;
         let mut tick = tokio::time::interval(period);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tick.tick().await;
+            match &wake {
+                Some(w) => tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = w.notified() => tracing::debug!("{what}: something changed"),
+                },
+                None => {
+                    tick.tick().await;
+                }
+            }
             let check = check.clone();
             match tokio::task::spawn_blocking(move || {
                 check(&mut last);
