@@ -163,6 +163,12 @@ enum Cmd {
         /// see CVE-2020-8554). false: only traffic from outside is translated.
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
         external_ip_socket_lb: bool,
+        /// Serve ClusterIPs routed to the node from outside (a router
+        /// advertising the Service CIDR: Calico's serviceClusterIPs, BGP),
+        /// as kube-proxy does; backends on other nodes are SNATed. false:
+        /// such packets go on to the stack untouched (Cilium's default).
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        external_cluster_ip: bool,
         /// NodePorts also on 127.0.0.1 for the node's own connections (the
         /// host network namespace; a pod's 127.0.0.1 stays its own), as
         /// kube-proxy's iptables mode has them
@@ -366,6 +372,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             maglev_seed,
             nodeport_mode,
             external_ip_socket_lb,
+            external_cluster_ip,
             localhost_nodeports,
             nat_tcp_timeout,
             nat_tcp_close_timeout,
@@ -430,6 +437,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 nodeport_range: port_range("--nodeport-range", &nodeport_range)?,
                 snat_ports: port_range("--snat-ports", &snat_ports)?,
                 node_flags: if bpf_forward { lb_common::node_flags::BPF_FORWARD } else { 0 }
+                    | if external_cluster_ip { lb_common::node_flags::EXTERNAL_CLUSTER_IP } else { 0 }
                     | if forward_accept == "iptables" { lb_common::node_flags::fwd_mark(forward_mark_bit) } else { 0 }
                     | if notrack == "auto" { lb_common::node_flags::notrack_mark(notrack_mark_bit) } else { 0 },
                 forward_accept_period,

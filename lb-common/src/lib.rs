@@ -696,6 +696,11 @@ pub mod node_flags {
     /// Forward translated outside traffic in BPF (FIB lookup and redirect)
     /// instead of through the stack (`lb-agent run --bpf-forward`).
     pub const BPF_FORWARD: u32 = 1 << 0;
+    /// ClusterIPs routed to the node from outside (a router advertising
+    /// the Service CIDR) are served on arrival, as kube-proxy's
+    /// KUBE-SERVICES in PREROUTING serves them (`lb-agent run
+    /// --external-cluster-ip`).
+    pub const EXTERNAL_CLUSTER_IP: u32 = 1 << 1;
     /// Bits 8-13: the skb mark bit the TC programs set on what they
     /// translate and hand to the stack to forward, plus one (0: none), so
     /// that the agent's iptables rule (`LB-FORWARD`) accepts it in a

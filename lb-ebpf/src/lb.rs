@@ -249,6 +249,13 @@ pub fn node_flags() -> u32 {
     LB_NODE_CONFIG.get_ptr(0).map_or(0, |c| unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*c).flags)) })
 }
 
+/// Whether ClusterIPs routed to the node from outside are served
+/// (`node_flags::EXTERNAL_CLUSTER_IP`).
+#[inline(always)]
+pub fn external_cluster_ip() -> bool {
+    node_flags() & lb_common::node_flags::EXTERNAL_CLUSTER_IP != 0
+}
+
 /// Whether `client` is a socket in the node's own network namespace.
 #[inline(always)]
 fn in_node_netns(client: &Client) -> bool {
@@ -406,9 +413,10 @@ pub fn select<F: Family>(
         retry += 1;
         let front = F::svc(&SvcKey::new(addr, port, proto, SCOPE_ALL, 0));
         if external {
-            // Outside traffic: only NodePort / LB IP / externalIP frontends.
+            // Outside traffic: NodePort / LB IP / externalIP frontends, and
+            // ClusterIPs routed here where the node serves them.
             match front {
-                Some(f) if f.flags & svc_flags::EXTERNAL != 0 => {}
+                Some(f) if f.flags & svc_flags::EXTERNAL != 0 || external_cluster_ip() => {}
                 _ => return Verdict::Pass,
             }
         }
@@ -430,7 +438,10 @@ pub fn select<F: Family>(
         if front.flags & svc_flags::HOST_ONLY != 0 && !in_node_netns(&client) {
             return Verdict::Pass;
         }
-        let local_flag = if external { svc_flags::EXT_LOCAL } else { svc_flags::LOCAL_ONLY };
+        // externalTrafficPolicy for outside traffic to an external
+        // frontend; internalTrafficPolicy for the rest (a ClusterIP from
+        // outside too, as kube-proxy's KUBE-SVL chain serves it).
+        let local_flag = if external && front.flags & svc_flags::EXTERNAL != 0 { svc_flags::EXT_LOCAL } else { svc_flags::LOCAL_ONLY };
         let (scope, n) = if front.flags & local_flag != 0 {
             // internalTrafficPolicy Local: the node-local slots. With none,
             // "unreachable" if the Service has endpoints elsewhere, else

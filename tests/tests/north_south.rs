@@ -547,6 +547,44 @@ fn a_forward_chain_that_drops_passes_translated_traffic_as_kube_proxys_would() -
     Ok(())
 }
 
+/// A router that advertises the Service CIDR (Calico's serviceClusterIPs,
+/// BGP) sends outside clients' packets for a ClusterIP to a node, where
+/// kube-proxy serves them (KUBE-SERVICES runs in PREROUTING). lb does too,
+/// on arrival: a backend on another node is SNATed (its replies come back
+/// here), the local one keeps the client's address, and
+/// internalTrafficPolicy Local applies as kube-proxy applies it.
+/// `--external-cluster-ip false` leaves them to the stack (here: no route).
+#[test]
+fn cluster_ips_routed_to_a_node_from_outside_are_served_as_kube_proxy_serves_them() -> Result<()> {
+    // A ClusterIP-only Service: the TC programs go on for it too.
+    let mut w = world(&web("ClusterIP", "", &[]))?;
+    wait_backends(&w.c, 1, "10.96.0.10", 80, 2)?;
+    w.c.in_netns(&w.outside.netns, &["ip", "route", "add", "10.96.0.0/16", "via", NODE1])?;
+    let vip = "10.96.0.10:80";
+    let s = tcp(&w.c, &w.outside, vip, 30)?;
+    assert_eq!(s.ok, 30, "{s:?}");
+    assert_eq!(keys(&s), ["pod-1 192.168.77.100", "pod-2 192.168.77.11"].into(), "pod-1 sees the client, pod-2 node-1 (SNAT): {s:?}");
+    let s = w.c.probe(&w.outside, &["udp", "--addr", vip, "--count", "10"])?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    assert!(flows_from(&w.c, CLIENT)?.iter().any(|l| l.contains("dst=10.96.0.10 ")), "{:?}", flows_from(&w.c, CLIENT)?);
+    // internalTrafficPolicy Local: node-1's endpoint only.
+    w.c.write_object("svc.yaml", &web("ClusterIP", "  internalTrafficPolicy: Local\n", &[]))?;
+    w.c.wait_for("the node-local set", Duration::from_secs(5), || {
+        let l = w.c.list(1)?;
+        Ok(l["frontends"].as_array().into_iter().flatten().any(|f| f["address"] == "10.96.0.10" && f["flags"].as_array().is_some_and(|a| a.iter().any(|x| x == "itp-local"))))
+    })?;
+    let s = tcp(&w.c, &w.outside, vip, 10)?;
+    assert_eq!(keys(&s), ["pod-1 192.168.77.100"].into(), "{s:?}");
+    // Off: the packets go on to node-1's stack, which has no route for them.
+    w.c.write_object("svc.yaml", &web("ClusterIP", "", &[]))?;
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--external-cluster-ip", "false"])?;
+    wait_backends(&w.c, 1, "10.96.0.10", 80, 2)?;
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", vip, "--count", "3", "--timeout-ms", "500"])?;
+    assert_eq!(s.ok, 0, "{s:?}");
+    Ok(())
+}
+
 /// A firewall reload takes lb's rules with it: `iptables-restore` of the
 /// node's saved rules (netfilter-persistent) flushes the filter table,
 /// LB-FORWARD and the jump to it included; `nft flush ruleset` and the

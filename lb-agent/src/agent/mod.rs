@@ -457,7 +457,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         health_checks.reconcile(&rec.health_checks).await;
         // The TC programs go where outside traffic and replies of SNATed
         // flows arrive, unless told, once some Service takes traffic from
-        // outside: until then there is no per-packet work at all. Devices
+        // outside (any, where ClusterIPs routed here from outside are
+        // served): until then there is no per-packet work at all. Devices
         // that appear later are picked up at the next sync.
         if upgrade.is_none() && rec.has_external {
             let nodeport = if cfg.nodeport_interfaces.is_empty() {

@@ -204,7 +204,8 @@ pub(super) struct Reconciler {
     /// What the last sync decided besides the maps.
     pub(super) health_checks: std::collections::BTreeMap<u16, model::HealthCheck>,
     pub(super) node_addresses: Vec<std::net::IpAddr>,
-    /// Some frontend takes traffic from outside (NodePort, LB IP, externalIP).
+    /// Some frontend takes traffic from outside (NodePort, LB IP,
+    /// externalIP; any, with `--external-cluster-ip`).
     pub(super) has_external: bool,
     /// Services left out of the last sync because they could not be written.
     pub(super) not_programmed: usize,
@@ -436,7 +437,9 @@ impl Reconciler {
             self.health_checks = desired.health_checks.clone();
         }
         if full || !ch.frontends.is_empty() {
-            self.has_external = desired.frontends.values().any(|f| f.external);
+            // ClusterIPs routed here from outside count where they are served.
+            let cluster_ips = self.node_flags & lb_common::node_flags::EXTERNAL_CLUSTER_IP != 0;
+            self.has_external = desired.frontends.values().any(|f| f.external || cluster_ips);
         }
         match (&mut self.names_changed, full) {
             (_, true) => self.names_changed = None,

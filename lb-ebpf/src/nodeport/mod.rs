@@ -1177,7 +1177,7 @@ fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
     }
     let Some(sc) = F::scratch() else { return TC_ACT_SHOT };
     let front = F::svc(&SvcKey::new(p.daddr, p.dport, p.proto, SCOPE_ALL, 0));
-    let Some(front) = front.filter(|f| f.flags & svc_flags::EXTERNAL != 0) else {
+    let Some(front) = front.filter(|f| f.flags & svc_flags::EXTERNAL != 0 || lb::external_cluster_ip()) else {
         return if syn { ACT_CLEAR_LEFTOVER } else { TC_ACT_OK };
     };
     // Only a SYN creates a TCP flow, but with Maglev and DSR any packet
