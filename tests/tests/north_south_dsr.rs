@@ -229,3 +229,45 @@ fn with_maglev_errors_about_dsr_replies_reach_the_pod_from_any_node() -> Result<
     assert_eq!(datapath(&w.c, 3, "nat_icmp_maglev")?, before, "node-3 sent nothing on");
     Ok(())
 }
+
+/// DSR where both nodes' FORWARD chains drop (Docker, ufw: policy DROP,
+/// with the CNI's rule for its pods' own traffic) and conntrack runs with
+/// the common rule against INVALID packets. node-1 forwards the request
+/// with the option, node-2 delivers it to pod-2 and pod-2's replies leave
+/// node-2 to the client: lb's marks carry them through LB-FORWARD on both
+/// nodes, and past conntrack (notrack), on both families.
+#[test]
+fn dsr_passes_forward_chains_that_drop_and_rules_against_invalid_packets() -> Result<()> {
+    let w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--nodeport-mode", "dsr", "--forward-accept-period", "1s"])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    for (i, node) in w.c.nodes.iter().enumerate() {
+        let pods = [format!("{}.0/24", node.pod_cidr_prefix), format!("fd00:244:{}::/64", i + 1)];
+        for (tool, pods) in [("iptables-nft", &pods[0]), ("ip6tables-nft", &pods[1])] {
+            w.c.in_netns(&node.netns, &[tool, "-w", "-A", "FORWARD", "-s", pods, "-j", "ACCEPT"])?;
+            w.c.in_netns(&node.netns, &[tool, "-w", "-P", "FORWARD", "DROP"])?;
+            w.c.in_netns(&node.netns, &[tool, "-w", "-t", "mangle", "-A", "PREROUTING", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"])?;
+        }
+        // conntrack holds an entry: a datagram to a port of the node's own.
+        w.c.probe(&w.outside, &["udp", "--addr", &hostport(&node.ip, 1), "--count", "1", "--timeout-ms", "300"])?;
+    }
+    let ready = |n: usize| -> Result<bool> {
+        let netns = &w.c.nodes[n].netns;
+        let jumps = ["iptables-nft", "ip6tables-nft"].iter().map(|t| w.c.in_netns(netns, &[t, "-w", "-S", "FORWARD"])).collect::<Result<Vec<_>>>()?;
+        let table = w.c.in_netns(netns, &["nft", "list", "tables"])?;
+        Ok(jumps.iter().all(|j| j.lines().any(|l| l.ends_with("-j LB-FORWARD"))) && table.lines().any(|l| l.trim() == "table inet lb"))
+    };
+    w.c.wait_for("lb's rules on both nodes", std::time::Duration::from_secs(10), || Ok(ready(0)? && ready(1)?))?;
+    let received = datapath(&w.c, 2, "dsr_received")?;
+    for addr in [hostport(NODE1, 30080), hostport(LB_IP, 80), hostport(NODE1_6, 30080), hostport(LB_IP6, 80)] {
+        let client = if addr.starts_with('[') { CLIENT6 } else { CLIENT };
+        let s = tcp(&w.c, &w.outside, &addr, 10)?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-2 {client}").as_str()].into(), "{s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "10"])?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+    }
+    assert!(datapath(&w.c, 2, "dsr_received")? - received >= 4 * (10 * 3 + 10), "they went by DSR");
+    Ok(())
+}
