@@ -357,7 +357,7 @@ pub fn notrack_script(mark: u32) -> String {
 /// Whether conntrack holds entries in this network namespace (Docker's
 /// rules, a firewall's or a CNI's use it): then lb's SNATed and DSR flows
 /// are exempted from it.
-fn conntrack_in_use() -> bool {
+pub fn conntrack_in_use() -> bool {
     std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_count").is_ok_and(|n| n.trim().parse::<u64>().is_ok_and(|n| n > 0))
 }
 

@@ -353,6 +353,23 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         if let Err(e) = crate::firewall::watch_nftables(wake.clone()) {
             tracing::warn!("{e:#}: lb's netfilter rules are looked at every --forward-accept-period only");
         }
+        // conntrack starting to hold entries is no nftables change: a look
+        // when it does (one read of a /proc file a second).
+        if notrack != 0 {
+            let wake = wake.clone();
+            tokio::spawn(async move {
+                let mut held = crate::firewall::conntrack_in_use();
+                let mut tick = tokio::time::interval(Duration::from_secs(1));
+                loop {
+                    tick.tick().await;
+                    let now = crate::firewall::conntrack_in_use();
+                    if now && !held {
+                        wake.notify_one();
+                    }
+                    held = now;
+                }
+            });
+        }
         every(cfg.forward_accept_period, Some(wake), "looking at the FORWARD chains and conntrack", move |last| crate::firewall::ensure(mark, notrack, last));
     }
     // How long the watches have been failing, for the metric.
