@@ -273,16 +273,17 @@ pub type Seen = Vec<(String, State)>;
 
 /// Look at every backend's FORWARD chain and put lb's rules where they
 /// are needed (`mark`; 0: not), and the notrack table where conntrack runs
-/// (`notrack`; 0: not); warn about what changed since `last`.
-pub fn ensure(mark: u32, notrack: u32, last: &mut Option<Seen>) {
+/// (`notrack`; 0: not); warn about what changed since `last`, and count
+/// into `m` (`lb_netfilter_rules_written_total`, `lb_netfilter_problems`).
+pub fn ensure(mark: u32, notrack: u32, last: &mut Option<Seen>, m: &crate::health::Metrics) {
     let mut now = Seen::new();
     if notrack != 0
-        && let Some(state) = ensure_notrack(notrack)
+        && let Some(state) = ensure_notrack(notrack, m)
     {
         now.push((format!("nftables {NFT_TABLE} (notrack)"), state));
     }
     if mark == 0 {
-        report(mark, &now, last);
+        report(mark, &now, last, m);
         return;
     }
     for b in &BACKENDS {
@@ -295,6 +296,7 @@ pub fn ensure(mark: u32, notrack: u32, last: &mut Option<Seen>) {
             None => State::InPlace,
             Some(script) => match restore(b, &script) {
                 Ok(()) => {
+                    m.netfilter_written.get_or_create(&[("kind", "forward")]).inc();
                     tracing::info!(
                         backend = b.name,
                         policy = f.policy,
@@ -308,14 +310,15 @@ pub fn ensure(mark: u32, notrack: u32, last: &mut Option<Seen>) {
         };
         now.push((b.name.to_string(), state));
     }
-    for (table, chain, why) in native_forward_drops() {
+    for (table, chain, why) in native_forward_drops(mark) {
         now.push((format!("nftables {table} {chain}"), State::Native(why)));
     }
-    report(mark, &now, last);
+    report(mark, &now, last, m);
 }
 
 /// Warn about what changed since `last`, and keep `now` as the last.
-fn report(mark: u32, now: &Seen, last: &mut Option<Seen>) {
+fn report(mark: u32, now: &Seen, last: &mut Option<Seen>, m: &crate::health::Metrics) {
+    m.netfilter_problems.set(now.iter().filter(|(_, s)| *s != State::InPlace).count() as i64);
     for (name, state) in now {
         if last.as_ref().and_then(|l| l.iter().find(|(n, _)| n == name)).map(|(_, s)| s) == Some(state) {
             continue;
@@ -380,7 +383,7 @@ fn nft(args: &[&str], stdin: Option<&str>) -> anyhow::Result<String> {
 
 /// The notrack table: in place (None where it is not needed: conntrack
 /// holds nothing here and the table is not there), put there, or why not.
-fn ensure_notrack(mark: u32) -> Option<State> {
+fn ensure_notrack(mark: u32, m: &crate::health::Metrics) -> Option<State> {
     let table: Vec<&str> = NFT_TABLE.split_whitespace().collect();
     let current = nft(&["list", "table", table[0], table[1]], None).ok();
     if current.as_deref().is_some_and(|t| t.contains(&notrack_comment(mark))) {
@@ -391,6 +394,7 @@ fn ensure_notrack(mark: u32) -> Option<State> {
     }
     Some(match nft(&["-f", "-"], Some(&notrack_script(mark))) {
         Ok(_) => {
+            m.netfilter_written.get_or_create(&[("kind", "notrack")]).inc();
             tracing::info!(
                 "conntrack runs on this node: lb's SNATed and DSR flows skip it (nftables table {NFT_TABLE}: notrack for mark {mark:#x}), so that rules dropping INVALID packets pass them and they take no conntrack entries"
             );
@@ -421,23 +425,45 @@ pub fn remove_notrack() -> Vec<String> {
 /// Native nftables forward chains (not iptables-nft's filter tables, not
 /// kube-proxy's, not lb's) that may drop: table ("inet firewalld"), chain,
 /// and why.
-fn native_forward_drops() -> Vec<(String, String, &'static str)> {
+fn native_forward_drops(mark: u32) -> Vec<(String, String, &'static str)> {
     let nft = |args: &[&str]| nft(args, None).ok();
     let Some(list) = nft(&["list", "chains"]) else { return Vec::new() };
     let mut out = Vec::new();
     for (table, chain, policy_drop) in forward_chains_in_nft(&list) {
-        if policy_drop {
-            out.push((table, chain, "its policy is drop"));
-            continue;
-        }
         let mut args = vec!["list", "chain"];
         args.extend(table.split_whitespace());
         args.push(&chain);
-        if nft(&args).is_some_and(|rules| rules_may_drop(&rules)) {
+        let rules = nft(&args).unwrap_or_default();
+        // The operator put the rule the warning gives first: lb's flows pass.
+        if accepts_mark_first(&rules, mark) {
+            continue;
+        }
+        if policy_drop {
+            out.push((table, chain, "its policy is drop"));
+        } else if rules_may_drop(&rules) {
             out.push((table, chain, "it has rules that drop, reject or jump to other chains"));
         }
     }
     out
+}
+
+/// The rule lines of a chain (`nft list chain` output).
+fn rule_lines(chain: &str) -> impl Iterator<Item = &str> {
+    chain
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("type ") && !l.starts_with("table ") && !l.starts_with("chain ") && *l != "}")
+}
+
+/// Whether a chain's first rule accepts packets carrying `mark` (the rule
+/// the warning asks for: `meta mark & MARK == MARK accept`, a counter or a
+/// comment in it or not).
+pub fn accepts_mark_first(chain: &str, mark: u32) -> bool {
+    let m = format!("{mark:#010x}");
+    rule_lines(chain).next().is_some_and(|l| {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        w.len() >= 7 && w[..6] == ["meta", "mark", "&", m.as_str(), "==", m.as_str()] && w.iter().take_while(|x| **x != "comment").any(|x| *x == "accept")
+    })
 }
 
 /// The native forward base chains in `nft list chains` output: table,
@@ -469,11 +495,7 @@ pub fn forward_chains_in_nft(list: &str) -> Vec<(String, String, bool)> {
 /// Whether a chain's rules (`nft list chain` output) may drop a packet: a
 /// rule that drops, rejects, queues, or jumps or goes to another chain.
 pub fn rules_may_drop(chain: &str) -> bool {
-    chain
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.starts_with("type ") && !l.starts_with("table ") && !l.starts_with("chain ") && *l != "}")
-        .any(|l| l.split_whitespace().any(|w| matches!(w, "drop" | "reject" | "queue" | "jump" | "goto")))
+    rule_lines(chain).any(|l| l.split_whitespace().any(|w| matches!(w, "drop" | "reject" | "queue" | "jump" | "goto")))
 }
 
 /// Remove lb's rules from every backend (`lb-agent teardown`,
@@ -583,5 +605,20 @@ mod tests {
         let open = "table inet filter {\n\tchain forward {\n\t\ttype filter hook forward priority filter; policy accept;\n\
                     \t\tct state established counter accept\n\t\tcounter\n\t}\n}\n";
         assert!(!rules_may_drop(open));
+    }
+
+    #[test]
+    fn the_rule_the_warning_asks_for_counts_only_first_and_for_lbs_mark() {
+        // As `nft list chain` prints the rule `meta mark & 0x1000 == 0x1000 accept`.
+        let chain = |rules: &str| format!("table inet hostfw {{\n\tchain fwd {{\n\t\ttype filter hook forward priority filter; policy drop;\n{rules}\t}}\n}}\n");
+        let ours = "\t\tmeta mark & 0x00001000 == 0x00001000 accept\n";
+        let other = "\t\tct state established accept\n";
+        assert!(accepts_mark_first(&chain(ours), 0x1000));
+        assert!(accepts_mark_first(&chain(&format!("{ours}{other}\t\treject\n")), 0x1000));
+        assert!(!accepts_mark_first(&chain(&format!("{other}{ours}")), 0x1000), "not first");
+        assert!(!accepts_mark_first(&chain(ours), 0x2000), "another mark");
+        assert!(accepts_mark_first(&chain("\t\tmeta mark & 0x00001000 == 0x00001000 counter packets 3 bytes 180 accept\n"), 0x1000));
+        assert!(!accepts_mark_first(&chain("\t\tmeta mark & 0x00001000 == 0x00001000 drop\n"), 0x1000));
+        assert!(!accepts_mark_first(&chain(""), 0x1000));
     }
 }

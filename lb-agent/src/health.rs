@@ -184,6 +184,12 @@ pub struct Metrics {
     pub cgroup_invisible: Gauge,
     /// kube-proxy's rules found on the node, per mode (1: there).
     pub kube_proxy_rules: Family<[(&'static str, &'static str); 1], Gauge>,
+    /// lb's netfilter rules written (put in place, or back), by kind
+    /// (`forward`: LB-FORWARD and its jump; `notrack`: table inet lb).
+    pub netfilter_written: Family<[(&'static str, &'static str); 1], Counter>,
+    /// Chains that may drop what lb hands to the stack without lb's accept
+    /// in place (native nftables chains, rules lb could not write).
+    pub netfilter_problems: Gauge,
     /// Each frontend's Service, for `lb-agent monitor` (GET /frontends).
     pub frontend_names: Mutex<std::collections::BTreeMap<crate::model::FrontendKey, crate::monitor::FrontendName>>,
     registry: Mutex<Registry>,
@@ -212,6 +218,8 @@ impl Metrics {
             drift_repaired: Counter::default(),
             cgroup_invisible: Gauge::default(),
             kube_proxy_rules: Family::default(),
+            netfilter_written: Family::default(),
+            netfilter_problems: Gauge::default(),
             frontend_names: Mutex::new(Default::default()),
             registry: Mutex::new(Registry::default()),
         };
@@ -278,6 +286,16 @@ impl Metrics {
                 "lb_kube_proxy_rules",
                 "kube-proxy's rules found on the node, by mode (iptables-legacy, iptables-nft, nftables, ipvs): 1 while there (kube-proxy running, or its rules left behind)",
                 m.kube_proxy_rules.clone(),
+            );
+            r.register(
+                "lb_netfilter_rules_written",
+                "lb's netfilter rules written by the agent, by kind (forward: LB-FORWARD and the jump to it; notrack: table inet lb): once at first, then once per removal repaired (a firewall reload)",
+                m.netfilter_written.clone(),
+            );
+            r.register(
+                "lb_netfilter_problems",
+                "Places where what lb hands to the stack may be dropped and lb's accept is not in place: native nftables forward chains that may drop without `meta mark & MARK == MARK accept` first, and rules lb could not write (the agent's log names each)",
+                m.netfilter_problems.clone(),
             );
             r.register_collector(Box::new(DatapathCollector(datapath)));
         }

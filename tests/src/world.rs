@@ -118,6 +118,14 @@ pub fn datapath(c: &Cluster, node: usize, result: &str) -> Result<u64> {
     Ok(m.lines().find_map(|l| l.strip_prefix(&name)?.parse().ok()).unwrap_or(0))
 }
 
+/// A metric of node `node`'s agent by its full name and labels (as
+/// `/metrics` prints them, e.g. `lb_netfilter_problems`); 0 when absent.
+pub fn agent_metric(c: &Cluster, node: usize, series: &str) -> Result<u64> {
+    let (_, m) = c.http(node, "127.0.0.1:10249", "/metrics")?;
+    let name = format!("{series} ");
+    Ok(m.lines().find_map(|l| l.strip_prefix(&name)?.parse().ok()).unwrap_or(0))
+}
+
 /// The NAT flows node-1 lists (`lb-agent nat`) from source `src`.
 pub fn flows_from(c: &Cluster, src: &str) -> Result<Vec<String>> {
     let nat = crate::run(crate::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", c.nodes[0].bpffs.to_str().unwrap()])?;

@@ -513,8 +513,11 @@ fn a_forward_chain_that_drops_passes_translated_traffic_as_kube_proxys_would() -
         let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3", "--timeout-ms", "300"])?;
         assert_eq!(s.ok, 0, "the nftables chains drop them: {s:?}");
     }
-    for chain in ["FORWARD_drop", "FORWARD_reject"] {
+    // `lb_netfilter_problems` counts them until the rule is in each.
+    assert_eq!(agent_metric(&w.c, 1, "lb_netfilter_problems")?, 2);
+    for (chain, left) in [("FORWARD_drop", 1), ("FORWARD_reject", 0)] {
         w.c.in_netns(&n1, &["nft", &format!("insert rule inet hostfw {chain} meta mark & 0x1000 == 0x1000 accept")])?;
+        w.c.wait_for(&format!("{left} problems left"), Duration::from_secs(5), || Ok(agent_metric(&w.c, 1, "lb_netfilter_problems")? == left))?;
     }
     flows(&w, 3)?;
     w.c.in_netns(&n1, &["nft", "delete", "table", "inet", "hostfw"])?;
@@ -638,6 +641,10 @@ fn a_firewall_reload_is_repaired_at_once_not_at_the_next_period() -> Result<()> 
         let log = std::fs::read_to_string(w.c.agent_log(1))?;
         assert_eq!(log.matches("LB-FORWARD accepts it").count(), 3, "{log}");
         assert_eq!(log.matches("conntrack runs on this node").count(), 2, "{log}");
+        // The metrics count them, and see no problem left.
+        assert_eq!(agent_metric(&w.c, 1, "lb_netfilter_rules_written_total{kind=\"forward\"}")?, 3);
+        assert_eq!(agent_metric(&w.c, 1, "lb_netfilter_rules_written_total{kind=\"notrack\"}")?, 2);
+        assert_eq!(agent_metric(&w.c, 1, "lb_netfilter_problems")?, 0);
         Ok(())
     })();
     let _ = std::fs::remove_file(&saved);

@@ -350,6 +350,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     if mark != 0 || notrack != 0 {
         // At once where nftables changed (iptables-nft too): a reload.
         let wake = std::sync::Arc::new(tokio::sync::Notify::new());
+        let fm = metrics.clone();
         if let Err(e) = crate::firewall::watch_nftables(wake.clone()) {
             tracing::warn!("{e:#}: lb's netfilter rules are looked at every --forward-accept-period only");
         }
@@ -370,7 +371,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 }
             });
         }
-        every(cfg.forward_accept_period, Some(wake), "looking at the FORWARD chains and conntrack", move |last| crate::firewall::ensure(mark, notrack, last));
+        every(cfg.forward_accept_period, Some(wake), "looking at the FORWARD chains and conntrack", move |last| crate::firewall::ensure(mark, notrack, last, &fm));
     }
     // How long the watches have been failing, for the metric.
     {
