@@ -339,3 +339,26 @@ fn node_ports_are_on_every_node_address_unless_nodeport_addresses_narrow_them() 
     }
     Ok(())
 }
+
+/// kube-proxy's health check servers listen where the NodePorts are: on
+/// every address without `--nodeport-addresses`, on the addresses it
+/// admits with it; an address added later gets its listener.
+#[test]
+fn health_check_node_ports_listen_where_the_node_ports_are() -> Result<()> {
+    let svc = web("LoadBalancer", "  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n", &[LB_IP]);
+    let mut w = world(&svc, &[])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let netns = w.c.nodes[0].netns.clone();
+    w.c.in_netns(&netns, &["ip", "addr", "add", "192.168.77.61/24", "dev", "eth0"])?;
+    let code = |w: &World, addr: &str| -> u16 { w.c.http_from(&w.outside.netns, &format!("{addr}:32000"), "/").map_or(0, |(c, _)| c) };
+    w.c.wait_for("the health check on every address", Duration::from_secs(5), || Ok(code(&w, "192.168.77.11") == 200 && code(&w, "192.168.77.61") == 200))?;
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--nodeport-addresses", "192.168.77.0/28,192.168.77.96/27"])?;
+    w.c.wait_for("the health check on the node address", Duration::from_secs(5), || Ok(code(&w, "192.168.77.11") == 200))?;
+    assert_eq!(code(&w, "192.168.77.61"), 0, "not on an address outside --nodeport-addresses");
+    // An address inside them, added later: the NodePort and its health check.
+    w.c.in_netns(&netns, &["ip", "addr", "add", "192.168.77.101/24", "dev", "eth0"])?;
+    w.c.wait_for("the health check on the added address", Duration::from_secs(5), || Ok(code(&w, "192.168.77.101") == 200))?;
+    assert_eq!(code(&w, "192.168.77.11"), 200);
+    Ok(())
+}

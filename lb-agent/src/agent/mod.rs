@@ -304,6 +304,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         netns_cookie,
         logged: HashSet::new(),
         health_checks: Default::default(),
+        health_check_on: None,
         node_addresses: Vec::new(),
         has_external: false,
         not_programmed: 0,
@@ -472,7 +473,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 tc.attach_tc(iface)?;
             }
         }
-        health_checks.reconcile(&rec.health_checks).await;
+        health_checks.reconcile(&rec.health_checks, rec.health_check_on.as_deref()).await;
         // The TC programs go where outside traffic and replies of SNATed
         // flows arrive, unless told, once some Service takes traffic from
         // outside (any, where ClusterIPs routed here from outside are

@@ -203,6 +203,9 @@ pub(super) struct Reconciler {
     pub(super) logged: HashSet<String>,
     /// What the last sync decided besides the maps.
     pub(super) health_checks: std::collections::BTreeMap<u16, model::HealthCheck>,
+    /// Where the health check servers listen: None (every address) unless
+    /// `--nodeport-addresses` says where the NodePorts are, as kube-proxy's.
+    pub(super) health_check_on: Option<Vec<std::net::IpAddr>>,
     pub(super) node_addresses: Vec<std::net::IpAddr>,
     /// Some frontend takes traffic from outside (NodePort, LB IP,
     /// externalIP; any, with `--external-cluster-ip`).
@@ -350,6 +353,7 @@ impl Reconciler {
             localhost_nodeports: self.localhost_nodeports,
         };
         let node = model::node_info(&facts, &snap.nodes);
+        self.health_check_on = (self.nodeport_addresses != model::NodePortAddresses::default()).then(|| node.addresses.clone());
         let t_model = Instant::now();
         let ch = self.model.update(&snap.services, &snap.slices, &node, &self.opts);
         self.service_changes += ch.service_changes;

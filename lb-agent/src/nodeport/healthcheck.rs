@@ -2,7 +2,7 @@
 //! Service with externalTrafficPolicy Local: 200 with local endpoints, 503
 //! without, kube-proxy's JSON body.
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
 use axum::http::{StatusCode, header};
@@ -28,10 +28,30 @@ fn dual_stack_listener(port: u16) -> std::io::Result<tokio::net::TcpListener> {
     tokio::net::TcpListener::from_std(sock.into())
 }
 
+/// A listener on `addr` alone.
+fn listener_on(addr: IpAddr, port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let sa = SocketAddr::new(addr, port);
+    let sock = Socket::new(Domain::for_address(sa), Type::STREAM, None)?;
+    sock.set_reuse_address(true)?;
+    sock.set_nonblocking(true)?;
+    sock.bind(&sa.into())?;
+    sock.listen(1024)?;
+    tokio::net::TcpListener::from_std(sock.into())
+}
+
+/// One healthCheckNodePort's server: its state, and a task per listener,
+/// by the address it listens on (None: every address).
+struct Server {
+    state: Arc<Mutex<HealthCheck>>,
+    app: axum::Router,
+    listeners: BTreeMap<Option<IpAddr>, tokio::task::JoinHandle<()>>,
+}
+
 /// The kube-proxy health check servers, one per healthCheckNodePort.
 #[derive(Default)]
 pub struct HealthChecks {
-    servers: BTreeMap<u16, (Arc<Mutex<HealthCheck>>, tokio::task::JoinHandle<()>)>,
+    servers: BTreeMap<u16, Server>,
 }
 
 fn hc_body(hc: &HealthCheck) -> (StatusCode, String) {
@@ -45,40 +65,66 @@ fn hc_body(hc: &HealthCheck) -> (StatusCode, String) {
 }
 
 impl HealthChecks {
-    /// Serve exactly `want`: start, update and stop servers.
-    pub async fn reconcile(&mut self, want: &BTreeMap<u16, HealthCheck>) {
-        self.servers.retain(|port, (_, task)| {
+    /// Serve exactly `want`, on the addresses `on` (None: all of them, as
+    /// kube-proxy does without `--nodeport-addresses`; with it, where the
+    /// NodePorts are): start, update and stop servers, and open and close
+    /// listeners as addresses come and go (a listener that could not be
+    /// opened is tried again at the next call).
+    pub async fn reconcile(&mut self, want: &BTreeMap<u16, HealthCheck>, on: Option<&[IpAddr]>) {
+        let keys: Vec<Option<IpAddr>> = match on {
+            None => vec![None],
+            Some(addrs) => addrs.iter().filter(|a| !a.is_loopback()).map(|a| Some(*a)).collect(),
+        };
+        self.servers.retain(|port, s| {
             let keep = want.contains_key(port);
             if !keep {
-                task.abort();
+                s.listeners.values().for_each(tokio::task::JoinHandle::abort);
             }
             keep
         });
         for (port, hc) in want {
-            if let Some((state, _)) = self.servers.get(port) {
-                *state.lock().unwrap() = hc.clone();
-                continue;
-            }
-            let l = match dual_stack_listener(*port) {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::error!(service = %hc.service, "cannot serve the health check on healthCheckNodePort {port}: {e}");
+            let s = self.servers.entry(*port).or_insert_with(|| {
+                let state = Arc::new(Mutex::new(hc.clone()));
+                let st = state.clone();
+                let app = axum::Router::new().fallback(move || {
+                    let s = st.clone();
+                    async move {
+                        let (code, body) = hc_body(&s.lock().unwrap());
+                        (code, [(header::CONTENT_TYPE, "application/json")], body)
+                    }
+                });
+                Server { state, app, listeners: BTreeMap::new() }
+            });
+            *s.state.lock().unwrap() = hc.clone();
+            s.listeners.retain(|k, task| {
+                let keep = keys.contains(k);
+                if !keep {
+                    task.abort();
+                }
+                keep
+            });
+            for k in &keys {
+                if s.listeners.contains_key(k) {
                     continue;
                 }
-            };
-            let state = Arc::new(Mutex::new(hc.clone()));
-            let s = state.clone();
-            let app = axum::Router::new().fallback(move || {
-                let s = s.clone();
-                async move {
-                    let (code, body) = hc_body(&s.lock().unwrap());
-                    (code, [(header::CONTENT_TYPE, "application/json")], body)
+                let l = match k {
+                    None => dual_stack_listener(*port),
+                    Some(a) => listener_on(*a, *port),
+                };
+                match l {
+                    Ok(l) => {
+                        let app = s.app.clone();
+                        let task = tokio::spawn(async move {
+                            let _ = axum::serve(l, app).await;
+                        });
+                        s.listeners.insert(*k, task);
+                    }
+                    Err(e) => {
+                        let on = k.map_or("every address".to_string(), |a| a.to_string());
+                        tracing::error!(service = %hc.service, "cannot serve the health check on healthCheckNodePort {port} ({on}): {e}");
+                    }
                 }
-            });
-            let task = tokio::spawn(async move {
-                let _ = axum::serve(l, app).await;
-            });
-            self.servers.insert(*port, (state, task));
+            }
         }
     }
 }
