@@ -81,6 +81,11 @@ pub fn watch_nftables(wake: Arc<tokio::sync::Notify>) -> anyhow::Result<()> {
                 std::thread::sleep(std::time::Duration::from_millis(100));
                 while sock.recv(&mut &mut buf[..], libc::MSG_DONTWAIT).is_ok() {}
                 wake.notify_one();
+                // At most one look a second however often another program
+                // writes its rules (each look runs six tools); what comes
+                // meanwhile waits in the socket (a lost message, ENOBUFS,
+                // is a change too).
+                std::thread::sleep(std::time::Duration::from_millis(900));
             }
         })
         .context("spawn the nftables watcher")?;
