@@ -286,12 +286,16 @@ fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
     if len > max {
         return None;
     }
-    // The network address: host bits cleared.
-    let net = match addr {
+    Some((network(addr, len), len))
+}
+
+/// The network address of `addr` with a prefix of `len` bits: host bits
+/// cleared.
+fn network(addr: IpAddr, len: u8) -> IpAddr {
+    match addr {
         IpAddr::V4(a) => IpAddr::from(std::net::Ipv4Addr::from(u32::from(a) & u32::MAX.checked_shl(32 - len as u32).unwrap_or(0))),
         IpAddr::V6(a) => IpAddr::from(std::net::Ipv6Addr::from(u128::from(a) & u128::MAX.checked_shl(128 - len as u32).unwrap_or(0))),
-    };
-    Some((net, len))
+    }
 }
 
 fn service_ref(svc: &Service) -> ServiceRef {

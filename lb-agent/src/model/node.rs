@@ -5,7 +5,7 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use k8s_openapi::api::core::v1::Node;
 
-use super::{LABEL_ZONE, parse_cidr};
+use super::{LABEL_ZONE, network, parse_cidr};
 
 /// What the model knows about the node it runs on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -74,18 +74,10 @@ impl NodePortAddresses {
     }
 }
 
+/// Whether `addr` is in the network `net/len` (`net` as `parse_cidr`
+/// gives it: host bits cleared).
 fn contains(net: &IpAddr, len: u8, addr: &IpAddr) -> bool {
-    match (net, addr) {
-        (IpAddr::V4(n), IpAddr::V4(a)) => {
-            let mask = u32::MAX.checked_shl(32 - u32::from(len)).unwrap_or(0);
-            u32::from(*n) & mask == u32::from(*a) & mask
-        }
-        (IpAddr::V6(n), IpAddr::V6(a)) => {
-            let mask = u128::MAX.checked_shl(128 - u32::from(len)).unwrap_or(0);
-            u128::from(*n) & mask == u128::from(*a) & mask
-        }
-        _ => false,
-    }
+    net.is_ipv4() == addr.is_ipv4() && network(*addr, len) == *net
 }
 
 /// Where the node's facts come from, strongest first.
