@@ -169,6 +169,16 @@ enum Cmd {
         /// such packets go on to the stack untouched (Cilium's default).
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
         external_cluster_ip: bool,
+        /// Translate, at each pod's device, the packets pods send to Service
+        /// addresses that no socket hook saw: a VM's or a sandbox's own
+        /// kernel sends them (KubeVirt, Kata Containers, gVisor), as
+        /// kube-proxy's PREROUTING rules serve them; their replies are
+        /// translated on the way back into the pod. Costs a map lookup per
+        /// packet pods send and receive. false (the default): only what
+        /// the node's sockets connect to is translated (Cilium too, unless
+        /// told socketLB.hostNamespaceOnly).
+        #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value_t = false, action = clap::ArgAction::Set)]
+        per_packet_lb: bool,
         /// NodePorts also on 127.0.0.1 for the node's own connections (the
         /// host network namespace; a pod's 127.0.0.1 stays its own), as
         /// kube-proxy's iptables mode has them
@@ -373,6 +383,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             nodeport_mode,
             external_ip_socket_lb,
             external_cluster_ip,
+            per_packet_lb,
             localhost_nodeports,
             nat_tcp_timeout,
             nat_tcp_close_timeout,
@@ -438,6 +449,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 snat_ports: port_range("--snat-ports", &snat_ports)?,
                 node_flags: if bpf_forward { lb_common::node_flags::BPF_FORWARD } else { 0 }
                     | if external_cluster_ip { lb_common::node_flags::EXTERNAL_CLUSTER_IP } else { 0 }
+                    | if per_packet_lb { lb_common::node_flags::POD_PACKET_LB } else { 0 }
                     | if forward_accept == "iptables" { lb_common::node_flags::fwd_mark(forward_mark_bit) } else { 0 }
                     | if notrack == "auto" { lb_common::node_flags::notrack_mark(notrack_mark_bit) } else { 0 },
                 forward_accept_period,

@@ -701,6 +701,12 @@ pub mod node_flags {
     /// KUBE-SERVICES in PREROUTING serves them (`lb-agent run
     /// --external-cluster-ip`).
     pub const EXTERNAL_CLUSTER_IP: u32 = 1 << 1;
+    /// Packets pods send to a Service address (the socket hooks did not
+    /// translate them: a VM's or a sandbox's own kernel sent them) are
+    /// translated at the pod's device, and their replies on the way back
+    /// in (`lb-agent run --per-packet-lb`), as kube-proxy's PREROUTING
+    /// rules serve them.
+    pub const POD_PACKET_LB: u32 = 1 << 2;
     /// Bits 8-13: the skb mark bit the TC programs set on what they
     /// translate and hand to the stack to forward, plus one (0: none), so
     /// that the agent's iptables rule (`LB-FORWARD`) accepts it in a

@@ -732,3 +732,76 @@ fn snated_flows_skip_conntrack_where_it_runs_so_invalid_drops_pass_them() -> Res
     assert!(!table(&w)?, "teardown removes table inet lb");
     Ok(())
 }
+
+/// `--per-packet-lb`: a pod whose packets no socket hook sees (a VM's or
+/// a sandbox's own kernel sends them: KubeVirt, Kata, gVisor; here a
+/// client outside the node's cgroup, in the pod's netns) reaches Service
+/// addresses as kube-proxy's PREROUTING rules serve them: translated at
+/// the pod's device, its own address kept (backends see the pod), its
+/// replies translated on their way back in (its kernel would drop them
+/// otherwise), REJECTed without endpoints, and a pod that reaches itself
+/// through a Service is seen from the node's address (kube-proxy's
+/// hairpin masquerade). Pods the socket hooks serve make no flow. Without
+/// the flag such a pod reaches nothing.
+#[test]
+fn pods_the_socket_hooks_cannot_see_reach_services_per_packet() -> Result<()> {
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP6]), &["--per-packet-lb"])?;
+    wait_backends(&w.c, 1, "10.96.0.10", 80, 2)?;
+    let vm = w.c.add_pod(1, "vm")?;
+    // Its processes run outside the node's cgroup: no socket hook.
+    let guest = lbtest::Pod { cgroup: Default::default(), ..vm.clone() };
+    let vip = "10.96.0.10:80";
+    let lb6 = hostport(LB_IP6, 80);
+    // The new pod's device gets the programs when it comes up.
+    w.c.wait_for("the pod programs on the new pod's device", Duration::from_secs(5), || Ok(tcp(&w.c, &guest, vip, 1)?.ok == 1))?;
+    let s = tcp(&w.c, &guest, vip, 30)?;
+    assert_eq!(s.ok, 30, "{s:?}");
+    let seen = |name: &str, ip: &str| format!("{name} {ip}");
+    assert_eq!(keys(&s), [seen("pod-1", &vm.ip).as_str(), seen("pod-2", &vm.ip).as_str()].into(), "both backends see the pod: {s:?}");
+    let s = w.c.probe(&guest, &["udp", "--addr", vip, "--count", "10"])?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    let s = tcp(&w.c, &guest, &lb6, 20)?;
+    assert_eq!(s.ok, 20, "{s:?}");
+    assert_eq!(keys(&s), [seen("pod-1", &vm.ip6).as_str(), seen("pod-2", &vm.ip6).as_str()].into(), "{s:?}");
+    let s = w.c.probe(&guest, &["udp", "--addr", &lb6, "--count", "10"])?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    assert!(flows_from(&w.c, &vm.ip)?.iter().any(|l| l.contains("dst=10.96.0.10 ")), "{:?}", flows_from(&w.c, &vm.ip)?);
+    // A pod the socket hooks serve: translated at connect, no flow.
+    let s = tcp(&w.c, &w.p1, vip, 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    assert_eq!(flows_from(&w.c, &w.p1.ip)?, Vec::<String>::new());
+    // pod-2 alone, its server gone: its kernel's port unreachable about
+    // the datagram reaches the pod translated, from the Service address.
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, "10.96.0.10", 80, &w.p2)?;
+    wait_only(&w.c, LB_IP6, 80, &w.p2)?;
+    w.c.stop(w.servers[1]);
+    w.c.in_netns(&w.p2.netns, &["sysctl", "-qw", "net.ipv4.icmp_ratelimit=0", "net.ipv6.icmp.ratelimit=0"])?;
+    for (addr, front, unreachable) in [(vip.to_string(), "10.96.0.10", "icmp type=3 code=3"), (lb6.clone(), LB_IP6, "icmp6 type=1 code=4")] {
+        let s = w.c.probe(&guest, &["udp", "--addr", &addr, "--count", "2", "--connected", "--recverr", "--timeout-ms", "2000"])?;
+        assert_eq!(s.errors.get("ECONNREFUSED"), Some(&2), "{s:?}");
+        let from = format!("{unreachable} from={front}");
+        assert!(s.offenders.keys().all(|k| *k == from) && !s.offenders.is_empty(), "{from}: {s:?}");
+    }
+    // The pod is the only endpoint: it reaches itself, from node-1.
+    w.c.serve_reporting_peer(&vm, 8080)?;
+    set_endpoints(&w, &[(&vm, E::ready)])?;
+    wait_backends(&w.c, 1, "10.96.0.10", 80, 1)?;
+    let s = tcp(&w.c, &guest, vip, 10)?;
+    assert_eq!((s.ok, keys(&s)), (10, [seen("vm", NODE1).as_str()].into()), "{s:?}");
+    let s = w.c.probe(&guest, &["udp", "--addr", vip, "--count", "10"])?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    // No endpoints: refused at once, as kube-proxy's REJECT.
+    set_endpoints(&w, &[])?;
+    wait_backends(&w.c, 1, "10.96.0.10", 80, 0)?;
+    let s = tcp(&w.c, &guest, vip, 3)?;
+    assert_eq!(s.errors.get("ECONNREFUSED"), Some(&3), "{s:?}");
+    // Without the flag: nothing translates the pod's packets.
+    set_endpoints(&w, &[(&w.p1, E::ready), (&w.p2, E::ready)])?;
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &[])?;
+    wait_backends(&w.c, 1, "10.96.0.10", 80, 2)?;
+    let s = w.c.probe(&guest, &["tcp", "--addr", vip, "--count", "3", "--timeout-ms", "500"])?;
+    assert_eq!(s.ok, 0, "{s:?}");
+    Ok(())
+}

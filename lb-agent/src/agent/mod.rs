@@ -229,8 +229,10 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         tracing::warn!("cannot reserve the NodePort range for local ports: {e:#}");
     }
     let forward = cfg.node_flags & lb_common::node_flags::BPF_FORWARD != 0;
-    if !forward {
-        tc.drop_pod_programs();
+    let per_packet = cfg.node_flags & lb_common::node_flags::POD_PACKET_LB != 0;
+    tc.pod_egress = per_packet;
+    if !forward || !per_packet {
+        tc.drop_pod_programs(!forward && !per_packet);
     }
     // During an upgrade the programs attach once the new maps are filled.
     if upgrade.is_none() {
@@ -494,12 +496,21 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             // With --bpf-forward, the replies of local backends are
             // forwarded from the pod devices (new pods' devices are picked
             // up here, at the sync their endpoints bring).
-            if forward {
-                match crate::netdev::links() {
-                    Ok(links) => tc.sync_pod_devices(&crate::netdev::pod_devices(&links, &nodeport)),
-                    Err(e) => tracing::warn!("cannot list network devices for the pod program: {e:#}"),
-                }
+            if forward && !per_packet {
+                sync_pods(&mut tc, &nodeport);
             }
+        }
+        // With --per-packet-lb, what pods send to Service addresses is
+        // translated at their devices, as soon as a Service exists (new
+        // pods' devices are picked up at once: a veth coming up wakes this
+        // loop, `Addresses`).
+        if upgrade.is_none() && per_packet && rec.frontends() > 0 {
+            let nodeport = if cfg.nodeport_interfaces.is_empty() {
+                crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses)
+            } else {
+                cfg.nodeport_interfaces.clone()
+            };
+            sync_pods(&mut tc, &nodeport);
         }
         if first {
             first = false;
@@ -511,6 +522,15 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     source.abort();
     tracing::info!("exiting; programs stay attached and maps stay pinned");
     Ok(())
+}
+
+/// Put the pod programs on the pod devices: every veth but the NodePort
+/// devices `nodeport`.
+fn sync_pods(tc: &mut crate::dataplane::loader::Tc, nodeport: &[String]) {
+    match crate::netdev::links() {
+        Ok(links) => tc.sync_pod_devices(&crate::netdev::pod_devices(&links, nodeport)),
+        Err(e) => tracing::warn!("cannot list network devices for the pod programs: {e:#}"),
+    }
 }
 
 /// Run `check` now and then every `period`, and whenever `wake` is

@@ -56,9 +56,17 @@ pub const L3_PROGRAMS: [(&str, TcAttachType); 2] = [("lb_l3_ingress", TcAttachTy
 /// interface beside the TC programs.
 pub const XDP_PROGRAM: &str = "lb_nodeport_xdp";
 
-/// The TC program on the pod devices with `--bpf-forward` (ingress: what
-/// the pod sends), which forwards the replies of local backends.
+/// The TC program on the pod devices with `--bpf-forward` or
+/// `--per-packet-lb` (ingress: what the pod sends): it forwards the replies
+/// of local backends, and translates what pods send to Service addresses.
 pub const POD_PROGRAM: &str = "lb_pod_ingress";
+
+/// The TC program on the pod devices with `--per-packet-lb` (egress: what
+/// goes into the pod): it translates the replies of the pod's flows.
+pub const POD_EGRESS_PROGRAM: &str = "lb_pod_egress";
+
+/// Both, with where they attach.
+pub const POD_PROGRAMS: [(&str, TcAttachType); 2] = [(POD_PROGRAM, TcAttachType::Ingress), (POD_EGRESS_PROGRAM, TcAttachType::Egress)];
 
 /// The programs whose links are pinned per NodePort device (`<PROG>_<IFACE>`).
 fn device_programs() -> impl Iterator<Item = &'static str> {
@@ -134,6 +142,8 @@ pub struct Tc {
     /// The pod devices `POD_PROGRAM` is attached to, by name, with the
     /// index the device had then (a name may come back on a new device).
     pods: std::collections::BTreeMap<String, u32>,
+    /// `--per-packet-lb`: `POD_EGRESS_PROGRAM` goes on the pod devices too.
+    pub pod_egress: bool,
     /// Held for the agent's lifetime: one agent per --bpffs.
     _lock: fs::File,
 }
@@ -243,7 +253,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     // The L3 programs are verified when a first L3 device needs them
     // (`attach_tc`): most nodes have none, and verifying costs a restart
     // more than a second.
-    for name in TC_PROGRAMS.iter().map(|(n, _)| *n).chain([POD_PROGRAM]) {
+    for name in TC_PROGRAMS.iter().chain(&POD_PROGRAMS).map(|(n, _)| *n) {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the object"))?
@@ -265,6 +275,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         bpffs: bpffs.to_path_buf(),
         attached: Default::default(),
         pods: Default::default(),
+        pod_egress: false,
         _lock: lock,
     };
     let upgrade = if replaced.is_empty() {
@@ -378,7 +389,7 @@ impl Tc {
         let known: BTreeSet<&str> = PROGRAMS.iter().chain(SOCK_PROGRAMS.iter()).copied().collect();
         for e in fs::read_dir(&links)?.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            let tc = device_programs().chain([POD_PROGRAM]).any(|p| n.starts_with(&format!("{p}_")));
+            let tc = device_programs().chain(POD_PROGRAMS.map(|(p, _)| p)).any(|p| n.starts_with(&format!("{p}_")));
             if !known.contains(n.as_str()) && !tc {
                 tracing::info!(link = n, "upgrade: unpinning the link of a program this agent does not have");
                 fs::remove_file(e.path())?;
@@ -440,25 +451,25 @@ impl Tc {
         Ok(())
     }
 
-    /// With `--bpf-forward`: put the pod program on `devices` (name, index;
-    /// `netdev::pod_devices`), each once (again if the name now belongs to
-    /// a new device), and forget the devices that went away with their
-    /// pods (their links went with them; the pins go here).
+    /// With `--bpf-forward` or `--per-packet-lb`: put the pod programs on
+    /// `devices` (name, index; `netdev::pod_devices`), each once (again if
+    /// the name now belongs to a new device), and forget the devices that
+    /// went away with their pods (their links went with them; the pins go
+    /// here).
     pub fn sync_pod_devices(&mut self, devices: &[(String, u32)]) {
         for (iface, ifindex) in devices {
             if let Err(e) = self.attach_pod(iface, *ifindex) {
                 // A pod's device may go away between the listing and here.
-                tracing::warn!(iface, "pod device: {e:#}; its pod's replies to outside clients leave through the stack");
+                tracing::warn!(iface, "pod device: {e:#}; its pod's packets go through the stack untranslated");
             }
         }
         self.pods.retain(|n, _| devices.iter().any(|(d, _)| d == n));
         // Pins of devices gone, also those an earlier agent left (a pod
         // deleted while no agent ran).
-        let prefix = format!("{POD_PROGRAM}_");
         let kept: BTreeSet<String> = devices.iter().map(|(d, _)| pin_safe(d)).collect();
         for e in fs::read_dir(self.bpffs.join("links")).into_iter().flatten().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if let Some(iface) = name.strip_prefix(&prefix)
+            if let Some(iface) = POD_PROGRAMS.iter().find_map(|(p, _)| name.strip_prefix(p)?.strip_prefix('_'))
                 && !kept.contains(iface)
             {
                 let path = e.path();
@@ -471,54 +482,66 @@ impl Tc {
         }
     }
 
-    /// Attach the pod program to `iface` (TC ingress: what its pod sends),
-    /// replacing an earlier agent's without a gap.
+    /// Attach the pod programs to `iface` (TC ingress: what its pod sends;
+    /// with `pod_egress`, TC egress: what goes into it), replacing an
+    /// earlier agent's without a gap.
     fn attach_pod(&mut self, iface: &str, ifindex: u32) -> Result<()> {
         if self.pods.get(iface) == Some(&ifindex) {
             return Ok(());
         }
         let tcx = self.tcx();
-        let prog: &mut SchedClassifier = self.ebpf.program_mut(POD_PROGRAM).context("TC program")?.try_into()?;
-        if tcx {
-            let opts = aya::programs::tc::TcAttachOptions::TcxOrder(Default::default());
-            let id = prog
-                .attach_with_options(iface, TcAttachType::Ingress, opts)
-                .with_context(|| format!("attach {POD_PROGRAM} to {iface} (tcx)"))?;
-            let fd = FdLink::try_from(prog.take_link(id)?).map_err(|_| anyhow::anyhow!("attach {POD_PROGRAM} to {iface}: not a TCX link"))?;
-            pin_link(&self.bpffs, &format!("{POD_PROGRAM}_{}", pin_safe(iface)), fd)?;
-        } else {
-            if let Err(e) = aya::programs::tc::qdisc_add_clsact(iface) {
-                tracing::debug!(iface, "clsact qdisc: {e}");
+        let n = if self.pod_egress { 2 } else { 1 };
+        for (name, ty) in &POD_PROGRAMS[..n] {
+            let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
+            if tcx {
+                let opts = aya::programs::tc::TcAttachOptions::TcxOrder(Default::default());
+                let id = prog.attach_with_options(iface, *ty, opts).with_context(|| format!("attach {name} to {iface} (tcx)"))?;
+                let fd = FdLink::try_from(prog.take_link(id)?).map_err(|_| anyhow::anyhow!("attach {name} to {iface}: not a TCX link"))?;
+                pin_link(&self.bpffs, &format!("{name}_{}", pin_safe(iface)), fd)?;
+            } else {
+                if let Err(e) = aya::programs::tc::qdisc_add_clsact(iface) {
+                    tracing::debug!(iface, "clsact qdisc: {e}");
+                }
+                attach_netlink(prog, iface, *ty).with_context(|| format!("attach {name} to {iface} (netlink)"))?;
             }
-            attach_netlink(prog, iface, TcAttachType::Ingress).with_context(|| format!("attach {POD_PROGRAM} to {iface} (netlink)"))?;
         }
         self.pods.insert(iface.to_string(), ifindex);
-        tracing::info!(iface, "pod device: its pod's replies to outside clients are forwarded in BPF");
+        if self.pod_egress {
+            tracing::info!(iface, "pod device: what its pod sends to a Service address is translated here, and the replies");
+        } else {
+            tracing::info!(iface, "pod device: its pod's replies to outside clients are forwarded in BPF");
+        }
         Ok(())
     }
 
-    /// Without `--bpf-forward`: take off the pod program an earlier agent
-    /// attached (pinned TCX links, netlink filters), so that nothing is
-    /// forwarded in BPF.
-    pub fn drop_pod_programs(&mut self) {
-        let prefix = format!("{POD_PROGRAM}_");
+    /// Take off the pod programs an earlier agent attached (pinned TCX
+    /// links, netlink filters) that this one does not use: both without
+    /// `--bpf-forward` and `--per-packet-lb`, the egress one without
+    /// `--per-packet-lb`.
+    pub fn drop_pod_programs(&mut self, ingress_too: bool) {
         let mut n = 0;
-        if let Ok(rd) = fs::read_dir(self.bpffs.join("links")) {
-            for e in rd.flatten() {
-                if e.file_name().to_string_lossy().starts_with(&prefix) && fs::remove_file(e.path()).is_ok() {
-                    n += 1;
+        for (prog, ty) in POD_PROGRAMS {
+            if prog == POD_PROGRAM && !ingress_too || prog == POD_EGRESS_PROGRAM && self.pod_egress {
+                continue;
+            }
+            let prefix = format!("{prog}_");
+            if let Ok(rd) = fs::read_dir(self.bpffs.join("links")) {
+                for e in rd.flatten() {
+                    if e.file_name().to_string_lossy().starts_with(&prefix) && fs::remove_file(e.path()).is_ok() {
+                        n += 1;
+                    }
                 }
             }
-        }
-        if let Ok(links) = crate::netdev::links() {
-            for l in links.iter().filter(|l| l.kind.as_deref() == Some("veth")) {
-                if aya::programs::tc::qdisc_detach_program(&l.name, TcAttachType::Ingress, POD_PROGRAM).is_ok() {
-                    n += 1;
+            if let Ok(links) = crate::netdev::links() {
+                for l in links.iter().filter(|l| l.kind.as_deref() == Some("veth")) {
+                    if aya::programs::tc::qdisc_detach_program(&l.name, ty, prog).is_ok() {
+                        n += 1;
+                    }
                 }
             }
         }
         if n > 0 {
-            tracing::info!(devices = n, "forwarding in BPF is off: the pod program an earlier agent attached is detached");
+            tracing::info!(devices = n, "pod programs an earlier agent attached and this one does not use are detached");
         }
     }
 
@@ -708,7 +731,7 @@ pub fn teardown(bpffs: &Path) -> Result<()> {
     // this network namespace's devices.
     if let Ok(links) = crate::netdev::links() {
         for l in links {
-            for (name, ty) in TC_PROGRAMS.into_iter().chain(L3_PROGRAMS).chain([(POD_PROGRAM, TcAttachType::Ingress)]) {
+            for (name, ty) in TC_PROGRAMS.into_iter().chain(L3_PROGRAMS).chain(POD_PROGRAMS) {
                 let _ = aya::programs::tc::qdisc_detach_program(&l.name, ty, name);
             }
         }

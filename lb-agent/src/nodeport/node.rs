@@ -36,6 +36,12 @@ fn interface_state() -> (Vec<(String, IpAddr)>, Vec<String>) {
     (held, up)
 }
 
+/// The veths that are up (name, index): pods' devices among them.
+fn up_veths() -> Vec<(String, u32)> {
+    let links = crate::netdev::links().unwrap_or_default();
+    links.into_iter().filter(|l| l.up && l.kind.as_deref() == Some("veth")).map(|l| (l.name, l.ifindex)).collect()
+}
+
 /// rtnetlink multicast groups: links (a device created, up or down), IPv4
 /// and IPv6 address changes, IPv4 and IPv6 route changes.
 const RTMGRP_LINK: u32 = 0x1;
@@ -60,7 +66,8 @@ fn route_mtus() -> RouteMtus {
 /// device holding an address going up or down (link events): a tunnel
 /// usually gets its address before it comes up, and the TC programs go on
 /// it then. So does a route that sets an MTU, added, changed or removed
-/// (`route_mtus`).
+/// (`route_mtus`). So does a veth coming up or going (a pod's device,
+/// which the pod programs go on).
 pub struct Addresses {
     current: std::sync::Arc<std::sync::Mutex<Vec<(String, IpAddr)>>>,
     routes: std::sync::Arc<std::sync::Mutex<RouteMtus>>,
@@ -75,6 +82,7 @@ impl Addresses {
         let groups = RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE;
         sock.bind(&SocketAddr::new(0, groups)).context("rtnetlink bind to the link, address and route groups")?;
         let (addrs, mut up) = interface_state();
+        let mut veths = up_veths();
         let current = std::sync::Arc::new(std::sync::Mutex::new(addrs));
         let routes = std::sync::Arc::new(std::sync::Mutex::new(route_mtus()));
         let changed = std::sync::Arc::new(tokio::sync::Notify::new());
@@ -112,6 +120,13 @@ impl Addresses {
                     } else if up != now_up {
                         tracing::info!(up = ?now_up, "devices holding an address went up or down");
                         up = now_up;
+                        ch.notify_one();
+                    }
+                    drop(held);
+                    let now_veths = up_veths();
+                    if veths != now_veths {
+                        tracing::debug!(veths = ?now_veths, "veths came up or went");
+                        veths = now_veths;
                         ch.notify_one();
                     }
                 }

@@ -40,7 +40,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     Backend, Frag6Key, FragKey, FragPorts, MaglevKey, NatEntry, NatKey, NodeConfig, RevNat, RouteKey, RouteMtu, SvcValue, PROTO_TCP, PROTO_UDP, SCOPE_ALL, STATS_FRONTEND, SrcRange, SvcKey, backend_flags, capacity,
-    nat_flags, nat_state, stats, svc_flags,
+    nat_flags, nat_state, node_flags, stats, svc_flags,
 };
 
 use crate::lb::{self, Client, ECONNREFUSED, Family, NO_PREALLOC, V4, V6, Verdict};
@@ -163,6 +163,9 @@ const ACT_DSR: i32 = -110;
 /// An ICMP error on ingress about no flow of this node (its flow's key in
 /// the scratch value): maybe about a Maglev DSR flow's reply.
 const ACT_ICMP_NO_FLOW: i32 = -111;
+/// Translated, at a pod's device, for that same pod (a pod that reached
+/// itself through a Service): back in it goes.
+const ACT_HAIRPIN: i32 = -112;
 
 pub struct Pkt<A> {
     l4: usize,
@@ -1156,6 +1159,9 @@ pub struct Scratch<A> {
     /// The address a new SNATed flow leaves from (`snat_source`); zero:
     /// the node address.
     snat_src: A,
+    /// The new flow comes from a pod on this node (`--per-packet-lb`): no
+    /// SNAT, except to itself.
+    pod: u8,
 }
 
 #[btf_map]
@@ -1163,11 +1169,14 @@ static LB4_SCRATCH: PerCpuArray<Scratch<A4>, 1> = PerCpuArray::new();
 #[btf_map]
 static LB6_SCRATCH: PerCpuArray<Scratch<A6>, 1> = PerCpuArray::new();
 
-/// A new flow from outside to `daddr:dport`, if that is a frontend: pick its
-/// backend into the scratch value. Returns ACT_ESTABLISH, or what to do
-/// instead.
+/// A new flow to `daddr:dport`, if that is a frontend: pick its backend
+/// into the scratch value. Returns ACT_ESTABLISH, or what to do instead.
+/// From outside (`pod` false): a NodePort, LB IP or externalIP, or a
+/// ClusterIP routed here. From a pod the socket hooks did not see (`pod`:
+/// `--per-packet-lb`): any Service address, as the socket hooks decide it
+/// (internalTrafficPolicy, the refusals, no Maglev, no DSR).
 #[inline(never)]
-fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
+fn new_flow<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
     let Some(p) = parse::<F>(&TcContext::new(skb)) else { return TC_ACT_OK };
     let syn = p.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST) == TCP_SYN;
     // Only a first fragment creates a UDP flow; anything else without an
@@ -1175,34 +1184,49 @@ fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
     if p.later || (p.proto == PROTO_TCP && p.tcp_flags & TCP_RST != 0) {
         return TC_ACT_OK;
     }
+    // A pod's TCP flow starts with a SYN, whatever its frontend: the
+    // packets of its other connections cost no more lookups.
+    if pod && p.proto == PROTO_TCP && !syn {
+        return TC_ACT_OK;
+    }
     let Some(sc) = F::scratch() else { return TC_ACT_SHOT };
     let front = F::svc(&SvcKey::new(p.daddr, p.dport, p.proto, SCOPE_ALL, 0));
-    let Some(front) = front.filter(|f| f.flags & svc_flags::EXTERNAL != 0 || lb::external_cluster_ip()) else {
+    // A pod's packet to a known ClusterIP on a port that is no service
+    // port is the socket hooks' refusal too: select tells.
+    let front = if pod && front.is_none() { F::svc(&SvcKey::new(p.daddr, 0, 0, SCOPE_ALL, 0)) } else { front };
+    let Some(front) = front.filter(|f| pod || f.flags & svc_flags::EXTERNAL != 0 || lb::external_cluster_ip()) else {
         return if syn { ACT_CLEAR_LEFTOVER } else { TC_ACT_OK };
     };
     // Only a SYN creates a TCP flow, but with Maglev and DSR any packet
     // does: a connection an upstream router moved here from another node
     // (ECMP rehash, a node failing) reaches the backend Maglev picked there
     // too, with the client's address, and goes on.
-    let moved_ok = front.flags & (svc_flags::MAGLEV | svc_flags::DSR) == svc_flags::MAGLEV | svc_flags::DSR;
+    let moved_ok = !pod && front.flags & (svc_flags::MAGLEV | svc_flags::DSR) == svc_flags::MAGLEV | svc_flags::DSR;
     if p.proto == PROTO_TCP && !syn && !moved_ok {
         return TC_ACT_OK;
     }
     // loadBalancerSourceRanges first: a client outside them learns nothing.
-    if front.flags & svc_flags::SRC_RANGE != 0 && !in_src_range::<F>(front.rev_nat_id, p.saddr) {
+    if !pod && front.flags & svc_flags::SRC_RANGE != 0 && !in_src_range::<F>(front.rev_nat_id, p.saddr) {
         return drop_packet();
     }
     let h = flow_hash::<F>(&p);
-    let v = lb::select::<F>(Client::Addr(F::wide(p.saddr)), p.daddr, p.dport, p.proto, Some(h), true);
+    let v = lb::select::<F>(Client::Addr(F::wide(p.saddr)), p.daddr, p.dport, p.proto, Some(h), !pod);
     if lb::observed() {
         report::<F>(&p, &v);
     }
     match v {
-        Verdict::Pass => TC_ACT_OK,
+        Verdict::Pass => {
+            if syn {
+                ACT_CLEAR_LEFTOVER
+            } else {
+                TC_ACT_OK
+            }
+        }
         // No usable endpoint: REJECT, as kube-proxy does.
         Verdict::Refuse { errno: ECONNREFUSED, .. } => ACT_REJECT,
-        // externalTrafficPolicy Local and no endpoint on this node:
-        // dropped (kube-proxy DROPs too; the LB's health check steers away).
+        // externalTrafficPolicy (or internalTrafficPolicy) Local and no
+        // endpoint on this node: dropped (kube-proxy DROPs too; the LB's
+        // health check steers away).
         Verdict::Refuse { .. } => drop_packet(),
         Verdict::Backend { backend, rev_nat_id, backend_id, .. } => {
             // SAFETY: this CPU's scratch value.
@@ -1211,7 +1235,8 @@ fn new_flow<F: Net>(skb: *mut __sk_buff) -> i32 {
                 (*sc).backend_id = backend_id;
                 (*sc).rev_nat_id = rev_nat_id;
                 (*sc).hash = h;
-                (*sc).dsr = (front.flags & svc_flags::DSR != 0) as u8;
+                (*sc).dsr = (!pod && front.flags & svc_flags::DSR != 0) as u8;
+                (*sc).pod = pod as u8;
             }
             ACT_ESTABLISH
         }
@@ -1260,7 +1285,7 @@ fn snat_source<F: Net>(skb: *mut __sk_buff) {
     // SAFETY: this CPU's scratch value, filled by new_flow for this packet.
     let sc = unsafe { &mut *sc };
     sc.snat_src = F::A::default();
-    if sc.backend.flags & backend_flags::LOCAL != 0 || sc.dsr != 0 {
+    if sc.backend.flags & backend_flags::LOCAL != 0 || sc.dsr != 0 || sc.pod != 0 {
         return;
     }
     let Some(p) = parse::<F>(&TcContext::new(skb)) else { return };
@@ -1280,7 +1305,10 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
     let sc = unsafe { &mut *sc };
     // SAFETY: plain helper.
     let now = unsafe { bpf_ktime_get_ns() };
-    let snat = sc.backend.flags & backend_flags::LOCAL == 0;
+    // A pod's flow keeps its address (pod addresses route in the cluster),
+    // except to the pod itself, whose kernel would drop a packet from its
+    // own address (kube-proxy masquerades that hairpin too).
+    let snat = if sc.pod != 0 { sc.backend.addr == p.saddr } else { sc.backend.flags & backend_flags::LOCAL == 0 };
     sc.reply = NatEntry {
         to_saddr: p.daddr,
         to_daddr: p.saddr,
@@ -1465,8 +1493,10 @@ fn clear_leftover<F: Net>(skb: *mut __sk_buff) -> i32 {
     TC_ACT_OK
 }
 
+/// A packet that arrives: from outside, or (`pod`) from a pod on this
+/// node, at its device.
 #[inline(never)]
-fn ingress<F: Net>(skb: *mut __sk_buff) -> i32 {
+fn ingress<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
     let ctx = &TcContext::new(skb);
     let p = match parse_first::<F>(ctx) {
         Ok(p) => p,
@@ -1483,9 +1513,11 @@ fn ingress<F: Net>(skb: *mut __sk_buff) -> i32 {
             if entry.flags & nat_flags::SNAT == 0 {
                 return TC_ACT_OK;
             }
-            // A reply to a SNATed flow, from the backend's node.
+            // A reply to a SNATed flow, from the backend's node; at a
+            // pod's device, from a pod that answered itself (a hairpin).
             touch(e, p.tcp_flags);
-            return translate::<F>(ctx, &p, entry);
+            let act = translate::<F>(ctx, &p, entry);
+            return if pod && act == ACT_TRANSLATED { ACT_HAIRPIN } else { act };
         }
         // A packet from a client of a known flow.
         if entry.state & nat_state::STALE != 0 {
@@ -1555,9 +1587,9 @@ fn skb_protocol(ctx: &TcContext) -> u16 {
 #[inline(always)]
 fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
     // One call after another, not nested: each gets the whole stack.
-    let mut act = ingress::<F>(skb);
+    let mut act = ingress::<F>(skb, false);
     if act == ACT_NEW_FLOW {
-        act = new_flow::<F>(skb);
+        act = new_flow::<F>(skb, false);
     }
     if act == ACT_ESTABLISH {
         snat_source::<F>(skb);
@@ -1633,15 +1665,96 @@ fn ingress_on<const L: usize>(ctx: &TcContext, proto: u16) -> i32 {
 }
 
 /// On the pod devices (the host end of each pod's veth), with
-/// `--bpf-forward`: replies of backends on this node to outside clients
-/// are translated and forwarded here (`fib::reply`); everything else
-/// passes.
+/// `--bpf-forward` or `--per-packet-lb`: what a pod sends.
+/// - With `--bpf-forward`, replies of backends on this node to outside
+///   clients are translated and forwarded here (`fib::reply`).
+/// - With `--per-packet-lb`, a packet to a Service address, which a pod's
+///   own socket would have had translated by the socket hooks, is
+///   translated here (a VM's or a sandbox's kernel sent it: KubeVirt,
+///   Kata, gVisor): its flow is made as for an outside client, without
+///   SNAT (pod addresses route in the cluster). Its replies are translated
+///   on their way into the pod (`lb_pod_egress`).
+///
+/// Everything else passes.
 #[classifier]
 pub fn lb_pod_ingress(ctx: TcContext) -> i32 {
     pull_headers(&ctx);
     match ethertype(&ctx) {
-        ETH_P_IP => fib::reply::<E4>(ctx.skb.skb),
-        ETH_P_IPV6 => fib::reply::<E6>(ctx.skb.skb),
+        ETH_P_IP => pod_then::<E4>(ctx.skb.skb),
+        ETH_P_IPV6 => pod_then::<E6>(ctx.skb.skb),
+        _ => TC_ACT_OK,
+    }
+}
+
+#[inline(always)]
+fn pod_then<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let flags = lb::node_flags();
+    if flags & node_flags::BPF_FORWARD != 0 {
+        let act = fib::reply::<F>(skb);
+        if act != TC_ACT_OK || flags & node_flags::POD_PACKET_LB == 0 {
+            return act;
+        }
+    }
+    if flags & node_flags::POD_PACKET_LB == 0 {
+        return TC_ACT_OK;
+    }
+    // One call after another, not nested: each gets the whole stack.
+    let mut act = ingress::<F>(skb, true);
+    if act == ACT_NEW_FLOW {
+        act = new_flow::<F>(skb, true);
+    }
+    if act == ACT_ESTABLISH {
+        act = establish::<F>(skb);
+    }
+    if act == ACT_FORWARD {
+        act = forward::<F>(skb);
+        // A SNATed flow of a pod is one to itself.
+        if act == ACT_TRANSLATED
+            && let Some(sc) = F::scratch()
+            // SAFETY: this CPU's scratch value; one byte read.
+            && unsafe { (*sc).fwd.flags } & nat_flags::SNAT != 0
+        {
+            act = ACT_HAIRPIN;
+        }
+    }
+    match act {
+        ACT_CLEAR_LEFTOVER => clear_leftover::<F>(skb),
+        ACT_REJECT => reject::<F>(skb),
+        ACT_RESET => reset::<F>(skb),
+        // Errors a pod sends go on as they are: an error about a reply it
+        // got is about a flow's translated side, which the peer knows.
+        ACT_ICMP => TC_ACT_OK,
+        ACT_TOO_BIG => icmp::too_big::<F>(skb),
+        ACT_TIME_EXCEEDED => icmp::time_exceeded::<F>(skb),
+        ACT_HAIRPIN => hairpin(skb),
+        ACT_TRANSLATED => fib::send_on::<F>(skb),
+        act => act,
+    }
+}
+
+/// Send a translated packet back into the pod it came from: the stack
+/// would drop it (it carries this node's address as its source, or goes
+/// out where it came in).
+#[inline(never)]
+fn hairpin(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let (Ok(dst), Ok(src)) = (ld::<[u8; 6]>(ctx, 0), ld::<[u8; 6]>(ctx, 6)) else { return TC_ACT_SHOT };
+    if st(ctx, 0, src).is_err() || st(ctx, 6, dst).is_err() {
+        return TC_ACT_SHOT;
+    }
+    bounce(ctx)
+}
+
+/// On the pod devices, with `--per-packet-lb`: what goes into a pod.
+/// Replies to the pod's translated flows (from a backend on this node or
+/// another) become replies from the Service address, and ICMP errors about
+/// them are translated, as the egress program does for outside clients.
+#[classifier]
+pub fn lb_pod_egress(ctx: TcContext) -> i32 {
+    pull_headers(&ctx);
+    match ethertype(&ctx) {
+        ETH_P_IP => egress_then::<E4>(ctx.skb.skb),
+        ETH_P_IPV6 => egress_then::<E6>(ctx.skb.skb),
         _ => TC_ACT_OK,
     }
 }
