@@ -15,8 +15,9 @@ fn every_bench_case_runs() {
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out_json).unwrap()).unwrap();
     std::fs::remove_file(&out_json).unwrap();
     let dp = v["datapath"].as_object().unwrap();
-    // 9 cases with the client and server on different nodes, 2 on one node.
-    assert_eq!(dp.len(), 11, "{stdout}");
+    // 11 cases with the client and server on different nodes (2 of them
+    // with --per-packet-lb), 2 on one node.
+    assert_eq!(dp.len(), 13, "{stdout}");
     // lb against direct from the same client, alternating: across nodes and
     // on one node.
     let paired = v["paired"].as_object().unwrap();
@@ -68,6 +69,10 @@ fn every_bench_case_runs() {
     // the server's device (its cost is reported).
     let runs = v["pod_program_ns"]["lb_pod_ingress runs"].as_f64().unwrap_or(0.0);
     assert!(v["pod_program_ns"]["lb_pod_ingress"].as_f64().is_some_and(|ns| ns > 0.0) && runs > 0.0, "{stdout}");
+    // With --per-packet-lb both pod programs run on the client's device.
+    for prog in ["lb_pod_ingress", "lb_pod_egress"] {
+        assert!(v["per_packet_program_ns"][format!("{prog} runs")].as_f64().is_some_and(|n| n > 0.0), "{prog}: {stdout}");
+    }
     let (fwd, xdp) = (&v["nodeport_wired_program_ns"][0], &v["nodeport_wired_program_ns"][1]);
     assert!(xdp["lb_nodeport_xdp runs"].as_f64().is_some_and(|n| n > 0.0), "{stdout}");
     assert!(xdp["lb_nodeport_ingress runs"].as_f64() < fwd["lb_nodeport_ingress runs"].as_f64(), "{stdout}");

@@ -624,8 +624,9 @@ fn main() -> Result<()> {
     // --bpf-forward, 15 iptables NodePort behind the large rule set, 16 lb
     // NodePort with DSR, 17 lb NodePort with Maglev, 18 lb NodePort with
     // XDP acceleration and BPF forwarding, 19 iptables NodePort with its
-    // backends on the node (lb's counterpart: node 2, the server's node).
-    let mut c = Cluster::new(19)?;
+    // backends on the node (lb's counterpart: node 2, the server's node),
+    // 20 lb with --per-packet-lb (10 services).
+    let mut c = Cluster::new(20)?;
     let (server, server_ips) = server_pod(&mut c, 2)?;
     // The same server on node 19, behind kube-proxy's NodePort rules there.
     let (server19, server19_ips) = server_pod(&mut c, 19)?;
@@ -633,11 +634,16 @@ fn main() -> Result<()> {
     let server4 = c.add_pod(4, "server-4")?;
     c.serve_tiny(&server4, 8080, 1)?;
     let mut clients = BTreeMap::new();
-    for node in [1usize, 3, 4, 5, 6, 7, 8, 9, 10] {
+    for node in [1usize, 3, 4, 5, 6, 7, 8, 9, 10, 20] {
         let p = c.add_pod(node, &format!("client-{node}"))?;
         c.in_netns(&p.netns, &["sysctl", "-qw", "net.ipv4.ip_local_port_range=1024 65000"])?;
         clients.insert(node, p);
     }
+    // Key 0: client-20's netns, its process outside the node's cgroup: no
+    // socket hook sees it, as none sees a VM's or a sandbox's kernel.
+    let guest = Pod { cgroup: PathBuf::new(), ..clients[&20].clone() };
+    clients.insert(0, guest);
+    let guest_dev = format!("v{}", clients[&20].ip.rsplit('.').next().unwrap_or_default());
     let work = c.objects.parent().unwrap().to_path_buf();
 
     // Control plane: load the kube-proxy rule sets (timed) and lb's maps.
@@ -673,6 +679,7 @@ fn main() -> Result<()> {
     tight += &lbtest::objects::slice("tight", "tight-1", &[("http", 8080, "TCP")], &[(server4.ip.as_str(), "node-4", true)]);
     std::fs::write(large_dir.join("tight.yaml"), tight)?;
     c.start_agent_from(3, &small_dir, &[])?;
+    c.start_agent_from(20, &small_dir, &["--per-packet-lb"])?;
     let rss_small = c.agent_pid(3).map_or(0.0, rss_mib);
     // Cold starts: a fresh agent on fresh maps, 3 times each (the median
     // is reported); the last JSON one stays up for the datapath rounds.
@@ -736,6 +743,8 @@ fn main() -> Result<()> {
     let cases: Vec<(String, usize, String)> = vec![
         ("direct (pod IP)".into(), 1, format!("{}:8080", server.ip)),
         (format!("lb, {small} services"), 3, tested_small.clone()),
+        (format!("lb, {small} services, --per-packet-lb (its programs on the client's device)"), 20, tested_small.clone()),
+        (format!("lb per packet, {small} services: a client no socket hook sees (a VM)"), 0, tested_small.clone()),
         (format!("lb, {n} services"), 4, tested.clone()),
         (format!("iptables-legacy, {small} services"), 5, tested_small.clone()),
         (format!("iptables-legacy, {n} services"), 6, tested.clone()),
@@ -752,6 +761,7 @@ fn main() -> Result<()> {
     // What each socket program costs per run during these rounds.
     let _stats = aya::sys::enable_stats(aya::sys::Stats::RunTime).context("enable bpf_stats")?;
     let stats_before = [prog_stats(&c.nodes[2].cgroup)?, prog_stats(&c.nodes[3].cgroup)?];
+    let guest_before = tc_dev_prog_stats(&c.nodes[19].netns, &guest_dev)?;
     for round in 0..rounds {
         eprintln!("bench: round {} of {}", round + 1, a.rounds);
         let mut direct = 0.0;
@@ -769,6 +779,7 @@ fn main() -> Result<()> {
         prog_cost(&stats_before[0], &prog_stats(&c.nodes[2].cgroup)?),
         prog_cost(&stats_before[1], &prog_stats(&c.nodes[3].cgroup)?),
     ];
+    let per_packet_ns = np_prog_cost(&guest_before, &tc_dev_prog_stats(&c.nodes[19].netns, &guest_dev)?);
     // Paired rounds: lb and direct from one client, alternating every 20
     // connections (lbprobe rate-pair), so that both see the same moments
     // of the machine; the interleaved rounds above compare 1.5 s runs one
@@ -984,6 +995,12 @@ fn main() -> Result<()> {
         let f = |m: &BTreeMap<String, f64>| m.get(p).map_or("-".to_string(), |v| format!("{v:.0}"));
         let _ = writeln!(md, "| {p} | {} | {} |", f(&prog_ns[0]), f(&prog_ns[1]));
     }
+    for prog in ["lb_pod_ingress", "lb_pod_egress"] {
+        if let Some(ns) = per_packet_ns.get(prog) {
+            let runs = per_packet_ns.get(&format!("{prog} runs")).copied().unwrap_or(0.0);
+            let _ = writeln!(md, "\n`{prog}` on client-20's device (`--per-packet-lb`) during the rounds of both its cases: {ns:.0} ns per run; {runs:.0} runs.");
+        }
+    }
     let _ = writeln!(md, "\nOne established TCP stream ({} MB):\n\n| case | MB/s (median) | ratio |\n|---|---|---|", a.bulk_bytes >> 20);
     for (k, s) in &tput {
         let _ = writeln!(md, "| {k} | {:.0} | {:.2} |", median(&s.values), median(&s.ratios));
@@ -1026,7 +1043,7 @@ fn main() -> Result<()> {
         "rounds": a.rounds, "secs": a.secs, "services": n,
         "datapath": series, "paired": paired, "throughput": tput, "control_plane": cp,
         "nodeport": np.conn, "nodeport_throughput": np.throughput, "nodeport_udp": np.udp, "nodeport_program_ns": tc_ns,
-        "nodeport_wired": np_wired, "nodeport_local": np_local, "nodeport_paired": np_paired, "pod_program_ns": pod_ns, "nodeport_wired_program_ns": wired_ns, "map_write_ratio_to_raw": write_ratio,
+        "nodeport_wired": np_wired, "nodeport_local": np_local, "nodeport_paired": np_paired, "pod_program_ns": pod_ns, "per_packet_program_ns": per_packet_ns, "nodeport_wired_program_ns": wired_ns, "map_write_ratio_to_raw": write_ratio,
         "change_latency_ms": {"p50": percentile(&lat, 0.5), "p99": percentile(&lat, 0.99), "samples": lat},
         "agent_rss_mib": rss,
         "program_ns": {"small": prog_ns[0], "large": prog_ns[1]},
