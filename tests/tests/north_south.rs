@@ -766,6 +766,13 @@ fn pods_the_socket_hooks_cannot_see_reach_services_per_packet() -> Result<()> {
     let s = w.c.probe(&guest, &["udp", "--addr", &lb6, "--count", "10"])?;
     assert_eq!(s.ok, 10, "{s:?}");
     assert!(flows_from(&w.c, &vm.ip)?.iter().any(|l| l.contains("dst=10.96.0.10 ")), "{:?}", flows_from(&w.c, &vm.ip)?);
+    // While no agent runs (a restart, an upgrade), the programs and the
+    // maps stay: the pod's flows and new ones go on.
+    w.c.kill_agent(1);
+    let s = tcp(&w.c, &guest, vip, 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    w.c.start_agent_with(1, &["--per-packet-lb"])?;
+    wait_backends(&w.c, 1, "10.96.0.10", 80, 2)?;
     // A pod the socket hooks serve: translated at connect, no flow.
     let s = tcp(&w.c, &w.p1, vip, 5)?;
     assert_eq!(s.ok, 5, "{s:?}");

@@ -750,7 +750,7 @@ impl<const L: usize> Net for Ip6<L> {
 #[inline(always)]
 fn v6_walk<const L: usize>(ctx: &TcContext) -> Option<(usize, u8, usize)> {
     // SAFETY: our own skb.
-    let r = v6_walk_packed::<L>(unsafe { ctx.skb.skb });
+    let r = v6_walk_packed::<L>(ctx.skb.skb);
     if r == 0 {
         return None;
     }
