@@ -741,8 +741,9 @@ fn snated_flows_skip_conntrack_where_it_runs_so_invalid_drops_pass_them() -> Res
 /// replies translated on their way back in (its kernel would drop them
 /// otherwise), REJECTed without endpoints, and a pod that reaches itself
 /// through a Service is seen from the node's address (kube-proxy's
-/// hairpin masquerade). Pods the socket hooks serve make no flow. Without
-/// the flag such a pod reaches nothing.
+/// hairpin masquerade), and loadBalancerSourceRanges apply to it as
+/// kube-proxy applies them to pods. Pods the socket hooks serve make no
+/// flow. Without the flag such a pod reaches nothing.
 #[test]
 fn pods_the_socket_hooks_cannot_see_reach_services_per_packet() -> Result<()> {
     let mut w = world_with(&web("LoadBalancer", "", &[LB_IP6]), &["--per-packet-lb"])?;
@@ -766,6 +767,22 @@ fn pods_the_socket_hooks_cannot_see_reach_services_per_packet() -> Result<()> {
     let s = w.c.probe(&guest, &["udp", "--addr", &lb6, "--count", "10"])?;
     assert_eq!(s.ok, 10, "{s:?}");
     assert!(flows_from(&w.c, &vm.ip)?.iter().any(|l| l.contains("dst=10.96.0.10 ")), "{:?}", flows_from(&w.c, &vm.ip)?);
+    // loadBalancerSourceRanges that leave pods out: the pod's packets to
+    // the LB IP are dropped, as kube-proxy's firewall chain drops them.
+    let ranges = format!("  loadBalancerSourceRanges: [\"{CLIENT6}/128\", \"{CLIENT}/32\"]\n");
+    w.c.write_object("svc.yaml", &web("LoadBalancer", &ranges, &[LB_IP6]))?;
+    let ranged = |on: bool| -> Result<bool> {
+        let l = w.c.list(1)?;
+        Ok(l["frontends"].as_array().into_iter().flatten().any(|f| {
+            f["address"] == LB_IP6 && f["flags"].as_array().is_some_and(|a| a.iter().any(|x| x == "source-ranges")) == on
+        }))
+    };
+    w.c.wait_for("the source ranges", Duration::from_secs(5), || ranged(true))?;
+    let s = w.c.probe(&guest, &["tcp", "--addr", &lb6, "--count", "3", "--timeout-ms", "500"])?;
+    assert_eq!(s.ok, 0, "{s:?}");
+    assert_eq!(tcp(&w.c, &guest, vip, 3)?.ok, 3);
+    w.c.write_object("svc.yaml", &web("LoadBalancer", "", &[LB_IP6]))?;
+    w.c.wait_for("no source ranges", Duration::from_secs(5), || ranged(false))?;
     // While no agent runs (a restart, an upgrade), the programs and the
     // maps stay: the pod's flows and new ones go on.
     w.c.kill_agent(1);

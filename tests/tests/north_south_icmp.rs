@@ -361,3 +361,33 @@ fn packet_too_big_about_a_pods_fragmented_answer_reaches_the_pod() -> Result<()>
     }
     Ok(())
 }
+
+/// `--per-packet-lb`: a pod whose packets no socket hook sees (a VM's own
+/// kernel) uploads to a ClusterIP, and an IPv6 LoadBalancer IP, whose
+/// backend is behind a narrower path. Node-1's "fragmentation needed" /
+/// "packet too big" quotes the translated packet (pod -> backend); it
+/// reaches the pod translated back (pod -> Service address), so the pod's
+/// kernel lowers its path MTU for that connection and the upload goes on,
+/// as through kube-proxy's DNAT. Untranslated, the pod's kernel would find
+/// no socket for it and the upload would stall.
+#[test]
+fn path_mtu_discovery_works_for_pods_the_socket_hooks_cannot_see() -> Result<()> {
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP6]), &["--per-packet-lb"])?;
+    narrow_paths_to_pods(&w)?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, "10.96.0.10", 80, &w.p2)?;
+    wait_only(&w.c, LB_IP6, 80, &w.p2)?;
+    let vm = w.c.add_pod(1, "vm")?;
+    let guest = Pod { cgroup: Default::default(), ..vm };
+    let icmp = datapath(&w.c, 1, "nat_icmp")?;
+    w.c.wait_for("the pod programs on the new pod's device", std::time::Duration::from_secs(5), || {
+        Ok(w.c.probe(&guest, &["tcp", "--addr", "10.96.0.10:80", "--count", "1"])?.ok == 1)
+    })?;
+    for addr in ["10.96.0.10:80".to_string(), hostport(LB_IP6, 80)] {
+        let s = upload(&w.c, &guest, &addr)?;
+        assert_eq!(s.ok, 1, "upload via {addr}: {s:?}");
+        assert!(s.replies.keys().all(|r| r.starts_with("pod-2") && r.ends_with(&format!("upload {BYTES} ok"))), "{s:?}");
+    }
+    assert!(datapath(&w.c, 1, "nat_icmp")? >= icmp + 2, "the errors were translated");
+    Ok(())
+}

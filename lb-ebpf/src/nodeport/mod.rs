@@ -1174,7 +1174,8 @@ static LB6_SCRATCH: PerCpuArray<Scratch<A6>, 1> = PerCpuArray::new();
 /// From outside (`pod` false): a NodePort, LB IP or externalIP, or a
 /// ClusterIP routed here. From a pod the socket hooks did not see (`pod`:
 /// `--per-packet-lb`): any Service address, as the socket hooks decide it
-/// (internalTrafficPolicy, the refusals, no Maglev, no DSR).
+/// (internalTrafficPolicy, the refusals, no Maglev, no DSR), and
+/// loadBalancerSourceRanges, as kube-proxy applies them to pods.
 #[inline(never)]
 fn new_flow<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
     let Some(p) = parse::<F>(&TcContext::new(skb)) else { return TC_ACT_OK };
@@ -1205,8 +1206,10 @@ fn new_flow<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
     if p.proto == PROTO_TCP && !syn && !moved_ok {
         return TC_ACT_OK;
     }
-    // loadBalancerSourceRanges first: a client outside them learns nothing.
-    if !pod && front.flags & svc_flags::SRC_RANGE != 0 && !in_src_range::<F>(front.rev_nat_id, p.saddr) {
+    // loadBalancerSourceRanges first: a client outside them learns nothing
+    // (a pod too: kube-proxy's KUBE-PROXY-FIREWALL drops pods' packets
+    // outside them as well).
+    if front.flags & svc_flags::SRC_RANGE != 0 && !in_src_range::<F>(front.rev_nat_id, p.saddr) {
         return drop_packet();
     }
     let h = flow_hash::<F>(&p);
