@@ -190,6 +190,8 @@ pub struct Metrics {
     /// Chains that may drop what lb hands to the stack without lb's accept
     /// in place (native nftables chains, rules lb could not write).
     pub netfilter_problems: Gauge,
+    /// healthCheckNodePort listeners that could not be opened.
+    pub health_check_failed: Gauge,
     /// Each frontend's Service, for `lb-agent monitor` (GET /frontends).
     pub frontend_names: Mutex<std::collections::BTreeMap<crate::model::FrontendKey, crate::monitor::FrontendName>>,
     registry: Mutex<Registry>,
@@ -220,6 +222,7 @@ impl Metrics {
             kube_proxy_rules: Family::default(),
             netfilter_written: Family::default(),
             netfilter_problems: Gauge::default(),
+            health_check_failed: Gauge::default(),
             frontend_names: Mutex::new(Default::default()),
             registry: Mutex::new(Registry::default()),
         };
@@ -296,6 +299,11 @@ impl Metrics {
                 "lb_netfilter_problems",
                 "Places where what lb hands to the stack may be dropped and lb's accept is not in place: native nftables forward chains that may drop without `meta mark & MARK == MARK accept` first, and rules lb could not write (the agent's log names each)",
                 m.netfilter_problems.clone(),
+            );
+            r.register(
+                "lb_health_check_listeners_failed",
+                "healthCheckNodePort listeners (a port, on every address or on one --nodeport-addresses address) that could not be opened, mostly because another process holds the port: the load balancer sees that node as down (the agent's log names each; tried again at each sync)",
+                m.health_check_failed.clone(),
             );
             r.register_collector(Box::new(DatapathCollector(datapath)));
         }

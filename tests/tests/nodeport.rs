@@ -362,3 +362,45 @@ fn health_check_node_ports_listen_where_the_node_ports_are() -> Result<()> {
     assert_eq!(code(&w, "192.168.77.11"), 200);
     Ok(())
 }
+
+/// Another process holds a healthCheckNodePort: the load balancer's check
+/// fails there, so the node looks down for that Service. The agent says so
+/// once (not at every sync) and counts it in
+/// `lb_health_check_listeners_failed`; it tries again at each sync, and
+/// serves the check once the port is free.
+#[test]
+fn a_health_check_node_port_another_process_holds_is_reported_once_and_served_when_free() -> Result<()> {
+    let svc = web("LoadBalancer", "  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n", &[LB_IP]);
+    let mut w = world(&svc, &[])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let code = |w: &World| -> u16 { w.c.http_from(&w.outside.netns, "192.168.77.11:32000", "/").map_or(0, |(c, _)| c) };
+    w.c.wait_for("the health check", Duration::from_secs(5), || Ok(code(&w) == 200))?;
+    w.c.kill_agent(1);
+    // A process of the node (outside lb's cgroup) takes the port meanwhile.
+    let holder = Pod { cgroup: Default::default(), ..w.c.host(1) };
+    let pid = w.c.serve_as(&holder, "holder", 32000)?;
+    w.c.start_agent_with(1, &[])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let metric = |w: &World| -> Result<u64> {
+        let (_, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
+        Ok(m.lines().find_map(|l| l.strip_prefix("lb_health_check_listeners_failed ")?.parse().ok()).unwrap_or(u64::MAX))
+    };
+    w.c.wait_for("the failed listener counted", Duration::from_secs(5), || Ok(metric(&w)? == 1))?;
+    // More syncs (endpoint changes): tried again each time, logged once.
+    let slice = |eps: &[E]| slice_of("web", "web-1", "IPv4", EP, eps);
+    w.c.write_object("slice.yaml", &slice(&[E::ready(&w.p1.ip, "node-1")]))?;
+    wait_nodeport(&w.c, 1, 1)?;
+    w.c.write_object("slice.yaml", &slice(&[E::ready(&w.p1.ip, "node-1"), E::ready(&w.p2.ip, "node-2")]))?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let log = std::fs::read_to_string(w.c.agent_log(1))?;
+    assert_eq!(log.matches("cannot serve the health check on healthCheckNodePort 32000").count(), 1, "{log}");
+    assert_eq!(metric(&w)?, 1);
+    // The port is free again: served at the next sync.
+    w.c.stop(pid);
+    w.c.write_object("slice.yaml", &slice(&[E::ready(&w.p1.ip, "node-1")]))?;
+    w.c.wait_for("the health check served after the port was freed", Duration::from_secs(5), || Ok(code(&w) == 200))?;
+    assert_eq!(metric(&w)?, 0);
+    let log = std::fs::read_to_string(w.c.agent_log(1))?;
+    assert!(log.contains("the health check is served on healthCheckNodePort 32000"), "{log}");
+    Ok(())
+}

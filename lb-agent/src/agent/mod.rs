@@ -475,7 +475,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 tc.attach_tc(iface)?;
             }
         }
-        health_checks.reconcile(&rec.health_checks, rec.health_check_on.as_deref()).await;
+        let failed = health_checks.reconcile(&rec.health_checks, rec.health_check_on.as_deref()).await;
+        metrics.health_check_failed.set(failed as i64);
         // The TC programs go where outside traffic and replies of SNATed
         // flows arrive, unless told, once some Service takes traffic from
         // outside (any, where ClusterIPs routed here from outside are

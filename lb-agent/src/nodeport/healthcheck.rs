@@ -52,6 +52,10 @@ struct Server {
 #[derive(Default)]
 pub struct HealthChecks {
     servers: BTreeMap<u16, Server>,
+    /// The listeners that could not be opened (healthCheckNodePort, the
+    /// address; None: every address), with why: logged when they fail
+    /// and when that changes, not at every sync while they stay failed.
+    failed: BTreeMap<(u16, Option<IpAddr>), String>,
 }
 
 fn hc_body(hc: &HealthCheck) -> (StatusCode, String) {
@@ -70,7 +74,9 @@ impl HealthChecks {
     /// NodePorts are): start, update and stop servers, and open and close
     /// listeners as addresses come and go (a listener that could not be
     /// opened is tried again at the next call).
-    pub async fn reconcile(&mut self, want: &BTreeMap<u16, HealthCheck>, on: Option<&[IpAddr]>) {
+    ///
+    /// Returns how many listeners could not be opened.
+    pub async fn reconcile(&mut self, want: &BTreeMap<u16, HealthCheck>, on: Option<&[IpAddr]>) -> usize {
         let keys: Vec<Option<IpAddr>> = match on {
             None => vec![None],
             Some(addrs) => addrs.iter().filter(|a| !a.is_loopback()).map(|a| Some(*a)).collect(),
@@ -111,6 +117,7 @@ impl HealthChecks {
                     None => dual_stack_listener(*port),
                     Some(a) => listener_on(*a, *port),
                 };
+                let on = k.map_or("every address".to_string(), |a| a.to_string());
                 match l {
                     Ok(l) => {
                         let app = s.app.clone();
@@ -118,14 +125,23 @@ impl HealthChecks {
                             let _ = axum::serve(l, app).await;
                         });
                         s.listeners.insert(*k, task);
+                        if self.failed.remove(&(*port, *k)).is_some() {
+                            tracing::info!(service = %hc.service, "the health check is served on healthCheckNodePort {port} ({on}) now");
+                        }
                     }
                     Err(e) => {
-                        let on = k.map_or("every address".to_string(), |a| a.to_string());
-                        tracing::error!(service = %hc.service, "cannot serve the health check on healthCheckNodePort {port} ({on}): {e}");
+                        let why = e.to_string();
+                        if self.failed.get(&(*port, *k)) != Some(&why) {
+                            tracing::error!(service = %hc.service, "cannot serve the health check on healthCheckNodePort {port} ({on}): {why}; tried again at each sync, logged again when the error changes");
+                        }
+                        self.failed.insert((*port, *k), why);
                     }
                 }
             }
         }
+        // Failures of listeners no longer wanted are no failures.
+        self.failed.retain(|(port, k), _| self.servers.get(port).is_some_and(|s| keys.contains(k) && !s.listeners.contains_key(k)));
+        self.failed.len()
     }
 }
 
