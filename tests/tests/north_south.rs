@@ -811,8 +811,11 @@ fn pods_the_socket_hooks_cannot_see_reach_services_per_packet() -> Result<()> {
     w.c.serve_reporting_peer(&vm, 8080)?;
     set_endpoints(&w, &[(&vm, E::ready)])?;
     wait_backends(&w.c, 1, "10.96.0.10", 80, 1)?;
+    wait_backends(&w.c, 1, LB_IP6, 80, 1)?;
     let s = tcp(&w.c, &guest, vip, 10)?;
     assert_eq!((s.ok, keys(&s)), (10, [seen("vm", NODE1).as_str()].into()), "{s:?}");
+    let s = tcp(&w.c, &guest, &lb6, 10)?;
+    assert_eq!((s.ok, keys(&s)), (10, [seen("vm", NODE1_6).as_str()].into()), "{s:?}");
     let s = w.c.probe(&guest, &["udp", "--addr", vip, "--count", "10"])?;
     assert_eq!(s.ok, 10, "{s:?}");
     // No endpoints: refused at once, as kube-proxy's REJECT.
