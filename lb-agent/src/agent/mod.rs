@@ -299,7 +299,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         route_mtu_error: None,
         snat_ports: cfg.snat_ports,
         node_flags: cfg.node_flags,
-        addresses: crate::nodeport::Addresses::watch()?,
+        addresses: crate::nodeport::Addresses::watch(forward || per_packet)?,
         maglev: cfg.maglev,
         maglev4: crate::dataplane::maglev::MaglevTables::open(&cfg.bpffs, lb_common::maps::MAGLEV4)?,
         maglev6: crate::dataplane::maglev::MaglevTables::open(&cfg.bpffs, lb_common::maps::MAGLEV6)?,
@@ -496,7 +496,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             };
             // With --bpf-forward, the replies of local backends are
             // forwarded from the pod devices (new pods' devices are picked
-            // up here, at the sync their endpoints bring).
+            // up here: a veth coming up wakes this loop, `Addresses`).
             if forward && !per_packet {
                 sync_pods(&mut tc, &nodeport);
             }

@@ -66,8 +66,8 @@ fn route_mtus() -> RouteMtus {
 /// device holding an address going up or down (link events): a tunnel
 /// usually gets its address before it comes up, and the TC programs go on
 /// it then. So does a route that sets an MTU, added, changed or removed
-/// (`route_mtus`). So does a veth coming up or going (a pod's device,
-/// which the pod programs go on).
+/// (`route_mtus`). With `veths` (the pod programs are in use), so does a
+/// veth coming up or going: a pod's device, which they go on.
 pub struct Addresses {
     current: std::sync::Arc<std::sync::Mutex<Vec<(String, IpAddr)>>>,
     routes: std::sync::Arc<std::sync::Mutex<RouteMtus>>,
@@ -76,13 +76,14 @@ pub struct Addresses {
 
 impl Addresses {
     /// Subscribe first, then read: no change falls between the two.
-    pub fn watch() -> Result<Self> {
+    pub fn watch(veths: bool) -> Result<Self> {
         use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
         let mut sock = Socket::new(NETLINK_ROUTE).context("rtnetlink socket")?;
         let groups = RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE;
         sock.bind(&SocketAddr::new(0, groups)).context("rtnetlink bind to the link, address and route groups")?;
         let (addrs, mut up) = interface_state();
-        let mut veths = up_veths();
+        let track = veths;
+        let mut veths = if track { up_veths() } else { Vec::new() };
         let current = std::sync::Arc::new(std::sync::Mutex::new(addrs));
         let routes = std::sync::Arc::new(std::sync::Mutex::new(route_mtus()));
         let changed = std::sync::Arc::new(tokio::sync::Notify::new());
@@ -123,7 +124,7 @@ impl Addresses {
                         ch.notify_one();
                     }
                     drop(held);
-                    let now_veths = up_veths();
+                    let now_veths = if track { up_veths() } else { Vec::new() };
                     if veths != now_veths {
                         tracing::debug!(veths = ?now_veths, "veths came up or went");
                         veths = now_veths;
