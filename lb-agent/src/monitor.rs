@@ -120,8 +120,8 @@ pub fn line(ev: &MonitorEvent, names: &HashMap<(IpAddr, u16, String), String>, w
     Line {
         time: humantime::format_rfc3339_millis(at).to_string(),
         hook: monitor::hook_name(ev.hook),
-        netns_cookie: (ev.hook != monitor::HOOK_TC).then_some(ev.netns_cookie),
-        client: (ev.hook == monitor::HOOK_TC).then(|| addr(x.family, &ev.client)),
+        netns_cookie: matches!(ev.hook, monitor::HOOK_CONNECT | monitor::HOOK_SENDMSG).then_some(ev.netns_cookie),
+        client: matches!(ev.hook, monitor::HOOK_TC | monitor::HOOK_POD).then(|| addr(x.family, &ev.client)),
         protocol,
         frontend: std::net::SocketAddr::new(front, x.front_port).to_string(),
         backend: translated.then(|| std::net::SocketAddr::new(addr(x.family, &x.backend), x.backend_port).to_string()),

@@ -247,6 +247,8 @@ pub mod monitor {
     pub const HOOK_CONNECT: u8 = 1;
     pub const HOOK_SENDMSG: u8 = 2;
     pub const HOOK_TC: u8 = 3;
+    /// A pod's packet at its device (`--per-packet-lb`).
+    pub const HOOK_POD: u8 = 4;
     pub const WHY_TRANSLATED: u8 = 1;
     /// Translated to a backend topology hints chose (this node or zone).
     pub const WHY_TOPOLOGY: u8 = 2;
@@ -264,6 +266,7 @@ pub mod monitor {
             HOOK_CONNECT => "connect",
             HOOK_SENDMSG => "sendmsg",
             HOOK_TC => "tc",
+            HOOK_POD => "pod",
             _ => "?",
         }
     }

@@ -188,3 +188,29 @@ fn bpf_log_debug_logs_each_decision_and_off_removes_the_records() -> Result<()> 
     })?;
     Ok(())
 }
+
+/// `--per-packet-lb`: a pod's new flows translated at its device show as
+/// `pod`, with the pod's address (its network namespace cookie is no
+/// socket's here); a refusal with its errno.
+#[test]
+fn the_monitor_shows_per_packet_pod_flows_with_the_pods_address() -> Result<()> {
+    use lbtest::world::*;
+    let mut w = world_with(&web("ClusterIP", "", &[]), &["--per-packet-lb"])?;
+    wait_backends(&w.c, 1, "10.96.0.10", 80, 2)?;
+    let vm = w.c.add_pod(1, "vm")?;
+    let guest = lbtest::Pod { cgroup: Default::default(), ..vm.clone() };
+    w.c.wait_for("the pod programs on the new pod's device", Duration::from_secs(5), || Ok(tcp(&w.c, &guest, "10.96.0.10:80", 1)?.ok == 1))?;
+    let m = monitor(&w.c, &["--seconds", "3"])?;
+    w.c.wait_for("the monitor beating", Duration::from_secs(5), || Ok(heartbeats(&w.c)?[0] != 0))?;
+    assert_eq!(tcp(&w.c, &guest, "10.96.0.10:80", 2)?.ok, 2);
+    assert_eq!(tcp(&w.c, &guest, "10.96.0.10:81", 1)?.errors.get("ECONNREFUSED"), Some(&1));
+    let out = m.wait_with_output()?;
+    let text = String::from_utf8(out.stdout)?;
+    let pod: Vec<&str> = text.lines().filter(|l| l.contains(" pod ")).collect();
+    assert_eq!(pod.len(), 3, "{text}");
+    for l in &pod[..2] {
+        assert!(l.contains(&format!("pod     client={} TCP 10.96.0.10:80 -> ", vm.ip)) && l.contains(":8080 (translated) [default/web:http]"), "{l}");
+    }
+    assert!(pod[2].contains(&format!("client={} TCP 10.96.0.10:81 -> ECONNREFUSED (wrong port)", vm.ip)), "{}", pod[2]);
+    Ok(())
+}

@@ -1215,7 +1215,7 @@ fn new_flow<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
     let h = flow_hash::<F>(&p);
     let v = lb::select::<F>(Client::Addr(F::wide(p.saddr)), p.daddr, p.dport, p.proto, Some(h), !pod);
     if lb::observed() {
-        report::<F>(&p, &v);
+        report::<F>(&p, &v, if pod { lb_common::monitor::HOOK_POD } else { lb_common::monitor::HOOK_TC });
     }
     match v {
         Verdict::Pass => {
@@ -1246,9 +1246,10 @@ fn new_flow<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
     }
 }
 
-/// Tell the monitors what became of a new outside flow.
+/// Tell the monitors what became of a new flow (from outside, or from a
+/// pod at its device: `hook`).
 #[inline(never)]
-fn report<F: Net>(p: &Pkt<F::A>, v: &Verdict<F::A>) {
+fn report<F: Net>(p: &Pkt<F::A>, v: &Verdict<F::A>, hook: u8) {
     let Some(ev) = lb::event_buf() else { return };
     // SAFETY: this CPU's event buffer.
     unsafe {
@@ -1257,7 +1258,7 @@ fn report<F: Net>(p: &Pkt<F::A>, v: &Verdict<F::A>) {
         (*ev).x.front_port = p.dport;
         (*ev).x.family = F::ID;
         (*ev).proto = p.proto;
-        (*ev).hook = lb_common::monitor::HOOK_TC;
+        (*ev).hook = hook;
         match v {
             Verdict::Pass => return,
             Verdict::Refuse { errno, why, rev_nat_id } => {
