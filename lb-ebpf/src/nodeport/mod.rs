@@ -1240,6 +1240,9 @@ fn new_flow<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
                 (*sc).hash = h;
                 (*sc).dsr = (!pod && front.flags & svc_flags::DSR != 0) as u8;
                 (*sc).pod = pod as u8;
+                // snat_source sets it for outside flows; a pod's hairpin
+                // takes the node address, never an earlier flow's choice.
+                (*sc).snat_src = F::A::default();
             }
             ACT_ESTABLISH
         }
