@@ -482,10 +482,17 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         // outside (any, where ClusterIPs routed here from outside are
         // served): until then there is no per-packet work at all. Devices
         // that appear later are picked up at the next sync.
-        if upgrade.is_none() && rec.has_external {
+        //
+        // With --bpf-forward, the replies of local backends are forwarded
+        // from the pod devices; with --per-packet-lb, what pods send to
+        // Service addresses is translated there, as soon as a Service
+        // exists. New pods' devices are picked up here: a veth coming up
+        // wakes this loop (`Addresses`).
+        let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0);
+        if upgrade.is_none() && (rec.has_external || pods) {
             let nodeport = if cfg.nodeport_interfaces.is_empty() {
                 let found = crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses);
-                for iface in &found {
+                for iface in found.iter().filter(|_| rec.has_external) {
                     if let Err(e) = tc.attach_tc(iface) {
                         tracing::error!("{e:#}");
                     }
@@ -494,24 +501,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             } else {
                 cfg.nodeport_interfaces.clone()
             };
-            // With --bpf-forward, the replies of local backends are
-            // forwarded from the pod devices (new pods' devices are picked
-            // up here: a veth coming up wakes this loop, `Addresses`).
-            if forward && !per_packet {
+            if pods {
                 sync_pods(&mut tc, &nodeport);
             }
-        }
-        // With --per-packet-lb, what pods send to Service addresses is
-        // translated at their devices, as soon as a Service exists (new
-        // pods' devices are picked up at once: a veth coming up wakes this
-        // loop, `Addresses`).
-        if upgrade.is_none() && per_packet && rec.frontends() > 0 {
-            let nodeport = if cfg.nodeport_interfaces.is_empty() {
-                crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses)
-            } else {
-                cfg.nodeport_interfaces.clone()
-            };
-            sync_pods(&mut tc, &nodeport);
         }
         if first {
             first = false;

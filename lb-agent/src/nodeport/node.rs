@@ -38,8 +38,7 @@ fn interface_state() -> (Vec<(String, IpAddr)>, Vec<String>) {
 
 /// The veths that are up (name, index): pods' devices among them.
 fn up_veths() -> Vec<(String, u32)> {
-    let links = crate::netdev::links().unwrap_or_default();
-    links.into_iter().filter(|l| l.up && l.kind.as_deref() == Some("veth")).map(|l| (l.name, l.ifindex)).collect()
+    crate::netdev::pod_devices(&crate::netdev::links().unwrap_or_default(), &[])
 }
 
 /// rtnetlink multicast groups: links (a device created, up or down), IPv4
