@@ -115,17 +115,24 @@ pub fn line(ev: &MonitorEvent, names: &HashMap<(IpAddr, u16, String), String>, w
     let x = &ev.x;
     let front = addr(x.family, &x.front);
     let at = wall - Duration::from_nanos(mono.saturating_sub(ev.ts_ns));
-    let translated = ev.errno == 0;
+    // A drop for loadBalancerSourceRanges has no backend, and an errno
+    // only where the sender is told (the node's own sockets: EPERM).
+    let dropped = ev.why == monitor::WHY_SOURCE_RANGE;
+    let translated = ev.errno == 0 && !dropped;
     let protocol = proto(ev.proto);
     Line {
         time: humantime::format_rfc3339_millis(at).to_string(),
         hook: monitor::hook_name(ev.hook),
         netns_cookie: matches!(ev.hook, monitor::HOOK_CONNECT | monitor::HOOK_SENDMSG).then_some(ev.netns_cookie),
-        client: matches!(ev.hook, monitor::HOOK_TC | monitor::HOOK_POD).then(|| addr(x.family, &ev.client)),
+        client: matches!(ev.hook, monitor::HOOK_TC | monitor::HOOK_POD | monitor::HOOK_EGRESS).then(|| addr(x.family, &ev.client)),
         protocol,
         frontend: std::net::SocketAddr::new(front, x.front_port).to_string(),
         backend: translated.then(|| std::net::SocketAddr::new(addr(x.family, &x.backend), x.backend_port).to_string()),
-        errno: (!translated).then(|| format!("{:?}", nix::errno::Errno::from_raw(ev.errno as i32))),
+        errno: match (translated, ev.errno) {
+            (true, _) => None,
+            (false, 0) => Some("dropped".to_string()),
+            (false, e) => Some(format!("{:?}", nix::errno::Errno::from_raw(e as i32))),
+        },
         why: monitor::why_name(ev.why),
         service: names.get(&(front, x.front_port, protocol.to_string())).cloned(),
     }

@@ -178,6 +178,45 @@ pub struct SockXlate {
     pub _pad: u8,
 }
 
+/// Value of the `LB_SOCK_CHECK` socket storage: a socket the hooks sent to
+/// a frontend with loadBalancerSourceRanges, whose source address was not
+/// known yet when they translated it (connect and sendmsg run before the
+/// kernel picks the source). `lb_sock_egress` checks its packets' source.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
+pub struct SockCheck {
+    /// The backend the socket is connected to (`sock_check::CONNECTED` or
+    /// `DENIED`): packets to it are the connection's. An IPv4 address fills
+    /// the first 4 bytes.
+    pub backend: [u8; 16],
+    pub backend_port: u16,
+    /// The connected frontend whose ranges apply.
+    pub rev_nat_id: u16,
+    /// FAMILY_V4 or FAMILY_V6: which maps `rev_nat_id` belongs to.
+    pub family: u8,
+    /// `sock_check::*` bits.
+    pub state: u8,
+    pub _pad: u16,
+}
+
+/// `SockCheck::state` bits.
+pub mod sock_check {
+    /// The socket is connected to a ranged frontend; its first packet's
+    /// source decides.
+    pub const CONNECTED: u8 = 1;
+    /// Its source is outside the ranges: every packet of the connection is
+    /// dropped (kube-proxy's KUBE-PROXY-FIREWALL drops the flow).
+    pub const DENIED: u8 = 2;
+    /// The socket sent unconnected datagrams to a ranged frontend: each
+    /// datagram's destination is looked up in the socket rev-NAT LRU.
+    pub const UNCONNECTED: u8 = 4;
+    /// The socket is in the node's network namespace: a drop fails the
+    /// send with EPERM, as kube-proxy's DROP in OUTPUT does (a pod's
+    /// packets are dropped silently, as on the node's FORWARD path).
+    pub const NODE: u8 = 8;
+}
+
 /// `SvcStatsKey::kind`.
 pub const STATS_FRONTEND: u8 = 0;
 pub const STATS_BACKEND: u8 = 1;
@@ -249,6 +288,8 @@ pub mod monitor {
     pub const HOOK_TC: u8 = 3;
     /// A pod's packet at its device (`--per-packet-lb`).
     pub const HOOK_POD: u8 = 4;
+    /// A packet of a socket the hooks translated, leaving (`lb_sock_egress`).
+    pub const HOOK_EGRESS: u8 = 5;
     pub const WHY_TRANSLATED: u8 = 1;
     /// Translated to a backend topology hints chose (this node or zone).
     pub const WHY_TOPOLOGY: u8 = 2;
@@ -261,12 +302,16 @@ pub mod monitor {
     pub const WHY_WRONG_PORT: u8 = 6;
     /// Translated to the backend the frontend's Maglev table names.
     pub const WHY_MAGLEV: u8 = 7;
+    /// Dropped: the source is outside the frontend's
+    /// loadBalancerSourceRanges (errno EPERM where the sender is told).
+    pub const WHY_SOURCE_RANGE: u8 = 8;
     pub fn hook_name(h: u8) -> &'static str {
         match h {
             HOOK_CONNECT => "connect",
             HOOK_SENDMSG => "sendmsg",
             HOOK_TC => "tc",
             HOOK_POD => "pod",
+            HOOK_EGRESS => "egress",
             _ => "?",
         }
     }
@@ -279,6 +324,7 @@ pub mod monitor {
             WHY_NO_LOCAL_ENDPOINT => "no local endpoint",
             WHY_WRONG_PORT => "wrong port",
             WHY_MAGLEV => "translated (maglev)",
+            WHY_SOURCE_RANGE => "source range",
             _ => "?",
         }
     }
@@ -516,7 +562,11 @@ pub mod stats {
     /// not hold (ECMP sent the error to another node than the flow),
     /// translated and sent on to the backend Maglev picks for the flow.
     pub const NAT_ICMP_MAGLEV: u32 = 22;
-    pub const COUNT: u32 = 23;
+    /// Socket hooks: packets of sockets translated to a frontend with
+    /// loadBalancerSourceRanges, dropped because their source is outside
+    /// them (`lb_sock_egress`).
+    pub const SRC_RANGE_DROPPED: u32 = 23;
+    pub const COUNT: u32 = 24;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -541,6 +591,7 @@ pub mod stats {
         "forwarded_xdp",
         "sock_storage_failed",
         "nat_icmp_maglev",
+        "source_range_dropped",
     ];
 }
 
@@ -570,6 +621,9 @@ pub mod maps {
     pub const NODE_CONFIG: &str = "LB_NODE_CONFIG";
     pub const SOCK_XLATE: &str = "LB_SOCK_XLATE";
     pub const SOCK_UDP: &str = "LB_SOCK_UDP";
+    /// Sockets whose packets' source loadBalancerSourceRanges must allow
+    /// (`SockCheck`).
+    pub const SOCK_CHECK: &str = "LB_SOCK_CHECK";
     pub const SVC_STATS: &str = "LB_SVC_STATS";
     pub const MAGLEV4: &str = "LB4_MAGLEV";
     pub const MAGLEV6: &str = "LB6_MAGLEV";
@@ -585,11 +639,11 @@ pub mod maps {
     pub const FRAG6: &str = "LB6_FRAG";
     /// Routes that set an MTU (`RouteKey` -> `RouteMtu`).
     pub const ROUTE_MTU: &str = "LB_ROUTE_MTU";
-    pub const ALL: [&str; 30] = [
+    pub const ALL: [&str; 31] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
         AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
         SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3], MAGLEV4, MAGLEV6, SOCK_UDP, XDP_DEVS,
-        FRAG4, FRAG6, ROUTE_MTU,
+        FRAG4, FRAG6, ROUTE_MTU, SOCK_CHECK,
     ];
 }
 
@@ -771,6 +825,7 @@ mod user {
     unsafe impl aya::Pod for SockRevNat4Value {}
     unsafe impl aya::Pod for SockRevNat6Value {}
     unsafe impl aya::Pod for SockXlate {}
+    unsafe impl aya::Pod for SockCheck {}
     unsafe impl aya::Pod for SvcStatsKey {}
     unsafe impl aya::Pod for SvcStats {}
     unsafe impl aya::Pod for MonitorEvent {}

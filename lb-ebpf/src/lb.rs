@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     AffinityKey, AffinityMatchKey, AffinityValue, Backend, FAMILY_V4, FAMILY_V6, MaglevKey, NodeConfig, RevNat,
-    MonitorEvent, SCOPE_ALL, SCOPE_LOCAL, STATS_BACKEND, STATS_FRONTEND, SockRevNat4Key, SockRevNat6Key, SockRevNatValue, SvcKey,
+    MonitorEvent, PROTO_UDP, SCOPE_ALL, SCOPE_LOCAL, STATS_BACKEND, STATS_FRONTEND, SockRevNat4Key, SockRevNat6Key, SockRevNatValue, SvcKey,
     SvcStats, SvcStatsKey, SvcValue, capacity, monitor, stats, svc_flags,
 };
 
@@ -103,8 +103,10 @@ fn log_event(ev: &MonitorEvent) {
 }
 
 /// Hook and protocol as one number, `hook << 8 | protocol`: the agent's
-/// log sink writes it out as words (`connect TCP`). A second string
-/// argument would multiply the verifier's walk past its limit.
+/// log sink writes it out as words (`connect TCP`), and the reason too
+/// (`why=N`). A string argument picked by a match would multiply the
+/// verifier's walk (each arm a path through aya-log's record writer) past
+/// its limit in the TC programs.
 #[inline(always)]
 fn hook_proto(ev: &MonitorEvent) -> u16 {
     (ev.hook as u16) << 8 | ev.proto as u16
@@ -114,13 +116,13 @@ fn hook_proto(ev: &MonitorEvent) -> u16 {
 fn log4(ev: &MonitorEvent) {
     let x = &ev.x;
     let ip4 = |a: &[u8; 16]| u32::from_be_bytes([a[0], a[1], a[2], a[3]]);
-    aya_log_ebpf::debug!(&0u8, "{} {:i}:{} -> {:i}:{} ({}) errno={}", hook_proto(ev), ip4(&x.front), x.front_port, ip4(&x.backend), x.backend_port, monitor::why_name(ev.why), ev.errno);
+    aya_log_ebpf::debug!(&0u8, "{} {:i}:{} -> {:i}:{} why={} errno={}", hook_proto(ev), ip4(&x.front), x.front_port, ip4(&x.backend), x.backend_port, ev.why, ev.errno);
 }
 
 #[inline(never)]
 fn log6(ev: &MonitorEvent) {
     let x = &ev.x;
-    aya_log_ebpf::debug!(&0u8, "{} [{:i}]:{} -> [{:i}]:{} ({}) errno={}", hook_proto(ev), x.front, x.front_port, x.backend, x.backend_port, monitor::why_name(ev.why), ev.errno);
+    aya_log_ebpf::debug!(&0u8, "{} [{:i}]:{} -> [{:i}]:{} why={} errno={}", hook_proto(ev), x.front, x.front_port, x.backend, x.backend_port, ev.why, ev.errno);
 }
 
 /// Whether a monitor runs: one array read while none does.
@@ -141,6 +143,12 @@ pub fn event_buf() -> Option<*mut MonitorEvent> {
     // Zeroed in place (a MonitorEvent::default() would be built on the stack).
     unsafe { core::ptr::write_bytes(p, 0, 1) };
     Some(p)
+}
+
+/// This CPU's event buffer as an earlier step of this program run left it.
+#[inline(always)]
+pub fn event_filled() -> Option<*mut MonitorEvent> {
+    LB_EVENT_BUF.get_ptr_mut(0)
 }
 
 /// Send the event in `ev` to every monitor whose heartbeat is fresh, and
@@ -258,7 +266,7 @@ pub fn external_cluster_ip() -> bool {
 
 /// Whether `client` is a socket in the node's own network namespace.
 #[inline(always)]
-fn in_node_netns(client: &Client) -> bool {
+pub fn in_node_netns(client: &Client) -> bool {
     match client {
         Client::Sock(ctx) => {
             // SAFETY: helper valid for sock_addr programs.
@@ -400,13 +408,24 @@ fn affine<F: Family>(key: &AffinityKey, timeout_s: u32, now: u64) -> Option<(Bac
 /// outside the node; it serves only EXTERNAL frontends and follows
 /// externalTrafficPolicy instead of internalTrafficPolicy.
 #[inline(always)]
-pub fn select<F: Family>(
+pub fn select<F: Family>(client: Client, addr: F::A, port: u16, proto: u8, hash: Option<u32>, external: bool) -> Verdict<F::A> {
+    select_with::<F>(client, addr, port, proto, hash, external, &mut 0)
+}
+
+/// `select`, also telling the chosen frontend's `svc_flags` in
+/// `front_flags` (the socket hooks need them; in the TC programs, which
+/// pass a scratch value, the compiler drops the store, and the verifier
+/// has no value more to track).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn select_with<F: Family>(
     client: Client,
     addr: F::A,
     port: u16,
     proto: u8,
     hash: Option<u32>,
     external: bool,
+    front_flags: &mut u16,
 ) -> Verdict<F::A> {
     let mut retry = 0;
     while retry < RETRIES {
@@ -484,6 +503,7 @@ pub fn select<F: Family>(
             }
             if let Some((backend, backend_id)) = affine::<F>(&akey, front.affinity_timeout, now) {
                 event(stats::AFFINITY_HIT);
+                *front_flags = front.flags;
                 return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id, why: monitor::WHY_AFFINITY };
             }
         }
@@ -520,6 +540,7 @@ pub fn select<F: Family>(
             let v = AffinityValue { last_used_ns: now, backend_id, _pad: 0 };
             let _ = LB_AFFINITY.insert(&akey, &v, 0);
         }
+        *front_flags = front.flags;
         return Verdict::Backend { backend, rev_nat_id: front.rev_nat_id, backend_id, why };
     }
     // Every attempt raced with an update: refuse rather than guess.
@@ -595,6 +616,23 @@ pub fn reverse6(cookie: u64, addr: A6, port: u16) -> Option<(A6, u16)> {
     let key = SockRevNat6Key { cookie, addr, port, _pad: 0, _pad2: 0 };
     let v = copy(LB6_SOCK_REVNAT.get_ptr(&key)?);
     still_valid::<V6>(&v).then_some((v.addr, v.port))
+}
+
+/// The frontend with loadBalancerSourceRanges (its rev_nat_id) that socket
+/// `cookie` sent an unconnected datagram to, now going to backend
+/// `addr:port`; None for a frontend without ranges, or none at all.
+#[inline(never)]
+pub fn ranged4(cookie: u64, addr: A4, port: u16) -> Option<u16> {
+    let v = copy(LB4_SOCK_REVNAT.get_ptr(&SockRevNat4Key { cookie, addr, port, _pad: 0 })?);
+    let f = V4::svc(&SvcKey::new(v.addr, v.port, PROTO_UDP, SCOPE_ALL, 0))?;
+    (f.rev_nat_id == v.rev_nat_id && f.flags & svc_flags::SRC_RANGE != 0).then_some(v.rev_nat_id)
+}
+
+#[inline(never)]
+pub fn ranged6(cookie: u64, addr: A6, port: u16) -> Option<u16> {
+    let v = copy(LB6_SOCK_REVNAT.get_ptr(&SockRevNat6Key { cookie, addr, port, _pad: 0, _pad2: 0 })?);
+    let f = V6::svc(&SvcKey::new(v.addr, v.port, PROTO_UDP, SCOPE_ALL, 0))?;
+    (f.rev_nat_id == v.rev_nat_id && f.flags & svc_flags::SRC_RANGE != 0).then_some(v.rev_nat_id)
 }
 
 /// A well-mixed 32-bit hash of a socket cookie (murmur3 finalizer), so that

@@ -18,12 +18,13 @@
 use core::ffi::c_void;
 
 use aya_ebpf::{
+    bindings::__sk_buff,
     btf_maps::{HashMap, SkStorage},
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval},
-    macros::{btf_map, cgroup_sock, cgroup_sock_addr},
-    programs::{SockAddrContext, SockContext},
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_set_retval, generated::bpf_sk_storage_get},
+    macros::{btf_map, cgroup_skb, cgroup_sock, cgroup_sock_addr},
+    programs::{SkBuffContext, SockAddrContext, SockContext},
 };
-use lb_common::{FAMILY_V4, FAMILY_V6, NodePortKey, PROTO_TCP, PROTO_UDP, SockXlate, capacity, monitor, stats};
+use lb_common::{FAMILY_V4, FAMILY_V6, NodePortKey, PROTO_TCP, PROTO_UDP, SockCheck, SockXlate, capacity, monitor, sock_check, stats, svc_flags};
 
 /// The NodePorts in use: processes in the node's network namespace may not
 /// bind() them.
@@ -42,7 +43,13 @@ static LB_SOCK_XLATE: SkStorage<SockXlate> = SkStorage::new();
 static LB_SOCK_UDP: HashMap<u64, SockXlate, { capacity::SOCK_REVNAT as usize }, { aya_ebpf::bindings::BPF_F_NO_PREALLOC as usize }> =
     HashMap::new();
 
+/// Sockets sent to a frontend with loadBalancerSourceRanges before the
+/// kernel picked their source address, for `lb_sock_egress`.
+#[btf_map]
+static LB_SOCK_CHECK: SkStorage<SockCheck> = SkStorage::new();
+
 const EADDRINUSE: i32 = 98;
+const EPERM: i32 = 1;
 
 /// Remember a connected socket's translation in its storage; false when
 /// the kernel refused the storage. (Its own frame: a leaf, so that the
@@ -124,6 +131,256 @@ fn track_udp(cookie: u64, x: &SockXlate) -> bool {
     LB_SOCK_UDP.insert(&cookie, &x, 0).is_ok()
 }
 
+/// loadBalancerSourceRanges on the socket path. connect and sendmsg run
+/// before the kernel picks the socket's source address, so a translation
+/// to a frontend with ranges (`ranged`) marks the socket in
+/// `LB_SOCK_CHECK`, and `lb_sock_egress` checks the source of its packets:
+/// a connected socket's first packet to its backend decides for the
+/// connection; an unconnected socket's datagrams are checked one by one.
+/// A connect to a frontend without ranges clears what an earlier connect
+/// of the socket (UDP may connect again) marked. False: the kernel refused
+/// the socket its storage, and the connect or datagram is refused (EPERM)
+/// rather than let through unchecked. (Its own frame, like `track`.)
+/// `mark_check`'s packed arguments (a call passes five at most).
+#[inline(always)]
+fn check_meta(stable: bool, ranged: bool, family: u8, rev_nat_id: u16, backend_port: u16) -> u64 {
+    family as u64 | (stable as u64) << 8 | (ranged as u64) << 9 | (rev_nat_id as u64) << 16 | (backend_port as u64) << 32
+}
+
+#[inline(never)]
+fn mark_check(ctx: &SockAddrContext, meta: u64, backend: &[u8; 16]) -> bool {
+    let (family, stable, ranged) = (meta as u8, meta & 1 << 8 != 0, meta & 1 << 9 != 0);
+    let (rev_nat_id, backend_port) = ((meta >> 16) as u16, (meta >> 32) as u16);
+    if !ranged {
+        if !stable {
+            // SAFETY: ctx is this program's context; the helper checks the socket.
+            let p = unsafe { LB_SOCK_CHECK.get_ptr_mut(ctx) };
+            if !p.is_null() {
+                // SAFETY: p points to this socket's storage.
+                unsafe {
+                    let mut c = core::ptr::read_volatile(p);
+                    c.state &= !(sock_check::CONNECTED | sock_check::DENIED);
+                    core::ptr::write_volatile(p, c);
+                }
+            }
+        }
+        return true;
+    }
+    let mut v = SockCheck::default();
+    // SAFETY: ctx is this program's context; the helper checks the socket.
+    let p = unsafe { LB_SOCK_CHECK.get_or_insert_ptr_mut(ctx, Some(&mut v)) };
+    if p.is_null() {
+        lb::event(stats::SOCK_STORAGE_FAILED);
+        return false;
+    }
+    // SAFETY: p points to this socket's storage.
+    let mut c = unsafe { core::ptr::read_volatile(p) };
+    if stable {
+        c.state |= sock_check::UNCONNECTED;
+    } else {
+        c.state = (c.state & sock_check::UNCONNECTED) | sock_check::CONNECTED;
+        c.backend = *backend;
+        c.backend_port = backend_port;
+        c.rev_nat_id = rev_nat_id;
+        c.family = family;
+    }
+    if lb::in_node_netns(&Client::Sock(ctx.sock_addr.cast::<c_void>())) {
+        c.state |= sock_check::NODE;
+    }
+    // SAFETY: p points to this socket's storage.
+    unsafe { core::ptr::write_volatile(p, c) };
+    true
+}
+
+/// cgroup_skb egress verdicts. DROP_CN: dropped, and the sender told of
+/// congestion, which UDP's sendmsg reports as success (a pod's packets
+/// outside the ranges vanish, as on the node's FORWARD path under
+/// kube-proxy); DROP fails the send with EPERM, as a DROP in OUTPUT does
+/// for the node's own sockets.
+const SKB_PASS: i32 = 1;
+const SKB_DROP: i32 = 0;
+const SKB_DROP_CN: i32 = 2;
+
+const ETH_P_IPV6: u16 = 0x86dd;
+
+/// A packet of a socket in the cgroup leaves. Sockets the hooks sent to a
+/// frontend with loadBalancerSourceRanges (`mark_check`) have their source
+/// checked; every other socket has no `LB_SOCK_CHECK` storage and passes
+/// after one lookup.
+#[cgroup_skb(egress)]
+pub fn lb_sock_egress(ctx: SkBuffContext) -> i32 {
+    let skb = ctx.skb.skb;
+    // SAFETY: a context field this program type may read.
+    let sk = unsafe { (*skb).__bindgen_anon_2.sk };
+    if sk.is_null() {
+        return SKB_PASS;
+    }
+    let map = core::ptr::from_ref(&LB_SOCK_CHECK).cast_mut().cast::<c_void>();
+    // SAFETY: the helper checks the socket (a full socket, or NULL back).
+    let p = unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), 0) }.cast::<SockCheck>();
+    if p.is_null() {
+        return SKB_PASS;
+    }
+    let verdict = check_source(skb, p);
+    if verdict != SKB_PASS && lb::observed() {
+        report_denied();
+    }
+    verdict
+}
+
+/// What `lb_sock_egress` needs of a packet.
+#[derive(Default)]
+struct Hdr {
+    src: [u8; 16],
+    dst: [u8; 16],
+    /// Protocol << 16 | destination port when the header after the IP
+    /// header is TCP or UDP; else 0.
+    l4: u32,
+    family: u8,
+}
+
+/// The packet's addresses into `h`; false when they cannot be read. (Its
+/// own frame: the loads' temporaries stay off `check_source`'s stack.)
+#[inline(never)]
+fn addresses(skb: *mut __sk_buff, h: &mut Hdr) -> bool {
+    let ctx = SkBuffContext::new(skb);
+    let Ok(hdr): Result<[u8; 16], _> = ctx.load(0) else { return false };
+    if ctx.skb.protocol() == ETH_P_IPV6.to_be() as u32 {
+        let (Ok(src), Ok(dst)) = (ctx.load(8), ctx.load(24)) else { return false };
+        (h.src, h.dst, h.family) = (src, dst, FAMILY_V6);
+        let nh = hdr[6];
+        if nh == PROTO_TCP || nh == PROTO_UDP {
+            let Ok(port) = ctx.load::<u16>(42) else { return false };
+            h.l4 = (nh as u32) << 16 | u16::from_be(port) as u32;
+        }
+        return true;
+    }
+    let Ok(d): Result<[u8; 4], _> = ctx.load(16) else { return false };
+    h.src[..4].copy_from_slice(&hdr[12..16]);
+    h.dst[..4].copy_from_slice(&d);
+    h.family = FAMILY_V4;
+    let proto = hdr[9];
+    if proto == PROTO_TCP || proto == PROTO_UDP {
+        let Ok(port) = ctx.load::<u16>(((hdr[0] & 0x0f) as usize) * 4 + 2) else { return false };
+        h.l4 = (proto as u32) << 16 | u16::from_be(port) as u32;
+    }
+    true
+}
+
+/// `lb_sock_egress` for a marked socket. (Its own frame: the addresses
+/// stay off the entry point's stack.)
+#[inline(never)]
+fn check_source(skb: *mut __sk_buff, p: *mut SockCheck) -> i32 {
+    // SAFETY: p points to this socket's storage.
+    let mut c = unsafe { core::ptr::read_volatile(p) };
+    if c.state & (sock_check::CONNECTED | sock_check::DENIED | sock_check::UNCONNECTED) == 0 {
+        return SKB_PASS;
+    }
+    let drop = if c.state & sock_check::NODE != 0 { SKB_DROP } else { SKB_DROP_CN };
+    let mut h = Hdr::default();
+    if !addresses(skb, &mut h) {
+        return SKB_PASS;
+    }
+    let Hdr { src, dst, l4, family } = h;
+    let port = l4 as u16;
+    // The connection's packets: to the backend it connected to.
+    if c.state & (sock_check::CONNECTED | sock_check::DENIED) != 0 && family == c.family && dst == c.backend && (port == 0 || port == c.backend_port) {
+        if c.state & sock_check::DENIED != 0 {
+            return denied(family, &src, c.rev_nat_id, l4, drop);
+        }
+        // Its first packet: the source the kernel picked decides.
+        if allowed(c.state, c.rev_nat_id, family, &src) {
+            c.state &= !sock_check::CONNECTED;
+            // SAFETY: p points to this socket's storage.
+            unsafe { core::ptr::write_volatile(p, c) };
+            return SKB_PASS;
+        }
+        c.state = (c.state & !sock_check::CONNECTED) | sock_check::DENIED;
+        // SAFETY: p points to this socket's storage.
+        unsafe { core::ptr::write_volatile(p, c) };
+        return denied(family, &src, c.rev_nat_id, l4, drop);
+    }
+    if c.state & sock_check::UNCONNECTED == 0 || port == 0 {
+        return SKB_PASS;
+    }
+    // An unconnected datagram: the frontend it was sent to, if that one has
+    // ranges.
+    // SAFETY: helper valid for cgroup_skb programs.
+    let cookie = unsafe { bpf_get_socket_cookie(skb.cast()) };
+    let ranged = if family == FAMILY_V4 { lb::ranged4(cookie, narrow4(&dst), port) } else { lb::ranged6(cookie, dst, port) };
+    match ranged {
+        Some(id) if !allowed(c.state, id, family, &src) => denied(family, &src, id, l4, drop),
+        _ => SKB_PASS,
+    }
+}
+
+/// Whether frontend `rev_nat_id`'s ranges allow a packet from `src`. The
+/// node's own sockets are also allowed when the ranges hold the node's
+/// address: kube-proxy checks the source the node picks for the LB IP
+/// (the node's address, by its default route), where a translated socket
+/// picks the source for the backend (for a local pod, the pod bridge's
+/// address).
+#[inline(never)]
+fn allowed(state: u8, rev_nat_id: u16, family: u8, src: &[u8; 16]) -> bool {
+    crate::nodeport::src_allowed(rev_nat_id, family, *src) || (state & sock_check::NODE != 0 && node_allowed(rev_nat_id, family))
+}
+
+/// The node's address (the one SNATed flows leave from) in frontend
+/// `rev_nat_id`'s ranges. (Its own frame: the node config's copy stays
+/// off `check_source`'s stack.)
+#[inline(never)]
+fn node_allowed(rev_nat_id: u16, family: u8) -> bool {
+    let Some(cfg) = lb::node_config() else { return false };
+    let addr = if family == FAMILY_V4 { wide4(cfg.snat_addr) } else { cfg.snat_addr6 };
+    addr != [0u8; 16] && crate::nodeport::src_allowed(rev_nat_id, family, addr)
+}
+
+/// A packet dropped for loadBalancerSourceRanges: count it, and, when
+/// monitors listen, fill this CPU's event with the client
+/// (`lb_sock_egress` adds the frontend and sends it, a frame away from
+/// this one's stack); `l4` is protocol << 16 | port, `verdict` what the
+/// program returns.
+#[inline(always)]
+fn denied(family: u8, src: &[u8; 16], rev_nat_id: u16, l4: u32, verdict: i32) -> i32 {
+    lb::event(stats::SRC_RANGE_DROPPED);
+    if lb::observed()
+        && let Some(ev) = lb::event_buf()
+    {
+        // SAFETY: this CPU's event buffer.
+        unsafe {
+            (*ev).client = *src;
+            (*ev).x.family = family;
+            (*ev).x.rev_nat_id = rev_nat_id;
+            (*ev).proto = (l4 >> 16) as u8;
+            (*ev).hook = monitor::HOOK_EGRESS;
+            (*ev).why = monitor::WHY_SOURCE_RANGE;
+            (*ev).errno = if verdict == SKB_DROP { EPERM as u8 } else { 0 };
+        }
+    }
+    verdict
+}
+
+/// Send the event `denied` filled, with its frontend (from the rev-NAT
+/// entry).
+#[inline(never)]
+fn report_denied() {
+    let Some(ev) = lb::event_filled() else { return };
+    // SAFETY: this CPU's event buffer, filled by `denied` in this run.
+    let (family, rev_nat_id) = unsafe { ((*ev).x.family, (*ev).x.rev_nat_id) };
+    let front = if family == FAMILY_V4 {
+        V4::revnat(rev_nat_id).map(|r| (wide4(r.addr), r.port))
+    } else {
+        V6::revnat(rev_nat_id).map(|r| (r.addr, r.port))
+    };
+    let Some((addr, port)) = front else { return };
+    // SAFETY: as above.
+    unsafe {
+        (*ev).x.front = addr;
+        (*ev).x.front_port = port;
+    }
+    lb::emit(ev);
+}
+
 /// A refused connect or datagram: tell the monitors and the log (when they
 /// listen), and fail the syscall with `errno`.
 #[inline(always)]
@@ -149,7 +406,7 @@ fn translated(ctx: &SockAddrContext, stable: bool, family: u8, proto: u8, front:
     }
 }
 
-use crate::lb::{self, Client, V4, V6, Verdict};
+use crate::lb::{self, Client, Family as _, V4, V6, Verdict};
 
 const ALLOW: i32 = 1;
 const REJECT: i32 = 0;
@@ -313,10 +570,15 @@ fn xlate4(ctx: &SockAddrContext, stable: bool) -> i32 {
 fn xlate4_to(ctx: &SockAddrContext, stable: bool, proto: u8, addr: [u8; 4], port: u16, mapped: bool) -> i32 {
     let cookie = if stable { cookie(ctx) } else { 0 };
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
-    match lb::select::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
+    let mut front_flags = 0;
+    match lb::select_with::<V4>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false, &mut front_flags) {
         Verdict::Pass => ALLOW,
         Verdict::Refuse { errno, why, rev_nat_id } => refused(ctx, stable, FAMILY_V4, proto, addr.as_ptr(), port, errno, why, rev_nat_id),
         Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
+            let ranged = front_flags & svc_flags::SRC_RANGE != 0;
+            if !mark_check(ctx, check_meta(stable, ranged, FAMILY_V4, rev_nat_id, backend.port), &wide4(backend.addr)) {
+                return refuse(EPERM);
+            }
             translated(ctx, stable, FAMILY_V4, proto, addr.as_ptr(), port, (backend.addr.as_ptr(), backend.port), (rev_nat_id, backend_id, why));
             let x = SockXlate {
                 front: wide4(addr),
@@ -351,10 +613,15 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     let cookie = if stable { cookie(ctx) } else { 0 };
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
     let addr = bytes16(&words);
-    match lb::select::<V6>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false) {
+    let mut front_flags = 0;
+    match lb::select_with::<V6>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false, &mut front_flags) {
         Verdict::Pass => ALLOW,
         Verdict::Refuse { errno, why, rev_nat_id } => refused(ctx, stable, FAMILY_V6, proto, addr.as_ptr(), port, errno, why, rev_nat_id),
         Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
+            let ranged = front_flags & svc_flags::SRC_RANGE != 0;
+            if !mark_check(ctx, check_meta(stable, ranged, FAMILY_V6, rev_nat_id, backend.port), &backend.addr) {
+                return refuse(EPERM);
+            }
             translated(ctx, stable, FAMILY_V6, proto, addr.as_ptr(), port, (backend.addr.as_ptr(), backend.port), (rev_nat_id, backend_id, why));
             let x = SockXlate {
                 front: addr,

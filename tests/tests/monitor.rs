@@ -214,3 +214,26 @@ fn the_monitor_shows_per_packet_pod_flows_with_the_pods_address() -> Result<()> 
     assert!(pod[2].contains(&format!("client={} TCP 10.96.0.10:81 -> ECONNREFUSED (wrong port)", vm.ip)), "{}", pod[2]);
     Ok(())
 }
+
+/// Drops for loadBalancerSourceRanges on the socket path show with the
+/// client and the frontend: a pod's and the node's own, at the cgroup
+/// egress program (the socket hooks translated them before the source was
+/// known); the node's sender is told EPERM.
+#[test]
+fn the_monitor_shows_source_range_drops_with_the_client_address() -> Result<()> {
+    use lbtest::world::*;
+    let w = world_with(&web("LoadBalancer", "  loadBalancerSourceRanges: [\"192.0.2.0/24\"]\n", &[LB_IP]), &[])?;
+    wait_backends(&w.c, 1, LB_IP, 80, 2)?;
+    let m = monitor(&w.c, &["--seconds", "3"])?;
+    w.c.wait_for("the monitor beating", Duration::from_secs(5), || Ok(heartbeats(&w.c)?[0] != 0))?;
+    let lb = format!("{LB_IP}:80");
+    let short = |pod: &lbtest::Pod, proto: &str| w.c.probe(pod, &[proto, "--addr", &lb, "--count", "1", "--timeout-ms", "300"]);
+    assert_eq!(short(&w.p1, "tcp")?.ok, 0);
+    assert_eq!(short(&w.c.host(1), "udp")?.errors.get("EPERM"), Some(&1));
+    let out = m.wait_with_output()?;
+    let text = String::from_utf8(out.stdout)?;
+    let has = |want: &str| text.lines().any(|l| l.contains(want) && l.ends_with("(source range) [default/web:http]"));
+    assert!(has(&format!("egress  client={} TCP {lb} -> dropped", w.p1.ip)), "{text}");
+    assert!(text.lines().any(|l| l.contains(&format!("egress  client={NODE1} UDP {lb} -> EPERM (source range) [default/web:dns]"))), "{text}");
+    Ok(())
+}

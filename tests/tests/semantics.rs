@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::Result;
-use lbtest::objects::{Endpoint as E, SvcPort, node, service_ips, slice_of};
+use lbtest::objects::{Endpoint as E, SvcPort, node, service_ips, service_typed, slice_of};
 use lbtest::{Cluster, Pod, Summary};
 
 const SP: &[SvcPort] = &[("http", 80, 8080, "TCP"), ("dns", 53, 8080, "UDP")];
@@ -444,5 +444,82 @@ fn host_network_clients_hairpin_recreation_and_merged_slices() -> Result<()> {
     wait(&c, "10.96.0.10", 80, "TCP", &every)?;
     let s = tcp(&c, &host, "10.96.0.10:80", 10)?;
     assert_eq!(s.ok, 10, "{s:?}");
+    Ok(())
+}
+
+/// loadBalancerSourceRanges hold for pods and for the node itself on the
+/// socket path, as kube-proxy's KUBE-PROXY-FIREWALL applies them to every
+/// new connection to an LB IP: a pod outside the ranges reaches nothing
+/// there (TCP times out, its datagrams vanish), the node outside them gets
+/// EPERM for a datagram (a DROP in OUTPUT), a pod inside them is served,
+/// and the Service's ClusterIP is not restricted. The socket hooks run
+/// before the kernel picks the source address; the source of the socket's
+/// first packet decides.
+#[test]
+fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
+    let (mut c, p, inside) = one_node(&["pod-a", "pod-b"])?;
+    let outside = c.add_pod(1, "other")?;
+    let host = c.host(1);
+    let (lb4, lb6) = ("10.100.0.10", "fd00:100::10");
+    let svc = |ranges: &str| {
+        let extra = format!("  ipFamilyPolicy: PreferDualStack\n  loadBalancerSourceRanges: [{ranges}]\n");
+        service_typed("web", "10.96.0.10", "LoadBalancer", &[("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)], &extra, &[lb4, lb6])
+    };
+    c.write_object("svc.yaml", &svc(&format!("\"{}/32\", \"{}/128\"", inside.ip, inside.ip6)))?;
+    c.write_object("slice4.yaml", &slice_of("web", "web-v4", "IPv4", EP, &ready4(&[&p[0], &p[1]])))?;
+    let v6: Vec<E> = p.iter().map(|p| E::ready(&p.ip6, "node-1")).collect();
+    c.write_object("slice6.yaml", &slice_of("web", "web-v6", "IPv6", EP, &v6))?;
+    c.start_agent(1)?;
+    wait(&c, lb4, 80, "TCP", &[be(&p[0].ip, 8080), be(&p[1].ip, 8080)])?;
+    let lb6_port = format!("[{lb6}]:80");
+    wait(&c, lb6, 80, "TCP", &[be(&p[0].ip6, 8080), be(&p[1].ip6, 8080)])?;
+    let short = |pod: &Pod, proto: &str, addr: &str, extra: &[&str]| -> Result<Summary> {
+        let mut args = vec![proto, "--addr", addr, "--count", "2", "--timeout-ms", "500"];
+        args.extend_from_slice(extra);
+        c.probe(pod, &args)
+    };
+    for addr in [format!("{lb4}:80"), lb6_port.clone()] {
+        // Inside the ranges: served, TCP, unconnected and connected UDP.
+        assert_eq!(tcp(&c, &inside, &addr, 10)?.ok, 10, "{addr}");
+        assert_eq!(udp(&c, &inside, &addr, 5, &[])?.ok, 5, "{addr}");
+        assert_eq!(udp(&c, &inside, &addr, 5, &["--connected"])?.ok, 5, "{addr}");
+        // Outside them: nothing, and nothing the pod can tell from a drop
+        // on the way (TCP times out; datagrams are sent, and no reply comes).
+        let s = short(&outside, "tcp", &addr, &[])?;
+        assert_eq!((s.ok, s.errors.get("ETIMEDOUT")), (0, Some(&2)), "{addr}: {s:?}");
+        for extra in [&[][..], &["--connected"]] {
+            let s = short(&outside, "udp", &addr, extra)?;
+            assert_eq!((s.ok, s.errors.get("EAGAIN")), (0, Some(&2)), "{addr} {extra:?}: {s:?}");
+        }
+        // The node is outside them too: its datagrams fail with EPERM.
+        let s = short(&host, "tcp", &addr, &[])?;
+        assert_eq!(s.ok, 0, "{addr}: {s:?}");
+        let s = short(&host, "udp", &addr, &[])?;
+        assert_eq!((s.ok, s.errors.get("EPERM")), (0, Some(&2)), "{addr}: {s:?}");
+    }
+    assert!(lbtest::world::datapath(&c, 1, "source_range_dropped")? >= 16, "counted");
+    // The ClusterIP is not restricted.
+    assert_eq!(tcp(&c, &outside, "10.96.0.10:80", 5)?.ok, 5);
+    assert_eq!(udp(&c, &host, "10.96.0.10:80", 5, &[])?.ok, 5);
+    // Ranges that hold the node's address: the node is served, though the
+    // source it picks for a local backend is the pod bridge's address
+    // (kube-proxy checks the source the node picks for the LB IP).
+    c.write_object("svc.yaml", &svc("\"192.168.77.11/32\", \"fd00:77::11/128\""))?;
+    c.wait_for("the node's ranges", Duration::from_secs(5), || Ok(tcp(&c, &host, &format!("{lb4}:80"), 1)?.ok == 1))?;
+    for addr in [format!("{lb4}:80"), lb6_port.clone()] {
+        assert_eq!(tcp(&c, &host, &addr, 5)?.ok, 5, "{addr}");
+        assert_eq!(udp(&c, &host, &addr, 5, &["--connected"])?.ok, 5, "{addr}");
+        assert_eq!(short(&outside, "tcp", &addr, &[])?.ok, 0, "{addr}");
+    }
+    // Ranges that take in the pod network: all are served.
+    c.write_object("svc.yaml", &svc("\"10.244.1.0/24\", \"fd00:244:1::/64\""))?;
+    c.wait_for("the new ranges", Duration::from_secs(5), || Ok(tcp(&c, &outside, &format!("{lb4}:80"), 1)?.ok == 1))?;
+    for addr in [format!("{lb4}:80"), lb6_port] {
+        for pod in [&outside, &host] {
+            assert_eq!(tcp(&c, pod, &addr, 5)?.ok, 5, "{addr} {}", pod.name);
+            assert_eq!(udp(&c, pod, &addr, 5, &[])?.ok, 5, "{addr} {}", pod.name);
+            assert_eq!(udp(&c, pod, &addr, 5, &["--connected"])?.ok, 5, "{addr} {}", pod.name);
+        }
+    }
     Ok(())
 }

@@ -45,9 +45,10 @@ impl log::Log for BpfLogSink {
 }
 
 /// The programs' decision lines start with `hook << 8 | protocol` as a
-/// number and end with ` errno=N` (arguments the verifier walks cheaply):
-/// write them as the monitor does, `connect TCP FRONT -> BACKEND (why)` or
-/// `... -> ECONNREFUSED (why)`.
+/// number and end with ` why=W errno=N` (arguments the verifier walks
+/// cheaply): write them as the monitor does, `connect TCP FRONT -> BACKEND
+/// (why)`, `... -> ECONNREFUSED (why)` or, for a drop no sender is told
+/// of, `... -> dropped (source range)`.
 pub(super) fn hook_words(msg: &str) -> String {
     let Some((code, rest)) = msg.split_once(' ') else { return msg.to_string() };
     let Ok(code) = code.parse::<u16>() else { return msg.to_string() };
@@ -57,13 +58,17 @@ pub(super) fn hook_words(msg: &str) -> String {
         _ => return msg.to_string(),
     };
     let mut rest = rest.to_string();
-    if let Some((head, errno)) = rest.rsplit_once(" errno=")
-        && let Ok(errno) = errno.parse::<i32>()
+    if let Some((head, tail)) = rest.rsplit_once(" why=")
+        && let Some((why, errno)) = tail.split_once(" errno=")
+        && let (Ok(why), Ok(errno)) = (why.parse::<u8>(), errno.parse::<i32>())
     {
-        rest = match (errno, head.split_once(" -> "), head.rfind(" (")) {
-            (0, _, _) => head.to_string(),
-            (e, Some((front, _)), Some(why)) => format!("{front} -> {:?}{}", nix::errno::Errno::from_raw(e), &head[why..]),
-            _ => head.to_string(),
+        let reason = lb_common::monitor::why_name(why);
+        let dropped = why == lb_common::monitor::WHY_SOURCE_RANGE;
+        rest = match (errno, head.split_once(" -> ")) {
+            (0, _) if !dropped => format!("{head} ({reason})"),
+            (0, Some((front, _))) => format!("{front} -> dropped ({reason})"),
+            (e, Some((front, _))) => format!("{front} -> {:?} ({reason})", nix::errno::Errno::from_raw(e)),
+            _ => format!("{head} ({reason})"),
         };
     }
     format!("{} {proto} {rest}", lb_common::monitor::hook_name((code >> 8) as u8))
@@ -73,8 +78,10 @@ pub(super) fn hook_words(msg: &str) -> String {
 mod tests {
     #[test]
     fn decision_lines_name_their_hook_and_protocol() {
-        assert_eq!(super::hook_words("262 10.96.0.10:80 -> 10.0.0.1:8080 (translated) errno=0"), "connect TCP 10.96.0.10:80 -> 10.0.0.1:8080 (translated)");
-        assert_eq!(super::hook_words("785 [fd00::1]:53 -> [::]:0 (no endpoints) errno=111"), "tc UDP [fd00::1]:53 -> ECONNREFUSED (no endpoints)");
+        assert_eq!(super::hook_words("262 10.96.0.10:80 -> 10.0.0.1:8080 why=1 errno=0"), "connect TCP 10.96.0.10:80 -> 10.0.0.1:8080 (translated)");
+        assert_eq!(super::hook_words("785 [fd00::1]:53 -> [::]:0 why=4 errno=111"), "tc UDP [fd00::1]:53 -> ECONNREFUSED (no endpoints)");
+        assert_eq!(super::hook_words("1286 10.100.0.10:80 -> 0.0.0.0:0 why=8 errno=0"), "egress TCP 10.100.0.10:80 -> dropped (source range)");
+        assert_eq!(super::hook_words("1297 10.100.0.10:80 -> 0.0.0.0:0 why=8 errno=1"), "egress UDP 10.100.0.10:80 -> EPERM (source range)");
         assert_eq!(super::hook_words("something else"), "something else");
         assert_eq!(super::hook_words("12 not a hook"), "12 not a hook");
     }

@@ -16,7 +16,7 @@ use std::os::fd::AsFd as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result, bail};
-use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier, TcAttachType, Xdp, XdpMode, links::FdLink};
+use aya::programs::{CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr, SchedClassifier, TcAttachType, Xdp, XdpMode, links::FdLink};
 use aya::{Ebpf, EbpfLoader};
 use lb_common::maps;
 
@@ -43,6 +43,10 @@ pub const PROGRAMS: [&str; 8] = [
 
 /// The cgroup sock programs (NodePort bind protection).
 pub const SOCK_PROGRAMS: [&str; 3] = ["lb_post_bind4", "lb_post_bind6", "lb_sock_release"];
+
+/// The cgroup egress program: loadBalancerSourceRanges for the sockets the
+/// hooks sent to a frontend with ranges.
+pub const EGRESS_PROGRAM: &str = "lb_sock_egress";
 
 /// The TC programs, attached to each NodePort interface.
 pub const TC_PROGRAMS: [(&str, TcAttachType); 2] =
@@ -250,6 +254,11 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
             .try_into()?;
         prog.load().with_context(|| format!("verify program {name}"))?;
     }
+    let prog: &mut CgroupSkb = ebpf
+        .program_mut(EGRESS_PROGRAM)
+        .with_context(|| format!("program {EGRESS_PROGRAM} missing from the object"))?
+        .try_into()?;
+    prog.load().with_context(|| format!("verify program {EGRESS_PROGRAM}"))?;
     // The L3 programs are verified when a first L3 device needs them
     // (`attach_tc`): most nodes have none, and verifying costs a restart
     // more than a second.
@@ -331,6 +340,12 @@ impl Tc {
             let link: FdLink = prog.take_link(id)?.try_into().context("link is not an fd link")?;
             pin_link(&self.bpffs, name, link)?;
         }
+        let prog: &mut CgroupSkb = self.ebpf.program_mut(EGRESS_PROGRAM).context("cgroup program")?.try_into()?;
+        let id = prog
+            .attach(cg.as_fd(), CgroupSkbAttachType::Egress, CgroupAttachMode::Single)
+            .with_context(|| format!("attach {EGRESS_PROGRAM} to {}", self.cgroup.display()))?;
+        let link: FdLink = prog.take_link(id)?.try_into().context("link is not an fd link")?;
+        pin_link(&self.bpffs, EGRESS_PROGRAM, link)?;
         Ok(())
     }
 
@@ -386,7 +401,7 @@ impl Tc {
             fs::rename(&staged, self.bpffs.join(name)).with_context(|| format!("move {} in place", staged.display()))?;
         }
         fs::remove_dir(self.bpffs.join(NEXT))?;
-        let known: BTreeSet<&str> = PROGRAMS.iter().chain(SOCK_PROGRAMS.iter()).copied().collect();
+        let known: BTreeSet<&str> = PROGRAMS.iter().chain(SOCK_PROGRAMS.iter()).chain([&EGRESS_PROGRAM]).copied().collect();
         for e in fs::read_dir(&links)?.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
             let tc = device_programs().chain(POD_PROGRAMS.map(|(p, _)| p)).any(|p| n.starts_with(&format!("{p}_")));

@@ -57,7 +57,7 @@ pub(super) fn mark_layout(dir: &Path, version: &str) -> Result<()> {
 
 /// Every map with the type, key size, value size and max_entries this agent
 /// gives it.
-pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 30] {
+pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 31] {
     use aya::maps::MapType as T;
     use lb_common::capacity as c;
     let revnat = cap.services.min(u16::MAX as u32);
@@ -79,6 +79,7 @@ pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapT
         (maps::AFFINITY_MATCH, T::Hash, size_of::<AffinityMatchKey>(), size_of::<u8>(), cap.backends),
         (maps::STATS, T::PerCpuArray, size_of::<u32>(), size_of::<u64>(), lb_common::stats::COUNT),
         (maps::SOCK_XLATE, T::SkStorage, size_of::<i32>(), size_of::<lb_common::SockXlate>(), 0),
+        (maps::SOCK_CHECK, T::SkStorage, size_of::<i32>(), size_of::<lb_common::SockCheck>(), 0),
         (maps::SVC_STATS, T::Hash, size_of::<lb_common::SvcStatsKey>(), size_of::<lb_common::SvcStats>(), revnat + cap.backends),
         (maps::MONITOR, T::Array, size_of::<u32>(), size_of::<u64>(), lb_common::monitor::SLOTS + 1),
         (maps::EVENTS[0], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),

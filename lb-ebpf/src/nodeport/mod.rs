@@ -1082,6 +1082,14 @@ fn in_src_range<F: Net>(rev_nat_id: u16, saddr: F::A) -> bool {
     LB_SRC_RANGE.get(&key).is_some()
 }
 
+/// Whether frontend `rev_nat_id`'s loadBalancerSourceRanges hold `addr`
+/// (an IPv4 address in the first 4 bytes), for the socket hooks' check.
+#[inline(always)]
+pub(crate) fn src_allowed(rev_nat_id: u16, family: u8, addr: [u8; 16]) -> bool {
+    let bits = if family == lb_common::FAMILY_V4 { 32 } else { 128 };
+    LB_SRC_RANGE.get(&Key::new(32 + bits, SrcRange { rev_nat_id, family, _pad: 0, addr })).is_some()
+}
+
 #[inline(always)]
 fn drop_packet() -> i32 {
     lb::event(stats::NAT_DROPPED);
