@@ -215,10 +215,10 @@ fn the_monitor_shows_per_packet_pod_flows_with_the_pods_address() -> Result<()> 
     Ok(())
 }
 
-/// Drops for loadBalancerSourceRanges on the socket path show with the
-/// client and the frontend: a pod's and the node's own, at the cgroup
-/// egress program (the socket hooks translated them before the source was
-/// known); the node's sender is told EPERM.
+/// Drops for loadBalancerSourceRanges show with the client and the
+/// frontend: an outside client's at the TC program, a pod's and the
+/// node's own at the cgroup egress program (the socket hooks translated
+/// them before the source was known); the node's sender is told EPERM.
 #[test]
 fn the_monitor_shows_source_range_drops_with_the_client_address() -> Result<()> {
     use lbtest::world::*;
@@ -228,12 +228,17 @@ fn the_monitor_shows_source_range_drops_with_the_client_address() -> Result<()> 
     w.c.wait_for("the monitor beating", Duration::from_secs(5), || Ok(heartbeats(&w.c)?[0] != 0))?;
     let lb = format!("{LB_IP}:80");
     let short = |pod: &lbtest::Pod, proto: &str| w.c.probe(pod, &[proto, "--addr", &lb, "--count", "1", "--timeout-ms", "300"]);
+    assert_eq!(short(&w.outside, "tcp")?.ok, 0);
     assert_eq!(short(&w.p1, "tcp")?.ok, 0);
     assert_eq!(short(&w.c.host(1), "udp")?.errors.get("EPERM"), Some(&1));
     let out = m.wait_with_output()?;
     let text = String::from_utf8(out.stdout)?;
     let has = |want: &str| text.lines().any(|l| l.contains(want) && l.ends_with("(source range) [default/web:http]"));
+    assert!(has(&format!("tc      client={CLIENT} TCP {lb} -> dropped")), "{text}");
     assert!(has(&format!("egress  client={} TCP {lb} -> dropped", w.p1.ip)), "{text}");
-    assert!(text.lines().any(|l| l.contains(&format!("egress  client={NODE1} UDP {lb} -> EPERM (source range) [default/web:dns]"))), "{text}");
+    // The node's source: its address toward pod-2's node, the pod
+    // bridge's toward pod-1.
+    let node = |ip: &str| text.lines().any(|l| l.contains(&format!("egress  client={ip} UDP {lb} -> EPERM (source range) [default/web:dns]")));
+    assert!(node(NODE1) || node("10.244.1.1"), "{text}");
     Ok(())
 }

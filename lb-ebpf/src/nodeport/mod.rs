@@ -1218,6 +1218,11 @@ fn new_flow<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
     // (a pod too: kube-proxy's KUBE-PROXY-FIREWALL drops pods' packets
     // outside them as well).
     if front.flags & svc_flags::SRC_RANGE != 0 && !in_src_range::<F>(front.rev_nat_id, p.saddr) {
+        if lb::observed() {
+            let why = lb_common::monitor::WHY_SOURCE_RANGE;
+            let hook = if pod { lb_common::monitor::HOOK_POD } else { lb_common::monitor::HOOK_TC };
+            report::<F>(&p, &Verdict::Refuse { errno: 0, why, rev_nat_id: front.rev_nat_id }, hook);
+        }
         return drop_packet();
     }
     let h = flow_hash::<F>(&p);
