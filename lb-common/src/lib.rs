@@ -186,9 +186,9 @@ pub struct SockXlate {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
 pub struct SockCheck {
-    /// The backend the socket is connected to (`sock_check::CONNECTED` or
-    /// `DENIED`): packets to it are the connection's. An IPv4 address fills
-    /// the first 4 bytes.
+    /// The backend the socket is connected to (`sock_check::CONNECTED`):
+    /// packets to it are the connection's. An IPv4 address fills the first
+    /// 4 bytes.
     pub backend: [u8; 16],
     pub backend_port: u16,
     /// The connected frontend whose ranges apply.
@@ -202,12 +202,11 @@ pub struct SockCheck {
 
 /// `SockCheck::state` bits.
 pub mod sock_check {
-    /// The socket is connected to a ranged frontend; its first packet's
-    /// source decides.
+    /// The socket is connected to a ranged frontend and no packet of the
+    /// connection has passed yet: each is checked (dropped outside the
+    /// ranges, as kube-proxy's KUBE-PROXY-FIREWALL drops new flows); the
+    /// first one inside them clears the bit. (2 is unused.)
     pub const CONNECTED: u8 = 1;
-    /// Its source is outside the ranges: every packet of the connection is
-    /// dropped (kube-proxy's KUBE-PROXY-FIREWALL drops the flow).
-    pub const DENIED: u8 = 2;
     /// The socket sent unconnected datagrams to a ranged frontend: each
     /// datagram's destination is looked up in the socket rev-NAT LRU.
     pub const UNCONNECTED: u8 = 4;

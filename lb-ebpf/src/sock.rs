@@ -159,7 +159,7 @@ fn mark_check(ctx: &SockAddrContext, meta: u64, backend: &[u8; 16]) -> bool {
                 // SAFETY: p points to this socket's storage.
                 unsafe {
                     let mut c = core::ptr::read_volatile(p);
-                    c.state &= !(sock_check::CONNECTED | sock_check::DENIED);
+                    c.state &= !sock_check::CONNECTED;
                     core::ptr::write_volatile(p, c);
                 }
             }
@@ -273,7 +273,7 @@ fn addresses(skb: *mut __sk_buff, h: &mut Hdr) -> bool {
 fn check_source(skb: *mut __sk_buff, p: *mut SockCheck) -> i32 {
     // SAFETY: p points to this socket's storage.
     let mut c = unsafe { core::ptr::read_volatile(p) };
-    if c.state & (sock_check::CONNECTED | sock_check::DENIED | sock_check::UNCONNECTED) == 0 {
+    if c.state & (sock_check::CONNECTED | sock_check::UNCONNECTED) == 0 {
         return SKB_PASS;
     }
     let drop = if c.state & sock_check::NODE != 0 { SKB_DROP } else { SKB_DROP_CN };
@@ -284,20 +284,17 @@ fn check_source(skb: *mut __sk_buff, p: *mut SockCheck) -> i32 {
     let Hdr { src, dst, l4, family } = h;
     let port = l4 as u16;
     // The connection's packets: to the backend it connected to.
-    if c.state & (sock_check::CONNECTED | sock_check::DENIED) != 0 && family == c.family && dst == c.backend && (port == 0 || port == c.backend_port) {
-        if c.state & sock_check::DENIED != 0 {
-            return denied(family, &src, c.rev_nat_id, l4, drop);
-        }
-        // Its first packet: the source the kernel picked decides.
+    if c.state & sock_check::CONNECTED != 0 && family == c.family && dst == c.backend && (port == 0 || port == c.backend_port) {
+        // The first packet the ranges allow opens the connection; until
+        // then each one is checked, so that a SYN sent again after the
+        // ranges changed gets through, as kube-proxy's firewall (on new
+        // flows) lets it.
         if allowed(c.state, c.rev_nat_id, family, &src) {
             c.state &= !sock_check::CONNECTED;
             // SAFETY: p points to this socket's storage.
             unsafe { core::ptr::write_volatile(p, c) };
             return SKB_PASS;
         }
-        c.state = (c.state & !sock_check::CONNECTED) | sock_check::DENIED;
-        // SAFETY: p points to this socket's storage.
-        unsafe { core::ptr::write_volatile(p, c) };
         return denied(family, &src, c.rev_nat_id, l4, drop);
     }
     if c.state & sock_check::UNCONNECTED == 0 || port == 0 {

@@ -511,6 +511,15 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
         assert_eq!(udp(&c, &host, &addr, 5, &["--connected"])?.ok, 5, "{addr}");
         assert_eq!(short(&outside, "tcp", &addr, &[])?.ok, 0, "{addr}");
     }
+    // A connect that the ranges drop goes through with its next SYN once
+    // they hold the pod (kube-proxy's firewall checks each new flow).
+    let late = std::thread::scope(|sc| -> Result<Summary> {
+        let t = sc.spawn(|| c.probe(&outside, &["tcp", "--addr", &format!("{lb4}:80"), "--count", "1", "--timeout-ms", "5000"]));
+        std::thread::sleep(Duration::from_millis(300));
+        c.write_object("svc.yaml", &svc(&format!("\"{}/32\"", outside.ip)))?;
+        t.join().unwrap()
+    })?;
+    assert_eq!(late.ok, 1, "{late:?}");
     // Ranges that take in the pod network: all are served.
     c.write_object("svc.yaml", &svc("\"10.244.1.0/24\", \"fd00:244:1::/64\""))?;
     c.wait_for("the new ranges", Duration::from_secs(5), || Ok(tcp(&c, &outside, &format!("{lb4}:80"), 1)?.ok == 1))?;
