@@ -289,7 +289,7 @@ fn check_source(skb: *mut __sk_buff, p: *mut SockCheck) -> i32 {
         // then each one is checked, so that a SYN sent again after the
         // ranges changed gets through, as kube-proxy's firewall (on new
         // flows) lets it.
-        if allowed(c.state, c.rev_nat_id, family, &src) {
+        if allowed(c.state, c.rev_nat_id, family, &src) || !still_ranged(family, c.rev_nat_id, (l4 >> 16) as u8) {
             c.state &= !sock_check::CONNECTED;
             // SAFETY: p points to this socket's storage.
             unsafe { core::ptr::write_volatile(p, c) };
@@ -320,6 +320,19 @@ fn check_source(skb: *mut __sk_buff, p: *mut SockCheck) -> i32 {
 #[inline(never)]
 fn allowed(state: u8, rev_nat_id: u16, family: u8, src: &[u8; 16]) -> bool {
     crate::nodeport::src_allowed(rev_nat_id, family, *src) || (state & sock_check::NODE != 0 && node_allowed(rev_nat_id, family))
+}
+
+/// Whether frontend `rev_nat_id` still exists with loadBalancerSourceRanges
+/// (a connection marked for it checks nothing once they are gone, or the
+/// Service is). Asked only of packets the ranges would drop.
+#[inline(never)]
+fn still_ranged(family: u8, rev_nat_id: u16, proto: u8) -> bool {
+    let ranged = |f: lb_common::SvcValue| f.rev_nat_id == rev_nat_id && f.flags & svc_flags::SRC_RANGE != 0;
+    if family == FAMILY_V4 {
+        V4::revnat(rev_nat_id).and_then(|r| V4::svc(&lb_common::SvcKey::new(r.addr, r.port, proto, lb_common::SCOPE_ALL, 0))).is_some_and(ranged)
+    } else {
+        V6::revnat(rev_nat_id).and_then(|r| V6::svc(&lb_common::SvcKey::new(r.addr, r.port, proto, lb_common::SCOPE_ALL, 0))).is_some_and(ranged)
+    }
 }
 
 /// The node's address (the one SNATed flows leave from) in frontend

@@ -520,6 +520,18 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
         t.join().unwrap()
     })?;
     assert_eq!(late.ok, 1, "{late:?}");
+    // ... and once the Service has no ranges any more.
+    c.write_object("svc.yaml", &svc(&format!("\"{}/32\"", inside.ip)))?;
+    c.wait_for("the pod left out again", Duration::from_secs(5), || Ok(short(&outside, "tcp", &format!("{lb4}:80"), &[])?.ok == 0))?;
+    let late = std::thread::scope(|sc| -> Result<Summary> {
+        let t = sc.spawn(|| c.probe(&outside, &["tcp", "--addr", &format!("{lb4}:80"), "--count", "1", "--timeout-ms", "5000"]));
+        std::thread::sleep(Duration::from_millis(300));
+        let extra = "  ipFamilyPolicy: PreferDualStack\n";
+        let ports = [("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)];
+        c.write_object("svc.yaml", &service_typed("web", "10.96.0.10", "LoadBalancer", &ports, extra, &[lb4, lb6]))?;
+        t.join().unwrap()
+    })?;
+    assert_eq!(late.ok, 1, "{late:?}");
     // Ranges that take in the pod network: all are served.
     c.write_object("svc.yaml", &svc("\"10.244.1.0/24\", \"fd00:244:1::/64\""))?;
     c.wait_for("the new ranges", Duration::from_secs(5), || Ok(tcp(&c, &outside, &format!("{lb4}:80"), 1)?.ok == 1))?;
