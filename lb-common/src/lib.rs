@@ -763,6 +763,12 @@ pub mod node_flags {
     /// in (`lb-agent run --per-packet-lb`), as kube-proxy's PREROUTING
     /// rules serve them.
     pub const POD_PACKET_LB: u32 = 1 << 2;
+    /// `lb_sock_egress` is attached (the agent attaches it while some
+    /// frontend has loadBalancerSourceRanges, and sets this after): the
+    /// socket hooks mark the sockets it must check. Without it they mark
+    /// none, so that no connection is marked whose first packet the
+    /// program could miss.
+    pub const SOCK_EGRESS: u32 = 1 << 3;
     /// Bits 8-13: the skb mark bit the TC programs set on what they
     /// translate and hand to the stack to forward, plus one (0: none), so
     /// that the agent's iptables rule (`LB-FORWARD`) accepts it in a

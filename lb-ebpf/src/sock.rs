@@ -24,7 +24,7 @@ use aya_ebpf::{
     macros::{btf_map, cgroup_skb, cgroup_sock, cgroup_sock_addr},
     programs::{SkBuffContext, SockAddrContext, SockContext},
 };
-use lb_common::{FAMILY_V4, FAMILY_V6, NodePortKey, PROTO_TCP, PROTO_UDP, SockCheck, SockXlate, capacity, monitor, sock_check, stats, svc_flags};
+use lb_common::{FAMILY_V4, FAMILY_V6, NodePortKey, PROTO_TCP, PROTO_UDP, SockCheck, SockXlate, capacity, monitor, node_flags, sock_check, stats, svc_flags};
 
 /// The NodePorts in use: processes in the node's network namespace may not
 /// bind() them.
@@ -164,6 +164,9 @@ fn mark_check(ctx: &SockAddrContext, meta: u64, backend: &[u8; 16]) -> bool {
                 }
             }
         }
+        return true;
+    }
+    if lb::node_flags() & node_flags::SOCK_EGRESS == 0 {
         return true;
     }
     let mut v = SockCheck::default();

@@ -467,6 +467,9 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
     };
     c.write_object("svc.yaml", &svc(&format!("\"{}/32\", \"{}/128\"", inside.ip, inside.ip6)))?;
     c.write_object("slice4.yaml", &slice_of("web", "web-v4", "IPv4", EP, &ready4(&[&p[0], &p[1]])))?;
+    // Another Service with ranges, for all but the end of the test.
+    let ports = [("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)];
+    c.write_object("keep.yaml", &service_typed("keep", "10.96.0.99", "LoadBalancer", &ports[..1], "  loadBalancerSourceRanges: [\"192.0.2.0/24\"]\n", &["10.100.0.99"]))?;
     let v6: Vec<E> = p.iter().map(|p| E::ready(&p.ip6, "node-1")).collect();
     c.write_object("slice6.yaml", &slice_of("web", "web-v6", "IPv6", EP, &v6))?;
     c.start_agent(1)?;
@@ -527,7 +530,6 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
         let t = sc.spawn(|| c.probe(&outside, &["tcp", "--addr", &format!("{lb4}:80"), "--count", "1", "--timeout-ms", "5000"]));
         std::thread::sleep(Duration::from_millis(300));
         let extra = "  ipFamilyPolicy: PreferDualStack\n";
-        let ports = [("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)];
         c.write_object("svc.yaml", &service_typed("web", "10.96.0.10", "LoadBalancer", &ports, extra, &[lb4, lb6]))?;
         t.join().unwrap()
     })?;
@@ -542,5 +544,17 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
             assert_eq!(udp(&c, pod, &addr, 5, &["--connected"])?.ok, 5, "{addr} {}", pod.name);
         }
     }
+    // The egress program runs for every packet the node's sockets send:
+    // it is attached only while some frontend has ranges.
+    let egress = || -> Result<bool> { Ok(lbtest::run("bpftool", &["cgroup", "show", c.nodes[0].cgroup.to_str().unwrap()])?.contains("lb_sock_egress")) };
+    assert!(egress()?);
+    c.remove_object("keep.yaml")?;
+    c.write_object("svc.yaml", &service_typed("web", "10.96.0.10", "LoadBalancer", &ports, "  ipFamilyPolicy: PreferDualStack\n", &[lb4, lb6]))?;
+    c.wait_for("the egress program detached", Duration::from_secs(5), || Ok(!egress()?))?;
+    assert_eq!(tcp(&c, &outside, &format!("{lb4}:80"), 5)?.ok, 5);
+    c.write_object("svc.yaml", &svc(&format!("\"{}/32\"", inside.ip)))?;
+    c.wait_for("the egress program attached", Duration::from_secs(5), egress)?;
+    assert_eq!(short(&outside, "tcp", &format!("{lb4}:80"), &[])?.ok, 0);
+    assert_eq!(tcp(&c, &inside, &format!("{lb4}:80"), 5)?.ok, 5);
     Ok(())
 }

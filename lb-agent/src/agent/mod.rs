@@ -299,6 +299,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         route_mtu_error: None,
         snat_ports: cfg.snat_ports,
         node_flags: cfg.node_flags,
+        sock_egress: tc.sock_egress(),
         addresses: crate::nodeport::Addresses::watch(forward || per_packet)?,
         maglev: cfg.maglev,
         maglev4: crate::dataplane::maglev::MaglevTables::open(&cfg.bpffs, lb_common::maps::MAGLEV4)?,
@@ -473,6 +474,25 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             tc.finish_upgrade(&replaced)?;
             for iface in &cfg.nodeport_interfaces {
                 tc.attach_tc(iface)?;
+            }
+        }
+        // loadBalancerSourceRanges for the sockets the hooks translate: the
+        // egress program is attached while some frontend has them, and the
+        // hooks mark sockets only once it is (detached: no longer marked
+        // first), so no other packet pays for it.
+        let ranges = rec.source_ranges();
+        if upgrade.is_none() && !dirty && ranges != rec.sock_egress {
+            let r = if ranges {
+                tc.set_sock_egress(true).and_then(|()| rec.set_sock_egress(true))
+            } else {
+                rec.set_sock_egress(false).and_then(|()| tc.set_sock_egress(false))
+            };
+            match r {
+                Ok(()) => tracing::info!(attached = ranges, "loadBalancerSourceRanges on the socket path: {EGRESS}", EGRESS = loader::EGRESS_PROGRAM),
+                Err(e) => {
+                    dirty = true;
+                    tracing::error!("{} for loadBalancerSourceRanges: {e:#}", loader::EGRESS_PROGRAM);
+                }
             }
         }
         let failed = health_checks.reconcile(&rec.health_checks, rec.health_check_on.as_deref()).await;

@@ -193,6 +193,9 @@ pub(super) struct Reconciler {
     pub(super) route_mtu_error: Option<String>,
     pub(super) snat_ports: (u16, u16),
     pub(super) node_flags: u32,
+    /// `lb_sock_egress` is attached: `node_flags::SOCK_EGRESS` goes into
+    /// the node config with `node_flags`.
+    pub(super) sock_egress: bool,
     /// The interface addresses, from rtnetlink events.
     pub(super) addresses: crate::nodeport::Addresses,
     /// Maglev table size and seed, and the tables written per family.
@@ -416,7 +419,7 @@ impl Reconciler {
                 snat_port_min: self.snat_ports.0,
                 snat_port_max: self.snat_ports.1,
                 snat_addr6: snat_addr6.unwrap_or_default(),
-                flags: self.node_flags,
+                flags: self.node_flags | if self.sock_egress { lb_common::node_flags::SOCK_EGRESS } else { 0 },
                 maglev_size: self.maglev.size(),
             })?;
             self.node_addresses = node.primary.clone();
@@ -588,6 +591,22 @@ impl Reconciler {
 
     pub(super) fn frontends(&self) -> usize {
         self.v4.index.frontends() + self.v6.index.frontends()
+    }
+
+    /// Whether some frontend has loadBalancerSourceRanges (programmed).
+    pub(super) fn source_ranges(&self) -> bool {
+        !self.v4.table.src_ranges.is_empty() || !self.v6.table.src_ranges.is_empty()
+    }
+
+    /// Tell the socket hooks whether `lb_sock_egress` is attached
+    /// (`node_flags::SOCK_EGRESS` in the node config, which holds the rest
+    /// once the first full sync wrote it).
+    pub(super) fn set_sock_egress(&mut self, on: bool) -> Result<()> {
+        self.sock_egress = on;
+        let Ok(mut cfg) = self.maps.node_config.get(&0, 0) else { return Ok(()) };
+        let bit = lb_common::node_flags::SOCK_EGRESS;
+        cfg.flags = if on { cfg.flags | bit } else { cfg.flags & !bit };
+        self.maps.set_node_config(&cfg)
     }
 
     /// Re-read the maps; where they differ from what this agent programmed

@@ -340,13 +340,39 @@ impl Tc {
             let link: FdLink = prog.take_link(id)?.try_into().context("link is not an fd link")?;
             pin_link(&self.bpffs, name, link)?;
         }
+        // The egress program only where an earlier agent attached it (this
+        // one's program replaces it without a gap): see `set_sock_egress`.
+        if self.sock_egress() {
+            self.set_sock_egress(true)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `lb_sock_egress` is attached (its link pinned).
+    pub fn sock_egress(&self) -> bool {
+        self.bpffs.join("links").join(EGRESS_PROGRAM).exists()
+    }
+
+    /// Attach `lb_sock_egress` (again: this agent's program replaces an
+    /// earlier one without a gap), or detach it. It runs for every packet
+    /// the cgroup's sockets send, so the agent attaches it only while some
+    /// frontend has loadBalancerSourceRanges: until then no packet pays for
+    /// it.
+    pub fn set_sock_egress(&mut self, on: bool) -> Result<()> {
+        if !on {
+            let pin = self.bpffs.join("links").join(EGRESS_PROGRAM);
+            return match fs::remove_file(&pin) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e).with_context(|| format!("unpin {}", pin.display())),
+                _ => Ok(()),
+            };
+        }
+        let cg = fs::File::open(&self.cgroup).with_context(|| format!("open cgroup {}", self.cgroup.display()))?;
         let prog: &mut CgroupSkb = self.ebpf.program_mut(EGRESS_PROGRAM).context("cgroup program")?.try_into()?;
         let id = prog
             .attach(cg.as_fd(), CgroupSkbAttachType::Egress, CgroupAttachMode::Single)
             .with_context(|| format!("attach {EGRESS_PROGRAM} to {}", self.cgroup.display()))?;
         let link: FdLink = prog.take_link(id)?.try_into().context("link is not an fd link")?;
-        pin_link(&self.bpffs, EGRESS_PROGRAM, link)?;
-        Ok(())
+        pin_link(&self.bpffs, EGRESS_PROGRAM, link)
     }
 
     /// Finish an upgrade once the staged maps hold what the agent programs
