@@ -131,22 +131,23 @@ fn track_udp(cookie: u64, x: &SockXlate) -> bool {
     LB_SOCK_UDP.insert(&cookie, &x, 0).is_ok()
 }
 
-/// loadBalancerSourceRanges on the socket path. connect and sendmsg run
-/// before the kernel picks the socket's source address, so a translation
-/// to a frontend with ranges (`ranged`) marks the socket in
-/// `LB_SOCK_CHECK`, and `lb_sock_egress` checks the source of its packets:
-/// a connected socket's first packet to its backend decides for the
-/// connection; an unconnected socket's datagrams are checked one by one.
-/// A connect to a frontend without ranges clears what an earlier connect
-/// of the socket (UDP may connect again) marked. False: the kernel refused
-/// the socket its storage, and the connect or datagram is refused (EPERM)
-/// rather than let through unchecked. (Its own frame, like `track`.)
 /// `mark_check`'s packed arguments (a call passes five at most).
 #[inline(always)]
 fn check_meta(stable: bool, ranged: bool, family: u8, rev_nat_id: u16, backend_port: u16) -> u64 {
     family as u64 | (stable as u64) << 8 | (ranged as u64) << 9 | (rev_nat_id as u64) << 16 | (backend_port as u64) << 32
 }
 
+/// loadBalancerSourceRanges on the socket path. connect and sendmsg run
+/// before the kernel picks the socket's source address, so a translation
+/// to a frontend with ranges (`ranged`) marks the socket in
+/// `LB_SOCK_CHECK` (while `lb_sock_egress` is attached: node flag
+/// SOCK_EGRESS), and `lb_sock_egress` checks the source of its packets: a
+/// connected socket's packets to its backend until one passes; an
+/// unconnected socket's datagrams one by one. A connect to a frontend
+/// without ranges clears what an earlier connect of the socket (UDP may
+/// connect again) marked. False: the kernel refused the socket its
+/// storage, and the connect or datagram is refused (EPERM) rather than let
+/// through unchecked. (Its own frame, like `track`.)
 #[inline(never)]
 fn mark_check(ctx: &SockAddrContext, meta: u64, backend: &[u8; 16]) -> bool {
     let (family, stable, ranged) = (meta as u8, meta & 1 << 8 != 0, meta & 1 << 9 != 0);
@@ -203,6 +204,8 @@ fn mark_check(ctx: &SockAddrContext, meta: u64, backend: &[u8; 16]) -> bool {
 const SKB_PASS: i32 = 1;
 const SKB_DROP: i32 = 0;
 const SKB_DROP_CN: i32 = 2;
+/// Or-ed into `check_source`'s verdict: it filled this CPU's monitor event.
+const EVENT_FILLED: i32 = 0x100;
 
 const ETH_P_IPV6: u16 = 0x86dd;
 
@@ -225,10 +228,10 @@ pub fn lb_sock_egress(ctx: SkBuffContext) -> i32 {
         return SKB_PASS;
     }
     let verdict = check_source(skb, p);
-    if verdict != SKB_PASS && lb::observed() {
+    if verdict & EVENT_FILLED != 0 {
         report_denied();
     }
-    verdict
+    verdict & !EVENT_FILLED
 }
 
 /// What `lb_sock_egress` needs of a packet.
@@ -351,8 +354,8 @@ fn node_allowed(rev_nat_id: u16, family: u8) -> bool {
 /// A packet dropped for loadBalancerSourceRanges: count it, and, when
 /// monitors listen, fill this CPU's event with the client
 /// (`lb_sock_egress` adds the frontend and sends it, a frame away from
-/// this one's stack); `l4` is protocol << 16 | port, `verdict` what the
-/// program returns.
+/// this one's stack, when the verdict says EVENT_FILLED); `l4` is
+/// protocol << 16 | port, `verdict` what the program returns.
 #[inline(always)]
 fn denied(family: u8, src: &[u8; 16], rev_nat_id: u16, l4: u32, verdict: i32) -> i32 {
     lb::event(stats::SRC_RANGE_DROPPED);
@@ -369,6 +372,7 @@ fn denied(family: u8, src: &[u8; 16], rev_nat_id: u16, l4: u32, verdict: i32) ->
             (*ev).why = monitor::WHY_SOURCE_RANGE;
             (*ev).errno = if verdict == SKB_DROP { EPERM as u8 } else { 0 };
         }
+        return verdict | EVENT_FILLED;
     }
     verdict
 }
