@@ -157,7 +157,10 @@ fn terminating_but_serving_endpoints_keep_their_connections_and_the_flag_turns_t
 #[test]
 fn ten_sigkill_restarts_lose_no_connect_and_leave_the_maps_as_desired() -> Result<()> {
     let (mut c, p, client) = setup(&["pod-a", "pod-b", "pod-c"], &[])?;
-    let bg = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "1000000", "--max-ms", "20000"])?;
+    // The loop runs until the restarts are done (each verifies the
+    // programs again: 1-2 s here, depending on the machine's load).
+    let stop = c.objects.parent().unwrap().join("restarts-done");
+    let bg = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "1000000", "--max-ms", "90000", "--stop-file", stop.to_str().unwrap()])?;
     let all: Vec<&Pod> = p.iter().collect();
     let started = std::time::Instant::now();
     for i in 0..10 {
@@ -173,9 +176,8 @@ fn ten_sigkill_restarts_lose_no_connect_and_leave_the_maps_as_desired() -> Resul
         got.sort();
         assert_eq!(got, want, "restart {i}: the maps equal the desired state after the first sync");
     }
-    // Each restart verifies the programs again (about 0.4 s for the
-    // ingress program alone): the loop runs 20 s, the restarts take ~11.
-    assert!(started.elapsed() < Duration::from_millis(19_000), "the loop must outlast the restarts; raise --max-ms");
+    assert!(started.elapsed() < Duration::from_millis(85_000), "the loop must outlast the restarts; raise --max-ms");
+    std::fs::write(&stop, "")?;
     let s = Cluster::finish(bg)?;
     assert!(s.attempts > 500, "{s:?}");
     assert_eq!(s.failed(), 0, "{s:?}");

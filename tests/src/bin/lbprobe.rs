@@ -141,6 +141,10 @@ enum Cmd {
         /// so the same source port can be used again at once.
         #[arg(long)]
         linger0: bool,
+        /// Stop once this file exists, whatever the count (not with
+        /// --hold-ms).
+        #[arg(long)]
+        stop_file: Option<std::path::PathBuf>,
     },
     /// Hold TCP connections to ADDR and connected UDP sockets to UDP_ADDR,
     /// each asked once (replies "held:POD"); touch DIR/ready. On DIR/churned:
@@ -1114,12 +1118,12 @@ fn main() -> anyhow::Result<()> {
             let o = TcpOpts { timeout: Duration::from_millis(timeout_ms), sport: None, linger0 };
             hold_tcp(addr, Duration::from_millis(hold), Duration::from_millis(interval_ms.max(1)), &o, &mut s);
         }
-        Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms, hold_ms: None, trace_file, sport, linger0 } => {
+        Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms, hold_ms: None, trace_file, sport, linger0, stop_file } => {
             let o = TcpOpts { timeout: Duration::from_millis(timeout_ms), sport, linger0 };
             let deadline = Instant::now() + Duration::from_millis(max_ms);
             let mut trace = Trace::open(trace_file.as_deref())?;
             for _ in 0..count {
-                if Instant::now() > deadline {
+                if Instant::now() > deadline || stop_file.as_ref().is_some_and(|f| f.exists()) {
                     break;
                 }
                 s.attempts += 1;
