@@ -552,6 +552,28 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
     c.write_object("svc.yaml", &service_typed("web", "10.96.0.10", "LoadBalancer", &ports, "  ipFamilyPolicy: PreferDualStack\n", &[lb4, lb6]))?;
     c.wait_for("the egress program detached", Duration::from_secs(5), || Ok(!egress()?))?;
     assert_eq!(tcp(&c, &outside, &format!("{lb4}:80"), 5)?.ok, 5);
+    // The first Service with ranges again, a new one: the egress program is
+    // attached before its frontend is written, so not one connect from a
+    // pod outside the ranges gets through, not even in its first
+    // milliseconds (a connect loop runs while it is created; attached after
+    // the write, a few connects in between went through). Until the
+    // Service comes, the pod's connects fail at once (a route to nowhere
+    // for its LB IP; translated connects are routed to the backend).
+    lbtest::run("ip", &["-n", &outside.netns, "route", "add", "unreachable", "10.100.0.20/32"])?;
+    c.write_object("late-slice.yaml", &slice_of("late", "late-v4", "IPv4", EP, &ready4(&[&p[0]])))?;
+    let late = std::thread::scope(|sc| -> Result<Summary> {
+        let t = sc.spawn(|| c.probe(&outside, &["tcp", "--addr", "10.100.0.20:80", "--count", "1000000", "--timeout-ms", "5", "--max-ms", "2500"]));
+        std::thread::sleep(Duration::from_millis(500));
+        let ranged = format!("  loadBalancerSourceRanges: [\"{}/32\"]\n", inside.ip);
+        c.write_object("late.yaml", &service_typed("late", "10.96.0.20", "LoadBalancer", &ports[..1], &ranged, &["10.100.0.20"]))?;
+        t.join().unwrap()
+    })?;
+    assert_eq!(late.ok, 0, "{late:?}");
+    assert!(late.errors.get("EHOSTUNREACH").is_some_and(|n| *n >= 100), "the loop ran before the Service came: {late:?}");
+    assert!(late.errors.get("ETIMEDOUT").is_some_and(|n| *n >= 10), "the loop ran on after the Service came: {late:?}");
+    assert!(egress()?);
+    assert_eq!(tcp(&c, &inside, "10.100.0.20:80", 5)?.ok, 5);
+    c.remove_object("late.yaml")?;
     c.write_object("svc.yaml", &svc(&format!("\"{}/32\"", inside.ip)))?;
     c.wait_for("the egress program attached", Duration::from_secs(5), egress)?;
     assert_eq!(short(&outside, "tcp", &format!("{lb4}:80"), &[])?.ok, 0);

@@ -444,7 +444,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         }
         let Some(upd) = last.clone() else { continue };
         let started = Instant::now();
-        match rec.sync(&upd.snapshot) {
+        let mut attach_egress = || tc.set_sock_egress(true);
+        let attach: Option<&mut dyn FnMut() -> Result<()>> = if upgrade.is_none() { Some(&mut attach_egress) } else { None };
+        match rec.sync(&upd.snapshot, attach) {
             Ok(()) => {
                 dirty = false;
                 health.synced();
@@ -477,10 +479,12 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             }
         }
         // loadBalancerSourceRanges for the sockets the hooks translate: the
-        // egress program is attached while some frontend has them, and the
-        // hooks mark sockets only once it is (detached: no longer marked
-        // first), so no other packet pays for it.
-        let ranges = rec.source_ranges();
+        // egress program is attached while some frontend has them (before
+        // the first is written: `Reconciler::sync`; here again if that
+        // failed), and the hooks mark sockets only once it is (detached: no
+        // longer marked first, after the last is gone), so no other packet
+        // pays for it.
+        let ranges = rec.wants_source_ranges();
         if upgrade.is_none() && !dirty && ranges != rec.sock_egress {
             let r = if ranges {
                 tc.set_sock_egress(true).and_then(|()| rec.set_sock_egress(true))

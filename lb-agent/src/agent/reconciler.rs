@@ -344,7 +344,11 @@ impl Reconciler {
     /// when the node's facts change, and after a failure. On a write error
     /// the maps stay consistent and the error names the Service; the next
     /// call retries.
-    pub(super) fn sync(&mut self, snap: &Snapshot) -> Result<()> {
+    ///
+    /// `attach_egress` attaches `lb_sock_egress` (None while an upgrade
+    /// stages new maps): called before the first frontend with
+    /// loadBalancerSourceRanges is written, see `wants_source_ranges`.
+    pub(super) fn sync(&mut self, snap: &Snapshot, attach_egress: Option<&mut dyn FnMut() -> Result<()>>) -> Result<()> {
         let started = Instant::now();
         let iface_ips: Vec<std::net::IpAddr> = self.addresses.get().into_iter().map(|(_, a)| a).collect();
         let facts = model::NodeFacts {
@@ -374,6 +378,18 @@ impl Reconciler {
             self.pending_left.remove(p);
         }
         self.pending_joined.extend(ch.joined.iter().copied());
+        // loadBalancerSourceRanges on the socket path: the egress program is
+        // attached, and the hooks told to mark sockets, before the first
+        // frontend with ranges is written, so that no connect to it goes
+        // unchecked (after the write, connects in between went through).
+        // Not a failed sync if it cannot be: the loop tries again after it.
+        if !self.sock_egress && self.wants_source_ranges() && let Some(attach) = attach_egress {
+            let program = crate::dataplane::loader::EGRESS_PROGRAM;
+            match attach().and_then(|()| self.set_sock_egress(true)) {
+                Ok(()) => tracing::info!(attached = true, "loadBalancerSourceRanges on the socket path: {program}"),
+                Err(e) => tracing::error!("{program} for loadBalancerSourceRanges: {e:#}"),
+            }
+        }
         let full = ch.full || self.full_needed;
         let mut ops = None;
         if !full {
@@ -593,9 +609,12 @@ impl Reconciler {
         self.v4.index.frontends() + self.v6.index.frontends()
     }
 
-    /// Whether some frontend has loadBalancerSourceRanges (programmed).
-    pub(super) fn source_ranges(&self) -> bool {
-        !self.v4.table.src_ranges.is_empty() || !self.v6.table.src_ranges.is_empty()
+    /// Whether some frontend the Services ask for has
+    /// loadBalancerSourceRanges (programmed or about to be; one the maps
+    /// had no room for keeps the egress program attached too, rather than
+    /// attaching and detaching it at every sync).
+    pub(super) fn wants_source_ranges(&self) -> bool {
+        self.model.desired().frontends.values().any(|f| !f.source_ranges.is_empty())
     }
 
     /// Tell the socket hooks whether `lb_sock_egress` is attached
