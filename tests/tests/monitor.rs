@@ -189,6 +189,59 @@ fn bpf_log_debug_logs_each_decision_and_off_removes_the_records() -> Result<()> 
     Ok(())
 }
 
+/// The programs only some flags use (the pod programs: `--per-packet-lb`,
+/// `--bpf-forward`; the XDP program: `--nodeport-acceleration xdp`) are
+/// verified at the start of an agent with those flags, not of every agent
+/// (they were about 0.6 s of each start); with the flags, a start verifies
+/// them before it attaches anything, so a kernel that refused one would
+/// stop the agent at once; and they fit the verifier with `--bpf-log debug`.
+#[test]
+fn optional_programs_are_verified_only_by_an_agent_whose_flags_use_them() -> Result<()> {
+    let (mut c, p, client) = Cluster::one_node(&["pod-a"])?;
+    c.write_object("web.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    c.write_object("web-s.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::ready(&p[0].ip, "node-1")]))?;
+    let dir = c.objects.clone();
+    let debug = [("RUST_LOG", "lb_agent=debug")];
+    // The programs each start verified, from its part of the log.
+    let mut seen = 0;
+    let mut start = |c: &mut Cluster, flags: &[&str]| -> Result<Vec<String>> {
+        c.kill_agent(1);
+        c.start_agent_env(1, &dir, flags, &debug)?;
+        let log = std::fs::read_to_string(c.agent_log(1))?;
+        let mine = &log[seen..];
+        seen = log.len();
+        let mut v: Vec<String> = mine
+            .lines()
+            .filter(|l| l.contains("program verified"))
+            .filter_map(|l| Some(l.split("program=\"").nth(1)?.split('"').next()?.to_string()))
+            .collect();
+        v.sort();
+        Ok(v)
+    };
+    let always = ["lb_connect4", "lb_connect6", "lb_nodeport_egress", "lb_nodeport_ingress", "lb_sock_egress", "lb_sock_release"];
+    let optional = ["lb_nodeport_xdp", "lb_pod_egress", "lb_pod_ingress"];
+    let plain = start(&mut c, &[])?;
+    for name in always {
+        assert!(plain.contains(&name.to_string()), "{name} is verified at every start: {plain:?}");
+    }
+    for name in optional {
+        assert!(!plain.contains(&name.to_string()), "{name} is not verified without its flag: {plain:?}");
+    }
+    assert_eq!(c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "2"])?.ok, 2);
+
+    let all = start(&mut c, &["--per-packet-lb", "--nodeport-acceleration", "xdp", "--bpf-log", "debug"])?;
+    for name in always.iter().chain(&optional) {
+        assert!(all.contains(&name.to_string()), "{name} is verified with the flags (and --bpf-log debug): {all:?}");
+    }
+    assert_eq!(c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "2"])?.ok, 2);
+
+    let forward = start(&mut c, &["--bpf-forward"])?;
+    assert!(forward.contains(&"lb_pod_ingress".to_string()), "{forward:?}");
+    assert!(!forward.iter().any(|n| n == "lb_pod_egress" || n == "lb_nodeport_xdp"), "{forward:?}");
+    assert_eq!(c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "2"])?.ok, 2);
+    Ok(())
+}
+
 /// `--per-packet-lb`: a pod's new flows translated at its device show as
 /// `pod`, with the pod's address (its network namespace cookie is no
 /// socket's here); a refusal with its errno.

@@ -231,6 +231,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let forward = cfg.node_flags & lb_common::node_flags::BPF_FORWARD != 0;
     let per_packet = cfg.node_flags & lb_common::node_flags::POD_PACKET_LB != 0;
     tc.pod_egress = per_packet;
+    tc.verify_optional(forward || per_packet)?;
     if !forward || !per_packet {
         tc.drop_pod_programs(!forward && !per_packet);
     }

@@ -245,35 +245,34 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the object"))?
             .try_into()?;
-        prog.load().with_context(|| format!("verify program {name}"))?;
+        verify(name, || prog.load())?;
     }
     for name in SOCK_PROGRAMS {
         let prog: &mut CgroupSock = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the object"))?
             .try_into()?;
-        prog.load().with_context(|| format!("verify program {name}"))?;
+        verify(name, || prog.load())?;
     }
     let prog: &mut CgroupSkb = ebpf
         .program_mut(EGRESS_PROGRAM)
         .with_context(|| format!("program {EGRESS_PROGRAM} missing from the object"))?
         .try_into()?;
-    prog.load().with_context(|| format!("verify program {EGRESS_PROGRAM}"))?;
-    // The L3 programs are verified when a first L3 device needs them
-    // (`attach_tc`): most nodes have none, and verifying costs a restart
-    // more than a second.
-    for name in TC_PROGRAMS.iter().chain(&POD_PROGRAMS).map(|(n, _)| *n) {
+    verify(EGRESS_PROGRAM, || prog.load())?;
+    // The L3, pod and XDP programs are verified when a flag or a first
+    // device needs them (`Tc::verify_optional`, `attach_tc`, `attach_pod`,
+    // `attach_xdp`): most nodes need none of them, and verifying them cost
+    // every start about 0.6 s (`lb_pod_ingress` alone 0.5 s).
+    for (name, _) in TC_PROGRAMS {
         let prog: &mut SchedClassifier = ebpf
             .program_mut(name)
             .with_context(|| format!("program {name} missing from the object"))?
             .try_into()?;
-        prog.load().with_context(|| format!("verify program {name}"))?;
+        verify(name, || prog.load())?;
     }
-    let prog: &mut Xdp = ebpf
-        .program_mut(XDP_PROGRAM)
-        .with_context(|| format!("program {XDP_PROGRAM} missing from the object"))?
-        .try_into()?;
-    prog.load().with_context(|| format!("verify program {XDP_PROGRAM}"))?;
+    for name in POD_PROGRAMS.iter().map(|(n, _)| *n).chain(L3_PROGRAMS.iter().map(|(n, _)| *n)).chain([XDP_PROGRAM]) {
+        ebpf.program(name).with_context(|| format!("program {name} missing from the object"))?;
+    }
     let maps = Maps::open_pinned(bpffs)?;
     let mut tc = Tc {
         mode: TcAttach::Auto,
@@ -295,6 +294,16 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         Some(replaced)
     };
     Ok(Dataplane { maps, logs, upgrade, tc, adopted })
+}
+
+/// Load program `name` into the kernel (`load`), which verifies it; the
+/// time the verifier took is logged (debug): it is most of an agent's
+/// start.
+fn verify(name: &str, load: impl FnOnce() -> Result<(), aya::programs::ProgramError>) -> Result<()> {
+    let started = std::time::Instant::now();
+    load().with_context(|| format!("verify program {name}"))?;
+    tracing::debug!(program = name, ms = started.elapsed().as_millis() as u64, "program verified");
+    Ok(())
 }
 
 /// The index of device `iface`; 0 if there is none.
@@ -466,7 +475,7 @@ impl Tc {
         for ((name, ty), (place, _)) in programs.into_iter().zip(TC_PROGRAMS) {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
             if prog.fd().is_err() {
-                prog.load().with_context(|| format!("verify program {name}"))?;
+                verify(name, || prog.load())?;
             }
             if !tcx {
                 attach_netlink(prog, iface, ty).with_context(|| format!("attach {name} to {iface} (netlink)"))?;
@@ -534,6 +543,9 @@ impl Tc {
         let n = if self.pod_egress { 2 } else { 1 };
         for (name, ty) in &POD_PROGRAMS[..n] {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
+            if prog.fd().is_err() {
+                verify(name, || prog.load())?;
+            }
             if tcx {
                 let opts = aya::programs::tc::TcAttachOptions::TcxOrder(Default::default());
                 let id = prog.attach_with_options(iface, *ty, opts).with_context(|| format!("attach {name} to {iface} (tcx)"))?;
@@ -586,6 +598,28 @@ impl Tc {
         }
     }
 
+    /// Verify the programs the flags ask for (the pod programs for
+    /// `--bpf-forward` and `--per-packet-lb`, the XDP program for
+    /// `--nodeport-acceleration xdp`) now, so that a kernel that refuses
+    /// one stops the agent at its start, as the others do, and not at a
+    /// first device. Set `pod_egress` and `xdp` first.
+    pub fn verify_optional(&mut self, pods: bool) -> Result<()> {
+        let n = if self.pod_egress { 2 } else { usize::from(pods) };
+        for (name, _) in &POD_PROGRAMS[..n] {
+            let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
+            if prog.fd().is_err() {
+                verify(name, || prog.load())?;
+            }
+        }
+        if self.xdp {
+            let prog: &mut Xdp = self.ebpf.program_mut(XDP_PROGRAM).context("XDP program")?.try_into()?;
+            if prog.fd().is_err() {
+                verify(XDP_PROGRAM, || prog.load())?;
+            }
+        }
+        Ok(())
+    }
+
     /// Whether TC programs attach as TCX links (else netlink filters).
     fn tcx(&self) -> bool {
         match self.mode {
@@ -618,6 +652,9 @@ impl Tc {
         }
         self.set_xdp_dev(iface)?;
         let prog: &mut Xdp = self.ebpf.program_mut(XDP_PROGRAM).context("XDP program")?.try_into()?;
+        if prog.fd().is_err() {
+            verify(XDP_PROGRAM, || prog.load())?;
+        }
         if pin.exists() {
             let replaced = PinnedLink::from_pin(&pin)
                 .map_err(anyhow::Error::from)
