@@ -214,26 +214,37 @@ fn info_by_fd<T>(fd: std::os::fd::BorrowedFd<'_>, info: &mut T) -> std::io::Resu
     bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr).map(drop)
 }
 
+/// The BTF objects `pinned_layout` has read, by id: the maps one agent
+/// created share one (its object's), which is large, so it is read and
+/// parsed once, not once per map (that cost every start about 0.1 s).
+#[derive(Default)]
+pub struct BtfCache(std::collections::HashMap<u32, TypeInformation>);
+
 /// The key and value layout the kernel records for the map pinned at
 /// `path`; `None` when it was created without BTF.
-pub fn pinned_layout(path: &Path) -> Result<Option<Layout>> {
+pub fn pinned_layout(path: &Path, cache: &mut BtfCache) -> Result<Option<Layout>> {
     let map = aya::maps::MapData::from_pin(path).with_context(|| format!("open pinned map {}", path.display()))?;
     let mut info = MapInfo::default();
     info_by_fd(map.fd().as_fd(), &mut info).with_context(|| format!("read map info of {}", path.display()))?;
     if info.btf_id == 0 || info.btf_value_type_id == 0 {
         return Ok(None);
     }
-    let mut attr = GetFdByIdAttr { id: info.btf_id, next_id: 0, open_flags: 0 };
-    let fd = bpf(BPF_BTF_GET_FD_BY_ID, &mut attr).with_context(|| format!("open BTF {} of {}", info.btf_id, path.display()))?;
-    // SAFETY: BPF_BTF_GET_FD_BY_ID returned a new file descriptor.
-    let btf = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let mut bi = BtfInfo::default();
-    info_by_fd(btf.as_fd(), &mut bi).context("read the BTF's size")?;
-    let mut raw = vec![0u8; bi.btf_size as usize];
-    let mut bi = BtfInfo { btf: raw.as_mut_ptr() as u64, btf_size: raw.len() as u32, id: 0 };
-    info_by_fd(btf.as_fd(), &mut bi).context("read the BTF")?;
-    let types = parse(&raw)?;
-    Ok(Some(Layout { key: layout(&types, info.btf_key_type_id), value: layout(&types, info.btf_value_type_id) }))
+    let types = match cache.0.entry(info.btf_id) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            let mut attr = GetFdByIdAttr { id: info.btf_id, next_id: 0, open_flags: 0 };
+            let fd = bpf(BPF_BTF_GET_FD_BY_ID, &mut attr).with_context(|| format!("open BTF {} of {}", info.btf_id, path.display()))?;
+            // SAFETY: BPF_BTF_GET_FD_BY_ID returned a new file descriptor.
+            let btf = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+            let mut bi = BtfInfo::default();
+            info_by_fd(btf.as_fd(), &mut bi).context("read the BTF's size")?;
+            let mut raw = vec![0u8; bi.btf_size as usize];
+            let mut bi = BtfInfo { btf: raw.as_mut_ptr() as u64, btf_size: raw.len() as u32, id: 0 };
+            info_by_fd(btf.as_fd(), &mut bi).context("read the BTF")?;
+            e.insert(parse(&raw)?)
+        }
+    };
+    Ok(Some(Layout { key: layout(types, info.btf_key_type_id), value: layout(types, info.btf_value_type_id) }))
 }
 
 #[cfg(test)]

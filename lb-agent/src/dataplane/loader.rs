@@ -216,6 +216,9 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         }
         fs::remove_dir(&next)?;
     }
+    // The loader reads the kernel's BTF (about 0.1 s) while the pinned
+    // maps' layouts are compared.
+    let new_loader = std::thread::spawn(EbpfLoader::new);
     let adopted = bpffs.join(maps::SERVICES4).exists();
     let replaced = if adopted { incompatible(bpffs, &cap)? } else { Vec::new() };
     if !replaced.is_empty() {
@@ -225,7 +228,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
 
     let pins: Vec<(&str, PathBuf)> =
         maps::ALL.iter().map(|m| (*m, if replaced.contains(m) { next.join(m) } else { bpffs.join(m) })).collect();
-    let mut loader = EbpfLoader::new();
+    let mut loader = new_loader.join().map_err(|_| anyhow::anyhow!("reading the kernel's BTF panicked"))?;
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }
@@ -240,36 +243,25 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     } else {
         Some(aya_log::EbpfLogger::init_with_logger(&mut ebpf, BpfLogSink).context("--bpf-log: the programs' log ring buffer")?)
     };
-    for name in PROGRAMS {
-        let prog: &mut CgroupSockAddr = ebpf
-            .program_mut(name)
-            .with_context(|| format!("program {name} missing from the object"))?
-            .try_into()?;
-        verify(name, || prog.load())?;
-    }
-    for name in SOCK_PROGRAMS {
-        let prog: &mut CgroupSock = ebpf
-            .program_mut(name)
-            .with_context(|| format!("program {name} missing from the object"))?
-            .try_into()?;
-        verify(name, || prog.load())?;
-    }
-    let prog: &mut CgroupSkb = ebpf
-        .program_mut(EGRESS_PROGRAM)
-        .with_context(|| format!("program {EGRESS_PROGRAM} missing from the object"))?
-        .try_into()?;
-    verify(EGRESS_PROGRAM, || prog.load())?;
-    // The L3, pod and XDP programs are verified when a flag or a first
-    // device needs them (`Tc::verify_optional`, `attach_tc`, `attach_pod`,
+    // Verified at every start, `lb_nodeport_ingress` on a thread of its
+    // own beside the others (the verifier runs in the loading thread, and
+    // that one alone takes about as long as all the others together). The
+    // L3, pod and XDP programs are verified when a flag or a first device
+    // needs them (`Tc::verify_optional`, `attach_tc`, `attach_pod`,
     // `attach_xdp`): most nodes need none of them, and verifying them cost
     // every start about 0.6 s (`lb_pod_ingress` alone 0.5 s).
-    for (name, _) in TC_PROGRAMS {
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(name)
-            .with_context(|| format!("program {name} missing from the object"))?
-            .try_into()?;
-        verify(name, || prog.load())?;
+    let heavy = TC_PROGRAMS[0].0;
+    let names: Vec<&str> = PROGRAMS.iter().chain(&SOCK_PROGRAMS).copied().chain([EGRESS_PROGRAM]).chain(TC_PROGRAMS.map(|(n, _)| n)).collect();
+    for name in &names {
+        ebpf.program(name).with_context(|| format!("program {name} missing from the object"))?;
     }
+    let (mut alone, mut rest): (Vec<_>, Vec<_>) =
+        ebpf.programs_mut().filter(|(n, _)| names.contains(n)).partition(|(n, _)| *n == heavy);
+    std::thread::scope(|scope| -> Result<()> {
+        let alone = scope.spawn(move || alone.iter_mut().try_for_each(|(name, prog)| verify_any(name, prog)));
+        rest.iter_mut().try_for_each(|(name, prog)| verify_any(name, prog))?;
+        alone.join().map_err(|_| anyhow::anyhow!("verifying {heavy} panicked"))?
+    })?;
     for name in POD_PROGRAMS.iter().map(|(n, _)| *n).chain(L3_PROGRAMS.iter().map(|(n, _)| *n)).chain([XDP_PROGRAM]) {
         ebpf.program(name).with_context(|| format!("program {name} missing from the object"))?;
     }
@@ -304,6 +296,18 @@ fn verify(name: &str, load: impl FnOnce() -> Result<(), aya::programs::ProgramEr
     load().with_context(|| format!("verify program {name}"))?;
     tracing::debug!(program = name, ms = started.elapsed().as_millis() as u64, "program verified");
     Ok(())
+}
+
+/// `verify` for a program of any kind this agent loads at start.
+fn verify_any(name: &str, prog: &mut aya::programs::Program) -> Result<()> {
+    use aya::programs::Program;
+    match prog {
+        Program::CgroupSockAddr(p) => verify(name, || p.load()),
+        Program::CgroupSock(p) => verify(name, || p.load()),
+        Program::CgroupSkb(p) => verify(name, || p.load()),
+        Program::SchedClassifier(p) => verify(name, || p.load()),
+        _ => bail!("program {name}: not a kind the agent loads at start"),
+    }
 }
 
 /// The index of device `iface`; 0 if there is none.

@@ -105,6 +105,7 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
     let version_changed = pinned_layout_version(dir) != layout_version();
     let ours = super::btf::object_layouts(OBJ).context("read the BTF of this agent's maps")?;
     let mut out = Vec::new();
+    let mut btf = super::btf::BtfCache::default();
     for (name, ty, k, v, max) in expected_layout(cap) {
         let path = dir.join(name);
         if !path.exists() {
@@ -115,7 +116,7 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
         let same = got == Some(ty) && info.key_size() as usize == k && info.value_size() as usize == v && info.max_entries() == max;
         // A map pinned without BTF (by an agent from before BTF maps) is
         // judged by its sizes and the layout version alone.
-        let btf_changed = match (super::btf::pinned_layout(&path), ours.get(name)) {
+        let btf_changed = match (super::btf::pinned_layout(&path, &mut btf), ours.get(name)) {
             (Ok(Some(pinned)), Some(want)) if pinned != *want => {
                 tracing::info!(map = name, pinned = ?pinned, wanted = ?want, "pinned map's BTF layout differs");
                 true
@@ -163,6 +164,7 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -
         Ok(n)
     }
     let mut total = 0;
+    let mut btf = super::btf::BtfCache::default();
     for name in replaced {
         let (old, new) = (bpffs.join(name), bpffs.join(NEXT).join(name));
         let same_sizes = match (aya::maps::MapInfo::from_pin(&old), aya::maps::MapInfo::from_pin(&new)) {
@@ -170,7 +172,7 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -
             _ => false,
         };
         // Same sizes but another BTF layout: the bytes mean something else.
-        let same_btf = match (super::btf::pinned_layout(&old), super::btf::pinned_layout(&new)) {
+        let same_btf = match (super::btf::pinned_layout(&old, &mut btf), super::btf::pinned_layout(&new, &mut btf)) {
             (Ok(Some(a)), Ok(Some(b))) => a == b,
             (Ok(None), Ok(_)) | (Ok(_), Ok(None)) => true,
             _ => false,
