@@ -504,6 +504,12 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
     // The ClusterIP is not restricted.
     assert_eq!(tcp(&c, &outside, "10.96.0.10:80", 5)?.ok, 5);
     assert_eq!(udp(&c, &host, "10.96.0.10:80", 5, &[])?.ok, 5);
+    // The LB IP bound on the node (a VIP): the node's sockets sending
+    // from it are outside these ranges too.
+    let ns = format!("--net=/run/netns/{}", host.netns);
+    lbtest::run("nsenter", &[&ns, "--", "ip", "addr", "add", &format!("{lb4}/32"), "dev", "lo"])?;
+    let from_vip = ["tcp", "--addr", &format!("{lb4}:80"), "--count", "2", "--timeout-ms", "500", "--src-addr", lb4];
+    assert_eq!(c.probe(&host, &from_vip)?.ok, 0);
     // Ranges that hold the node's address: the node is served, though the
     // source it picks for a local backend is the pod bridge's address
     // (kube-proxy checks the source the node picks for the LB IP).
@@ -514,6 +520,12 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
         assert_eq!(udp(&c, &host, &addr, 5, &["--connected"])?.ok, 5, "{addr}");
         assert_eq!(short(&outside, "tcp", &addr, &[])?.ok, 0, "{addr}");
     }
+    // kube-proxy also admits the LB IP itself as a source then (a VIP
+    // bound on the node: the node's connections to it leave from the
+    // VIP); lb admits the node's sockets whatever their source.
+    let s = c.probe(&host, &from_vip)?;
+    assert_eq!(s.ok, 2, "from the VIP bound on the node: {s:?}");
+    lbtest::run("nsenter", &[&ns, "--", "ip", "addr", "del", &format!("{lb4}/32"), "dev", "lo"])?;
     // A connect that the ranges drop goes through with its next SYN once
     // they hold the pod (kube-proxy's firewall checks each new flow).
     let late = std::thread::scope(|sc| -> Result<Summary> {

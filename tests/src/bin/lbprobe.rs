@@ -137,6 +137,10 @@ enum Cmd {
         /// with --hold-ms.
         #[arg(long)]
         sport: Option<u16>,
+        /// Bind every connection to this source address (a port the
+        /// kernel picks, or --sport); not with --hold-ms.
+        #[arg(long)]
+        src_addr: Option<std::net::IpAddr>,
         /// Close every connection with a RST (SO_LINGER 0): no TIME_WAIT,
         /// so the same source port can be used again at once.
         #[arg(long)]
@@ -641,16 +645,22 @@ struct TcpOpts {
     timeout: Duration,
     /// Bind to this source port first (with SO_REUSEADDR).
     sport: Option<u16>,
+    /// Bind to this source address first.
+    src: Option<std::net::IpAddr>,
     /// Close with a RST (SO_LINGER 0): no TIME_WAIT.
     linger0: bool,
 }
 
-/// Connect within `timeout`, from source port `sport` if given.
-fn tcp_connect(addr: SocketAddr, timeout: Duration, sport: Option<u16>) -> std::io::Result<TcpStream> {
-    let Some(port) = sport else { return TcpStream::connect_timeout(&addr, timeout) };
+/// Connect within `timeout`, from source port `sport` and address `src`
+/// if given.
+fn tcp_connect(addr: SocketAddr, timeout: Duration, sport: Option<u16>, src: Option<std::net::IpAddr>) -> std::io::Result<TcpStream> {
+    if sport.is_none() && src.is_none() {
+        return TcpStream::connect_timeout(&addr, timeout);
+    }
     let sock = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
     sock.set_reuse_address(true)?;
-    sock.bind(&any_addr(addr, port).into())?;
+    let port = sport.unwrap_or(0);
+    sock.bind(&src.map_or_else(|| any_addr(addr, port), |ip| SocketAddr::new(ip, port)).into())?;
     sock.connect_timeout(&addr.into(), timeout)?;
     Ok(sock.into())
 }
@@ -670,7 +680,7 @@ fn tcp_once(addr: SocketAddr, o: &TcpOpts, s: &mut Summary) {
     let started = Instant::now();
     let timeout = o.timeout;
     let r = (|| -> std::io::Result<(String, String)> {
-        let mut c = tcp_connect(addr, timeout, o.sport)?;
+        let mut c = tcp_connect(addr, timeout, o.sport, o.src)?;
         if o.linger0 {
             set_linger0(&c)?;
         }
@@ -1115,11 +1125,11 @@ fn main() -> anyhow::Result<()> {
             return Ok(());
         }
         Cmd::Tcp { addr, hold_ms: Some(hold), interval_ms, timeout_ms, linger0, trace_file: _, .. } => {
-            let o = TcpOpts { timeout: Duration::from_millis(timeout_ms), sport: None, linger0 };
+            let o = TcpOpts { timeout: Duration::from_millis(timeout_ms), sport: None, src: None, linger0 };
             hold_tcp(addr, Duration::from_millis(hold), Duration::from_millis(interval_ms.max(1)), &o, &mut s);
         }
-        Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms, hold_ms: None, trace_file, sport, linger0, stop_file } => {
-            let o = TcpOpts { timeout: Duration::from_millis(timeout_ms), sport, linger0 };
+        Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms, hold_ms: None, trace_file, sport, src_addr, linger0, stop_file } => {
+            let o = TcpOpts { timeout: Duration::from_millis(timeout_ms), sport, src: src_addr, linger0 };
             let deadline = Instant::now() + Duration::from_millis(max_ms);
             let mut trace = Trace::open(trace_file.as_deref())?;
             for _ in 0..count {
