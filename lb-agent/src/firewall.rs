@@ -41,6 +41,17 @@
 //! conntrack's replies, and a CNI's MASQUERADE for the pods' own traffic
 //! must not take them for new connections.
 //!
+//! The same table holds the masquerade rule (`--local-masquerade`): an
+//! outside client's packets to a backend on this node of an
+//! externalTrafficPolicy Cluster Service carry `--masquerade-mark-bit`
+//! (default 11), and a nat postrouting chain masquerades them to the
+//! address of the device they leave by, with random ports, as
+//! kube-proxy's KUBE-EXT-* chains (KUBE-MARK-MASQ, then MASQUERADE
+//! --random-fully in KUBE-POSTROUTING) do for every outside flow of such
+//! a Service; lb SNATs the flows to other nodes itself. conntrack reverses
+//! the replies before the egress program translates them. A nat chain
+//! makes conntrack run, so the notrack rule is written with it at once.
+//!
 //! The rules stay when the agent stops or restarts (traffic keeps
 //! flowing through an upgrade); `lb-agent teardown` removes them, and
 //! `--forward-accept none` / `--notrack none` their part. A native
@@ -277,15 +288,16 @@ pub enum State {
 pub type Seen = Vec<(String, State)>;
 
 /// Look at every backend's FORWARD chain and put lb's rules where they
-/// are needed (`mark`; 0: not), and the notrack table where conntrack runs
-/// (`notrack`; 0: not); warn about what changed since `last`, and count
-/// into `m` (`lb_netfilter_rules_written_total`, `lb_netfilter_problems`).
-pub fn ensure(mark: u32, notrack: u32, last: &mut Option<Seen>, m: &crate::health::Metrics) {
+/// are needed (`mark`; 0: not), and lb's nftables table: its notrack rule
+/// where conntrack runs (`notrack`; 0: not), its masquerade rule
+/// (`masq`; 0: not); warn about what changed since `last`, and count into
+/// `m` (`lb_netfilter_rules_written_total`, `lb_netfilter_problems`).
+pub fn ensure(mark: u32, notrack: u32, masq: u32, last: &mut Option<Seen>, m: &crate::health::Metrics) {
     let mut now = Seen::new();
-    if notrack != 0
-        && let Some(state) = ensure_notrack(notrack, m)
+    if (notrack != 0 || masq != 0)
+        && let Some(state) = ensure_table(notrack, masq, m)
     {
-        now.push((format!("nftables {NFT_TABLE} (notrack)"), state));
+        now.push((format!("nftables {NFT_TABLE}"), state));
     }
     if mark == 0 {
         report(mark, &now, last, m);
@@ -333,6 +345,7 @@ fn report(mark: u32, now: &Seen, last: &mut Option<Seen>, m: &crate::health::Met
                 chain = name,
                 "an nftables forward chain may drop what lb forwards through the stack (NodePort traffic for backends on other nodes, and its replies): {why}. An accept in another table cannot override it: add `meta mark & {mark:#x} == {mark:#x} accept` first in that chain, or run with --bpf-forward"
             ),
+            State::Failed(e) if name.starts_with("nftables ") => tracing::warn!(table = name, "lb's nftables table could not be written: {e}"),
             State::Failed(e) => tracing::warn!(
                 backend = name,
                 "the FORWARD chain may drop what lb forwards through the stack (NodePort traffic for backends on other nodes, and its replies), and lb's rules could not be put there: {e}. Run with --bpf-forward, or accept mark {mark:#x} in FORWARD"
@@ -343,23 +356,66 @@ fn report(mark: u32, now: &Seen, last: &mut Option<Seen>, m: &crate::health::Met
     *last = Some(now.clone());
 }
 
-/// lb's nftables table: the notrack rule.
+/// lb's nftables table: the notrack rule and the masquerade rule.
 pub const NFT_TABLE: &str = "inet lb";
 
 fn notrack_comment(mark: u32) -> String {
     format!("lb: SNATed and DSR flows skip conntrack (mark {mark:#x})")
 }
 
-/// The `nft -f` script that makes `inet lb` exempt packets carrying
-/// `mark` from conntrack, replacing what the table held (one
-/// transaction). Priority raw (-300): before conntrack (-200).
-pub fn notrack_script(mark: u32) -> String {
-    format!(
-        "add table {NFT_TABLE}\nflush table {NFT_TABLE}\n\
-         add chain {NFT_TABLE} prerouting {{ type filter hook prerouting priority raw; policy accept; }}\n\
-         add rule {NFT_TABLE} prerouting meta mark & {mark:#x} == {mark:#x} notrack comment \"{}\"\n",
-        notrack_comment(mark)
-    )
+/// The comment of the masquerade rule that matches nothing (`table_script`).
+const KEEP_COMMENT: &str = "lb: matches nothing; keeps connections masqueraded before --local-masquerade none (lb-agent teardown removes it)";
+
+fn masquerade_comment(mark: u32) -> String {
+    format!("lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark {mark:#x})")
+}
+
+/// The `nft -f` script that makes `inet lb` hold exactly what is asked
+/// for, replacing what the table held (one transaction: the table is
+/// created if missing, deleted, and written again):
+/// - `notrack` (a mark; 0: none): packets carrying it skip conntrack.
+///   Priority raw (-300): before conntrack (-200).
+/// - `masq` (a mark; 0: none): packets carrying it are masqueraded to
+///   the address of the device they leave by, with random ports
+///   (kube-proxy's `MASQUERADE --random-fully` for its masquerade mark).
+/// - `keep_nat` (with `masq` 0): the nat chain stays, with a masquerade
+///   rule that matches nothing, so that the connections masqueraded
+///   before the masquerade was turned off keep their translation. The
+///   kernel applies NAT only while some nat chain exists in the network
+///   namespace, and when its last masquerade rule goes it deletes every
+///   masqueraded conntrack entry (unregistering its device notifier
+///   replays a "device down" for each device), which resets those
+///   connections.
+pub fn table_script(notrack: u32, masq: u32, keep_nat: bool) -> String {
+    let mut s = format!("add table {NFT_TABLE}\ndelete table {NFT_TABLE}\nadd table {NFT_TABLE}\n");
+    if notrack != 0 {
+        s += &format!(
+            "add chain {NFT_TABLE} prerouting {{ type filter hook prerouting priority raw; policy accept; }}\n\
+             add rule {NFT_TABLE} prerouting meta mark & {notrack:#x} == {notrack:#x} notrack comment \"{}\"\n",
+            notrack_comment(notrack)
+        );
+    }
+    if masq != 0 || keep_nat {
+        s += &format!("add chain {NFT_TABLE} postrouting {{ type nat hook postrouting priority srcnat; policy accept; }}\n");
+    }
+    if masq == 0 && keep_nat {
+        s += &format!("add rule {NFT_TABLE} postrouting meta nfproto ipv4 meta nfproto ipv6 masquerade comment \"{KEEP_COMMENT}\"\n");
+    }
+    if masq != 0 {
+        s += &format!(
+            "add rule {NFT_TABLE} postrouting meta mark & {masq:#x} == {masq:#x} masquerade fully-random comment \"{}\"\n",
+            masquerade_comment(masq)
+        );
+    }
+    s
+}
+
+/// The comments of a table's rules (`nft list table` output), sorted:
+/// what the table holds, as lb wrote it.
+fn rule_comments(table: &str) -> Vec<String> {
+    let mut out: Vec<String> = table.lines().filter_map(|l| l.split_once("comment \"").and_then(|(_, c)| c.rsplit_once('"')).map(|(c, _)| c.to_string())).collect();
+    out.sort();
+    out
 }
 
 /// Whether conntrack holds entries in this network namespace (Docker's
@@ -386,34 +442,76 @@ fn nft(args: &[&str], stdin: Option<&str>) -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// The notrack table: in place (None where it is not needed: conntrack
-/// holds nothing here and the table is not there), put there, or why not.
-fn ensure_notrack(mark: u32, m: &crate::health::Metrics) -> Option<State> {
+/// The nat chain's line in `nft list table` output.
+const NAT_CHAIN: &str = "type nat hook postrouting";
+
+/// lb's table: in place (None where it is not needed: no masquerade,
+/// conntrack holds nothing here and the table is not there), put there,
+/// or why not. The masquerade rule makes conntrack run, so the notrack
+/// rule comes with it. A nat chain lb wrote stays (empty) when the
+/// masquerade is turned off (`table_script`); with nothing else to hold,
+/// a table without one is removed.
+pub fn ensure_table(notrack: u32, masq: u32, m: &crate::health::Metrics) -> Option<State> {
     let table: Vec<&str> = NFT_TABLE.split_whitespace().collect();
     let current = nft(&["list", "table", table[0], table[1]], None).ok();
-    if current.as_deref().is_some_and(|t| t.contains(&notrack_comment(mark))) {
-        return Some(State::InPlace);
-    }
-    if current.is_none() && !conntrack_in_use() {
+    let keep_nat = masq == 0 && current.as_deref().is_some_and(|t| t.contains(NAT_CHAIN));
+    let notrack = if masq != 0 || current.is_some() || conntrack_in_use() { notrack } else { 0 };
+    if notrack == 0 && masq == 0 && !keep_nat {
+        if current.is_some() {
+            for e in remove_table() {
+                tracing::warn!("lb's netfilter rules turned off: cannot remove {e}");
+            }
+        }
         return None;
     }
-    Some(match nft(&["-f", "-"], Some(&notrack_script(mark))) {
+    let mut want: Vec<String> = [(notrack, notrack_comment(notrack)), (masq, masquerade_comment(masq)), (keep_nat as u32, KEEP_COMMENT.to_string())]
+        .into_iter()
+        .filter(|(m, _)| *m != 0)
+        .map(|(_, c)| c)
+        .collect();
+    want.sort();
+    if current.as_deref().is_some_and(|t| rule_comments(t) == want) {
+        return Some(State::InPlace);
+    }
+    Some(match nft(&["-f", "-"], Some(&table_script(notrack, masq, keep_nat))) {
         Ok(_) => {
-            m.netfilter_written.get_or_create(&[("kind", "notrack")]).inc();
-            tracing::info!(
-                "conntrack runs on this node: lb's SNATed and DSR flows skip it (nftables table {NFT_TABLE}: notrack for mark {mark:#x}), so that rules dropping INVALID packets pass them and they take no conntrack entries"
-            );
+            if notrack != 0 {
+                m.netfilter_written.get_or_create(&[("kind", "notrack")]).inc();
+                let why = if masq != 0 { "the masquerade rule makes conntrack run" } else { "conntrack runs on this node" };
+                tracing::info!(
+                    "{why}: lb's SNATed and DSR flows skip it (nftables table {NFT_TABLE}: notrack for mark {notrack:#x}), so that rules dropping INVALID packets pass them and they take no conntrack entries"
+                );
+            }
+            if keep_nat {
+                tracing::info!(
+                    "outside flows to local backends are no longer masqueraded; table {NFT_TABLE} keeps its nat chain, with a masquerade rule that matches nothing, so that connections masqueraded before keep their translation (lb-agent teardown removes it)"
+                );
+            }
+            if masq != 0 {
+                m.netfilter_written.get_or_create(&[("kind", "masquerade")]).inc();
+                tracing::info!(
+                    "outside flows to backends on this node of externalTrafficPolicy Cluster Services are masqueraded to the node's address, as kube-proxy does (nftables table {NFT_TABLE}: masquerade for mark {masq:#x})"
+                );
+            }
             State::InPlace
         }
         Err(e) => {
             let e = format!("{e:#}");
-            State::Failed(format!("{e}; lb's SNATed and DSR flows are tracked, and a rule that drops INVALID packets drops their TCP handshakes"))
+            let mut why = Vec::new();
+            if notrack != 0 {
+                why.push("lb's SNATed and DSR flows are tracked, and a rule that drops INVALID packets drops their TCP handshakes");
+            }
+            if masq != 0 {
+                why.push("backends on this node see the outside clients' addresses, where kube-proxy's would see the node's");
+            }
+            State::Failed(if why.is_empty() { e } else { format!("{e}; {}", why.join("; ")) })
         }
     })
 }
 
-/// Remove the notrack table (`lb-agent teardown`, `--notrack none`).
-pub fn remove_notrack() -> Vec<String> {
+/// Remove lb's nftables table (`lb-agent teardown`, `--notrack none` with
+/// `--local-masquerade none`).
+pub fn remove_table() -> Vec<String> {
     let table: Vec<&str> = NFT_TABLE.split_whitespace().collect();
     if nft(&["list", "table", table[0], table[1]], None).is_err() {
         return Vec::new();
@@ -582,13 +680,33 @@ mod tests {
     }
 
     #[test]
-    fn the_notrack_table_is_replaced_whole() {
-        assert_eq!(
-            notrack_script(0x2000),
-            "add table inet lb\nflush table inet lb\n\
-             add chain inet lb prerouting { type filter hook prerouting priority raw; policy accept; }\n\
-             add rule inet lb prerouting meta mark & 0x2000 == 0x2000 notrack comment \"lb: SNATed and DSR flows skip conntrack (mark 0x2000)\"\n"
-        );
+    fn the_table_is_replaced_whole() {
+        let notrack = "add chain inet lb prerouting { type filter hook prerouting priority raw; policy accept; }\n\
+                       add rule inet lb prerouting meta mark & 0x2000 == 0x2000 notrack comment \"lb: SNATed and DSR flows skip conntrack (mark 0x2000)\"\n";
+        let masq = "add chain inet lb postrouting { type nat hook postrouting priority srcnat; policy accept; }\n\
+                    add rule inet lb postrouting meta mark & 0x800 == 0x800 masquerade fully-random comment \"lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark 0x800)\"\n";
+        let head = "add table inet lb\ndelete table inet lb\nadd table inet lb\n";
+        assert_eq!(table_script(0x2000, 0, false), format!("{head}{notrack}"));
+        assert_eq!(table_script(0, 0x800, false), format!("{head}{masq}"));
+        assert_eq!(table_script(0x2000, 0x800, false), format!("{head}{notrack}{masq}"));
+        assert_eq!(table_script(0x2000, 0x800, true), format!("{head}{notrack}{masq}"), "the chain once");
+        let (chain, _) = masq.split_once("add rule").unwrap();
+        let keep = format!("add rule inet lb postrouting meta nfproto ipv4 meta nfproto ipv6 masquerade comment \"{KEEP_COMMENT}\"\n");
+        assert_eq!(table_script(0x2000, 0, true), format!("{head}{notrack}{chain}{keep}"), "the nat chain kept, with a rule that matches nothing");
+        assert_eq!(table_script(0, 0, true), format!("{head}{chain}{keep}"));
+    }
+
+    #[test]
+    fn the_table_is_read_back_by_its_rules_comments() {
+        // As `nft list table inet lb` prints what table_script wrote.
+        let listed = "table inet lb {\n\tchain prerouting {\n\t\ttype filter hook prerouting priority raw; policy accept;\n\
+                      \t\tmeta mark & 0x00002000 == 0x00002000 notrack comment \"lb: SNATed and DSR flows skip conntrack (mark 0x2000)\"\n\t}\n\n\
+                      \tchain postrouting {\n\t\ttype nat hook postrouting priority srcnat; policy accept;\n\
+                      \t\tmeta mark & 0x00000800 == 0x00000800 masquerade fully-random comment \"lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark 0x800)\"\n\t}\n}\n";
+        let mut want = vec![notrack_comment(0x2000), masquerade_comment(0x800)];
+        want.sort();
+        assert_eq!(rule_comments(listed), want);
+        assert_eq!(rule_comments("table inet lb {\n}\n"), Vec::<String>::new());
     }
 
     #[test]

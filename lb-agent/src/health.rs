@@ -185,7 +185,8 @@ pub struct Metrics {
     /// kube-proxy's rules found on the node, per mode (1: there).
     pub kube_proxy_rules: Family<[(&'static str, &'static str); 1], Gauge>,
     /// lb's netfilter rules written (put in place, or back), by kind
-    /// (`forward`: LB-FORWARD and its jump; `notrack`: table inet lb).
+    /// (`forward`: LB-FORWARD and its jump; `notrack`, `masquerade`: table
+    /// inet lb's rules).
     pub netfilter_written: Family<[(&'static str, &'static str); 1], Counter>,
     /// Chains that may drop what lb hands to the stack without lb's accept
     /// in place (native nftables chains, rules lb could not write).
@@ -292,7 +293,7 @@ impl Metrics {
             );
             r.register(
                 "lb_netfilter_rules_written",
-                "lb's netfilter rules written by the agent, by kind (forward: LB-FORWARD and the jump to it; notrack: table inet lb): once at first, then once per removal repaired (a firewall reload)",
+                "lb's netfilter rules written by the agent, by kind (forward: LB-FORWARD and the jump to it; notrack and masquerade: table inet lb's rules): once at first, then once per removal repaired (a firewall reload)",
                 m.netfilter_written.clone(),
             );
             r.register(

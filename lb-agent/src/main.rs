@@ -238,6 +238,22 @@ enum Cmd {
         /// for that rule (besides --forward-mark-bit).
         #[arg(long, default_value_t = 13, value_parser = clap::value_parser!(u32).range(0..32))]
         notrack_mark_bit: u32,
+        /// Outside flows of externalTrafficPolicy Cluster Services (NodePort,
+        /// LB IP, externalIP, a ClusterIP routed in) that go to a backend on
+        /// this node are masqueraded to the node's address, as kube-proxy's
+        /// KUBE-EXT-* chains masquerade every outside flow of such a Service
+        /// (flows to other nodes are SNATed in BPF either way): `nftables`
+        /// marks their packets (--masquerade-mark-bit) and adds a nat
+        /// postrouting chain to the nftables table `inet lb` (`masquerade
+        /// fully-random`, kube-proxy's --random-fully), so conntrack runs
+        /// on the node. `none` keeps the client's address at local backends
+        /// (Cilium's behaviour; beyond kube-proxy) and removes that chain.
+        #[arg(long, default_value = "nftables", value_parser = ["nftables", "none"])]
+        local_masquerade: String,
+        /// The skb mark bit (0-31) set on the packets --local-masquerade
+        /// masquerades (kube-proxy's masquerade mark is bit 14: 0x4000).
+        #[arg(long, default_value_t = 11, value_parser = clap::value_parser!(u32).range(0..32))]
+        masquerade_mark_bit: u32,
         /// How often the FORWARD chains (and conntrack) are looked at (lb's rules put back
         /// where something removed them, or where a firewall came later).
         #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -397,6 +413,8 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             forward_accept_period,
             notrack,
             notrack_mark_bit,
+            local_masquerade,
+            masquerade_mark_bit,
             metrics_per_service,
             bpf_log,
         } => {
@@ -417,6 +435,12 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 forward_accept == "none" || notrack == "none" || forward_mark_bit != notrack_mark_bit,
                 "--notrack-mark-bit {notrack_mark_bit}: the same bit as --forward-mark-bit; give each its own"
             );
+            for (on, flag, bit) in [(forward_accept == "iptables", "--forward-mark-bit", forward_mark_bit), (notrack == "auto", "--notrack-mark-bit", notrack_mark_bit)] {
+                anyhow::ensure!(
+                    local_masquerade == "none" || !on || bit != masquerade_mark_bit,
+                    "--masquerade-mark-bit {masquerade_mark_bit}: the same bit as {flag}; give each its own"
+                );
+            }
             anyhow::ensure!(!forward_accept_period.is_zero(), "--forward-accept-period: must be more than 0 (--forward-accept none turns lb's FORWARD rules off)");
             let cfg = agent::RunConfig {
                 source,
@@ -451,7 +475,8 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     | if external_cluster_ip { lb_common::node_flags::EXTERNAL_CLUSTER_IP } else { 0 }
                     | if per_packet_lb { lb_common::node_flags::POD_PACKET_LB } else { 0 }
                     | if forward_accept == "iptables" { lb_common::node_flags::fwd_mark(forward_mark_bit) } else { 0 }
-                    | if notrack == "auto" { lb_common::node_flags::notrack_mark(notrack_mark_bit) } else { 0 },
+                    | if notrack == "auto" { lb_common::node_flags::notrack_mark(notrack_mark_bit) } else { 0 }
+                    | if local_masquerade == "nftables" { lb_common::node_flags::masq_mark(masquerade_mark_bit) } else { 0 },
                 forward_accept_period,
                 maglev: model::maglev::Maglev::new(maglev_table_size, &maglev_seed)
                     .map_err(|e| anyhow::anyhow!("--maglev-table-size: {e}"))?,
@@ -538,7 +563,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             loader::check_root()?;
             loader::teardown(&bpffs)?;
             let mut errors = firewall::remove();
-            errors.extend(firewall::remove_notrack());
+            errors.extend(firewall::remove_table());
             anyhow::ensure!(errors.is_empty(), "remove lb's netfilter rules: {}", errors.join("; "));
             Ok(())
         }

@@ -399,6 +399,13 @@ pub mod nat_flags {
     /// (no reply entry: replies do not come back); on the backend's node,
     /// the reply entry recorded from the packet's option.
     pub const DSR: u8 = 1 << 2;
+    /// An outside flow of an externalTrafficPolicy Cluster Service to a
+    /// backend on this node: its packets carry the masquerade mark
+    /// (`node_flags::masq_of`), so that the agent's nftables rule
+    /// masquerades them to the node's address, as kube-proxy's KUBE-EXT-*
+    /// chains do (on the client's entry only: conntrack reverses the
+    /// replies before the egress program sees them).
+    pub const MASQ: u8 = 1 << 3;
 }
 
 /// `NatEntry::state` bits, per direction (each entry records its own).
@@ -803,6 +810,26 @@ pub mod node_flags {
         bit_of(flags, NOTRACK_MARK_SHIFT)
     }
 
+    /// Bits 20-25: the skb mark bit (plus one; 0: none) the TC programs
+    /// set on the packets outside clients send to a backend on this node
+    /// of an externalTrafficPolicy Cluster Service (`nat_flags::MASQ`), so
+    /// that the agent's nftables rule (table `inet lb`, nat postrouting)
+    /// masquerades them as kube-proxy does (`lb-agent run
+    /// --masquerade-mark-bit`).
+    pub const MASQ_MARK: u32 = 0x3f << MASQ_MARK_SHIFT;
+    pub const MASQ_MARK_SHIFT: u32 = 20;
+
+    /// The flags that set masquerade mark bit `bit` (0-31).
+    pub const fn masq_mark(bit: u32) -> u32 {
+        flags_of(bit, MASQ_MARK_SHIFT)
+    }
+
+    /// The masquerade mark `flags` asks for; 0: none (local backends keep
+    /// the client's address).
+    pub const fn masq_of(flags: u32) -> u32 {
+        bit_of(flags, MASQ_MARK_SHIFT)
+    }
+
     const fn flags_of(bit: u32, shift: u32) -> u32 {
         ((bit & 31) + 1) << shift
     }
@@ -898,6 +925,9 @@ mod layout_tests {
         assert_eq!((mark_of(f), notrack_of(f), f & BPF_FORWARD), (0x1000, 0x2000, BPF_FORWARD));
         assert_eq!((mark_of(fwd_mark(0)), mark_of(fwd_mark(31)), notrack_of(notrack_mark(31))), (1, 0x8000_0000, 0x8000_0000));
         assert_eq!((mark_of(BPF_FORWARD), notrack_of(fwd_mark(5))), (0, 0), "no bit asked for: no mark");
+        let f = f | masq_mark(11);
+        assert_eq!((mark_of(f), notrack_of(f), masq_of(f)), (0x1000, 0x2000, 0x800), "each mark has its own bits");
+        assert_eq!((masq_of(masq_mark(31)), masq_of(notrack_mark(11) | fwd_mark(11))), (0x8000_0000, 0), "no masquerade bit asked for: none");
     }
 
     /// Every pinned struct's size and field offsets, hashed. A change that

@@ -17,6 +17,12 @@ pub const NODE1: &str = "192.168.77.11";
 pub const NODE1_6: &str = "fd00:77::11";
 pub const CLIENT: &str = "192.168.77.100";
 pub const CLIENT6: &str = "fd00:77::100";
+/// node-1's addresses on its pod bridge (cni0): the source its local pods
+/// see on an outside flow the stack masquerades (externalTrafficPolicy
+/// Cluster: `--local-masquerade`, as kube-proxy's MASQUERADE picks the
+/// address of the device the packet leaves by).
+pub const NODE1_BRIDGE: &str = "10.244.1.1";
+pub const NODE1_BRIDGE6: &str = "fd00:244:1::1";
 
 pub struct World {
     pub c: Cluster,

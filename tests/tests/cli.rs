@@ -37,6 +37,16 @@ fn a_maglev_table_size_that_is_no_prime() {
 }
 
 #[test]
+fn mark_bits_that_collide() {
+    assert_one_line_error(&["run", "--masquerade-mark-bit", "12"], "--masquerade-mark-bit 12: the same bit as --forward-mark-bit");
+    assert_one_line_error(&["run", "--masquerade-mark-bit", "13"], "--masquerade-mark-bit 13: the same bit as --notrack-mark-bit");
+    assert_one_line_error(&["run", "--notrack-mark-bit", "12"], "--notrack-mark-bit 12: the same bit as --forward-mark-bit");
+    let (code, err) = agent(&["run", "--local-masquerade", "iptables"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--local-masquerade") && err.contains("nftables") && err.contains("none"), "{err}");
+}
+
+#[test]
 fn nodeport_addresses_that_are_no_cidrs() {
     assert_one_line_error(&["run", "--nodeport-addresses", "10.0.0.1"], "--nodeport-addresses: \"10.0.0.1\" has no prefix length");
     assert_one_line_error(&["run", "--nodeport-addresses", "10.0.0.0/8,primary"], "--nodeport-addresses: \"primary\" cannot be combined");

@@ -61,9 +61,10 @@ fn cluster_policy_reaches_both_nodes_and_snats_to_the_remote_one() -> Result<()>
     wait_nodeport(&w.c, 1, 2)?;
     let s = tcp(&w.c, &w.outside, "192.168.77.11:30080", 60)?;
     assert_eq!(s.ok, 60, "{s:?}");
-    // pod-1 is local to node-1: it sees the real client. pod-2 is remote:
+    // pod-1 is local to node-1: masqueraded as kube-proxy does, it sees
+    // node-1's address on the device towards it (cni0). pod-2 is remote:
     // it sees node-1, which SNATed the flow so that the reply comes back.
-    assert_eq!(keys(&s), ["pod-1 192.168.77.100", "pod-2 192.168.77.11"].into(), "{s:?}");
+    assert_eq!(keys(&s), ["pod-1 10.244.1.1", "pod-2 192.168.77.11"].into(), "{s:?}");
     assert_eq!(s.peers.keys().collect::<Vec<_>>(), ["192.168.77.11:30080"], "replies come from the NodePort: {s:?}");
 
     // UDP both ways: the reply's source is the NodePort.

@@ -17,9 +17,10 @@ fn ipv6_node_ports_and_lb_ips_snat_to_the_nodes_ipv6_address() -> Result<()> {
     let np6 = hostport(NODE1_6, 30080);
     let s = tcp(&w.c, &w.outside, &np6, 60)?;
     assert_eq!(s.ok, 60, "{s:?}");
-    // pod-1 is local to node-1: it sees the client. pod-2 is remote: it sees
-    // node-1's IPv6 address, which SNATed the flow so that replies come back.
-    assert_eq!(keys(&s), [format!("pod-1 {CLIENT6}").as_str(), format!("pod-2 {NODE1_6}").as_str()].into(), "{s:?}");
+    // pod-1 is local to node-1: masqueraded as kube-proxy does, it sees
+    // node-1's IPv6 address on cni0. pod-2 is remote: it sees node-1's IPv6
+    // address, which SNATed the flow so that replies come back.
+    assert_eq!(keys(&s), [format!("pod-1 {NODE1_BRIDGE6}").as_str(), format!("pod-2 {NODE1_6}").as_str()].into(), "{s:?}");
     assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np6.as_str()], "replies come from the NodePort: {s:?}");
 
     let s = w.c.probe(&w.outside, &["udp", "--addr", &np6, "--count", "20"])?;
@@ -160,7 +161,8 @@ fn a_tcp_flow_to_an_endpoint_that_left_gets_a_reset_and_a_draining_one_keeps_goi
         set_endpoints(&w, &[(&w.p1, E::terminating), (&w.p2, E::ready)])?;
         let s = Cluster::finish(held)?;
         assert_eq!(s.failed(), 0, "{addr}: a serving, terminating endpoint keeps its flows: {s:?}");
-        assert_eq!(s.replies.keys().collect::<Vec<_>>(), [format!("pod-1 {}", if node_addr == NODE1 { CLIENT } else { CLIENT6 }).as_str()]);
+        // Masqueraded (externalTrafficPolicy Cluster, a local backend).
+        assert_eq!(s.replies.keys().collect::<Vec<_>>(), [format!("pod-1 {}", if node_addr == NODE1 { NODE1_BRIDGE } else { NODE1_BRIDGE6 }).as_str()]);
 
         // Gone for good: the next packet of the flow is answered with a RST.
         set_endpoints(&w, &[(&w.p1, E::ready)])?;
@@ -554,7 +556,8 @@ fn a_forward_chain_that_drops_passes_translated_traffic_as_kube_proxys_would() -
 /// BGP) sends outside clients' packets for a ClusterIP to a node, where
 /// kube-proxy serves them (KUBE-SERVICES runs in PREROUTING). lb does too,
 /// on arrival: a backend on another node is SNATed (its replies come back
-/// here), the local one keeps the client's address, and
+/// here), the local one is masqueraded (kube-proxy with its cluster CIDR
+/// masquerades sources outside it), and
 /// internalTrafficPolicy Local applies as kube-proxy applies it.
 /// `--external-cluster-ip false` leaves them to the stack (here: no route).
 #[test]
@@ -566,7 +569,7 @@ fn cluster_ips_routed_to_a_node_from_outside_are_served_as_kube_proxy_serves_the
     let vip = "10.96.0.10:80";
     let s = tcp(&w.c, &w.outside, vip, 30)?;
     assert_eq!(s.ok, 30, "{s:?}");
-    assert_eq!(keys(&s), ["pod-1 192.168.77.100", "pod-2 192.168.77.11"].into(), "pod-1 sees the client, pod-2 node-1 (SNAT): {s:?}");
+    assert_eq!(keys(&s), [format!("pod-1 {NODE1_BRIDGE}").as_str(), "pod-2 192.168.77.11"].into(), "pod-1 masqueraded, pod-2 node-1 (SNAT): {s:?}");
     let s = w.c.probe(&w.outside, &["udp", "--addr", vip, "--count", "10"])?;
     assert_eq!(s.ok, 10, "{s:?}");
     assert!(flows_from(&w.c, CLIENT)?.iter().any(|l| l.contains("dst=10.96.0.10 ")), "{:?}", flows_from(&w.c, CLIENT)?);
@@ -577,7 +580,7 @@ fn cluster_ips_routed_to_a_node_from_outside_are_served_as_kube_proxy_serves_the
         Ok(l["frontends"].as_array().into_iter().flatten().any(|f| f["address"] == "10.96.0.10" && f["flags"].as_array().is_some_and(|a| a.iter().any(|x| x == "itp-local"))))
     })?;
     let s = tcp(&w.c, &w.outside, vip, 10)?;
-    assert_eq!(keys(&s), ["pod-1 192.168.77.100"].into(), "{s:?}");
+    assert_eq!(keys(&s), [format!("pod-1 {NODE1_BRIDGE}").as_str()].into(), "{s:?}");
     // Off: the packets go on to node-1's stack, which has no route for them.
     w.c.write_object("svc.yaml", &web("ClusterIP", "", &[]))?;
     w.c.kill_agent(1);
@@ -640,15 +643,121 @@ fn a_firewall_reload_is_repaired_at_once_not_at_the_next_period() -> Result<()> 
         // own writes (nftables changes too) start no loop of repairs.
         let log = std::fs::read_to_string(w.c.agent_log(1))?;
         assert_eq!(log.matches("LB-FORWARD accepts it").count(), 3, "{log}");
-        assert_eq!(log.matches("conntrack runs on this node").count(), 2, "{log}");
+        // table inet lb: written at the start (the masquerade rule, and
+        // with it the notrack rule), and again after `nft flush ruleset`;
+        // the iptables reloads left it alone.
+        assert_eq!(log.matches("lb's SNATed and DSR flows skip it").count(), 2, "{log}");
         // The metrics count them, and see no problem left.
         assert_eq!(agent_metric(&w.c, 1, "lb_netfilter_rules_written_total{kind=\"forward\"}")?, 3);
         assert_eq!(agent_metric(&w.c, 1, "lb_netfilter_rules_written_total{kind=\"notrack\"}")?, 2);
+        assert_eq!(agent_metric(&w.c, 1, "lb_netfilter_rules_written_total{kind=\"masquerade\"}")?, 2);
         assert_eq!(agent_metric(&w.c, 1, "lb_netfilter_problems")?, 0);
         Ok(())
     })();
     let _ = std::fs::remove_file(&saved);
     result
+}
+
+/// externalTrafficPolicy Cluster: kube-proxy masquerades every outside
+/// flow of such a Service (`KUBE-EXT-*` jumps to `KUBE-MARK-MASQ`), so a
+/// backend on the node the flow reached sees the node's address, as the
+/// ones on other nodes do (lb SNATs those itself). lb marks the client's
+/// packets of such flows and its nftables table masquerades them to the
+/// address of the device they leave by (node-1's on its pod bridge):
+/// NodePort and LB IP, TCP and UDP, both families, replies from the
+/// frontend. externalTrafficPolicy Local keeps the client's address, as
+/// does `--local-masquerade none` (Cilium's behaviour); a connection made
+/// before an agent restart that turns the masquerade off keeps going.
+#[test]
+fn cluster_policy_masquerades_outside_flows_to_local_backends_as_kube_proxy_does() -> Result<()> {
+    let mut w = world(&web("LoadBalancer", "", &[LB_IP, LB_IP6]))?;
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p1)?;
+    let n1 = w.c.nodes[0].netns.clone();
+    let rules = |w: &World| w.c.in_netns(&n1, &["nft", "list", "table", "inet", "lb"]).unwrap_or_default();
+    // At once, before conntrack held anything: the masquerade rule, and
+    // the notrack rule with it (the nat hook makes conntrack run).
+    w.c.wait_for("table inet lb with its masquerade rule", Duration::from_secs(5), || Ok(rules(&w).contains("masquerade fully-random")))?;
+    let r = rules(&w);
+    assert!(r.contains("hook postrouting priority srcnat") && r.contains("meta mark & 0x00000800 == 0x00000800 masquerade fully-random"), "{r}");
+    assert!(r.contains("notrack"), "{r}");
+    let frontends = [(hostport(NODE1, 30080), NODE1_BRIDGE), (hostport(LB_IP, 80), NODE1_BRIDGE), (hostport(NODE1_6, 30080), NODE1_BRIDGE6), (hostport(LB_IP6, 80), NODE1_BRIDGE6)];
+    for (addr, bridge) in &frontends {
+        let s = tcp(&w.c, &w.outside, addr, 10)?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-1 {bridge}").as_str()].into(), "{addr}: pod-1 sees node-1's address: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr.as_str()], "replies come from the frontend: {s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", addr, "--count", "10"])?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-1 {bridge}").as_str()].into(), "{addr}: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr.as_str()], "{s:?}");
+    }
+    // `lb-agent nat` says which flows the stack masquerades.
+    let flows = flows_from(&w.c, CLIENT)?;
+    assert!(flows.iter().any(|l| l.starts_with("ipv4 tcp") && l.contains(&format!("dst={} ", w.p1.ip)) && l.contains("[MASQUERADE]")), "{flows:?}");
+    assert!(flows.iter().all(|l| l.contains("[MASQUERADE]")), "{flows:?}");
+
+    // A hostNetwork endpoint on node-1: delivered locally, past the nat
+    // postrouting hook (as past kube-proxy's MASQUERADE): it sees the client.
+    let host = w.c.host(1);
+    w.c.serve_reporting_peer(&host, 8080)?;
+    set_endpoints(&w, &[(&host, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &host)?;
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 5)?;
+    assert_eq!(keys(&s), [format!("node-1-host {CLIENT}").as_str()].into(), "{s:?}");
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+
+    // externalTrafficPolicy Local: the client's address, as kube-proxy keeps it.
+    w.c.write_object("svc.yaml", &web("LoadBalancer", "  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n", &[LB_IP, LB_IP6]))?;
+    w.c.wait_for("externalTrafficPolicy Local", Duration::from_secs(5), || {
+        let l = w.c.list(1)?;
+        Ok(l["frontends"].as_array().into_iter().flatten().any(|f| f["address"] == LB_IP && f["flags"].as_array().is_some_and(|a| a.iter().any(|x| x == "etp-local"))))
+    })?;
+    for (addr, client) in [(hostport(LB_IP, 80), CLIENT), (hostport(LB_IP6, 80), CLIENT6)] {
+        let s = tcp(&w.c, &w.outside, &addr, 10)?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-1 {client}").as_str()].into(), "{addr}: {s:?}");
+    }
+    w.c.write_object("svc.yaml", &web("LoadBalancer", "", &[LB_IP, LB_IP6]))?;
+    w.c.wait_for("externalTrafficPolicy Cluster again", Duration::from_secs(5), || {
+        let l = w.c.list(1)?;
+        Ok(l["frontends"].as_array().into_iter().flatten().any(|f| f["address"] == LB_IP && f["flags"].as_array().is_some_and(|a| !a.iter().any(|x| x == "etp-local"))))
+    })?;
+
+    // An agent restart (an upgrade) leaves masqueraded connections alone.
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1_6, 30080), "--hold-ms", "3000", "--interval-ms", "50"])?;
+    std::thread::sleep(Duration::from_millis(500));
+    w.c.kill_agent(1);
+    w.c.start_agent(1)?;
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the held connection across a restart: {s:?}");
+    assert_eq!(keys(&s), [format!("pod-1 {NODE1_BRIDGE6}").as_str()].into(), "{s:?}");
+
+    // --local-masquerade none: the masquerade rule goes, local backends
+    // see the client. A connection made before the restart keeps going,
+    // still masqueraded (conntrack keeps its binding).
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "4000", "--interval-ms", "50"])?;
+    std::thread::sleep(Duration::from_millis(500));
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--local-masquerade", "none"])?;
+    w.c.wait_for("the masquerade rule gone", Duration::from_secs(10), || Ok(!rules(&w).contains("masquerade fully-random")))?;
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the held connection across the restart: {s:?}");
+    assert_eq!(keys(&s), [format!("pod-1 {NODE1_BRIDGE}").as_str()].into(), "{s:?}");
+    let r = rules(&w);
+    assert!(r.contains("notrack"), "conntrack still runs: the notrack rule stays: {r}");
+    // Without a nat chain the kernel would stop translating the
+    // connections masqueraded before, and without a masquerade rule it
+    // would delete them: the chain stays, with a rule that matches nothing.
+    assert!(r.contains("type nat hook postrouting") && r.contains("meta nfproto ipv4 meta nfproto ipv6 masquerade"), "{r}");
+    for (addr, client) in [(hostport(NODE1, 30080), CLIENT), (hostport(LB_IP6, 80), CLIENT6)] {
+        let s = tcp(&w.c, &w.outside, &addr, 10)?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-1 {client}").as_str()].into(), "{addr}: pod-1 sees the client: {s:?}");
+    }
+    Ok(())
 }
 
 /// conntrack runs on node-1 with the common rule against INVALID packets
@@ -662,8 +771,9 @@ fn a_firewall_reload_is_repaired_at_once_not_at_the_next_period() -> Result<()> 
 #[test]
 fn snated_flows_skip_conntrack_where_it_runs_so_invalid_drops_pass_them() -> Result<()> {
     // The period at an hour: the table comes when conntrack starts to hold
-    // entries, not at the next look.
-    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--forward-accept-period", "3600s"])?;
+    // entries, not at the next look. No masquerade rule, which would make
+    // conntrack run (and bring the table) at once.
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--forward-accept-period", "3600s", "--local-masquerade", "none"])?;
     let n1 = w.c.nodes[0].netns.clone();
     for tool in ["iptables-nft", "ip6tables-legacy"] {
         w.c.in_netns(&n1, &[tool, "-w", "-t", "mangle", "-A", "PREROUTING", "-m", "conntrack", "--ctstate", "INVALID", "-j", "DROP"])?;
@@ -715,7 +825,7 @@ fn snated_flows_skip_conntrack_where_it_runs_so_invalid_drops_pass_them() -> Res
     set_endpoints(&w, &[(&w.p2, E::ready)])?;
     wait_only(&w.c, NODE1, 30080, &w.p2)?;
     w.c.kill_agent(1);
-    w.c.start_agent_with(1, &["--notrack", "none"])?;
+    w.c.start_agent_with(1, &["--notrack", "none", "--local-masquerade", "none"])?;
     w.c.wait_for("table inet lb gone", Duration::from_secs(10), || Ok(!table(&w)?))?;
     if forwarding {
         let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--count", "2", "--timeout-ms", "500"])?;

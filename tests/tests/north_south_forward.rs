@@ -15,7 +15,10 @@ use lbtest::world::*;
 
 #[test]
 fn translated_outside_traffic_skips_the_stacks_forwarding_path() -> Result<()> {
-    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--bpf-forward"])?;
+    // Local backends keep the client's address (`--local-masquerade
+    // none`): a flow the stack masquerades is handed to it, not forwarded
+    // here (north_south::cluster_policy_masquerades_outside_flows_to_local_backends_as_kube_proxy_does).
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--bpf-forward", "--local-masquerade", "none"])?;
     // pod-2 only: every flow is SNATed to node-2, both directions pass
     // node-1's TC ingress.
     set_endpoints(&w, &[(&w.p2, E::ready)])?;
@@ -113,7 +116,7 @@ fn translated_outside_traffic_skips_the_stacks_forwarding_path() -> Result<()> {
     // An agent started without --bpf-forward takes the pod program off:
     // the local pod's replies go through the stack again.
     w.c.kill_agent(1);
-    w.c.start_agent_with(1, &["--bpf-forward=false"])?;
+    w.c.start_agent_with(1, &["--bpf-forward=false", "--local-masquerade", "none"])?;
     let pod_pins = || -> Result<Vec<String>> {
         Ok(std::fs::read_dir(&links)?
             .flatten()
@@ -129,7 +132,7 @@ fn translated_outside_traffic_skips_the_stacks_forwarding_path() -> Result<()> {
     let (_, to_client) = forwarded(&w)?;
     assert!(to_client >= 10 * 3, "without --bpf-forward the local pod's replies go through the stack: {to_client}");
     w.c.kill_agent(1);
-    w.c.start_agent_with(1, &["--bpf-forward"])?;
+    w.c.start_agent_with(1, &["--bpf-forward", "--local-masquerade", "none"])?;
     w.c.wait_for("the pod program back on pod-1's device", Duration::from_secs(10), || on_dev(&w, &w.p1))?;
     assert_eq!(pod_pins()?, if tcx { vec![format!("lb_pod_ingress_{}", dev(&w.p1))] } else { vec![] }, "node-1 has pod-1 left");
     local_pod(&w, &w.p1)?;

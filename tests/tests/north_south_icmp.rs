@@ -192,9 +192,11 @@ fn fragmented_datagrams_and_ipv6_extension_headers_are_translated_both_ways() ->
         set_endpoints(&w, &[(pod, E::ready)])?;
         wait_only(&w.c, NODE1, 30080, pod)?;
         wait_only(&w.c, NODE1_6, 30080, pod)?;
-        for (addr, client, node) in [(&np, CLIENT, NODE1), (&np6, CLIENT6, NODE1_6)] {
-            // A local pod sees the client, a remote one node-1 (SNAT).
-            let seen = if pod.node == 1 { client } else { node };
+        for (addr, bridge, node) in [(&np, NODE1_BRIDGE, NODE1), (&np6, NODE1_BRIDGE6, NODE1_6)] {
+            // A local pod sees node-1's address on the pod bridge
+            // (masqueraded: conntrack reassembles and fragments the
+            // datagrams again), a remote one node-1 (SNAT).
+            let seen = if pod.node == 1 { bridge } else { node };
             // 4000 bytes: three fragments; only the first carries the ports
             // (IPv6: in a fragment extension header).
             let s = w.c.probe(&w.outside, &["udp", "--addr", addr, "--count", "5", "--size", "4000"])?;

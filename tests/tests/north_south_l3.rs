@@ -120,12 +120,14 @@ fn a_tunnel_created_again_gets_the_programs_again() -> Result<()> {
 }
 
 /// 20 connections from the outside client to node `node`'s NodePort all
-/// answered by pod-1, which sees `client`, the replies from the NodePort.
+/// answered by pod-1, which sees `client` (the client's address, or
+/// node-1's on the pod bridge where the flow is masqueraded), the replies
+/// from the NodePort.
 fn served_by_pod1(w: &World, node: &str, client: &str) -> Result<()> {
     let np = hostport(node, 30080);
     let s = tcp(&w.c, &w.outside, &np, 20)?;
     assert_eq!(s.ok, 20, "{np}: {s:?}");
-    assert_eq!(keys(&s), [format!("pod-1 {client}").as_str()].into(), "pod-1 sees the client: {s:?}");
+    assert_eq!(keys(&s), [format!("pod-1 {client}").as_str()].into(), "pod-1 sees {client}: {s:?}");
     assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np.as_str()], "replies come from the NodePort: {s:?}");
     Ok(())
 }
@@ -145,8 +147,9 @@ fn node_port_traffic_through_a_tunnel_is_served_answered_and_rejected() -> Resul
     wait_backends(&w.c, 1, NODE1, 30080, 1)?;
     wait_backends(&w.c, 1, NODE1_6, 30080, 1)?;
     let before = t.carried();
-    for (node, client) in [(NODE1, CLIENT), (NODE1_6, CLIENT6)] {
-        served_by_pod1(&w, node, client)?;
+    // Masqueraded (externalTrafficPolicy Cluster, a local backend).
+    for (node, seen) in [(NODE1, NODE1_BRIDGE), (NODE1_6, NODE1_BRIDGE6)] {
+        served_by_pod1(&w, node, seen)?;
     }
     let mid = t.carried();
     assert!(mid.0 - before.0 >= 40, "pod-1's replies went through the tunnel: {before:?} -> {mid:?}");
@@ -159,8 +162,9 @@ fn node_port_traffic_through_a_tunnel_is_served_answered_and_rejected() -> Resul
     for a in [NODE1, NODE1_6] {
         route(&w, 2, a)?;
     }
-    for (node, client) in [(NODE1, CLIENT), (NODE1_6, CLIENT6)] {
-        served_by_pod1(&w, node, client)?;
+    // Masqueraded (externalTrafficPolicy Cluster, a local backend).
+    for (node, seen) in [(NODE1, NODE1_BRIDGE), (NODE1_6, NODE1_BRIDGE6)] {
+        served_by_pod1(&w, node, seen)?;
         // No endpoints: REJECTed as kube-proxy does, the answer built on
         // wg0 and sent back through the tunnel.
         let empty = hostport(node, 30081);
@@ -277,7 +281,9 @@ fn dsr_through_a_tunnel_keeps_the_client_address() -> Result<()> {
 /// chain, on both families.
 #[test]
 fn translated_traffic_from_a_tunnel_is_forwarded_in_bpf() -> Result<()> {
-    let w = world_with(&web("NodePort", "", &[]), &["--bpf-forward"])?;
+    // The local pod keeps the client's address: the stack would
+    // masquerade its flows (and so forward them).
+    let w = world_with(&web("NodePort", "", &[]), &["--bpf-forward", "--local-masquerade", "none"])?;
     let t = tunnel(&w, &[(&w.p2, E::ready)])?;
     routes_through_the_tunnel(&w)?;
     wait_only(&w.c, NODE1, 30080, &w.p2)?;

@@ -343,16 +343,22 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // period, off the runtime thread.
     let mark = lb_common::node_flags::mark_of(cfg.node_flags);
     let notrack = lb_common::node_flags::notrack_of(cfg.node_flags);
+    let masq = lb_common::node_flags::masq_of(cfg.node_flags);
+    let nm = metrics.clone();
     tokio::task::spawn_blocking(move || {
-        let mut errors = if mark == 0 { crate::firewall::remove() } else { Vec::new() };
-        if notrack == 0 {
-            errors.extend(crate::firewall::remove_notrack());
-        }
+        let errors = if mark == 0 { crate::firewall::remove() } else { Vec::new() };
         for e in errors {
             tracing::warn!("lb's netfilter rules turned off: cannot remove {e}");
         }
+        // Both off: the table goes, but for a nat chain an earlier agent's
+        // masquerade leaves (its connections keep their translation).
+        if notrack == 0 && masq == 0
+            && let Some(crate::firewall::State::Failed(e)) = crate::firewall::ensure_table(0, 0, &nm)
+        {
+            tracing::warn!("lb's nftables table could not be written: {e}");
+        }
     });
-    if mark != 0 || notrack != 0 {
+    if mark != 0 || notrack != 0 || masq != 0 {
         // At once where nftables changed (iptables-nft too): a reload.
         let wake = std::sync::Arc::new(tokio::sync::Notify::new());
         let fm = metrics.clone();
@@ -376,7 +382,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 }
             });
         }
-        every(cfg.forward_accept_period, Some(wake), "looking at the FORWARD chains and conntrack", move |last| crate::firewall::ensure(mark, notrack, last, &fm));
+        every(cfg.forward_accept_period, Some(wake), "looking at the FORWARD chains and conntrack", move |last| crate::firewall::ensure(mark, notrack, masq, last, &fm));
     }
     // How long the watches have been failing, for the metric.
     {

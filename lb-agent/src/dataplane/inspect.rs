@@ -253,6 +253,10 @@ pub struct NatFlow {
     /// a backend elsewhere (its replies do not come back here); on the
     /// backend's node, the flow as its option described it.
     pub dsr: bool,
+    /// A flow to a backend on this node that the stack masquerades to the
+    /// node's address (externalTrafficPolicy Cluster, as kube-proxy does):
+    /// `conntrack -L` shows its second half.
+    pub masquerade: bool,
     /// A packet came back (conntrack's [UNREPLIED] when false).
     pub replied: bool,
     pub state: &'static str,
@@ -290,6 +294,7 @@ where
             rewritten: tuple(e.to_daddr, e.to_dport, k.saddr, k.sport),
             snat: false,
             dsr: true,
+            masquerade: false,
             replied: e.state & nat_state::SEEN != 0,
             state,
             age_s: now_ns.saturating_sub(e.created_ns) / 1_000_000_000,
@@ -326,6 +331,7 @@ where
                 rewritten: tuple(e.to_saddr, e.to_sport, e.to_daddr, e.to_dport),
                 snat: e.flags & nat_flags::SNAT != 0,
                 dsr,
+                masquerade: e.flags & nat_flags::MASQ != 0,
                 replied: reply.is_some_and(|r| r.state & nat_state::SEEN != 0) || (dsr && e.state & nat_state::SEEN != 0),
                 state,
                 age_s: now_ns.saturating_sub(e.created_ns) / 1_000_000_000,
@@ -339,7 +345,15 @@ where
 pub fn render_nat(flows: &[NatFlow]) -> String {
     let mut s = String::new();
     for f in flows {
-        let snat = if f.snat { " [SNAT]" } else if f.dsr { " [DSR]" } else { "" };
+        let snat = if f.snat {
+            " [SNAT]"
+        } else if f.dsr {
+            " [DSR]"
+        } else if f.masquerade {
+            " [MASQUERADE]"
+        } else {
+            ""
+        };
         let unreplied = if f.replied { "" } else { " [UNREPLIED]" };
         let family = if f.family == "IPv6" { "ipv6" } else { "ipv4" };
         let _ = writeln!(

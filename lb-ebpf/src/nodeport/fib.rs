@@ -9,7 +9,8 @@
 //! header to set MACs in). Anything else the lookup reports (a local
 //! destination, no route, forwarding off on the device, a packet too big
 //! for the egress MTU or for a route's MTU the lookup does not see:
-//! `route_mtu`) goes to the stack, which answers as it always has.
+//! `route_mtu`) goes to the stack, which answers as it always has, and so
+//! do fragments (`forward`).
 use aya_ebpf::{
     bindings::{
         __sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, BPF_FIB_LOOKUP_SKIP_NEIGH, BPF_FIB_LOOKUP_SRC,
@@ -31,7 +32,7 @@ pub fn send_on<F: Net>(skb: *mut __sk_buff) -> i32 {
     let flags = lb::node_flags();
     let act = if flags & node_flags::BPF_FORWARD != 0 { forward::<F>(skb) } else { TC_ACT_OK };
     if act == TC_ACT_OK {
-        mark_for_stack(skb, flags, false);
+        mark_for_stack(skb, flags, false, false);
     }
     act
 }
@@ -46,13 +47,18 @@ pub fn send_on<F: Net>(skb: *mut __sk_buff) -> i32 {
 /// notrack bit: conntrack would see only one half of such a flow in each
 /// tuple (its replies are translated first, into a tuple of their own) and
 /// call the rest INVALID, which rules against INVALID packets drop (the
-/// agent's `inet lb` table exempts them where conntrack runs). The other
-/// bits of the mark stay.
+/// agent's `inet lb` table exempts them where conntrack runs). A client's
+/// packet of a flow to a local backend that kube-proxy would masquerade
+/// (`masq`: `nat_flags::MASQ`) gets the masquerade bit, for the nat rule
+/// in the same table. The other bits of the mark stay.
 #[inline(always)]
-pub fn mark_for_stack(skb: *mut __sk_buff, flags: u32, untracked: bool) {
+pub fn mark_for_stack(skb: *mut __sk_buff, flags: u32, untracked: bool, masq: bool) {
     let mut mark = node_flags::mark_of(flags);
     if untracked {
         mark |= node_flags::notrack_of(flags);
+    }
+    if masq {
+        mark |= node_flags::masq_of(flags);
     }
     if mark != 0 {
         // SAFETY: a writable field of our own skb (TC programs may set it).
@@ -64,6 +70,13 @@ pub fn mark_for_stack(skb: *mut __sk_buff, flags: u32, untracked: bool) {
 #[inline(never)]
 pub fn forward<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
+    // A datagram's fragments all go to the stack: one the lookup sends
+    // there (too big once a DSR option is added) would wait forever for
+    // the rest where conntrack runs (it reassembles before it forwards).
+    if F::fragment(ctx).is_some() {
+        lb::event(stats::FWD_STACK);
+        return TC_ACT_OK;
+    }
     let Some(p) = parse::<F>(ctx) else { return TC_ACT_OK };
     // A TTL that runs out here: the stack answers "time exceeded".
     if F::ttl(ctx) <= 1 {

@@ -193,7 +193,7 @@ fn translate<F: Net, const Q: usize, const FH: usize>(ctx: &TcContext, l4: usize
     // An error for a client is forwarded by the stack (kube-proxy's
     // KUBE-FORWARD passes it as RELATED).
     if ingress {
-        super::fib::mark_for_stack(ctx.skb.skb, lb::node_flags(), e.flags & (nat_flags::SNAT | nat_flags::DSR) != 0);
+        super::fib::mark_for_stack(ctx.skb.skb, lb::node_flags(), e.flags & (nat_flags::SNAT | nat_flags::DSR) != 0, false);
     }
     TC_ACT_OK
 }

@@ -975,11 +975,12 @@ fn translate<F: Net>(ctx: &TcContext, p: &Pkt<F::A>, e: &NatEntry<F::A>) -> i32 
     // backends leave on egress, past netfilter.
     let untracked = e.flags & (nat_flags::SNAT | nat_flags::DSR) != 0;
     let arrived = e.flags & nat_flags::REPLY == 0 || untracked;
+    let masq = e.flags & nat_flags::MASQ != 0;
     let r = rewrite::<F>(ctx, p, e);
     match r {
         Ok(()) => {
             if arrived {
-                fib::mark_for_stack(ctx.skb.skb, lb::node_flags(), untracked);
+                fib::mark_for_stack(ctx.skb.skb, lb::node_flags(), untracked, masq);
             }
             packet_stats(F::ID, rev_nat_id, ctx.len());
             ACT_TRANSLATED
@@ -1170,6 +1171,10 @@ pub struct Scratch<A> {
     /// The new flow comes from a pod on this node (`--per-packet-lb`): no
     /// SNAT, except to itself.
     pod: u8,
+    /// The new flow is an outside client's to a frontend that masquerades
+    /// outside flows to local backends (externalTrafficPolicy Cluster,
+    /// no DSR), as kube-proxy's KUBE-EXT-* chains do.
+    masq: u8,
 }
 
 #[btf_map]
@@ -1253,6 +1258,7 @@ fn new_flow<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
                 (*sc).hash = h;
                 (*sc).dsr = (!pod && front.flags & svc_flags::DSR != 0) as u8;
                 (*sc).pod = pod as u8;
+                (*sc).masq = (!pod && front.flags & (svc_flags::EXT_LOCAL | svc_flags::DSR) == 0) as u8;
                 // snat_source sets it for outside flows; a pod's hairpin
                 // takes the node address, never an earlier flow's choice.
                 (*sc).snat_src = F::A::default();
@@ -1378,6 +1384,12 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
     } else if !take_tuple::<F>(&sc.rkey, &sc.reply) {
         lb::event(stats::NAT_FAILED);
         return TC_ACT_SHOT;
+    } else if sc.masq != 0 && node_flags::masq_of(lb::node_flags()) != 0 {
+        // A local backend of an externalTrafficPolicy Cluster Service:
+        // the stack masquerades the flow (its packets carry the mark,
+        // `translate`), and conntrack reverses the replies before the
+        // egress program sees them, so the reply entry stays as it is.
+        sc.fwd.flags = nat_flags::MASQ;
     }
     sc.key = p.key();
     if !F::nat_put(&sc.key, &sc.fwd, BPF_NOEXIST as u64) {
@@ -1427,7 +1439,7 @@ fn forward<F: Net>(skb: *mut __sk_buff) -> i32 {
             }
         }
     }
-    let act = translate::<F>(ctx, &p, &sc.fwd);
+    let act = to_stack_if_masqueraded(translate::<F>(ctx, &p, &sc.fwd), sc.fwd.flags);
     if dsr && act == ACT_TRANSLATED {
         sc.front_addr = p.daddr;
         sc.front_port = p.dport;
@@ -1564,9 +1576,18 @@ fn ingress<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
             return ACT_FORWARD;
         }
         touch(e, p.tcp_flags);
-        return translate::<F>(ctx, &p, entry);
+        return to_stack_if_masqueraded(translate::<F>(ctx, &p, entry), entry.flags);
     }
     ACT_NEW_FLOW
+}
+
+/// A client's packet of a flow the stack masquerades (`nat_flags::MASQ`)
+/// goes to the stack, whose nat hook holds the flow's translation: it is
+/// not forwarded in BPF, also after an agent turned the masquerade off
+/// (the flows masqueraded before keep it).
+#[inline(always)]
+fn to_stack_if_masqueraded(act: i32, flags: u8) -> i32 {
+    if act == ACT_TRANSLATED && flags & nat_flags::MASQ != 0 { TC_ACT_OK } else { act }
 }
 
 #[inline(never)]

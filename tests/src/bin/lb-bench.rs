@@ -839,9 +839,10 @@ fn main() -> Result<()> {
     ];
     // NodePort at a node with the backends (no node hop more than direct:
     // what a load balancer does with externalTrafficPolicy Local, or
-    // luck with Cluster): lb on the server's node (node 2; it keeps the
-    // client's address), kube-proxy's rules on node 19 (masqueraded, as
-    // kube-proxy does for Cluster), each after direct to its own server.
+    // luck with Cluster): lb on the server's node (node 2), kube-proxy's
+    // rules on node 19, each after direct to its own server. Both
+    // masquerade the flow (the Service is externalTrafficPolicy Cluster:
+    // lb's --local-masquerade, kube-proxy's KUBE-EXT-*).
     let ipt_local = format!("iptables-legacy, {small} services, nodeIP:nodePort of the backends' node");
     let local_cases: Vec<NpCase> = vec![
         ("direct (pod IP)".into(), format!("{}:8080", server.ip), format!("{}:9090", server.ip)),
@@ -918,14 +919,16 @@ fn main() -> Result<()> {
         pairs.push(("lb (TC) at the backends' node / iptables at the backends' node".into(), np_at(2), np_at(19)));
         pairs.push(("iptables at the backends' node / direct".into(), np_at(19), direct19.clone()));
         np_paired = paired_rounds(&outside, &pairs, a.secs, rounds)?;
-        // lb with BPF forwarding at the backends' node: node 2's agent
-        // restarted with the flag (the pins and the flows stay), then back.
+        // lb with BPF forwarding at the backends' node, keeping the
+        // client's address (as externalTrafficPolicy Local does: a flow
+        // the stack masquerades is not forwarded in BPF): node 2's agent
+        // restarted with the flags (the pins and the flows stay), then back.
         let fwd_local = [
-            ("lb (TC, BPF forwarding) at the backends' node / direct".to_string(), np_at(2), direct.clone()),
-            ("lb (TC, BPF forwarding) at the backends' node / iptables at the backends' node".to_string(), np_at(2), np_at(19)),
+            ("lb (TC, BPF forwarding, client address kept) at the backends' node / direct".to_string(), np_at(2), direct.clone()),
+            ("lb (TC, BPF forwarding, client address kept) at the backends' node / iptables at the backends' node".to_string(), np_at(2), np_at(19)),
         ];
         c.kill_agent(2);
-        c.start_agent_from(2, &np_dir, &["--bpf-forward"])?;
+        c.start_agent_from(2, &np_dir, &["--bpf-forward", "--local-masquerade", "none"])?;
         // The pod program on the server's device carries its replies.
         let server_dev = format!("v{}", server.ip.rsplit('.').next().unwrap_or_default());
         let before = tc_dev_prog_stats(&c.nodes[1].netns, &server_dev)?;
