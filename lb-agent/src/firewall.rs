@@ -448,9 +448,9 @@ const NAT_CHAIN: &str = "type nat hook postrouting";
 /// lb's table: in place (None where it is not needed: no masquerade,
 /// conntrack holds nothing here and the table is not there), put there,
 /// or why not. The masquerade rule makes conntrack run, so the notrack
-/// rule comes with it. A nat chain lb wrote stays (empty) when the
-/// masquerade is turned off (`table_script`); with nothing else to hold,
-/// a table without one is removed.
+/// rule comes with it. A nat chain lb wrote stays, with a rule that
+/// matches nothing, when the masquerade is turned off (`table_script`);
+/// with nothing else to hold, a table without one is removed.
 pub fn ensure_table(notrack: u32, masq: u32, m: &crate::health::Metrics) -> Option<State> {
     let table: Vec<&str> = NFT_TABLE.split_whitespace().collect();
     let current = nft(&["list", "table", table[0], table[1]], None).ok();
