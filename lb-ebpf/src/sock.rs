@@ -208,6 +208,11 @@ const SKB_DROP_CN: i32 = 2;
 const EVENT_FILLED: i32 = 0x100;
 
 const ETH_P_IPV6: u16 = 0x86dd;
+/// IPv6 extension headers (next-header values).
+const IPV6_HOPOPTS: u8 = 0;
+const IPV6_ROUTING: u8 = 43;
+const IPV6_AH: u8 = 51;
+const IPV6_DSTOPTS: u8 = 60;
 
 /// A packet of a socket in the cgroup leaves. Sockets the hooks sent to a
 /// frontend with loadBalancerSourceRanges (`mark_check`) have their source
@@ -240,7 +245,7 @@ struct Hdr {
     src: [u8; 16],
     dst: [u8; 16],
     /// Protocol << 16 | destination port when the header after the IP
-    /// header is TCP or UDP; else 0.
+    /// header (and IPv6's extension headers) is TCP or UDP; else 0.
     l4: u32,
     family: u8,
 }
@@ -254,10 +259,33 @@ fn addresses(skb: *mut __sk_buff, h: &mut Hdr) -> bool {
     if ctx.skb.protocol() == ETH_P_IPV6.to_be() as u32 {
         let (Ok(src), Ok(dst)) = (ctx.load(8), ctx.load(24)) else { return false };
         (h.src, h.dst, h.family) = (src, dst, FAMILY_V6);
-        let nh = hdr[6];
-        if nh == PROTO_TCP || nh == PROTO_UDP {
-            let Ok(port) = ctx.load::<u16>(42) else { return false };
-            h.l4 = (nh as u32) << 16 | u16::from_be(port) as u32;
+        // The extension headers a socket can put before its TCP or UDP
+        // header (IPV6_HOPOPTS, IPV6_DSTOPTS, IPV6_RTHDR, IPV6_RTHDRDSTOPTS,
+        // and AH from a transport-mode policy): at most five. A datagram
+        // is not fragmented yet where this runs.
+        let (mut nh, mut off) = (hdr[6], 40usize);
+        for _ in 0..6 {
+            match nh {
+                PROTO_TCP | PROTO_UDP => {
+                    let Ok(port) = ctx.load::<u16>(off + 2) else { return false };
+                    h.l4 = (nh as u32) << 16 | u16::from_be(port) as u32;
+                    break;
+                }
+                IPV6_HOPOPTS | IPV6_DSTOPTS | IPV6_ROUTING | IPV6_AH => {
+                    let Ok(ext): Result<[u8; 4], _> = ctx.load(off) else { return false };
+                    // A routing header (type 2, Mobile IPv6's; type 4, a
+                    // segment list) holds the destination the socket sent
+                    // to at its offset 8; the IPv6 header holds the first
+                    // hop.
+                    if nh == IPV6_ROUTING && (ext[2] == 2 || ext[2] == 4) {
+                        let Ok(final_dst) = ctx.load(off + 8) else { return false };
+                        h.dst = final_dst;
+                    }
+                    off += if nh == IPV6_AH { (ext[1] as usize + 2) * 4 } else { (ext[1] as usize + 1) * 8 };
+                    nh = ext[0];
+                }
+                _ => break,
+            }
         }
         return true;
     }

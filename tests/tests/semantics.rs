@@ -494,6 +494,18 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
             let s = short(&outside, "udp", &addr, extra)?;
             assert_eq!((s.ok, s.errors.get("EAGAIN")), (0, Some(&2)), "{addr} {extra:?}: {s:?}");
         }
+        // IPv6 extension headers before the UDP header (hop-by-hop or
+        // destination options, which a pod with CAP_NET_RAW may set) hide
+        // nothing: served inside the ranges, dropped outside them.
+        if addr.starts_with('[') {
+            for ext in ["dst", "hbh"] {
+                for extra in [&["--ip6-ext", ext][..], &["--ip6-ext", ext, "--connected"]] {
+                    assert_eq!(udp(&c, &inside, &addr, 3, extra)?.ok, 3, "{addr} {extra:?}");
+                    let s = short(&outside, "udp", &addr, extra)?;
+                    assert_eq!((s.ok, s.errors.get("EAGAIN")), (0, Some(&2)), "{addr} {extra:?}: {s:?}");
+                }
+            }
+        }
         // The node is outside them too: its datagrams fail with EPERM.
         let s = short(&host, "tcp", &addr, &[])?;
         assert_eq!(s.ok, 0, "{addr}: {s:?}");
