@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 
 mod agent;
+mod conntrack;
 mod dataplane;
 mod health;
 mod firewall;
@@ -254,6 +255,8 @@ enum Cmd {
         /// masquerades (kube-proxy's masquerade mark is bit 14: 0x4000).
         #[arg(long, default_value_t = 11, value_parser = clap::value_parser!(u32).range(0..32))]
         masquerade_mark_bit: u32,
+        #[command(flatten)]
+        conntrack: conntrack::Args,
         /// How often the FORWARD chains (and conntrack) are looked at (lb's rules put back
         /// where something removed them, or where a firewall came later).
         #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
@@ -415,6 +418,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             notrack_mark_bit,
             local_masquerade,
             masquerade_mark_bit,
+            conntrack,
             metrics_per_service,
             bpf_log,
         } => {
@@ -478,6 +482,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     | if notrack == "auto" { lb_common::node_flags::notrack_mark(notrack_mark_bit) } else { 0 }
                     | if local_masquerade == "nftables" { lb_common::node_flags::masq_mark(masquerade_mark_bit) } else { 0 },
                 forward_accept_period,
+                conntrack,
                 maglev: model::maglev::Maglev::new(maglev_table_size, &maglev_seed)
                     .map_err(|e| anyhow::anyhow!("--maglev-table-size: {e}"))?,
                 nat_timeouts: nodeport::NatTimeouts {

@@ -47,6 +47,16 @@ fn mark_bits_that_collide() {
 }
 
 #[test]
+fn conntrack_values_that_are_no_durations() {
+    let (code, err) = agent(&["run", "--conntrack-tcp-timeout-close-wait", "an hour"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--conntrack-tcp-timeout-close-wait") && err.contains("an hour"), "{err}");
+    let (code, err) = agent(&["run", "--conntrack-max-per-core=-1"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--conntrack-max-per-core"), "{err}");
+}
+
+#[test]
 fn nodeport_addresses_that_are_no_cidrs() {
     assert_one_line_error(&["run", "--nodeport-addresses", "10.0.0.1"], "--nodeport-addresses: \"10.0.0.1\" has no prefix length");
     assert_one_line_error(&["run", "--nodeport-addresses", "10.0.0.0/8,primary"], "--nodeport-addresses: \"primary\" cannot be combined");

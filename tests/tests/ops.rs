@@ -156,6 +156,49 @@ fn kube_proxys_operational_contract() -> Result<()> {
     Ok(())
 }
 
+/// kube-proxy's conntrack settings, which a node that swaps kube-proxy for
+/// lb must keep (the kernel's own TCP timeout is 5 days, kube-proxy's 1
+/// day): written in the node's network namespace once conntrack is loaded
+/// (lb's masquerade loads it), only where they differ, and the machine-wide
+/// nf_conntrack_max is never written from a namespace that cannot (it is
+/// named in a warning instead).
+#[test]
+fn kube_proxys_conntrack_settings() -> Result<()> {
+    let mut c = Cluster::new(1)?;
+    let netns = c.nodes[0].netns.clone();
+    let sysctl = |c: &Cluster, name: &str| -> Result<u64> { Ok(c.in_netns(&netns, &["cat", &format!("/proc/sys/net/netfilter/{name}")])?.trim().parse()?) };
+    let machine_max = std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_max").ok();
+    c.start_agent(1)?;
+    c.wait_for("kube-proxy's TCP timeouts", Duration::from_secs(5), || {
+        Ok(sysctl(&c, "nf_conntrack_tcp_timeout_established").ok() == Some(86400) && sysctl(&c, "nf_conntrack_tcp_timeout_close_wait")? == 3600)
+    })?;
+    assert_eq!(sysctl(&c, "nf_conntrack_tcp_be_liberal")?, 0);
+    assert_eq!(sysctl(&c, "nf_conntrack_udp_timeout")?, 30, "the kernel's: kube-proxy leaves it by default");
+    let cpus = std::thread::available_parallelism()?.get() as u64;
+    let want = (32768 * cpus).max(131072);
+    let now = sysctl(&c, "nf_conntrack_max")?;
+    let log = std::fs::read_to_string(c.agent_log(1))?;
+    assert!(log.contains("nf_conntrack_tcp_timeout_established") && log.contains("432000"), "the agent says what it changed: {log}");
+    if now != want {
+        assert!(log.contains(&format!("--conntrack-max-per-core: nf_conntrack_max is {now}, not {want}: only the machine's initial network namespace can set it")), "{log}");
+    }
+    assert_eq!(std::fs::read_to_string("/proc/sys/net/netfilter/nf_conntrack_max").ok(), machine_max, "the machine's limit is untouched");
+    // Other values by flag, kube-proxy's spelling of durations included.
+    c.kill_agent(1);
+    c.start_agent_with(
+        1,
+        &["--conntrack-tcp-timeout-established", "2h0m0s", "--conntrack-tcp-be-liberal", "--conntrack-udp-timeout", "45s", "--conntrack-udp-timeout-stream", "3m", "--conntrack-max-per-core", "0"],
+    )?;
+    c.wait_for("the flags' values", Duration::from_secs(5), || Ok(sysctl(&c, "nf_conntrack_tcp_timeout_established")? == 7200))?;
+    assert_eq!(
+        ["nf_conntrack_tcp_timeout_close_wait", "nf_conntrack_tcp_be_liberal", "nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream"].map(|n| sysctl(&c, n).unwrap()),
+        [3600, 1, 45, 180]
+    );
+    let log = std::fs::read_to_string(c.agent_log(1))?;
+    assert_eq!(log.matches("only the machine's initial network namespace").count(), if now != want { 1 } else { 0 }, "--conntrack-max-per-core 0 leaves the limit alone: {log}");
+    Ok(())
+}
+
 #[test]
 fn teardown_gives_back_the_reserved_nodeport_range() -> Result<()> {
     let mut c = Cluster::new(1)?;

@@ -67,6 +67,8 @@ pub struct RunConfig {
     /// `--forward-accept-period`; the mark is in `node_flags` (none: lb's
     /// FORWARD rules are removed).
     pub forward_accept_period: Duration,
+    /// kube-proxy's conntrack settings (`--conntrack-*`).
+    pub conntrack: crate::conntrack::Args,
     /// Per-frontend and per-backend series in /metrics.
     pub metrics_per_service: bool,
     /// `--bpf-log`.
@@ -383,6 +385,21 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             });
         }
         every(cfg.forward_accept_period, Some(wake), "looking at the FORWARD chains and conntrack", move |last| crate::firewall::ensure(mark, notrack, masq, last, &fm));
+    }
+    // kube-proxy's conntrack settings, once conntrack is loaded (lb's
+    // masquerade loads it; so may anything else, later): a look a second
+    // until then.
+    {
+        let ct = cfg.conntrack.clone();
+        tokio::spawn(async move {
+            loop {
+                let ct = ct.clone();
+                if tokio::task::spawn_blocking(move || crate::conntrack::ensure(&ct)).await.unwrap_or(true) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
     }
     // How long the watches have been failing, for the metric.
     {
