@@ -760,6 +760,51 @@ fn cluster_policy_masquerades_outside_flows_to_local_backends_as_kube_proxy_does
     Ok(())
 }
 
+/// An upgrade from an agent that never masqueraded (an lb from before
+/// `--local-masquerade`: here `none`, on a node where conntrack held
+/// nothing, so no table at all) to one that does: its nat chain makes
+/// conntrack start on the node in the middle of live flows. A connection
+/// held to the local backend (not masqueraded when it began) keeps going
+/// and keeps its client address; one held to a backend on node-2
+/// (SNATed in BPF, then exempted from conntrack) keeps going; new flows
+/// to the local backend are masqueraded.
+#[test]
+fn upgrading_to_the_masquerade_keeps_the_connections_made_before_it() -> Result<()> {
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &["--local-masquerade", "none"])?;
+    // IPv4 to the local pod-1, IPv6 to pod-2 on node-2.
+    let slice = |family: &str, name: &str, ep: E| lbtest::objects::slice_of("web", name, family, EP, &[ep]);
+    w.c.write_object("slice4.yaml", &slice("IPv4", "web-v4", E::ready(&w.p1.ip, "node-1")))?;
+    w.c.write_object("slice6.yaml", &slice("IPv6", "web-v6", E::ready(&w.p2.ip6, "node-2")))?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    let n1 = w.c.nodes[0].netns.clone();
+    let tables = |w: &World| w.c.in_netns(&n1, &["nft", "list", "tables"]).unwrap_or_default();
+    assert!(!tables(&w).contains("inet lb"), "no masquerade, conntrack idle: no table: {}", tables(&w));
+    let local = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "4000", "--interval-ms", "50"])?;
+    let remote = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1_6, 30080), "--hold-ms", "4000", "--interval-ms", "50"])?;
+    std::thread::sleep(Duration::from_millis(700));
+    w.c.kill_agent(1);
+    w.c.start_agent(1)?;
+    w.c.wait_for("the masquerade rule", Duration::from_secs(5), || {
+        Ok(w.c.in_netns(&n1, &["nft", "list", "table", "inet", "lb"]).unwrap_or_default().contains("masquerade fully-random"))
+    })?;
+    let s = Cluster::finish(local)?;
+    assert_eq!(s.failed(), 0, "the connection to the local backend across the upgrade: {s:?}");
+    assert!(s.ok >= 40, "it went on exchanging: {s:?}");
+    assert_eq!(keys(&s), [format!("pod-1 {CLIENT}").as_str()].into(), "made before the masquerade, it keeps the client's address: {s:?}");
+    let s = Cluster::finish(remote)?;
+    assert_eq!(s.failed(), 0, "the SNATed connection across the upgrade: {s:?}");
+    assert!(s.ok >= 40, "it went on exchanging: {s:?}");
+    assert_eq!(keys(&s), [format!("pod-2 {NODE1_6}").as_str()].into(), "{s:?}");
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    assert_eq!(keys(&s), [format!("pod-1 {NODE1_BRIDGE}").as_str()].into(), "new flows are masqueraded: {s:?}");
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1_6, 30080), 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    assert_eq!(keys(&s), [format!("pod-2 {NODE1_6}").as_str()].into(), "{s:?}");
+    Ok(())
+}
+
 /// conntrack runs on node-1 with the common rule against INVALID packets
 /// (`-t mangle -A PREROUTING -m conntrack --ctstate INVALID -j DROP`;
 /// IPv4 in iptables-nft, IPv6 in iptables-legacy). conntrack would see
