@@ -760,6 +760,52 @@ fn cluster_policy_masquerades_outside_flows_to_local_backends_as_kube_proxy_does
     Ok(())
 }
 
+/// One client port sending to two frontends of a Service whose backend is
+/// on the node (a client behind a NAT that keeps its ports, one socket
+/// to the NodePort and the LB IP): kube-proxy's DNAT makes both flows one
+/// tuple to the backend, and its MASQUERADE gives the second a port of
+/// its own, so both are served. lb DNATs before conntrack sees the flow:
+/// without moving the second flow's client port too, it dropped the
+/// second flow while the first lived (found as one lost datagram in ten
+/// when the kernel happened to pick one port twice).
+#[test]
+fn one_client_port_reaches_a_local_backend_through_two_frontends() -> Result<()> {
+    let w = world(&web("LoadBalancer", "", &[LB_IP, LB_IP6]))?;
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p1)?;
+    for (node, lb_ip, bridge, sport) in [(NODE1, LB_IP, NODE1_BRIDGE, "41001"), (NODE1_6, LB_IP6, NODE1_BRIDGE6, "41002")] {
+        let (first, second) = (hostport(node, 30080), hostport(lb_ip, 80));
+        // TCP: a connection held from the port while a second one from
+        // it goes to the other frontend.
+        let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &first, "--sport", sport, "--hold-ms", "2500", "--interval-ms", "50"])?;
+        std::thread::sleep(Duration::from_millis(500));
+        let s = w.c.probe(&w.outside, &["tcp", "--addr", &second, "--sport", sport, "--count", "1", "--timeout-ms", "1500"])?;
+        assert_eq!(s.ok, 1, "{second} from port {sport} while a connection from it to {first} lives: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-1 {bridge}").as_str()].into(), "{s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [second.as_str()], "the reply comes from the frontend, to the client's port: {s:?}");
+        let h = Cluster::finish(held)?;
+        assert_eq!(h.failed(), 0, "the first connection: {h:?}");
+        assert_eq!(h.peers.keys().collect::<Vec<_>>(), [first.as_str()], "{h:?}");
+        // UDP: a datagram to each frontend from the port, both answered
+        // from the frontend each went to.
+        for addr in [&first, &second, &first] {
+            let s = w.c.probe(&w.outside, &["udp", "--addr", addr, "--sport", sport, "--count", "1", "--timeout-ms", "1500"])?;
+            assert_eq!(s.ok, 1, "UDP to {addr} from port {sport}: {s:?}");
+            assert_eq!(keys(&s), [format!("pod-1 {bridge}").as_str()].into(), "{s:?}");
+            assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr.as_str()], "{s:?}");
+        }
+        // `lb-agent nat` shows the second flow's client port moved.
+        let (client, pod) = if node == NODE1 { (CLIENT, &w.p1.ip) } else { (CLIENT6, &w.p1.ip6) };
+        let flows = flows_from(&w.c, client)?;
+        let udp: Vec<_> = flows.iter().filter(|l| l.contains(" udp ") && l.contains(&format!("sport={sport} "))).collect();
+        assert_eq!(udp.len(), 2, "{flows:?}");
+        assert_eq!(udp.iter().filter(|l| l.contains(&format!("-> src={client} dst={} sport={sport} ", pod))).count(), 1, "one keeps its port: {udp:?}");
+        assert!(udp.iter().all(|l| l.contains("[MASQUERADE]")), "{udp:?}");
+    }
+    Ok(())
+}
+
 /// An upgrade from an agent that never masqueraded (an lb from before
 /// `--local-masquerade`: here `none`, on a node where conntrack held
 /// nothing, so no table at all) to one that does: its nat chain makes

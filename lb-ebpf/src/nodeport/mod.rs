@@ -1381,15 +1381,34 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
             return TC_ACT_SHOT;
         }
         sc.fwd.to_sport = port;
-    } else if !take_tuple::<F>(&sc.rkey, &sc.reply) {
-        lb::event(stats::NAT_FAILED);
-        return TC_ACT_SHOT;
     } else if sc.masq != 0 && node_flags::masq_of(lb::node_flags()) != 0 {
         // A local backend of an externalTrafficPolicy Cluster Service:
         // the stack masquerades the flow (its packets carry the mark,
         // `translate`), and conntrack reverses the replies before the
-        // egress program sees them, so the reply entry stays as it is.
+        // egress program sees them (backend -> client, the reply entry).
         sc.fwd.flags = nat_flags::MASQ;
+        if !take_tuple::<F>(&sc.rkey, &sc.reply) {
+            // The client's port already reaches this backend through
+            // another frontend (a client behind a NAT that keeps its
+            // ports, one socket sending to the NodePort and the LB IP).
+            // kube-proxy's MASQUERADE gives the second flow a port of its
+            // own; here conntrack sees the flow after lb's DNAT, where the
+            // two would be one tuple. So the client's port moves too, to
+            // one whose reply tuple is free (the masquerade hides it from
+            // the backend; the reply entry gives the client its own back).
+            let Some(cfg) = lb::node_config() else { return drop_packet() };
+            let port = if cfg.snat_port_min == 0 { 0 } else { claim_port::<F>(&mut sc.rkey, &sc.reply, sc.hash, cfg.snat_port_min, cfg.snat_port_max) };
+            if port == 0 {
+                lb::event(stats::NAT_FAILED);
+                return TC_ACT_SHOT;
+            }
+            sc.fwd.to_sport = port;
+        }
+    } else if !take_tuple::<F>(&sc.rkey, &sc.reply) {
+        // conntrack's clash drops such a flow too (kube-proxy's DNAT
+        // without a masquerade cannot move the client's port).
+        lb::event(stats::NAT_FAILED);
+        return TC_ACT_SHOT;
     }
     sc.key = p.key();
     if !F::nat_put(&sc.key, &sc.fwd, BPF_NOEXIST as u64) {

@@ -133,12 +133,11 @@ enum Cmd {
         /// Write one JSON line per attempt here: {"t_ms", "reply"|"err"}.
         #[arg(long)]
         trace_file: Option<std::path::PathBuf>,
-        /// Bind every connection to this source port (SO_REUSEADDR); not
-        /// with --hold-ms.
+        /// Bind every connection to this source port (SO_REUSEADDR).
         #[arg(long)]
         sport: Option<u16>,
         /// Bind every connection to this source address (a port the
-        /// kernel picks, or --sport); not with --hold-ms.
+        /// kernel picks, or --sport).
         #[arg(long)]
         src_addr: Option<std::net::IpAddr>,
         /// Close every connection with a RST (SO_LINGER 0): no TIME_WAIT,
@@ -709,7 +708,7 @@ fn tcp_once(addr: SocketAddr, o: &TcpOpts, s: &mut Summary) {
 /// Stops at the first error (the connection is gone).
 fn hold_tcp(addr: SocketAddr, hold: Duration, interval: Duration, o: &TcpOpts, s: &mut Summary) {
     let started = Instant::now();
-    let conn = TcpStream::connect_timeout(&addr, o.timeout).and_then(|c| {
+    let conn = tcp_connect(addr, o.timeout, o.sport, o.src).and_then(|c| {
         c.set_read_timeout(Some(o.timeout))?;
         if o.linger0 {
             set_linger0(&c)?;
@@ -1124,8 +1123,8 @@ fn main() -> anyhow::Result<()> {
             println!("{}", serde_json::json!({"status": status, "body": body}));
             return Ok(());
         }
-        Cmd::Tcp { addr, hold_ms: Some(hold), interval_ms, timeout_ms, linger0, trace_file: _, .. } => {
-            let o = TcpOpts { timeout: Duration::from_millis(timeout_ms), sport: None, src: None, linger0 };
+        Cmd::Tcp { addr, hold_ms: Some(hold), interval_ms, timeout_ms, linger0, trace_file: _, sport, src_addr, .. } => {
+            let o = TcpOpts { timeout: Duration::from_millis(timeout_ms), sport, src: src_addr, linger0 };
             hold_tcp(addr, Duration::from_millis(hold), Duration::from_millis(interval_ms.max(1)), &o, &mut s);
         }
         Cmd::Tcp { addr, count, interval_ms, timeout_ms, max_ms, hold_ms: None, trace_file, sport, src_addr, linger0, stop_file } => {
