@@ -24,9 +24,12 @@
 //! - the two entries of a flow are created together and removed together
 //!   (a plain hash table: no LRU evicts one of them behind our back); the
 //!   agent expires flows, unreplied ones after about a minute;
-//! - a reply tuple that clashes with a closed flow replaces it; a direct
-//!   client-to-pod TCP flow that reuses the tuple of a closed NodePort flow
-//!   removes the leftover, so its replies pass untouched;
+//! - a reply tuple that clashes with a closed flow replaces it; one held
+//!   by a live flow (the client's port reaching the backend through
+//!   another frontend) moves the new flow's client port, as conntrack's
+//!   NAT does under kube-proxy; a direct client-to-pod TCP flow that
+//!   reuses the tuple of a closed NodePort flow removes the leftover, so
+//!   its replies pass untouched;
 //! - a flow whose backend left (the agent marks it STALE) ends at its next
 //!   packet: TCP gets a RST back, so the client reconnects at once (beyond
 //!   kube-proxy, which lets it time out); UDP picks a live backend.
@@ -1381,21 +1384,25 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
             return TC_ACT_SHOT;
         }
         sc.fwd.to_sport = port;
-    } else if sc.masq != 0 && node_flags::masq_of(lb::node_flags()) != 0 {
-        // A local backend of an externalTrafficPolicy Cluster Service:
-        // the stack masquerades the flow (its packets carry the mark,
-        // `translate`), and conntrack reverses the replies before the
-        // egress program sees them (backend -> client, the reply entry).
-        sc.fwd.flags = nat_flags::MASQ;
+    } else {
+        if sc.masq != 0 && node_flags::masq_of(lb::node_flags()) != 0 {
+            // A local backend of an externalTrafficPolicy Cluster Service:
+            // the stack masquerades the flow (its packets carry the mark,
+            // `translate`), and conntrack reverses the replies before the
+            // egress program sees them (backend -> client, the reply entry).
+            sc.fwd.flags = nat_flags::MASQ;
+        }
         if !take_tuple::<F>(&sc.rkey, &sc.reply) {
             // The client's port already reaches this backend through
             // another frontend (a client behind a NAT that keeps its
-            // ports, one socket sending to the NodePort and the LB IP).
-            // kube-proxy's MASQUERADE gives the second flow a port of its
-            // own; here conntrack sees the flow after lb's DNAT, where the
-            // two would be one tuple. So the client's port moves too, to
-            // one whose reply tuple is free (the masquerade hides it from
-            // the backend; the reply entry gives the client its own back).
+            // ports, one socket sending to the NodePort and the LB IP; a
+            // pod's port to two Services with one backend). Under
+            // kube-proxy both flows DNAT to one reply tuple, and conntrack
+            // moves the second one's source port where it binds the flow
+            // at POSTROUTING (its MASQUERADE, or the null binding it
+            // gives a flow no rule NATs there). So does lb: the client's
+            // port moves to one whose reply tuple is free, from the SNAT
+            // port range; the reply entry gives the client its own back.
             let Some(cfg) = lb::node_config() else { return drop_packet() };
             let port = if cfg.snat_port_min == 0 { 0 } else { claim_port::<F>(&mut sc.rkey, &sc.reply, sc.hash, cfg.snat_port_min, cfg.snat_port_max) };
             if port == 0 {
@@ -1404,11 +1411,6 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
             }
             sc.fwd.to_sport = port;
         }
-    } else if !take_tuple::<F>(&sc.rkey, &sc.reply) {
-        // conntrack's clash drops such a flow too (kube-proxy's DNAT
-        // without a masquerade cannot move the client's port).
-        lb::event(stats::NAT_FAILED);
-        return TC_ACT_SHOT;
     }
     sc.key = p.key();
     if !F::nat_put(&sc.key, &sc.fwd, BPF_NOEXIST as u64) {
@@ -1489,8 +1491,8 @@ fn claim_port<F: Net>(rkey: &mut NatKey<F::A>, reply: &NatEntry<F::A>, h: u32, m
 }
 
 /// Take a reply tuple without SNAT. If it is taken: by a closed flow,
-/// replace that (as conntrack does); by a live one, fail (this flow could
-/// not be told apart from it: conntrack's clash drops it too).
+/// replace that (as conntrack does); by a live one, fail (the caller
+/// moves the client's port).
 #[inline(always)]
 fn take_tuple<F: Net>(rkey: &NatKey<F::A>, reply: &NatEntry<F::A>) -> bool {
     if F::nat_put(rkey, reply, BPF_NOEXIST as u64) {
