@@ -963,7 +963,8 @@ fn snated_flows_skip_conntrack_where_it_runs_so_invalid_drops_pass_them() -> Res
 /// otherwise), REJECTed without endpoints, and a pod that reaches itself
 /// through a Service is seen from the node's address (kube-proxy's
 /// hairpin masquerade), and loadBalancerSourceRanges apply to it as
-/// kube-proxy applies them to pods. Pods the socket hooks serve make no
+/// kube-proxy applies them to pods. One port of it reaches one backend
+/// through two Service addresses (the second flow's port moves). Pods the socket hooks serve make no
 /// flow. Without the flag such a pod reaches nothing.
 #[test]
 fn pods_the_socket_hooks_cannot_see_reach_services_per_packet() -> Result<()> {
@@ -1002,7 +1003,7 @@ fn pods_the_socket_hooks_cannot_see_reach_services_per_packet() -> Result<()> {
     let s = w.c.probe(&guest, &["tcp", "--addr", &lb6, "--count", "3", "--timeout-ms", "500"])?;
     assert_eq!(s.ok, 0, "{s:?}");
     assert_eq!(tcp(&w.c, &guest, vip, 3)?.ok, 3);
-    w.c.write_object("svc.yaml", &web("LoadBalancer", "", &[LB_IP6]))?;
+    w.c.write_object("svc.yaml", &web("LoadBalancer", "", &[LB_IP6, LB_IP]))?;
     w.c.wait_for("no source ranges", Duration::from_secs(5), || ranged(false))?;
     // While no agent runs (a restart, an upgrade), the programs and the
     // maps stay: the pod's flows and new ones go on.
@@ -1020,6 +1021,19 @@ fn pods_the_socket_hooks_cannot_see_reach_services_per_packet() -> Result<()> {
     set_endpoints(&w, &[(&w.p2, E::ready)])?;
     wait_only(&w.c, "10.96.0.10", 80, &w.p2)?;
     wait_only(&w.c, LB_IP6, 80, &w.p2)?;
+    // One port of the pod to two Service addresses with one backend: the
+    // second flow's port moves (as conntrack's null binding moves it under
+    // kube-proxy); both are answered, from the address each went to.
+    wait_only(&w.c, LB_IP, 80, &w.p2)?;
+    let lb4 = hostport(LB_IP, 80);
+    for addr in [vip, lb4.as_str(), vip] {
+        let s = w.c.probe(&guest, &["udp", "--addr", addr, "--sport", "20001", "--count", "1", "--timeout-ms", "1500"])?;
+        assert_eq!((s.ok, keys(&s)), (1, [seen("pod-2", &vm.ip).as_str()].into()), "{addr} from port 20001: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr], "{s:?}");
+    }
+    let udp: Vec<_> = flows_from(&w.c, &vm.ip)?.into_iter().filter(|l| l.contains(" udp ") && l.contains("sport=20001 ")).collect();
+    assert_eq!(udp.len(), 2, "{udp:?}");
+    assert_eq!(udp.iter().filter(|l| l.contains(&format!("-> src={} dst={} sport=20001 ", vm.ip, w.p2.ip))).count(), 1, "one keeps its port: {udp:?}");
     w.c.stop(w.servers[1]);
     w.c.in_netns(&w.p2.netns, &["sysctl", "-qw", "net.ipv4.icmp_ratelimit=0", "net.ipv6.icmp.ratelimit=0"])?;
     for (addr, front, unreachable) in [(vip.to_string(), "10.96.0.10", "icmp type=3 code=3"), (lb6.clone(), LB_IP6, "icmp6 type=1 code=4")] {
