@@ -21,12 +21,19 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+/// A metric labelled by one name: value pair.
+type Label1 = [(&'static str, &'static str); 1];
+
 /// Whether the agent has programmed the maps and keeps up with changes.
 #[derive(Debug)]
 pub struct Health {
     state: Mutex<HealthState>,
     /// A change not programmed after this long makes /healthz fail.
     stall_after: Duration,
+    /// kube-proxy's `kubeproxy_proxy_healthz_total{code}` and
+    /// `kubeproxy_proxy_livez_total{code}`: the answers given.
+    pub healthz_total: Family<Label1, Counter>,
+    pub livez_total: Family<Label1, Counter>,
 }
 
 #[derive(Debug, Default)]
@@ -46,7 +53,7 @@ fn rfc3339(t: SystemTime) -> String {
 
 impl Health {
     pub fn new(stall_after: Duration) -> Self {
-        Self { state: Mutex::new(HealthState::default()), stall_after }
+        Self { state: Mutex::new(HealthState::default()), stall_after, healthz_total: Family::default(), livez_total: Family::default() }
     }
 
     /// A change arrived from the source.
@@ -169,12 +176,21 @@ pub struct Metrics {
     pub map_capacity: Family<[(&'static str, &'static str); 1], Gauge>,
     pub not_programmed: Gauge,
     pub sockets_destroyed: Counter,
-    /// kube-proxy's metrics, under its names and meanings.
-    pub kp_sync_duration: Histogram,
-    pub kp_network_programming: Histogram,
-    pub kp_last_sync: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// kube-proxy's metrics, under its names, labels and meanings (those
+    /// with `ip_family` once per family this node reports: see
+    /// `Reconciler::ip_families`).
+    pub kp_sync_duration: Family<Label1, Histogram, fn() -> Histogram>,
+    pub kp_sync_full_duration: Family<Label1, Histogram, fn() -> Histogram>,
+    pub kp_sync_partial_duration: Family<Label1, Histogram, fn() -> Histogram>,
+    pub kp_network_programming: Family<Label1, Histogram, fn() -> Histogram>,
+    pub kp_last_sync: Family<Label1, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub kp_last_queued: Family<Label1, Gauge<f64, std::sync::atomic::AtomicU64>>,
     pub kp_endpoint_changes: Counter,
     pub kp_service_changes: Counter,
+    pub kp_endpoint_changes_pending: Gauge,
+    pub kp_service_changes_pending: Gauge,
+    /// (ip_family, traffic_policy).
+    pub kp_no_local_endpoints: Family<[(&'static str, &'static str); 2], Gauge>,
     /// How long the source's watches have been failing (0: they work).
     pub source_failing: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Map entries that were found changed or missing by the periodic
@@ -210,13 +226,17 @@ impl Metrics {
             map_capacity: Family::default(),
             not_programmed: Gauge::default(),
             sockets_destroyed: Counter::default(),
-            // kube-proxy's buckets: 1 ms doubling (sync), and up to about
-            // 20 minutes for programming latency.
-            kp_sync_duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
-            kp_network_programming: Histogram::new(exponential_buckets(0.001, 2.0, 21)),
-            kp_last_sync: Gauge::default(),
+            kp_sync_duration: Family::new_with_constructor(sync_buckets),
+            kp_sync_full_duration: Family::new_with_constructor(sync_buckets),
+            kp_sync_partial_duration: Family::new_with_constructor(sync_buckets),
+            kp_network_programming: Family::new_with_constructor(programming_buckets),
+            kp_last_sync: Family::default(),
+            kp_last_queued: Family::default(),
             kp_endpoint_changes: Counter::default(),
             kp_service_changes: Counter::default(),
+            kp_endpoint_changes_pending: Gauge::default(),
+            kp_service_changes_pending: Gauge::default(),
+            kp_no_local_endpoints: Family::default(),
             source_failing: Gauge::default(),
             drift_repaired: Counter::default(),
             cgroup_invisible: Gauge::default(),
@@ -256,21 +276,51 @@ impl Metrics {
                 m.kp_sync_duration.clone(),
             );
             r.register(
+                "kubeproxy_sync_full_proxy_rules_duration_seconds",
+                "SyncProxyRules latency in seconds for full resyncs (every frontend recomputed and written)",
+                m.kp_sync_full_duration.clone(),
+            );
+            r.register(
+                "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+                "SyncProxyRules latency in seconds for partial resyncs (only what changed)",
+                m.kp_sync_partial_duration.clone(),
+            );
+            r.register(
                 "kubeproxy_network_programming_duration_seconds",
-                "In-cluster network programming latency in seconds, from an EndpointSlice's last-change-trigger-time to the maps holding it",
+                "In Cluster Network Programming Latency in seconds: from an EndpointSlice's last-change-trigger-time to the maps holding it",
                 m.kp_network_programming.clone(),
             );
             r.register(
                 "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-                "The last time the maps were successfully synced (Unix seconds)",
+                "The last time proxy rules were successfully synced (Unix seconds)",
                 m.kp_last_sync.clone(),
             );
             r.register(
+                "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+                "The last time a sync of proxy rules was queued (a change arrived; Unix seconds)",
+                m.kp_last_queued.clone(),
+            );
+            r.register(
                 "kubeproxy_sync_proxy_rules_endpoint_changes",
-                "Cumulative EndpointSlice changes seen",
+                "Cumulative proxy rules Endpoint changes (EndpointSlices added, changed or removed)",
                 m.kp_endpoint_changes.clone(),
             );
-            r.register("kubeproxy_sync_proxy_rules_service_changes", "Cumulative Service changes seen", m.kp_service_changes.clone());
+            r.register("kubeproxy_sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", m.kp_service_changes.clone());
+            r.register(
+                "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+                "Pending proxy rules Endpoint changes (seen, not programmed yet: a sync failed)",
+                m.kp_endpoint_changes_pending.clone(),
+            );
+            r.register(
+                "kubeproxy_sync_proxy_rules_service_changes_pending",
+                "Pending proxy rules Service changes (seen, not programmed yet: a sync failed)",
+                m.kp_service_changes_pending.clone(),
+            );
+            r.register(
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+                "Number of services with a Local traffic policy and no endpoints on this node (Service ports with endpoints elsewhere only)",
+                m.kp_no_local_endpoints.clone(),
+            );
             r.register(
                 "lb_source_watch_failing_seconds",
                 "How long the source's watches have been failing (0: working); the dataplane keeps serving meanwhile",
@@ -307,8 +357,28 @@ impl Metrics {
                 m.health_check_failed.clone(),
             );
             r.register_collector(Box::new(DatapathCollector(datapath)));
+            r.register_collector(Box::new(ProcessCollector));
         }
         Arc::new(m)
+    }
+
+    /// Serve the source's requests to the API server too (client-go's
+    /// `rest_client_*` metrics; none with the `dir:` source).
+    pub fn register_source(&self, s: &crate::source::Status) {
+        let mut r = self.registry.lock().unwrap();
+        r.register("rest_client_requests", "Number of HTTP requests, partitioned by status code, method, and host.", s.requests.clone());
+        r.register(
+            "rest_client_request_duration_seconds",
+            "Request latency in seconds. Broken down by verb, and host.",
+            s.request_duration.clone(),
+        );
+    }
+
+    /// Serve kube-proxy's counters of `/healthz` and `/livez` answers too.
+    pub fn register_health(&self, h: &Health) {
+        let mut r = self.registry.lock().unwrap();
+        r.register("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status", h.healthz_total.clone());
+        r.register("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", h.livez_total.clone());
     }
 
     pub fn encode(&self) -> String {
@@ -319,9 +389,60 @@ impl Metrics {
     }
 }
 
+/// kube-proxy's sync latency buckets: 1 ms, doubling, 15 of them.
+fn sync_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+}
+
+/// kube-proxy's network programming latency buckets: 0, 0.25 s, 0.5 s,
+/// each second to 59 s, every 5 s to 115 s, every 30 s to 5 minutes.
+fn programming_buckets() -> Histogram {
+    let b = [0.0, 0.25, 0.5]
+        .into_iter()
+        .chain((1..=59).map(f64::from))
+        .chain((0..12).map(|i| 60.0 + 5.0 * f64::from(i)))
+        .chain((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    Histogram::new(b)
+}
+
+/// The standard process metrics (`process_*`, as every Prometheus client
+/// and kube-proxy export them), read at each scrape.
+#[derive(Debug)]
+struct ProcessCollector;
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use prometheus_client::metrics::MetricType;
+        let p = metrics_process::collector::collect();
+        let gauges = [
+            ("process_open_fds", "Number of open file descriptors.", p.open_fds),
+            ("process_max_fds", "Maximum number of open file descriptors.", p.max_fds),
+            ("process_virtual_memory_bytes", "Virtual memory size in bytes.", p.virtual_memory_bytes),
+            ("process_virtual_memory_max_bytes", "Maximum amount of virtual memory available in bytes.", p.virtual_memory_max_bytes),
+            ("process_resident_memory_bytes", "Resident memory size in bytes.", p.resident_memory_bytes),
+            ("process_start_time_seconds", "Start time of the process since unix epoch in seconds.", p.start_time_seconds),
+            ("process_threads", "Number of OS threads in the process.", p.threads),
+        ];
+        for (name, help, v) in gauges {
+            if let Some(v) = v {
+                let g: Gauge<f64, std::sync::atomic::AtomicU64> = Gauge::default();
+                g.set(v as f64);
+                g.encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
+            }
+        }
+        if let Some(cpu) = p.cpu_seconds_total {
+            let m = encoder.encode_descriptor("process_cpu_seconds", "Total user and system CPU time spent in seconds.", None, MetricType::Counter)?;
+            ConstCounter::new(cpu).encode(m)?;
+        }
+        Ok(())
+    }
+}
+
 fn health_response(h: &Health, liveness: bool) -> impl IntoResponse + use<> {
     let (ok, body) = h.report(liveness);
     let code = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let counter = if liveness { &h.livez_total } else { &h.healthz_total };
+    counter.get_or_create(&[("code", if ok { "200" } else { "503" })]).inc();
     (code, [(header::CONTENT_TYPE, "application/json")], body.to_string())
 }
 
@@ -446,6 +567,69 @@ mod tests {
         assert_eq!(get(h, "/livez").await.0, 200);
         health.node_deleting(false);
         assert_eq!(get(h, "/healthz").await.0, 200);
+    }
+
+    /// kube-proxy's metrics as a kube-proxy 1.3x exports them: names,
+    /// types (counters end in _total), labels and buckets; its healthz
+    /// and livez counters; the standard process metrics.
+    #[tokio::test]
+    async fn kube_proxys_metric_names_labels_and_buckets() {
+        let health = Arc::new(Health::new(Duration::from_secs(60)));
+        let m = Metrics::new(Arc::new(FakeStats));
+        m.register_health(&health);
+        let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
+        let (h, addr) = serve(Some(lo), Some(lo), health.clone(), m.clone()).await.unwrap();
+        let (h, addr) = (h.unwrap(), addr.unwrap());
+        assert_eq!(get(h, "/healthz").await.0, 503);
+        health.synced();
+        assert_eq!(get(h, "/healthz").await.0, 200);
+        assert_eq!(get(h, "/healthz").await.0, 200);
+        assert_eq!(get(h, "/livez").await.0, 200);
+        let v4 = [("ip_family", "IPv4")];
+        m.kp_sync_duration.get_or_create(&v4).observe(0.003);
+        m.kp_sync_full_duration.get_or_create(&v4).observe(0.003);
+        m.kp_network_programming.get_or_create(&[("ip_family", "IPv6")]).observe(0.3);
+        m.kp_last_queued.get_or_create(&v4).set(1.5e9);
+        m.kp_no_local_endpoints.get_or_create(&[("ip_family", "IPv4"), ("traffic_policy", "internal")]).set(2);
+        m.kp_endpoint_changes_pending.set(3);
+        // Some CPU time for process_cpu_seconds_total to show (its clock
+        // ticks are 10 ms).
+        let spin = Instant::now();
+        let mut x = 0u64;
+        while spin.elapsed() < Duration::from_millis(60) {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        let (code, body) = get(addr, "/metrics").await;
+        assert_eq!(code, 200);
+        for line in [
+            "kubeproxy_proxy_healthz_total{code=\"503\"} 1",
+            "kubeproxy_proxy_healthz_total{code=\"200\"} 2",
+            "kubeproxy_proxy_livez_total{code=\"200\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\",ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.25\",ip_family=\"IPv6\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.5\",ip_family=\"IPv6\"} 1",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"300.0\",ip_family=\"IPv6\"} 1",
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family=\"IPv4\"} 1500000000.0",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"internal\"} 2",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending 3",
+            "kubeproxy_sync_proxy_rules_service_changes_pending 0",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total 0",
+        ] {
+            assert!(body.lines().any(|l| l == line), "{line} missing:\n{body}");
+        }
+        // kube-proxy's network programming buckets: 0, 0.25, 0.5, 1..59,
+        // 60..115 by 5, 120..300 by 30 (and +Inf).
+        let buckets = body.lines().filter(|l| l.starts_with("kubeproxy_network_programming_duration_seconds_bucket{")).count();
+        assert_eq!(buckets, 1 + 2 + 59 + 12 + 7 + 1, "{body}");
+        let value = |name: &str| body.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok());
+        assert!(value("process_resident_memory_bytes").is_some_and(|v| v > 1e6), "{body}");
+        assert!(value("process_cpu_seconds_total").is_some_and(|v| v > 0.0), "{body}");
+        assert!(value("process_open_fds").is_some_and(|v| v >= 3.0), "{body}");
+        let start = value("process_start_time_seconds").unwrap();
+        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap().as_secs_f64();
+        assert!(start <= now && start > now - 3600.0, "{start} vs {now}");
     }
 
     #[tokio::test]

@@ -417,8 +417,10 @@ where
 mod endpoints;
 mod incremental;
 pub mod maglev;
+mod no_local;
 mod service;
 pub use incremental::{Changes, Incremental, Pair};
+pub use no_local::{NoLocalEndpoints, ip_family};
 pub use service::{ServiceOut, compute_service};
 use service::lost_warning;
 

@@ -486,6 +486,17 @@ fn api_errors_and_garbage_leave_traffic_alone_and_a_later_change_still_arrives()
     assert_eq!(ok, attempts, "the ClusterIP kept working through the faults");
     assert!(attempts >= 20, "{attempts}");
     assert!(log(&c).contains("cannot watch"), "the faults are reported: {}", log(&c));
+    // client-go's request metrics count them, by code, host and method.
+    let (_, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
+    let requests = |code: &str| {
+        let name = format!("rest_client_requests_total{{code=\"{code}\",host=\"{}\",method=\"GET\"}} ", api.addr);
+        m.lines().find_map(|l| l.strip_prefix(name.as_str())?.trim().parse::<f64>().ok())
+    };
+    assert_eq!(requests("500"), Some(6.0), "the six injected 500s: {m}");
+    assert!(requests("200").is_some_and(|n| n >= 6.0), "the lists and watches: {m}");
+    let timed = format!("rest_client_request_duration_seconds_count{{host=\"{}\",verb=\"GET\"}} ", api.addr);
+    let timed = m.lines().find_map(|l| l.strip_prefix(timed.as_str())?.trim().parse::<f64>().ok());
+    assert!(timed.is_some_and(|n| n >= 12.0), "every request timed: {m}");
 
     // A change after the fault gets through once the watchers recover.
     c.write_object("slice.yaml", &slice_for("web", "web-1", &[&p[0], &p[2]]))?;

@@ -334,7 +334,7 @@ fn the_daemonset_pod_serves_the_cluster_ip_with_health_metrics_and_pins_on_the_h
     let (code, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
     assert_eq!(code, 200, "{m}");
     assert_eq!(metric(&m, "lb_services"), Some(1.0), "{m}");
-    assert!(metric(&m, "kubeproxy_sync_proxy_rules_duration_seconds_count").is_some_and(|n| n >= 1.0), "{m}");
+    assert!(metric(&m, "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}").is_some_and(|n| n >= 1.0), "{m}");
     // hostPID: the agent sees the pods' processes in the cgroup.
     assert_eq!(metric(&m, "lb_cgroup_processes_invisible"), Some(0.0), "{m}");
     // The agent's look for kube-proxy's rules works in the image.

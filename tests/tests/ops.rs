@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use lbtest::Cluster;
-use lbtest::objects::{service, slice};
+use lbtest::objects::{service, service_ips, service_typed, slice};
 
 fn metric(body: &str, name: &str) -> Option<f64> {
     body.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
@@ -107,14 +107,26 @@ fn kube_proxys_operational_contract() -> Result<()> {
 
     // Metrics on loopback only, as kube-proxy's.
     assert!(c.http(1, &format!("{}:10249", c.nodes[0].ip), "/metrics").is_err(), "not on the node's address");
+    // kube-proxy's names and labels (ip_family: this node's primary
+    // address is IPv4): the first sync is a full one.
     let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
-    assert!(metric(&m, "kubeproxy_sync_proxy_rules_duration_seconds_count").unwrap() >= 1.0, "{m}");
-    let last = metric(&m, "kubeproxy_sync_proxy_rules_last_timestamp_seconds").unwrap();
+    assert!(metric(&m, "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}").unwrap() >= 1.0, "{m}");
+    assert!(metric(&m, "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}").unwrap() >= 1.0, "{m}");
+    let last = metric(&m, "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"}").unwrap();
+    let queued = metric(&m, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family=\"IPv4\"}").unwrap();
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs_f64();
     assert!((now - last).abs() < 60.0, "{last} vs {now}");
+    assert!(queued <= last && last - queued < 5.0, "queued {queued}, synced {last}");
     let endpoint_changes = metric(&m, "kubeproxy_sync_proxy_rules_endpoint_changes_total").unwrap();
     let service_changes = metric(&m, "kubeproxy_sync_proxy_rules_service_changes_total").unwrap();
+    assert_eq!(metric(&m, "kubeproxy_sync_proxy_rules_endpoint_changes_pending"), Some(0.0), "{m}");
+    assert_eq!(metric(&m, "kubeproxy_sync_proxy_rules_service_changes_pending"), Some(0.0), "{m}");
+    for policy in ["internal", "external"] {
+        let name = format!("kubeproxy_sync_proxy_rules_no_local_endpoints_total{{ip_family=\"IPv4\",traffic_policy=\"{policy}\"}}");
+        assert_eq!(metric(&m, &name), Some(0.0), "{m}");
+    }
     assert_eq!(metric(&m, "lb_source_watch_failing_seconds"), Some(0.0), "{m}");
+    assert!(metric(&m, "process_resident_memory_bytes").is_some_and(|v| v > 1e6), "{m}");
 
     // An endpoint change that happened 2 s ago (its trigger time): counted,
     // and its programming latency measured from then.
@@ -124,8 +136,28 @@ fn kube_proxys_operational_contract() -> Result<()> {
     let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
     assert!(metric(&m, "kubeproxy_sync_proxy_rules_endpoint_changes_total").unwrap() > endpoint_changes, "{m}");
     assert_eq!(metric(&m, "kubeproxy_sync_proxy_rules_service_changes_total").unwrap(), service_changes, "{m}");
-    assert!(metric(&m, "kubeproxy_network_programming_duration_seconds_count").unwrap() >= 1.0, "{m}");
-    assert!(metric(&m, "kubeproxy_network_programming_duration_seconds_sum").unwrap() >= 1.5, "{m}");
+    assert!(metric(&m, "kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"}").unwrap() >= 1.0, "{m}");
+    assert!(metric(&m, "kubeproxy_network_programming_duration_seconds_sum{ip_family=\"IPv4\"}").unwrap() >= 1.5, "{m}");
+    assert!(metric(&m, "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}").unwrap() >= 1.0, "{m}");
+
+    // Services with a Local policy whose endpoints are all on another
+    // node, each Service port once (the NodePort is on every node address):
+    // kube-proxy's no_local_endpoints gauge, by policy.
+    let no_local = |c: &Cluster, policy: &str| -> Result<Option<f64>> {
+        let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+        Ok(metric(&m, &format!("kubeproxy_sync_proxy_rules_no_local_endpoints_total{{ip_family=\"IPv4\",traffic_policy=\"{policy}\"}}")))
+    };
+    c.write_object("itp.yaml", &service_ips("itp", &["10.96.0.20"], &[("http", 80, 8080, "TCP"), ("dns", 53, 53, "UDP")], "  internalTrafficPolicy: Local\n"))?;
+    c.write_object("itp-slice.yaml", &slice("itp", "itp-1", &[("http", 8080, "TCP"), ("dns", 53, "UDP")], &[("10.244.2.5", "node-2", true)]))?;
+    c.write_object("etp.yaml", &service_typed("etp", "10.96.0.21", "NodePort", &[("http", 80, 8080, "TCP", 30080)], "  externalTrafficPolicy: Local\n", &[]))?;
+    c.write_object("etp-slice.yaml", &slice("etp", "etp-1", &[("http", 8080, "TCP")], &[("10.244.2.6", "node-2", true)]))?;
+    c.wait_for("two internal, one external", Duration::from_secs(5), || Ok(no_local(&c, "internal")? == Some(2.0) && no_local(&c, "external")? == Some(1.0)))?;
+    // An endpoint here for each: none left. No endpoints at all: not counted.
+    c.write_object("itp-slice.yaml", &slice("itp", "itp-1", &[("http", 8080, "TCP"), ("dns", 53, "UDP")], &[(&a.ip, "node-1", true)]))?;
+    c.write_object("etp-slice.yaml", &slice("etp", "etp-1", &[("http", 8080, "TCP")], &[]))?;
+    c.wait_for("none", Duration::from_secs(5), || Ok(no_local(&c, "internal")? == Some(0.0) && no_local(&c, "external")? == Some(0.0)))?;
+    let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+    assert!(metric(&m, "kubeproxy_proxy_healthz_total{code=\"200\"}").is_none(), "no /healthz asked yet: {m}");
 
     // The Node is being deleted: /healthz says 503 (KEP-3836), /livez 200.
     c.write_object("node.yaml", &lbtest::objects::node("node-1", "z1").replacen("metadata:\n", "metadata:\n  deletionTimestamp: \"2026-12-01T10:00:00Z\"\n", 1))?;
@@ -135,6 +167,11 @@ fn kube_proxys_operational_contract() -> Result<()> {
     assert_eq!(c.http(1, "127.0.0.1:10256", "/livez")?.0, 200);
     c.write_object("node.yaml", &lbtest::objects::node("node-1", "z1"))?;
     c.wait_for("/healthz 200", Duration::from_secs(5), || Ok(c.http(1, "127.0.0.1:10256", "/healthz")?.0 == 200))?;
+    // Every answer counted by its code, as kube-proxy's healthz server does.
+    let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+    assert!(metric(&m, "kubeproxy_proxy_healthz_total{code=\"503\"}").is_some_and(|n| n >= 2.0), "{m}");
+    assert!(metric(&m, "kubeproxy_proxy_healthz_total{code=\"200\"}").is_some_and(|n| n >= 1.0), "{m}");
+    assert_eq!(metric(&m, "kubeproxy_proxy_livez_total{code=\"200\"}"), Some(1.0), "{m}");
 
     // Drift: the frontend's entry deleted by hand comes back within the
     // resync period, counted and logged.

@@ -279,6 +279,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     crate::monitor::spawn_janitor(&cfg.bpffs)?;
     let metrics = Metrics::new(Arc::new(PinnedStats { stats: std::sync::Mutex::new(stats), per_service }));
     let health = Arc::new(Health::new(cfg.stall_after));
+    metrics.register_health(&health);
+    metrics.register_source(&source_status);
     let (hz, mt) = crate::health::serve(cfg.healthz_bind, cfg.metrics_bind, health.clone(), metrics.clone()).await?;
     tracing::info!(healthz = ?hz, metrics = ?mt, "serving health and metrics");
 
@@ -288,6 +290,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         service_changes: 0,
         slice_changes: 0,
         triggers: Vec::new(),
+        ip_families: Vec::new(),
+        last_full: false,
+        no_local: Default::default(),
         v4,
         v6,
         node_name: cfg.node_name.clone(),
@@ -423,11 +428,18 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mut last: Option<Arc<Update>> = None;
     let mut dirty = false;
     let mut first = true;
+    // Changes a failed sync took into the model and no sync has programmed;
+    // when the last change arrived (kube-proxy's "queued", reported once a
+    // sync knows the node's families).
+    let (mut pending_services, mut pending_slices) = (0u64, 0u64);
+    let mut queued_at = 0.0;
     let addresses_changed = rec.addresses.changed();
     loop {
         tokio::select! {
             // A node address came or went: sync with the last snapshot.
-            _ = addresses_changed.notified(), if last.is_some() => {}
+            _ = addresses_changed.notified(), if last.is_some() => {
+                queued_at = unix_seconds(std::time::SystemTime::now());
+            }
             r = rx.changed() => {
                 if r.is_err() {
                     // The source task ended; its result says why.
@@ -439,6 +451,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 let Some(upd) = rx.borrow_and_update().clone() else { continue };
                 tracing::debug!(waited_us = upd.since.elapsed().as_micros() as u64, "update received");
                 health.changed(upd.since);
+                queued_at = unix_seconds(std::time::SystemTime::now());
                 let deleting = upd.snapshot.nodes.iter().any(|n| {
                     n.metadata.name.as_deref() == Some(cfg.node_name.as_str()) && n.metadata.deletion_timestamp.is_some()
                 });
@@ -476,13 +489,20 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 health.synced();
                 let took = started.elapsed().as_secs_f64();
                 metrics.sync_duration.observe(took);
-                metrics.kp_sync_duration.observe(took);
                 metrics.event_to_programmed.observe(upd.since.elapsed().as_secs_f64());
                 let now = std::time::SystemTime::now();
-                metrics.kp_last_sync.set(now.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()));
-                for t in rec.triggers.drain(..) {
-                    metrics.kp_network_programming.observe(now.duration_since(t).map_or(0.0, |d| d.as_secs_f64()));
+                let kind = if rec.last_full { &metrics.kp_sync_full_duration } else { &metrics.kp_sync_partial_duration };
+                for family in &rec.ip_families {
+                    let l = [("ip_family", *family)];
+                    metrics.kp_sync_duration.get_or_create(&l).observe(took);
+                    kind.get_or_create(&l).observe(took);
+                    metrics.kp_last_sync.get_or_create(&l).set(unix_seconds(now));
                 }
+                for (t, family) in rec.triggers.drain(..) {
+                    let l = [("ip_family", family)];
+                    metrics.kp_network_programming.get_or_create(&l).observe(now.duration_since(t).map_or(0.0, |d| d.as_secs_f64()));
+                }
+                (pending_services, pending_slices) = (0, 0);
             }
             Err(e) => {
                 dirty = true;
@@ -492,8 +512,28 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         }
         rec.export(&metrics, &cfg.capacity);
         rec.export_names(&metrics);
-        metrics.kp_service_changes.inc_by(std::mem::take(&mut rec.service_changes));
-        metrics.kp_endpoint_changes.inc_by(std::mem::take(&mut rec.slice_changes));
+        // Changes are seen when a sync takes them into the model, and
+        // pending until a sync programs them (kube-proxy's pending: seen,
+        // not synced yet).
+        let (services, slices) = (std::mem::take(&mut rec.service_changes), std::mem::take(&mut rec.slice_changes));
+        metrics.kp_service_changes.inc_by(services);
+        metrics.kp_endpoint_changes.inc_by(slices);
+        if dirty {
+            pending_services += services;
+            pending_slices += slices;
+        }
+        metrics.kp_service_changes_pending.set(pending_services as i64);
+        metrics.kp_endpoint_changes_pending.set(pending_slices as i64);
+        for family in &rec.ip_families {
+            metrics.kp_last_queued.get_or_create(&[("ip_family", *family)]).set(queued_at);
+        }
+        let counts = rec.no_local.counts();
+        for family in rec.ip_families.iter().copied().chain(counts.keys().map(|(f, _)| *f)) {
+            for policy in ["internal", "external"] {
+                let n = counts.get(&(family, policy)).copied().unwrap_or(0);
+                metrics.kp_no_local_endpoints.get_or_create(&[("ip_family", family), ("traffic_policy", policy)]).set(n as i64);
+            }
+        }
         // An upgrade: the staged maps hold the first full sync now; move the
         // programs to them (the old ones served from the old maps meanwhile).
         if !dirty && let Some(replaced) = upgrade.take() {
@@ -563,6 +603,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     source.abort();
     tracing::info!("exiting; programs stay attached and maps stay pinned");
     Ok(())
+}
+
+/// Seconds since the Unix epoch, for kube-proxy's timestamp gauges.
+fn unix_seconds(t: std::time::SystemTime) -> f64 {
+    t.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Put the pod programs on the pod devices: every veth but the NodePort

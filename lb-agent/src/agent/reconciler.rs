@@ -176,7 +176,17 @@ pub(super) struct Reconciler {
     /// times of EndpointSlice changes not programmed yet.
     pub(super) service_changes: u64,
     pub(super) slice_changes: u64,
-    pub(super) triggers: Vec<std::time::SystemTime>,
+    pub(super) triggers: Vec<(std::time::SystemTime, &'static str)>,
+    /// kube-proxy's `ip_family` labels this node reports under: the
+    /// families of its primary addresses (a dual-stack kube-proxy runs a
+    /// proxier for each), IPv4 where it has none.
+    pub(super) ip_families: Vec<&'static str>,
+    /// The last sync recomputed and wrote everything (kube-proxy's full
+    /// sync), not only what changed (its partial sync).
+    pub(super) last_full: bool,
+    /// Service ports with a Local policy and no endpoint here, kept with
+    /// the model's state.
+    pub(super) no_local: model::NoLocalEndpoints,
     pub(super) v4: Mirror<[u8; 4]>,
     pub(super) v6: Mirror<[u8; 16]>,
     pub(super) node_name: String,
@@ -360,6 +370,13 @@ impl Reconciler {
             localhost_nodeports: self.localhost_nodeports,
         };
         let node = model::node_info(&facts, &snap.nodes);
+        let mut families: Vec<&'static str> = node.primary.iter().map(model::ip_family).collect();
+        families.sort_unstable();
+        families.dedup();
+        if families.is_empty() {
+            families.push("IPv4");
+        }
+        self.ip_families = families;
         self.health_check_on = (self.nodeport_addresses != model::NodePortAddresses::default()).then(|| node.addresses.clone());
         let t_model = Instant::now();
         let ch = self.model.update(&snap.services, &snap.slices, &node, &self.opts);
@@ -367,6 +384,14 @@ impl Reconciler {
         self.slice_changes += ch.slice_changes;
         // Measured when programmed: kept across a failed sync.
         self.triggers.extend(ch.triggers.iter().copied());
+        if ch.full {
+            self.no_local = model::NoLocalEndpoints::of(self.model.desired());
+        } else {
+            let desired = self.model.desired();
+            for k in &ch.frontends {
+                self.no_local.set(k, desired.frontends.get(k).map(|f| &**f));
+            }
+        }
         tracing::debug!(
             us = t_model.elapsed().as_micros() as u64,
             changed = ch.frontends.len(),
@@ -400,6 +425,7 @@ impl Reconciler {
                 }
             }
         }
+        self.last_full = ops.is_none();
         let ops = match ops {
             Some(n) => n,
             None => {

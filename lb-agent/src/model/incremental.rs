@@ -52,8 +52,9 @@ pub struct Changes {
     /// The `endpoints.kubernetes.io/last-change-trigger-time` of every
     /// added or changed EndpointSlice that has one (none on the first
     /// update: those changes predate the agent), for kube-proxy's network
-    /// programming latency.
-    pub triggers: Vec<std::time::SystemTime>,
+    /// programming latency, with the slice's address type (kube-proxy's
+    /// `ip_family` label).
+    pub triggers: Vec<(std::time::SystemTime, &'static str)>,
 }
 
 /// How many distinct objects (by namespace and name) `gone` and `added`
@@ -203,8 +204,15 @@ impl Incremental {
             ch.triggers = objs
                 .new_slices
                 .iter()
-                .filter_map(|e| e.metadata.annotations.last_change_trigger_time.as_deref())
-                .filter_map(|t| humantime::parse_rfc3339_weak(t).ok())
+                .filter_map(|e| {
+                    let family = match e.address_type.as_str() {
+                        "IPv4" => "IPv4",
+                        "IPv6" => "IPv6",
+                        _ => return None,
+                    };
+                    let t = humantime::parse_rfc3339_weak(e.metadata.annotations.last_change_trigger_time.as_deref()?).ok()?;
+                    Some((t, family))
+                })
                 .collect();
         }
         if !self.primed || self.node != *node || self.opts != *opts {

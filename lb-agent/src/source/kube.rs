@@ -61,8 +61,10 @@ pub async fn client(kubeconfig: Option<&Path>, status: Arc<Status>) -> Result<(C
     };
     let url = config.cluster_url.to_string();
     tracing::info!(url, "API server");
+    // client-go's `host` label: the server's host:port.
+    let host = config.cluster_url.authority().map(|a| a.to_string()).unwrap_or_default();
     let builder = kube::client::ClientBuilder::try_from(config).context("build the Kubernetes client")?;
-    Ok((builder.with_layer(&ObserveLayer(status)).build(), url))
+    Ok((builder.with_layer(&ObserveLayer { status, host: host.into() }).build(), url))
 }
 
 /// The watched kind a request path is for.
@@ -79,14 +81,18 @@ fn kind_of(path: &str) -> Option<&'static str> {
 /// Marks a kind's watch as working again at any successful answer to its
 /// list or watch: kube-rs' watcher says nothing when a watch resumes
 /// quietly, so without this a recovered watch would count as failing
-/// until its kind next changed.
+/// until its kind next changed. Counts every request and its time for
+/// client-go's `rest_client_*` metrics.
 #[derive(Clone)]
-struct ObserveLayer(Arc<Status>);
+struct ObserveLayer {
+    status: Arc<Status>,
+    host: Arc<str>,
+}
 
 impl<S> tower::Layer<S> for ObserveLayer {
     type Service = Observe<S>;
     fn layer(&self, inner: S) -> Observe<S> {
-        Observe { inner, status: self.0.clone() }
+        Observe { inner, status: self.status.clone(), host: self.host.clone() }
     }
 }
 
@@ -94,6 +100,7 @@ impl<S> tower::Layer<S> for ObserveLayer {
 struct Observe<S> {
     inner: S,
     status: Arc<Status>,
+    host: Arc<str>,
 }
 
 impl<S, B> tower::Service<http::Request<kube::client::Body>> for Observe<S>
@@ -111,10 +118,14 @@ where
 
     fn call(&mut self, req: http::Request<kube::client::Body>) -> Self::Future {
         let kind = kind_of(req.uri().path());
-        let status = self.status.clone();
+        let method = req.method().clone();
+        let (status, host) = (self.status.clone(), self.host.clone());
+        let started = Instant::now();
         let fut = self.inner.call(req);
         Box::pin(async move {
             let r = fut.await;
+            let code = r.as_ref().map_or_else(|_| "<error>".to_string(), |resp| resp.status().as_u16().to_string());
+            status.request(&host, method.as_str(), &code, started.elapsed());
             if let (Some(kind), Ok(resp)) = (kind, &r)
                 && resp.status().is_success()
             {

@@ -6,6 +6,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use k8s_openapi::api::core::v1::Node;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
 
 use crate::model::{EndpointSlice, Service};
 
@@ -34,14 +37,38 @@ pub struct Update {
 pub type Publisher = tokio::sync::watch::Sender<Option<Arc<Update>>>;
 pub type Subscriber = tokio::sync::watch::Receiver<Option<Arc<Update>>>;
 
+/// A metric's labels: (name, value) pairs.
+type Labels<const N: usize> = [(&'static str, String); N];
+
 /// How a source is doing, shared with the agent's metrics: since when each
-/// of its watches has been failing.
-#[derive(Debug, Default)]
+/// of its watches has been failing, and its requests to the API server.
+#[derive(Debug)]
 pub struct Status {
     failing: std::sync::Mutex<std::collections::BTreeMap<&'static str, Instant>>,
+    /// client-go's `rest_client_requests_total{code,host,method}`: every
+    /// request by its answer's status code ("<error>": no answer).
+    pub requests: Family<Labels<3>, Counter>,
+    /// client-go's `rest_client_request_duration_seconds{host,verb}`: until
+    /// the answer's headers (a watch's too), in client-go's buckets.
+    pub request_duration: Family<Labels<2>, Histogram, fn() -> Histogram>,
+}
+
+impl Default for Status {
+    fn default() -> Self {
+        fn buckets() -> Histogram {
+            Histogram::new([0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0])
+        }
+        Status { failing: Default::default(), requests: Family::default(), request_duration: Family::new_with_constructor(buckets) }
+    }
 }
 
 impl Status {
+    /// A request to the API server at `host` answered `code` after `took`.
+    pub fn request(&self, host: &str, method: &str, code: &str, took: std::time::Duration) {
+        self.requests.get_or_create(&[("code", code.to_string()), ("host", host.to_string()), ("method", method.to_string())]).inc();
+        self.request_duration.get_or_create(&[("host", host.to_string()), ("verb", method.to_string())]).observe(took.as_secs_f64());
+    }
+
     /// Watch `what` failed (the first failure of a spell counts).
     pub fn failed(&self, what: &'static str) -> std::time::Duration {
         let mut f = self.failing.lock().unwrap();

@@ -173,7 +173,7 @@ fn counts_object_changes_and_collects_trigger_times() {
         Arc::new(s)
     };
     let slice = |name: &str, trigger: Option<&str>| {
-        let mut e = EndpointSlice::default();
+        let mut e = EndpointSlice { address_type: if name.ends_with("-6") { "IPv6" } else { "IPv4" }.into(), ..Default::default() };
         e.metadata.name = Some(name.into());
         e.metadata.namespace = Some("ns".into());
         e.metadata.annotations.last_change_trigger_time = trigger.map(Into::into);
@@ -189,7 +189,10 @@ fn counts_object_changes_and_collects_trigger_times() {
     // b removed, a replaced, the slice changed with a new trigger time, a
     // second slice without one.
     let s2 = slice("a-1", Some("2026-12-01T10:00:01Z"));
-    let ch = inc.update(&[svc("a")], &[s2, slice("a-2", None)], &node(), &opts);
+    let ch = inc.update(&[svc("a")], &[s2.clone(), slice("a-2", None)], &node(), &opts);
     assert_eq!((ch.service_changes, ch.slice_changes), (2, 2));
-    assert_eq!(ch.triggers, [humantime::parse_rfc3339("2026-12-01T10:00:01Z").unwrap()]);
+    assert_eq!(ch.triggers, [(humantime::parse_rfc3339("2026-12-01T10:00:01Z").unwrap(), "IPv4")]);
+    // An IPv6 slice's trigger carries its family (kube-proxy's ip_family).
+    let ch = inc.update(&[svc("a")], &[s2, slice("a-6", Some("2026-12-01T10:00:02Z"))], &node(), &opts);
+    assert_eq!(ch.triggers, [(humantime::parse_rfc3339("2026-12-01T10:00:02Z").unwrap(), "IPv6")]);
 }
