@@ -260,9 +260,19 @@ fn a_node_address_added_later_gets_the_node_port_at_once() -> Result<()> {
     c.start_agent_from_interfaces(1, &[])?;
     let node = c.nodes[0].ip.clone();
     c.wait_for("the NodePort on the node's address", Duration::from_secs(5), || Ok(c.programmed(1, &node, 30080, "TCP")?.is_some()))?;
+    // kube-proxy's count of full syncs (every Service recomputed): an
+    // address recomputes only the Services with NodePorts.
+    let full_syncs = |c: &Cluster| -> Result<f64> {
+        let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+        let name = "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} ";
+        Ok(m.lines().find_map(|l| l.strip_prefix(name)?.trim().parse().ok()).unwrap_or(0.0))
+    };
+    let full = full_syncs(&c)?;
+    assert!(full >= 1.0, "the first sync is a full one");
     let netns = c.nodes[0].netns.clone();
     c.in_netns(&netns, &["ip", "addr", "add", "192.168.77.61/24", "dev", "eth0"])?;
     c.wait_for("the NodePort on the added address", Duration::from_secs(3), || Ok(c.programmed(1, "192.168.77.61", 30080, "TCP")?.is_some()))?;
+    assert_eq!(full_syncs(&c)?, full, "no full sync for an address");
     let s = c.probe(&outside, &["tcp", "--addr", "192.168.77.61:30080", "--count", "3", "--timeout-ms", "1000"])?;
     assert_eq!(s.ok, 3, "{s:?}");
     c.in_netns(&netns, &["ip", "addr", "del", "192.168.77.61/24", "dev", "eth0"])?;

@@ -446,7 +446,9 @@ impl Reconciler {
                 .collect();
             self.maps.set_nodeports(&mut self.nodeports, &want)?;
         }
-        if full {
+        // The node's primary addresses (SNAT's fallback) change without a
+        // full sync: the model does not depend on them.
+        if full || node.primary != self.node_addresses {
             let snat_addr = node.primary.iter().find_map(|a| match a {
                 std::net::IpAddr::V4(v4) => Some(v4.octets()),
                 _ => None,

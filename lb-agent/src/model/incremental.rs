@@ -215,12 +215,18 @@ impl Incremental {
                 })
                 .collect();
         }
-        if !self.primed || self.node != *node || self.opts != *opts {
+        // The node's addresses matter only to the Services with NodePorts
+        // (one frontend per address), its primary addresses to none: a
+        // change of either recomputes only those. Its name and zone touch
+        // every Service (local endpoints, topology), as the options do.
+        let NodeInfo { name, zone, addresses: _, primary: _ } = node;
+        let same_node = self.node.name == *name && self.node.zone == *zone;
+        if !self.primed || !same_node || self.opts != *opts {
             let before = self.primed.then(|| self.desired.alive_pairs());
             *self = Incremental { primed: true, node: node.clone(), opts: opts.clone(), ..Default::default() };
             ch.full = true;
             let all = ObjectDiff::of(&[], services, &[], slices);
-            self.apply(services, slices, all, &mut ch);
+            self.apply(services, slices, all, BTreeSet::new(), &mut ch);
             // Everything "joined": meaningless, and a full sync's sweep
             // carries the whole state anyway.
             ch.joined = BTreeSet::new();
@@ -228,16 +234,22 @@ impl Incremental {
                 ch.left = before.difference(&self.desired.alive_pairs()).copied().collect();
             }
         } else {
-            self.apply(services, slices, objs, &mut ch);
+            let mut affected = BTreeSet::new();
+            if self.node.addresses != node.addresses {
+                affected.extend(self.groups.iter().filter(|(_, g)| !g.out.node_ports.is_empty()).map(|(r, _)| r.clone()));
+            }
+            self.node = node.clone();
+            self.apply(services, slices, objs, affected, &mut ch);
         }
         ch
     }
 
-    fn apply(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], objs: ObjectDiff, ch: &mut Changes) {
+    /// Take in the objects that went and came, and recompute the Services
+    /// they touch and those in `affected`.
+    fn apply(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], objs: ObjectDiff, mut affected: BTreeSet<ServiceRef>, ch: &mut Changes) {
         let ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices } = objs;
         self.services = services.to_vec();
         self.slices = slices.to_vec();
-        let mut affected: BTreeSet<ServiceRef> = BTreeSet::new();
         for s in gone_svcs {
             let r = service_ref(&s);
             if let Some(g) = self.groups.get_mut(&r) {

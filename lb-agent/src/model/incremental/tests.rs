@@ -24,6 +24,12 @@ enum Edit {
     Reverse,
     /// Another zone for the node: everything is recomputed.
     Zone,
+    /// One of the node's addresses comes or goes (the i-th of a few, the
+    /// localhost NodePorts' 127.0.0.1 among them): the Services with
+    /// NodePorts are recomputed, and only they.
+    Address(usize),
+    /// Another primary address: nothing in the model depends on it.
+    Primary,
     /// Publish: compare with the full computation.
     Check,
 }
@@ -38,6 +44,8 @@ fn edit() -> impl Strategy<Value = Edit> {
         1 => any::<usize>().prop_map(Edit::DropSlice),
         1 => Just(Edit::Reverse),
         1 => Just(Edit::Zone),
+        2 => any::<usize>().prop_map(Edit::Address),
+        1 => Just(Edit::Primary),
         4 => Just(Edit::Check),
     ]
 }
@@ -83,6 +91,19 @@ fn run(services: Vec<K8sService>, slices: Vec<K8sSlice>, edits: Vec<Edit>) -> Re
             }
             Edit::Zone => {
                 node.zone = if node.zone.as_deref() == Some("zone-a") { Some("zone-b".into()) } else { Some("zone-a".into()) };
+            }
+            Edit::Address(i) => {
+                let some = ["192.168.0.1", "10.0.0.7", "fd00:1::1", "fd00:2::7", "127.0.0.1"];
+                let a: IpAddr = some[i % some.len()].parse().unwrap();
+                match node.addresses.iter().position(|x| *x == a) {
+                    Some(at) => {
+                        node.addresses.remove(at);
+                    }
+                    None => node.addresses.push(a),
+                }
+            }
+            Edit::Primary => {
+                node.primary = if node.primary.is_empty() { vec!["192.168.0.1".parse().unwrap()] } else { Vec::new() };
             }
             Edit::Check => {
                 let ch = inc.update(&svcs, &eps, &node, &opts);
@@ -195,4 +216,51 @@ fn counts_object_changes_and_collects_trigger_times() {
     // An IPv6 slice's trigger carries its family (kube-proxy's ip_family).
     let ch = inc.update(&[svc("a")], &[s2, slice("a-6", Some("2026-12-01T10:00:02Z"))], &node(), &opts);
     assert_eq!(ch.triggers, [(humantime::parse_rfc3339("2026-12-01T10:00:02Z").unwrap(), "IPv6")]);
+}
+
+/// A node address that comes or goes recomputes the Services with
+/// NodePorts and touches only their frontends on it; a new primary address
+/// touches nothing; a new zone recomputes everything.
+#[test]
+fn a_node_address_recomputes_only_the_services_with_node_ports() {
+    let opts = Options::default();
+    let svc = |name: &str, ip: &str, ty: &str| -> Arc<Service> {
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"type": ty, "clusterIP": ip, "ports": [{"name": "http", "port": 80, "nodePort": 30080}]}
+            }))
+            .unwrap(),
+        )
+    };
+    let slice = |name: &str| -> Arc<EndpointSlice> {
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": format!("{name}-1"), "namespace": "default", "labels": {"kubernetes.io/service-name": name}},
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": 8080}],
+                "endpoints": [{"addresses": ["10.1.0.1"]}]
+            }))
+            .unwrap(),
+        )
+    };
+    let svcs = vec![svc("np", "10.96.0.10", "NodePort"), svc("ci", "10.96.0.11", "ClusterIP")];
+    let eps = vec![slice("np"), slice("ci")];
+    let mut node = node();
+    let mut inc = Incremental::new();
+    assert!(inc.update(&svcs, &eps, &node, &opts).full);
+    let added: IpAddr = "10.0.0.7".parse().unwrap();
+    node.addresses.push(added);
+    let ch = inc.update(&svcs, &eps, &node, &opts);
+    assert!(!ch.full);
+    assert_eq!(ch.frontends, BTreeSet::from([FrontendKey { addr: added, port: 30080, proto: crate::model::Proto::Tcp }]));
+    assert!(!ch.node_ports && ch.vips.is_empty() && ch.left.is_empty(), "{ch:?}");
+    assert_eq!(sorted(inc.desired().clone()), sorted(compute_with(&svcs, &eps, &node, &opts)));
+    node.addresses.retain(|a| *a != added);
+    let ch = inc.update(&svcs, &eps, &node, &opts);
+    assert!(!ch.full && ch.frontends.len() == 1 && ch.left.len() == 1, "{ch:?}");
+    node.primary = vec!["192.168.0.1".parse().unwrap()];
+    assert!(inc.update(&svcs, &eps, &node, &opts).is_empty());
+    node.zone = Some("zone-b".into());
+    assert!(inc.update(&svcs, &eps, &node, &opts).full);
 }
