@@ -406,6 +406,12 @@ pub mod nat_flags {
     /// chains do (on the client's entry only: conntrack reverses the
     /// replies before the egress program sees them).
     pub const MASQ: u8 = 1 << 3;
+    /// With SNAT: the same masquerade done in BPF (`--bpf-forward`), the
+    /// flow SNATed to the address the route to its backend on this node
+    /// picks (the pod bridge's, as kube-proxy's MASQUERADE picks it). Its
+    /// replies arrive on the pod's device, where `lb_pod_ingress`
+    /// translates and forwards them; it is not marked for the stack.
+    pub const LOCAL: u8 = 1 << 4;
 }
 
 /// `NatEntry::state` bits, per direction (each entry records its own).
@@ -528,7 +534,9 @@ pub mod stats {
     /// TC: new outside flows translated to a backend.
     pub const NAT_NEW: u32 = 7;
     /// TC: outside packets dropped (no endpoints, no local endpoint with
-    /// externalTrafficPolicy Local, or a source outside loadBalancerSourceRanges).
+    /// externalTrafficPolicy Local, or a source outside loadBalancerSourceRanges;
+    /// a TTL that ran out; a reply of a flow masqueraded in BPF that the
+    /// FIB cannot send on: no route to the client, forwarding off).
     pub const NAT_DROPPED: u32 = 8;
     /// TC: no free SNAT port, or the NAT table refused the flow.
     pub const NAT_FAILED: u32 = 9;

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use anyhow::Result;
-use lbtest::Pod;
+use lbtest::{Cluster, Pod};
 use lbtest::objects::Endpoint as E;
 use lbtest::world::*;
 
@@ -149,5 +149,100 @@ fn translated_outside_traffic_skips_the_stacks_forwarding_path() -> Result<()> {
     assert_eq!(keys(&s), [format!("node-1-host {CLIENT}").as_str()].into(), "{s:?}");
     assert!(datapath(&w.c, 1, "forwarded_stack")? > before, "local delivery is left to the stack");
     let _ = &mut w;
+    Ok(())
+}
+
+/// With `--bpf-forward` and the masquerade (the default), an outside flow
+/// to a local backend of an externalTrafficPolicy Cluster Service is
+/// masqueraded in BPF, not by the stack's nat hook: SNATed to node-1's
+/// address on the pod bridge (what kube-proxy's MASQUERADE picks), its
+/// requests forwarded by the NodePort program and its replies translated
+/// and forwarded by the pod program, so neither passes FORWARD. Large
+/// answers in fragments and the pod's port unreachable come back from the
+/// frontend. An agent restarted without `--bpf-forward` keeps the pod
+/// programs while such flows live (a connection held across it keeps
+/// going), and takes them off once the last one ends.
+#[test]
+fn flows_to_local_backends_are_masqueraded_in_bpf() -> Result<()> {
+    let gc = ["--nat-tcp-close-timeout", "1", "--nat-udp-timeout", "3", "--nat-gc-interval", "1"];
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &[&["--bpf-forward"][..], &gc].concat())?;
+    for n in &w.c.nodes {
+        w.c.in_netns(&n.netns, &["sysctl", "-qw", "net.ipv4.icmp_ratelimit=0", "net.ipv6.icmp.ratelimit=0"])?;
+    }
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p1)?;
+    count_forwarding(&w)?;
+    let in_bpf = |w: &World| -> Result<u64> { Ok(datapath(&w.c, 1, "forwarded_bpf")? + datapath(&w.c, 1, "forwarded_xdp")?) };
+    let before = in_bpf(&w)?;
+    let frontends = [(hostport(NODE1, 30080), NODE1_BRIDGE), (hostport(LB_IP, 80), NODE1_BRIDGE), (hostport(NODE1_6, 30080), NODE1_BRIDGE6), (hostport(LB_IP6, 80), NODE1_BRIDGE6)];
+    for (addr, bridge) in &frontends {
+        let seen = format!("pod-1 {bridge}");
+        let s = tcp(&w.c, &w.outside, addr, 10)?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+        assert_eq!(keys(&s), [seen.as_str()].into(), "{addr}: pod-1 sees node-1's address on its bridge: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr.as_str()], "replies come from the frontend: {s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", addr, "--count", "10"])?;
+        assert_eq!(s.ok, 10, "{addr}: {s:?}");
+        assert_eq!(keys(&s), [seen.as_str()].into(), "{addr}: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr.as_str()], "{s:?}");
+    }
+    assert_eq!(forwarded(&w)?, (0, 0), "requests and replies skip node-1's FORWARD chain (the stack's masquerade would not)");
+    // 4 x 10 TCP flows of at least 3 packets each way, 4 x 10 datagrams each way.
+    let n = in_bpf(&w)? - before;
+    assert!(n >= 4 * (10 * 3 * 2 + 10 * 2), "packets forwarded in BPF: {n}");
+    // `lb-agent nat` marks them masqueraded, to the bridge's address.
+    let flows = flows_from(&w.c, CLIENT)?;
+    assert!(!flows.is_empty() && flows.iter().all(|l| l.contains("[MASQUERADE]")), "{flows:?}");
+    assert!(flows.iter().any(|l| l.starts_with("ipv4 tcp") && l.contains(&format!("-> src={NODE1_BRIDGE} dst={} ", w.p1.ip))), "{flows:?}");
+
+    // A 4000-byte answer leaves pod-1 in fragments: each is translated by
+    // the pod program (the later ones by the first one's ports).
+    for (addr, bridge) in [(hostport(NODE1, 30080), NODE1_BRIDGE), (hostport(NODE1_6, 30080), NODE1_BRIDGE6)] {
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "5", "--size", "4000", "--echo", "--connected"])?;
+        assert_eq!(s.ok, 5, "{addr}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-1 {bridge} bytes=4000 echo reply=4000").as_str()].into(), "{s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr.as_str()], "answers come from the frontend: {s:?}");
+    }
+    assert_eq!(forwarded(&w)?, (0, 0), "fragments skip FORWARD too");
+
+    // A connection held across a restart without --bpf-forward keeps
+    // going: the pod program stays on pod-1's device while it lives.
+    let links = w.c.nodes[0].bpffs.join("links");
+    let pod_pins = || -> Result<usize> { Ok(std::fs::read_dir(&links)?.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("lb_pod_ingress_")).count()) };
+    let tcx = std::env::var("LB_TC_ATTACH").map_or(true, |m| m != "netlink");
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(LB_IP6, 80), "--hold-ms", "4000", "--interval-ms", "50"])?;
+    std::thread::sleep(Duration::from_millis(500));
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &[&["--bpf-forward=false"][..], &gc].concat())?;
+    if tcx {
+        assert_eq!(pod_pins()?, 1, "the pod program stays while a flow masqueraded in BPF lives");
+    }
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the held connection across the restart: {s:?}");
+    assert_eq!(keys(&s), [format!("pod-1 {NODE1_BRIDGE6}").as_str()].into(), "{s:?}");
+    // New flows are masqueraded by the stack now.
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    assert_eq!(keys(&s), [format!("pod-1 {NODE1_BRIDGE}").as_str()].into(), "{s:?}");
+    // Once the flows masqueraded in BPF have expired, the pod programs go.
+    w.c.wait_for("the pod programs taken off after the last flow masqueraded in BPF", Duration::from_secs(30), || {
+        let flows = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap_or_default(), &["nat", "--bpffs", w.c.nodes[0].bpffs.to_str().unwrap_or_default()])?;
+        Ok(pod_pins()? == 0 && !flows.lines().any(|l| l.contains(&format!("-> src={NODE1_BRIDGE}")) || l.contains(&format!("-> src={NODE1_BRIDGE6}"))))
+    })?;
+    let _ = &mut w;
+
+    // Back with --bpf-forward: pod-1's server goes away (its endpoint
+    // stays); its port unreachable comes back from the frontend.
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &[&["--bpf-forward"][..], &gc].concat())?;
+    w.c.wait_for("the pod program back", Duration::from_secs(10), || Ok(!tcx || pod_pins()? == 1))?;
+    w.c.stop(w.servers[0]);
+    for (lb, unreachable) in [(LB_IP, "icmp type=3 code=3"), (LB_IP6, "icmp6 type=1 code=4")] {
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(lb, 80), "--count", "2", "--connected", "--recverr", "--timeout-ms", "2000"])?;
+        assert_eq!(s.errors.get("ECONNREFUSED"), Some(&2), "via {lb}: {s:?}");
+        let from = format!("{unreachable} from={lb}");
+        assert!(s.offenders.keys().all(|k| *k == from) && !s.offenders.is_empty(), "{from}: {s:?}");
+    }
     Ok(())
 }

@@ -79,7 +79,10 @@ pub struct RunConfig {
 /// must not wait for a walk of a large table): every `nat_gc_interval` it
 /// expires flows, and at once when endpoints leave it ends their flows (UDP
 /// removed, TCP marked for a RST). It logs when new flows were refused.
-fn spawn_nat_gc(cfg: &RunConfig) -> Result<std::sync::mpsc::Sender<BTreeSet<model::Pair>>> {
+/// Also returns how many flows masqueraded in BPF the tables hold (read
+/// at once, then at each pass).
+#[allow(clippy::type_complexity)]
+fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<BTreeSet<model::Pair>>, Arc<std::sync::atomic::AtomicUsize>)> {
     use aya::maps::{HashMap, Map, MapData, PerCpuArray};
     let open = |name: &str| MapData::from_pin(loader::pin_path(&cfg.bpffs, name)).with_context(|| format!("open pinned {name}"));
     let mut nat4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT4)?))?;
@@ -88,6 +91,8 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<std::sync::mpsc::Sender<BTreeSet<mode
     let (timeouts, every) = (cfg.nat_timeouts, cfg.nat_gc_interval);
     let (tx, rx) = std::sync::mpsc::channel::<BTreeSet<model::Pair>>();
     let failed = move || -> u64 { stats.get(&lb_common::stats::NAT_FAILED, 0).map(|v| v.iter().sum()).unwrap_or(0) };
+    let masqueraded = Arc::new(std::sync::atomic::AtomicUsize::new(crate::nodeport::count_bpf_masqueraded(&nat4) + crate::nodeport::count_bpf_masqueraded(&nat6)));
+    let count = masqueraded.clone();
     std::thread::Builder::new().name("nat".into()).spawn(move || {
         let mut seen_failed = failed();
         let mut next = Instant::now() + every;
@@ -103,6 +108,7 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<std::sync::mpsc::Sender<BTreeSet<mode
             let p4 = crate::nodeport::nat_pass(&mut nat4, &timeouts, &left);
             let p6 = crate::nodeport::nat_pass(&mut nat6, &timeouts, &left);
             let (expired, flushed, marked) = (p4.expired + p6.expired, p4.flushed + p6.flushed, p4.marked + p6.marked);
+            count.store(p4.bpf_masqueraded + p6.bpf_masqueraded, std::sync::atomic::Ordering::Relaxed);
             if expired > 0 {
                 tracing::debug!(flows = expired, "NAT entries expired");
             }
@@ -119,7 +125,7 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<std::sync::mpsc::Sender<BTreeSet<mode
             }
         }
     })?;
-    Ok(tx)
+    Ok((tx, masqueraded))
 }
 
 /// `--bpf-log`: a thread that waits on the programs' log ring buffer and
@@ -233,9 +239,20 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let forward = cfg.node_flags & lb_common::node_flags::BPF_FORWARD != 0;
     let per_packet = cfg.node_flags & lb_common::node_flags::POD_PACKET_LB != 0;
     tc.pod_egress = per_packet;
-    tc.verify_optional(forward || per_packet)?;
+    let (nat_left, bpf_masqueraded) = spawn_nat_gc(&cfg)?;
+    // Flows an agent with --bpf-forward masqueraded in BPF: the pod
+    // programs translate their replies, so they stay (and are brought up
+    // to this agent's) until the last such flow is gone.
+    let mut keep_pods = !forward && !per_packet && bpf_masqueraded.load(std::sync::atomic::Ordering::Relaxed) > 0;
+    if keep_pods {
+        tracing::info!(
+            flows = bpf_masqueraded.load(std::sync::atomic::Ordering::Relaxed),
+            "flows masqueraded in BPF by an agent with --bpf-forward live: the pod programs stay until they end"
+        );
+    }
+    tc.verify_optional(forward || per_packet || keep_pods)?;
     if !forward || !per_packet {
-        tc.drop_pod_programs(!forward && !per_packet);
+        tc.drop_pod_programs(!forward && !per_packet && !keep_pods);
     }
     // During an upgrade the programs attach once the new maps are filled.
     if upgrade.is_none() {
@@ -243,7 +260,6 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             tc.attach_tc(iface)?;
         }
     }
-    let nat_left = spawn_nat_gc(&cfg)?;
     if let Some((limit, usage)) = loader::memory_limit() {
         let room = limit.saturating_sub(usage) / loader::SOCK_STORAGE_BYTES;
         let nat_full_mib = (cfg.capacity.nat as u64 * (loader::NAT_ENTRY_BYTES[0] + loader::NAT_ENTRY_BYTES[1])) >> 20;
@@ -425,6 +441,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mut retry = tokio::time::interval(Duration::from_secs(1));
     // XDP on a veth whose peer cannot take its frames: see Tc::check_xdp.
     let mut xdp_check = tokio::time::interval(Duration::from_secs(2));
+    // Whether the flows masqueraded in BPF that kept the pod programs ended.
+    let mut pods_check = tokio::time::interval(Duration::from_secs(1));
     let mut last: Option<Arc<Update>> = None;
     let mut dirty = false;
     let mut first = true;
@@ -461,6 +479,14 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             _ = retry.tick(), if dirty => {}
             _ = xdp_check.tick(), if cfg.xdp => {
                 tc.check_xdp();
+                continue;
+            }
+            _ = pods_check.tick(), if keep_pods => {
+                if bpf_masqueraded.load(std::sync::atomic::Ordering::Relaxed) == 0 {
+                    keep_pods = false;
+                    tracing::info!("the last flow masqueraded in BPF ended: the pod programs go");
+                    tc.drop_pod_programs(true);
+                }
                 continue;
             }
             _ = resync.tick(), if !cfg.resync_period.is_zero() && last.is_some() && !dirty => {
@@ -576,7 +602,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         // Service addresses is translated there, as soon as a Service
         // exists. New pods' devices are picked up here: a veth coming up
         // wakes this loop (`Addresses`).
-        let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0);
+        let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods;
         if upgrade.is_none() && (rec.has_external || pods) {
             let nodeport = if cfg.nodeport_interfaces.is_empty() {
                 let found = crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses);

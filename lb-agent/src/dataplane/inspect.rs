@@ -253,9 +253,10 @@ pub struct NatFlow {
     /// a backend elsewhere (its replies do not come back here); on the
     /// backend's node, the flow as its option described it.
     pub dsr: bool,
-    /// A flow to a backend on this node that the stack masquerades to the
-    /// node's address (externalTrafficPolicy Cluster, as kube-proxy does):
-    /// `conntrack -L` shows its second half.
+    /// A flow to a backend on this node masqueraded to the node's address
+    /// (externalTrafficPolicy Cluster, as kube-proxy does): by the stack
+    /// (`snat` false: `conntrack -L` shows its second half), or with
+    /// `--bpf-forward` in BPF (`snat` true: `rewritten` holds the address).
     pub masquerade: bool,
     /// A packet came back (conntrack's [UNREPLIED] when false).
     pub replied: bool,
@@ -331,7 +332,7 @@ where
                 rewritten: tuple(e.to_saddr, e.to_sport, e.to_daddr, e.to_dport),
                 snat: e.flags & nat_flags::SNAT != 0,
                 dsr,
-                masquerade: e.flags & nat_flags::MASQ != 0,
+                masquerade: e.flags & nat_flags::MASQ != 0 || e.flags & (nat_flags::SNAT | nat_flags::LOCAL) == nat_flags::SNAT | nat_flags::LOCAL,
                 replied: reply.is_some_and(|r| r.state & nat_state::SEEN != 0) || (dsr && e.state & nat_state::SEEN != 0),
                 state,
                 age_s: now_ns.saturating_sub(e.created_ns) / 1_000_000_000,
@@ -345,12 +346,12 @@ where
 pub fn render_nat(flows: &[NatFlow]) -> String {
     let mut s = String::new();
     for f in flows {
-        let snat = if f.snat {
+        let snat = if f.masquerade {
+            " [MASQUERADE]"
+        } else if f.snat {
             " [SNAT]"
         } else if f.dsr {
             " [DSR]"
-        } else if f.masquerade {
-            " [MASQUERADE]"
         } else {
             ""
         };

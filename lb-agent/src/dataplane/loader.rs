@@ -597,6 +597,9 @@ impl Tc {
                 }
             }
         }
+        if ingress_too {
+            self.pods.clear();
+        }
         if n > 0 {
             tracing::info!(devices = n, "pod programs an earlier agent attached and this one does not use are detached");
         }

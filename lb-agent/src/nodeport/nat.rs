@@ -84,6 +84,17 @@ pub struct NatPass {
     /// TCP flows to a backend that left, marked STALE (the next packet
     /// gets a RST).
     pub marked: usize,
+    /// Flows masqueraded in BPF (`bpf_masqueraded`) the table held.
+    pub bpf_masqueraded: usize,
+}
+
+/// How many flows in `entries` are masqueraded in BPF to a backend on this
+/// node (`nat_flags::LOCAL`, counted by their reply entries): the pod
+/// programs translate their replies, so they stay attached while any
+/// lives, also under an agent without `--bpf-forward`.
+pub fn bpf_masqueraded<'a, A: Addr + 'a>(entries: impl IntoIterator<Item = &'a NatEntry<A>>) -> usize {
+    let local = nat_flags::REPLY | nat_flags::SNAT | nat_flags::LOCAL;
+    entries.into_iter().filter(|e| e.flags & local == local).count()
 }
 
 /// What a pass does to one flow, decided from a snapshot of the table.
@@ -216,6 +227,18 @@ where
     pass
 }
 
+/// `bpf_masqueraded` of a whole table, read now.
+pub fn count_bpf_masqueraded<A: Addr>(nat: &NatMap<A>) -> usize
+where
+    NatKey<A>: aya::Pod,
+    NatEntry<A>: aya::Pod,
+{
+    match crate::dataplane::maps::lookup_all::<NatKey<A>, NatEntry<A>>(aya::maps::IterableMap::map(nat)) {
+        Ok(all) => bpf_masqueraded(all.iter().map(|(_, e)| e)),
+        Err(_) => bpf_masqueraded(nat.iter().filter_map(|r| r.ok()).map(|(_, e)| e).collect::<Vec<_>>().iter()),
+    }
+}
+
 /// One pass over a NAT table: `plan` from a snapshot (read in batches: at
 /// capacity this is half a million entries), then `apply`.
 pub fn nat_pass<A: Addr>(nat: &mut NatMap<A>, t: &NatTimeouts, left: &BTreeSet<Pair>) -> NatPass
@@ -232,7 +255,9 @@ where
         }
     };
     let steps = plan(&entries, now, t, left);
-    apply(nat, &steps, now, t)
+    let mut pass = apply(nat, &steps, now, t);
+    pass.bpf_masqueraded = bpf_masqueraded(entries.values());
+    pass
 }
 
 #[cfg(test)]
@@ -251,6 +276,17 @@ mod tests {
 
     fn entry(last: u64, state: u8) -> NatEntry<[u8; 4]> {
         NatEntry { last_seen_ns: last * S, state, ..Default::default() }
+    }
+
+    #[test]
+    fn flows_masqueraded_in_bpf_are_counted_by_their_reply_entries() {
+        let f = |flags: u8| NatEntry { flags, ..entry(1, 0) };
+        let (r, s, l, m) = (nat_flags::REPLY, nat_flags::SNAT, nat_flags::LOCAL, nat_flags::MASQ);
+        // One such flow (both entries), a SNATed one to another node, one
+        // the stack masquerades, one that kept the client's address.
+        let all = [f(s | l), f(r | s | l), f(s), f(r | s), f(m), f(r), f(0), f(r)];
+        assert_eq!(bpf_masqueraded(all.iter()), 1);
+        assert_eq!(bpf_masqueraded(all[2..].iter()), 0);
     }
 
     #[test]

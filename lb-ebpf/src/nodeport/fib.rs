@@ -22,7 +22,7 @@ use aya_ebpf::{
 };
 use lb_common::{RouteKey, nat_flags, node_flags, stats};
 
-use super::{ACT_TRANSLATED, ETH_HLEN, Net, parse, touch, translate};
+use super::{ACT_ICMP, ACT_TIME_EXCEEDED, ACT_TOO_BIG, ACT_TRANSLATED, ETH_HLEN, Net, icmp, parse, touch, translate};
 use crate::lb;
 
 /// A translated packet goes on: forwarded here if the agent asked for
@@ -101,33 +101,111 @@ pub fn forward<F: Net>(skb: *mut __sk_buff) -> i32 {
 /// packet with the node's own address as its source would not pass the
 /// stack's source check on a pod device). Fragments go that way too: the
 /// egress program keeps the fragment map for them.
+///
+/// A reply of a flow masqueraded in BPF (`nat_flags::LOCAL`: to the pod
+/// bridge's address, say) has no such way: the stack would deliver it to
+/// the node. It is translated and sent on here whatever the flags say
+/// (an agent that no longer forwards in BPF keeps the pod programs while
+/// such flows live), fragments included (the first one's ports kept for
+/// the rest), and what the lookup cannot place is answered as the stack
+/// would answer the pod (a TTL that ran out, too big for the path with
+/// DF set or over IPv6; a GSO packet is not checked, as the other replies
+/// forwarded here are not) or
+/// dropped and counted (`stats::NAT_DROPPED`: no route to the client,
+/// forwarding off, too big for the path with DF clear: the stack would
+/// fragment it). ICMP packets go to `reply_error`.
 #[inline(never)]
 pub fn reply<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
-    if F::fragment(ctx).is_some() {
-        return TC_ACT_OK;
-    }
-    let Some(p) = parse::<F>(ctx) else { return TC_ACT_OK };
+    let frag = F::fragment(ctx);
+    let Some(p) = parse::<F>(ctx) else {
+        return if F::l4(ctx).is_some_and(|(_, proto)| proto == F::ICMP) { ACT_ICMP } else { TC_ACT_OK };
+    };
     let Some(e) = F::nat_get(&p.key()) else { return TC_ACT_OK };
     // SAFETY: a map value, alive for this program run (RCU); the agent
     // replaces whole values, so a field may be old or new, never torn in a
     // way that matters.
     let entry = unsafe { &*e };
-    if entry.flags & nat_flags::REPLY == 0 || entry.flags & nat_flags::SNAT != 0 {
+    if entry.flags & nat_flags::REPLY == 0 {
         return TC_ACT_OK;
     }
-    if !lb::node_config().is_some_and(|c| c.flags & node_flags::BPF_FORWARD != 0) || F::ttl(ctx) <= 1 {
-        return TC_ACT_OK;
+    let local = entry.flags & (nat_flags::SNAT | nat_flags::LOCAL) == nat_flags::SNAT | nat_flags::LOCAL;
+    if !local {
+        if frag.is_some() || entry.flags & nat_flags::SNAT != 0 || lb::node_flags() & node_flags::BPF_FORWARD == 0 || F::ttl(ctx) <= 1 {
+            return TC_ACT_OK;
+        }
+    } else {
+        if let Some((id, true, true)) = frag {
+            F::frag_put(&p, id);
+        }
+        if F::ttl(ctx) <= 1 {
+            return ACT_TIME_EXCEEDED;
+        }
     }
     // SAFETY: an all-zero bpf_fib_lookup is a valid value.
     let mut f: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     let rc = lookup::<F>(skb, &mut f, p.proto, (entry.to_saddr, entry.to_sport), (entry.to_daddr, entry.to_dport));
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
+        if local {
+            // Too big for the path, and not to be fragmented on the way:
+            // "fragmentation needed" / "packet too big" to the pod.
+            if rc == BPF_FIB_LKUP_RET_FRAG_NEEDED
+                && !F::may_fragment(ctx)
+                && let Some(sc) = F::scratch()
+            {
+                // SAFETY: this CPU's scratch value; the lookup set the MTU
+                // (a union with tot_len).
+                unsafe { (*sc).mtu = f.__bindgen_anon_1.mtu_result as u32 };
+                return ACT_TOO_BIG;
+            }
+            lb::event(stats::NAT_DROPPED);
+            return TC_ACT_SHOT;
+        }
         lb::event(stats::FWD_STACK);
         return TC_ACT_OK;
     }
     touch(e, p.tcp_flags);
     if translate::<F>(ctx, &p, entry) != ACT_TRANSLATED {
+        return TC_ACT_SHOT;
+    }
+    send::<F>(ctx, &mut f, rc)
+}
+
+/// On the pod devices: an ICMP error a pod sends about a packet of a flow
+/// masqueraded in BPF (port unreachable, say)
+/// is translated as conntrack would translate it (`icmp::translate_error`:
+/// to the client, from the frontend) and sent on from here, or dropped
+/// and counted where the lookup cannot place it (the stack would deliver
+/// it to the node, its source being the node's). Other ICMP packets go on
+/// as before: an error about a packet to a local backend that kept the
+/// client's address is translated on its way out by the egress program.
+#[inline(never)]
+pub fn reply_error<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let Ok(before) = ctx.load::<F::A>(F::DST) else { return TC_ACT_OK };
+    let act = icmp::translate_error::<F>(skb, true, false, nat_flags::REPLY | nat_flags::SNAT | nat_flags::LOCAL);
+    if act != TC_ACT_OK {
+        return if act == super::ACT_ICMP_NO_FLOW { TC_ACT_OK } else { act };
+    }
+    match ctx.load::<F::A>(F::DST) {
+        Ok(dst) if dst == before => TC_ACT_OK,
+        Ok(_) => send_error::<F>(skb),
+        Err(_) => TC_ACT_SHOT,
+    }
+}
+
+/// Send on an ICMP error `reply_error` translated (a step of its own: the
+/// lookup's stack does not fit beside the translation's).
+#[inline(never)]
+fn send_error<F: Net>(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let (Ok(src), Ok(dst)) = (ctx.load::<F::A>(F::SRC), ctx.load::<F::A>(F::DST)) else { return TC_ACT_SHOT };
+    let Some((_, proto)) = F::l4(ctx) else { return TC_ACT_SHOT };
+    // SAFETY: an all-zero bpf_fib_lookup is a valid value.
+    let mut f: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    let rc = lookup::<F>(skb, &mut f, proto, (src, 0), (dst, 0));
+    if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
+        lb::event(stats::NAT_DROPPED);
         return TC_ACT_SHOT;
     }
     send::<F>(ctx, &mut f, rc)
@@ -194,8 +272,9 @@ fn lookup<F: Net>(skb: *mut __sk_buff, f: &mut bpf_fib_lookup, proto: u8, src: (
     if (rc == BPF_FIB_LKUP_RET_SUCCESS || rc == BPF_FIB_LKUP_RET_NO_NEIGH)
         && gso == 0
         && len.saturating_sub(F::L2 as u32) as usize > super::icmp::MTU_CHECK_ABOVE
-        && route_mtu::<F>(dst.0, f.ifindex).is_some_and(|mtu| len.saturating_sub(F::L2 as u32) > mtu)
+        && let Some(mtu) = route_mtu::<F>(dst.0, f.ifindex).filter(|mtu| len.saturating_sub(F::L2 as u32) > *mtu)
     {
+        f.__bindgen_anon_1.mtu_result = mtu as u16;
         return BPF_FIB_LKUP_RET_FRAG_NEEDED;
     }
     rc

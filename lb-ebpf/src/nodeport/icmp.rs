@@ -61,9 +61,10 @@ fn write_addr<A: Copy>(b: &mut [u8; 60], off: usize, a: A) {
 }
 
 /// An ICMP packet on the NodePort interface (`ingress` or egress): if it
-/// is an error about a packet of one of our flows, translate it.
+/// is an error about a packet of one of our flows (whose entry has the
+/// `nat_flags` in `need`), translate it.
 #[inline(never)]
-pub fn translate_error<F: Net>(skb: *mut __sk_buff, ingress: bool, maglev: bool) -> i32 {
+pub fn translate_error<F: Net>(skb: *mut __sk_buff, ingress: bool, maglev: bool, need: u8) -> i32 {
     let ctx = &TcContext::new(skb);
     let Some((l4, _)) = F::l4(ctx) else { return TC_ACT_OK };
     let Ok(ty) = ctx.load::<u8>(l4) else { return TC_ACT_OK };
@@ -77,12 +78,12 @@ pub fn translate_error<F: Net>(skb: *mut __sk_buff, ingress: bool, maglev: bool)
     // IPv6 and UDP headers (a router's "packet too big" about a large
     // answer a pod sent in fragments).
     if F::IH == 40 && quoted >= 16 && ctx.load::<u8>(l4 + 8 + 6).ok() == Some(super::IPV6_FRAGMENT) {
-        return translate::<F, 8, 8>(ctx, l4, ingress, maglev);
+        return translate::<F, 8, 8>(ctx, l4, ingress, maglev, need);
     }
     if quoted >= 20 {
-        translate::<F, 20, 0>(ctx, l4, ingress, maglev)
+        translate::<F, 20, 0>(ctx, l4, ingress, maglev, need)
     } else if quoted >= 8 {
-        translate::<F, 8, 0>(ctx, l4, ingress, maglev)
+        translate::<F, 8, 0>(ctx, l4, ingress, maglev, need)
     } else {
         TC_ACT_OK
     }
@@ -91,7 +92,7 @@ pub fn translate_error<F: Net>(skb: *mut __sk_buff, ingress: bool, maglev: bool)
 /// Translate an error quoting `Q` bytes of L4 header after the IP header
 /// and `FH` bytes of IPv6 fragment header (0: none).
 #[inline(always)]
-fn translate<F: Net, const Q: usize, const FH: usize>(ctx: &TcContext, l4: usize, ingress: bool, maglev: bool) -> i32 {
+fn translate<F: Net, const Q: usize, const FH: usize>(ctx: &TcContext, l4: usize, ingress: bool, maglev: bool, need: u8) -> i32 {
     let ih = F::IH + FH;
     let n = ih + Q;
     let inner = l4 + 8;
@@ -139,7 +140,7 @@ fn translate<F: Net, const Q: usize, const FH: usize>(ctx: &TcContext, l4: usize
         let (reply, snat) = (e.flags & nat_flags::REPLY != 0, e.flags & nat_flags::SNAT != 0);
         // Errors about SNATed packets and about replies arrive on ingress;
         // errors about packets to local backends leave on egress.
-        if ingress != (!reply || snat) {
+        if ingress != (!reply || snat) || e.flags & need != need {
             return TC_ACT_OK;
         }
         e

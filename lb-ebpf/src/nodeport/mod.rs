@@ -1308,13 +1308,22 @@ fn report<F: Net>(p: &Pkt<F::A>, v: &Verdict<F::A>, hook: u8) {
 /// runs through one, so that the replies come back through it); zero, for
 /// the node address, where the kernel cannot say. A step of its own: the
 /// route lookup's stack does not fit beside establish's.
+///
+/// Also for a flow to a backend on this node that kube-proxy would
+/// masquerade, with `--bpf-forward` (the pod programs translate its
+/// replies): the pod bridge's address, say, which MASQUERADE picks too.
+/// Zero there (the kernel cannot say, or the backend is the node itself:
+/// delivered locally, past MASQUERADE) leaves the masquerade to the stack.
 #[inline(never)]
 fn snat_source<F: Net>(skb: *mut __sk_buff) {
     let Some(sc) = F::scratch() else { return };
     // SAFETY: this CPU's scratch value, filled by new_flow for this packet.
     let sc = unsafe { &mut *sc };
     sc.snat_src = F::A::default();
-    if sc.backend.flags & backend_flags::LOCAL != 0 || sc.dsr != 0 || sc.pod != 0 {
+    if sc.dsr != 0 || sc.pod != 0 {
+        return;
+    }
+    if sc.backend.flags & backend_flags::LOCAL != 0 && !(sc.masq != 0 && bpf_masquerade(lb::node_flags())) {
         return;
     }
     let Some(p) = parse::<F>(&TcContext::new(skb)) else { return };
@@ -1336,8 +1345,12 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
     let now = unsafe { bpf_ktime_get_ns() };
     // A pod's flow keeps its address (pod addresses route in the cluster),
     // except to the pod itself, whose kernel would drop a packet from its
-    // own address (kube-proxy masquerades that hairpin too).
-    let snat = if sc.pod != 0 { sc.backend.addr == p.saddr } else { sc.backend.flags & backend_flags::LOCAL == 0 };
+    // own address (kube-proxy masquerades that hairpin too). A local
+    // backend's flow that snat_source found an address for is masqueraded
+    // here, in BPF.
+    let local = sc.backend.flags & backend_flags::LOCAL != 0;
+    let local_snat = sc.pod == 0 && local && sc.snat_src != F::A::default();
+    let snat = if sc.pod != 0 { sc.backend.addr == p.saddr } else { !local || local_snat };
     sc.reply = NatEntry {
         to_saddr: p.daddr,
         to_daddr: p.saddr,
@@ -1373,8 +1386,9 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
             lb::event(stats::NAT_FAILED);
             return TC_ACT_SHOT;
         }
-        sc.reply.flags |= nat_flags::SNAT;
-        sc.fwd.flags = nat_flags::SNAT;
+        let flags = if local_snat { nat_flags::SNAT | nat_flags::LOCAL } else { nat_flags::SNAT };
+        sc.reply.flags |= flags;
+        sc.fwd.flags = flags;
         sc.rkey.daddr = addr;
         sc.fwd.to_saddr = addr;
         let port = claim_port::<F>(&mut sc.rkey, &sc.reply, sc.hash, cfg.snat_port_min, cfg.snat_port_max);
@@ -1602,6 +1616,15 @@ fn ingress<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
     ACT_NEW_FLOW
 }
 
+/// Whether new flows to local backends that kube-proxy would masquerade
+/// are masqueraded in BPF (`nat_flags::LOCAL`): with the masquerade on and
+/// `--bpf-forward`, whose pod programs translate the replies. Else the
+/// stack masquerades them (`nat_flags::MASQ`).
+#[inline(always)]
+fn bpf_masquerade(flags: u32) -> bool {
+    node_flags::masq_of(flags) != 0 && flags & node_flags::BPF_FORWARD != 0
+}
+
 /// A client's packet of a flow the stack masquerades (`nat_flags::MASQ`)
 /// goes to the stack, whose nat hook holds the flow's translation: it is
 /// not forwarded in BPF, also after an agent turned the masquerade off
@@ -1667,8 +1690,8 @@ fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
         ACT_CLEAR_LEFTOVER => clear_leftover::<F>(skb),
         ACT_REJECT => reject::<F>(skb),
         ACT_RESET => reset::<F>(skb),
-        ACT_ICMP => match icmp::translate_error::<F>(skb, true, false) {
-            ACT_ICMP_NO_FLOW if icmp::maglev_dsr_backend::<F>() => icmp::translate_error::<F>(skb, true, true),
+        ACT_ICMP => match icmp::translate_error::<F>(skb, true, false, 0) {
+            ACT_ICMP_NO_FLOW if icmp::maglev_dsr_backend::<F>() => icmp::translate_error::<F>(skb, true, true, 0),
             ACT_ICMP_NO_FLOW => TC_ACT_OK,
             act => act,
         },
@@ -1682,7 +1705,7 @@ fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
 #[inline(always)]
 fn egress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
     match egress::<F>(skb) {
-        ACT_ICMP => icmp::translate_error::<F>(skb, false, false),
+        ACT_ICMP => icmp::translate_error::<F>(skb, false, false, 0),
         ACT_TRANSLATED => TC_ACT_OK,
         act => act,
     }
@@ -1750,18 +1773,18 @@ pub fn lb_pod_ingress(ctx: TcContext) -> i32 {
 
 #[inline(always)]
 fn pod_then<F: Net>(skb: *mut __sk_buff) -> i32 {
-    let flags = lb::node_flags();
-    if flags & node_flags::BPF_FORWARD != 0 {
-        let act = fib::reply::<F>(skb);
-        if act != TC_ACT_OK || flags & node_flags::POD_PACKET_LB == 0 {
-            return act;
-        }
+    // Replies of flows masqueraded in BPF are translated here whatever the
+    // flags say (the agent keeps these programs while such flows live);
+    // with --bpf-forward the other replies of local backends too.
+    let mut act = fib::reply::<F>(skb);
+    if act == ACT_ICMP {
+        act = fib::reply_error::<F>(skb);
     }
-    if flags & node_flags::POD_PACKET_LB == 0 {
-        return TC_ACT_OK;
+    if act != TC_ACT_OK || lb::node_flags() & node_flags::POD_PACKET_LB == 0 {
+        return pod_finish::<F>(skb, act);
     }
     // One call after another, not nested: each gets the whole stack.
-    let mut act = ingress::<F>(skb, true);
+    act = ingress::<F>(skb, true);
     if act == ACT_NEW_FLOW {
         act = new_flow::<F>(skb, true);
     }
@@ -1779,6 +1802,11 @@ fn pod_then<F: Net>(skb: *mut __sk_buff) -> i32 {
             act = ACT_HAIRPIN;
         }
     }
+    pod_finish::<F>(skb, act)
+}
+
+#[inline(always)]
+fn pod_finish<F: Net>(skb: *mut __sk_buff, act: i32) -> i32 {
     match act {
         ACT_CLEAR_LEFTOVER => clear_leftover::<F>(skb),
         ACT_REJECT => reject::<F>(skb),

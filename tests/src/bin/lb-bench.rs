@@ -919,14 +919,21 @@ fn main() -> Result<()> {
         pairs.push(("lb (TC) at the backends' node / iptables at the backends' node".into(), np_at(2), np_at(19)));
         pairs.push(("iptables at the backends' node / direct".into(), np_at(19), direct19.clone()));
         np_paired = paired_rounds(&outside, &pairs, a.secs, rounds)?;
-        // lb with BPF forwarding at the backends' node, keeping the
-        // client's address (as externalTrafficPolicy Local does: a flow
-        // the stack masquerades is not forwarded in BPF): node 2's agent
-        // restarted with the flags (the pins and the flows stay), then back.
+        // lb with BPF forwarding at the backends' node: masquerading in
+        // BPF (the default), then keeping the client's address (as
+        // externalTrafficPolicy Local does): node 2's agent restarted with
+        // the flags (the pins and the flows stay), then back.
+        let fwd_masq = [
+            ("lb (TC, BPF forwarding, masquerading in BPF) at the backends' node / direct".to_string(), np_at(2), direct.clone()),
+            ("lb (TC, BPF forwarding, masquerading in BPF) at the backends' node / iptables at the backends' node".to_string(), np_at(2), np_at(19)),
+        ];
         let fwd_local = [
             ("lb (TC, BPF forwarding, client address kept) at the backends' node / direct".to_string(), np_at(2), direct.clone()),
             ("lb (TC, BPF forwarding, client address kept) at the backends' node / iptables at the backends' node".to_string(), np_at(2), np_at(19)),
         ];
+        c.kill_agent(2);
+        c.start_agent_from(2, &np_dir, &["--bpf-forward"])?;
+        np_paired.extend(paired_rounds(&outside, &fwd_masq, a.secs, rounds)?);
         c.kill_agent(2);
         c.start_agent_from(2, &np_dir, &["--bpf-forward", "--local-masquerade", "none"])?;
         // The pod program on the server's device carries its replies.
