@@ -60,10 +60,12 @@ fn every_bench_case_runs() {
     }
     // Paired from the outside client: four lb modes against direct and
     // against iptables, iptables against direct, and at the backends' node
-    // lb (TC, then with BPF forwarding) against direct and iptables, and
-    // iptables against direct.
+    // lb (TC; with BPF forwarding, masquerading in BPF; with BPF
+    // forwarding, the client's address kept) against direct and
+    // iptables, and iptables against direct.
     let np_paired = v["nodeport_paired"].as_object().unwrap();
-    assert_eq!(np_paired.len(), 14, "{stdout}");
+    assert_eq!(np_paired.len(), 16, "{stdout}");
+    assert!(np_paired.keys().any(|k| k.contains("masquerading in BPF")), "{stdout}");
     assert!(np_paired.values().all(|s| s["ratios"][0].as_f64().is_some_and(|r| r > 0.0)), "{stdout}");
     // With BPF forwarding at the backends' node, the pod program runs on
     // the server's device (its cost is reported).

@@ -206,6 +206,51 @@ fn flows_to_local_backends_are_masqueraded_in_bpf() -> Result<()> {
     }
     assert_eq!(forwarded(&w)?, (0, 0), "fragments skip FORWARD too");
 
+    // node-1's path to the client narrows to 1300 (a locked route MTU): a
+    // 1400-byte answer with DF set is answered to pod-1 ("fragmentation
+    // needed" / "packet too big", as the stack would), and pod-1 sends the
+    // next ones in fragments, which arrive.
+    let n1 = w.c.nodes[0].netns.clone();
+    let route_to = |ip: &str, v6: bool| -> Result<Vec<String>> {
+        let fam = if v6 { "-6" } else { "-4" };
+        let out = w.c.in_netns(&n1, &["ip", fam, "-o", "route", "get", ip])?;
+        let words: Vec<&str> = out.split_whitespace().collect();
+        let after = |k: &str| words.iter().position(|w| *w == k).and_then(|i| words.get(i + 1)).map(|s| s.to_string());
+        let mut r = vec!["ip".to_string(), fam.to_string(), "route".to_string(), "add".to_string(), format!("{ip}/{}", if v6 { 128 } else { 32 })];
+        if let Some(via) = after("via") {
+            r.extend(["via".to_string(), via]);
+        }
+        r.extend(["dev".to_string(), after("dev").unwrap_or_default()]);
+        Ok(r)
+    };
+    let too_big = datapath(&w.c, 1, "nat_too_big")?;
+    for (client, v6, addr) in [(CLIENT, false, hostport(NODE1, 30080)), (CLIENT6, true, hostport(NODE1_6, 30080))] {
+        let mut add = route_to(client, v6)?;
+        add.extend(["mtu".to_string(), "lock".to_string(), "1300".to_string()]);
+        w.c.in_netns(&n1, &add.iter().map(String::as_str).collect::<Vec<_>>())?;
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "6", "--size", "1400", "--echo", "--connected", "--timeout-ms", "500"])?;
+        assert!(s.ok >= 4, "{addr}: after the first, pod-1 fragments its answers to fit: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr.as_str()], "{s:?}");
+        let fam = if v6 { "-6" } else { "-4" };
+        let prefix = format!("{client}/{}", if v6 { 128 } else { 32 });
+        w.c.in_netns(&n1, &["ip", fam, "route", "del", &prefix])?;
+    }
+    assert!(datapath(&w.c, 1, "nat_too_big")? >= too_big + 2, "lb told pod-1 its answers did not fit, on both families");
+    // No route back to the client: pod-1's answers are dropped and counted
+    // (the stack would deliver them to node-1, whose address they carry).
+    let dropped = datapath(&w.c, 1, "nat_dropped")?;
+    for (client, v6, addr) in [(CLIENT, false, hostport(LB_IP, 80)), (CLIENT6, true, hostport(LB_IP6, 80))] {
+        let fam = if v6 { "-6" } else { "-4" };
+        let prefix = format!("{client}/{}", if v6 { 128 } else { 32 });
+        w.c.in_netns(&n1, &["ip", fam, "route", "add", "unreachable", &prefix])?;
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "3", "--timeout-ms", "300"])?;
+        w.c.in_netns(&n1, &["ip", fam, "route", "del", "unreachable", &prefix])?;
+        assert_eq!(s.ok, 0, "{addr}: {s:?}");
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &addr, "--count", "3"])?;
+        assert_eq!(s.ok, 3, "{addr}: the route back, the answers back: {s:?}");
+    }
+    assert!(datapath(&w.c, 1, "nat_dropped")? >= dropped + 6, "pod-1's answers without a route back counted");
+
     // A connection held across a restart without --bpf-forward keeps
     // going: the pod program stays on pod-1's device while it lives.
     let links = w.c.nodes[0].bpffs.join("links");
