@@ -599,6 +599,13 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
     assert_eq!(tcp(&c, &inside, "10.100.0.20:80", 5)?.ok, 5);
     c.remove_object("late.yaml")?;
     c.write_object("svc.yaml", &svc(&format!("\"{}/32\"", inside.ip)))?;
+    // Programmed: the frontend has its ranges (the egress program may
+    // still be attached for late.yaml's before this sync; the CI once
+    // caught two connects served in between).
+    c.wait_for("the ranges programmed", Duration::from_secs(5), || {
+        let l = c.list(1)?;
+        Ok(l["frontends"].as_array().into_iter().flatten().any(|f| f["address"] == lb4 && f["flags"].as_array().is_some_and(|a| a.iter().any(|x| x == "source-ranges"))))
+    })?;
     c.wait_for("the egress program attached", Duration::from_secs(5), egress)?;
     assert_eq!(short(&outside, "tcp", &format!("{lb4}:80"), &[])?.ok, 0);
     assert_eq!(tcp(&c, &inside, &format!("{lb4}:80"), 5)?.ok, 5);
