@@ -412,6 +412,11 @@ pub mod nat_flags {
     /// replies arrive on the pod's device, where `lb_pod_ingress`
     /// translates and forwards them; it is not marked for the stack.
     pub const LOCAL: u8 = 1 << 4;
+
+    /// Whether an entry's flow is masqueraded in BPF (`SNAT` with `LOCAL`).
+    pub const fn masqueraded_in_bpf(flags: u8) -> bool {
+        flags & (SNAT | LOCAL) == SNAT | LOCAL
+    }
 }
 
 /// `NatEntry::state` bits, per direction (each entry records its own).

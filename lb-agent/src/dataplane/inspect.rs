@@ -332,7 +332,7 @@ where
                 rewritten: tuple(e.to_saddr, e.to_sport, e.to_daddr, e.to_dport),
                 snat: e.flags & nat_flags::SNAT != 0,
                 dsr,
-                masquerade: e.flags & nat_flags::MASQ != 0 || e.flags & (nat_flags::SNAT | nat_flags::LOCAL) == nat_flags::SNAT | nat_flags::LOCAL,
+                masquerade: e.flags & nat_flags::MASQ != 0 || nat_flags::masqueraded_in_bpf(e.flags),
                 replied: reply.is_some_and(|r| r.state & nat_state::SEEN != 0) || (dsr && e.state & nat_state::SEEN != 0),
                 state,
                 age_s: now_ns.saturating_sub(e.created_ns) / 1_000_000_000,

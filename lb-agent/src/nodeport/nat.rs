@@ -93,8 +93,7 @@ pub struct NatPass {
 /// programs translate their replies, so they stay attached while any
 /// lives, also under an agent without `--bpf-forward`.
 pub fn bpf_masqueraded<'a, A: Addr + 'a>(entries: impl IntoIterator<Item = &'a NatEntry<A>>) -> usize {
-    let local = nat_flags::REPLY | nat_flags::SNAT | nat_flags::LOCAL;
-    entries.into_iter().filter(|e| e.flags & local == local).count()
+    entries.into_iter().filter(|e| e.flags & nat_flags::REPLY != 0 && nat_flags::masqueraded_in_bpf(e.flags)).count()
 }
 
 /// What a pass does to one flow, decided from a snapshot of the table.
@@ -233,27 +232,33 @@ where
     NatKey<A>: aya::Pod,
     NatEntry<A>: aya::Pod,
 {
-    match crate::dataplane::maps::lookup_all::<NatKey<A>, NatEntry<A>>(aya::maps::IterableMap::map(nat)) {
-        Ok(all) => bpf_masqueraded(all.iter().map(|(_, e)| e)),
-        Err(_) => bpf_masqueraded(nat.iter().filter_map(|r| r.ok()).map(|(_, e)| e).collect::<Vec<_>>().iter()),
+    bpf_masqueraded(snapshot(nat).values())
+}
+
+/// The whole table, read now (in batches: at capacity this is half a
+/// million entries; one by one where batches are not supported).
+fn snapshot<A: Addr>(nat: &NatMap<A>) -> BTreeMap<NatKey<A>, NatEntry<A>>
+where
+    NatKey<A>: aya::Pod,
+    NatEntry<A>: aya::Pod,
+{
+    match crate::dataplane::maps::lookup_all(aya::maps::IterableMap::map(nat)) {
+        Ok(all) => all.into_iter().collect(),
+        Err(e) => {
+            tracing::debug!("NAT batch lookup: {e}; iterating");
+            nat.iter().filter_map(|r| r.ok()).collect()
+        }
     }
 }
 
-/// One pass over a NAT table: `plan` from a snapshot (read in batches: at
-/// capacity this is half a million entries), then `apply`.
+/// One pass over a NAT table: `plan` from a snapshot, then `apply`.
 pub fn nat_pass<A: Addr>(nat: &mut NatMap<A>, t: &NatTimeouts, left: &BTreeSet<Pair>) -> NatPass
 where
     NatKey<A>: aya::Pod,
     NatEntry<A>: aya::Pod,
 {
     let now = monotonic_ns();
-    let entries: BTreeMap<NatKey<A>, NatEntry<A>> = match crate::dataplane::maps::lookup_all(aya::maps::IterableMap::map(nat)) {
-        Ok(all) => all.into_iter().collect(),
-        Err(e) => {
-            tracing::debug!("NAT batch lookup: {e}; iterating");
-            nat.iter().filter_map(|r| r.ok()).collect()
-        }
-    };
+    let entries = snapshot(nat);
     let steps = plan(&entries, now, t, left);
     let mut pass = apply(nat, &steps, now, t);
     pass.bpf_masqueraded = bpf_masqueraded(entries.values());

@@ -129,7 +129,7 @@ pub fn reply<F: Net>(skb: *mut __sk_buff) -> i32 {
     if entry.flags & nat_flags::REPLY == 0 {
         return TC_ACT_OK;
     }
-    let local = entry.flags & (nat_flags::SNAT | nat_flags::LOCAL) == nat_flags::SNAT | nat_flags::LOCAL;
+    let local = nat_flags::masqueraded_in_bpf(entry.flags);
     if !local {
         if frag.is_some() || entry.flags & nat_flags::SNAT != 0 || lb::node_flags() & node_flags::BPF_FORWARD == 0 || F::ttl(ctx) <= 1 {
             return TC_ACT_OK;
