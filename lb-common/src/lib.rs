@@ -789,6 +789,13 @@ pub mod node_flags {
     /// none, so that no connection is marked whose first packet the
     /// program could miss.
     pub const SOCK_EGRESS: u32 = 1 << 3;
+    /// No flow masqueraded in BPF (`nat_flags::LOCAL`) lives: the agent
+    /// forwards without BPF and saw none left after it wrote flags without
+    /// `BPF_FORWARD` (so none can be made). `lb_pod_ingress` then skips the
+    /// reply lookup that only such flows need without `BPF_FORWARD`
+    /// (`--per-packet-lb` alone). Set this way round so that the flags of
+    /// an agent that does not know it (never set) keep the lookup.
+    pub const NO_BPF_MASQUERADED: u32 = 1 << 4;
     /// Bits 8-13: the skb mark bit the TC programs set on what they
     /// translate and hand to the stack to forward, plus one (0: none), so
     /// that the agent's iptables rule (`LB-FORWARD`) accepts it in a

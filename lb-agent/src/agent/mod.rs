@@ -80,9 +80,10 @@ pub struct RunConfig {
 /// expires flows, and at once when endpoints leave it ends their flows (UDP
 /// removed, TCP marked for a RST). It logs when new flows were refused.
 /// Also returns how many flows masqueraded in BPF the tables hold (read
-/// at once, then at each pass).
+/// at once, then at each pass). A set sent to it (empty: none left) starts
+/// a pass at once.
 #[allow(clippy::type_complexity)]
-fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<BTreeSet<model::Pair>>, Arc<std::sync::atomic::AtomicUsize>)> {
+fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<BTreeSet<model::Pair>>, Arc<BpfMasqueraded>)> {
     use aya::maps::{HashMap, Map, MapData, PerCpuArray};
     let open = |name: &str| MapData::from_pin(loader::pin_path(&cfg.bpffs, name)).with_context(|| format!("open pinned {name}"));
     let mut nat4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT4)?))?;
@@ -91,7 +92,10 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<BTreeSet<mod
     let (timeouts, every) = (cfg.nat_timeouts, cfg.nat_gc_interval);
     let (tx, rx) = std::sync::mpsc::channel::<BTreeSet<model::Pair>>();
     let failed = move || -> u64 { stats.get(&lb_common::stats::NAT_FAILED, 0).map(|v| v.iter().sum()).unwrap_or(0) };
-    let masqueraded = Arc::new(std::sync::atomic::AtomicUsize::new(crate::nodeport::count_bpf_masqueraded(&nat4) + crate::nodeport::count_bpf_masqueraded(&nat6)));
+    let masqueraded = Arc::new(BpfMasqueraded {
+        started: Default::default(),
+        last: std::sync::Mutex::new((0, crate::nodeport::count_bpf_masqueraded(&nat4) + crate::nodeport::count_bpf_masqueraded(&nat6))),
+    });
     let count = masqueraded.clone();
     std::thread::Builder::new().name("nat".into()).spawn(move || {
         let mut seen_failed = failed();
@@ -105,10 +109,11 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<BTreeSet<mod
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
             };
+            let pass = count.started.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
             let p4 = crate::nodeport::nat_pass(&mut nat4, &timeouts, &left);
             let p6 = crate::nodeport::nat_pass(&mut nat6, &timeouts, &left);
             let (expired, flushed, marked) = (p4.expired + p6.expired, p4.flushed + p6.flushed, p4.marked + p6.marked);
-            count.store(p4.bpf_masqueraded + p6.bpf_masqueraded, std::sync::atomic::Ordering::Relaxed);
+            *count.last.lock().unwrap_or_else(|e| e.into_inner()) = (pass, p4.bpf_masqueraded + p6.bpf_masqueraded);
             if expired > 0 {
                 tracing::debug!(flows = expired, "NAT entries expired");
             }
@@ -126,6 +131,25 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<BTreeSet<mod
         }
     })?;
     Ok((tx, masqueraded))
+}
+
+/// The flows masqueraded in BPF (`nat_flags::LOCAL`) the NAT thread
+/// counted, and when.
+struct BpfMasqueraded {
+    /// Passes started; each reads the tables after it is counted here.
+    started: std::sync::atomic::AtomicU64,
+    /// The last pass that ended (0: the count read at start) and its count.
+    last: std::sync::Mutex<(u64, usize)>,
+}
+
+impl BpfMasqueraded {
+    fn last(&self) -> (u64, usize) {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn started(&self) -> u64 {
+        self.started.load(std::sync::atomic::Ordering::SeqCst)
+    }
 }
 
 /// `--bpf-log`: a thread that waits on the programs' log ring buffer and
@@ -239,14 +263,25 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let forward = cfg.node_flags & lb_common::node_flags::BPF_FORWARD != 0;
     let per_packet = cfg.node_flags & lb_common::node_flags::POD_PACKET_LB != 0;
     tc.pod_egress = per_packet;
+    // The flags an earlier agent left (they hold until this one's first
+    // full sync writes its own).
+    let earlier_flags = maps.node_config.get(&0, 0).map(|c| c.flags).unwrap_or(0);
     let (nat_left, bpf_masqueraded) = spawn_nat_gc(&cfg)?;
     // Flows an agent with --bpf-forward masqueraded in BPF: the pod
     // programs translate their replies, so they stay (and are brought up
-    // to this agent's) until the last such flow is gone.
-    let mut keep_pods = !forward && !per_packet && bpf_masqueraded.load(std::sync::atomic::Ordering::Relaxed) > 0;
-    if keep_pods {
+    // to this agent's) until the last such flow is gone. Until this
+    // agent's flags are written, the programs may still make such flows
+    // under the earlier agent's flags (with --bpf-forward and the
+    // masquerade on): only a count taken after that
+    // write says none lives (`masq_after`), and only then does
+    // `NO_BPF_MASQUERADED` tell the pod programs to skip their lookup.
+    let earlier_masq = earlier_flags & lb_common::node_flags::BPF_FORWARD != 0 && lb_common::node_flags::masq_of(earlier_flags) != 0;
+    let mut masq_pending = !forward && (bpf_masqueraded.last().1 > 0 || earlier_masq);
+    let mut masq_after: Option<u64> = None;
+    let mut keep_pods = masq_pending && !per_packet;
+    if bpf_masqueraded.last().1 > 0 && !forward {
         tracing::info!(
-            flows = bpf_masqueraded.load(std::sync::atomic::Ordering::Relaxed),
+            flows = bpf_masqueraded.last().1,
             "flows masqueraded in BPF by an agent with --bpf-forward live: the pod programs stay until they end"
         );
     }
@@ -322,8 +357,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         route_mtus,
         route_mtu_error: None,
         snat_ports: cfg.snat_ports,
-        node_flags: cfg.node_flags,
+        node_flags: cfg.node_flags | if forward || masq_pending { 0 } else { lb_common::node_flags::NO_BPF_MASQUERADED },
         sock_egress: tc.sock_egress(),
+        config_written: false,
         addresses: crate::nodeport::Addresses::watch(forward || per_packet)?,
         maglev: cfg.maglev,
         maglev4: crate::dataplane::maglev::MaglevTables::open(&cfg.bpffs, lb_common::maps::MAGLEV4)?,
@@ -481,11 +517,31 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 tc.check_xdp();
                 continue;
             }
-            _ = pods_check.tick(), if keep_pods => {
-                if bpf_masqueraded.load(std::sync::atomic::Ordering::Relaxed) == 0 {
-                    keep_pods = false;
-                    tracing::info!("the last flow masqueraded in BPF ended: the pod programs go");
-                    tc.drop_pod_programs(true);
+            _ = pods_check.tick(), if masq_pending => {
+                match masq_after {
+                    // This agent's flags (no BPF_FORWARD) are written: a
+                    // pass that starts now counts every flow made before.
+                    None if rec.config_written => {
+                        masq_after = Some(bpf_masqueraded.started());
+                        let _ = rec.nat_left.send(BTreeSet::new());
+                    }
+                    None => {}
+                    Some(after) => {
+                        let (pass, flows) = bpf_masqueraded.last();
+                        if pass > after && flows == 0 {
+                            if keep_pods {
+                                keep_pods = false;
+                                tracing::info!("the last flow masqueraded in BPF ended: the pod programs go");
+                                tc.drop_pod_programs(true);
+                            }
+                            masq_pending = false;
+                            // On failure the bit is still in this agent's
+                            // flags: its next write of the config has it.
+                            if let Err(e) = rec.set_node_flag(lb_common::node_flags::NO_BPF_MASQUERADED, true) {
+                                tracing::warn!("no flow masqueraded in BPF is left; the pod programs keep looking for them until the node config is written again: {e:#}");
+                            }
+                        }
+                    }
                 }
                 continue;
             }

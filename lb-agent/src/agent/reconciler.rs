@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 
 use crate::dataplane::loader::Capacity;
 use crate::dataplane::maps::{FamilyMaps, Maps};
@@ -206,6 +206,9 @@ pub(super) struct Reconciler {
     /// `lb_sock_egress` is attached: `node_flags::SOCK_EGRESS` goes into
     /// the node config with `node_flags`.
     pub(super) sock_egress: bool,
+    /// The node config holds this agent's flags (its first full sync wrote
+    /// it).
+    pub(super) config_written: bool,
     /// The interface addresses, from rtnetlink events.
     pub(super) addresses: crate::nodeport::Addresses,
     /// Maglev table size and seed, and the tables written per family.
@@ -466,6 +469,7 @@ impl Reconciler {
                 flags: self.node_flags | if self.sock_egress { lb_common::node_flags::SOCK_EGRESS } else { 0 },
                 maglev_size: self.maglev.size(),
             })?;
+            self.config_written = true;
             self.node_addresses = node.primary.clone();
         }
         // Routes that set an MTU the TC programs' FIB lookup does not see.
@@ -652,6 +656,18 @@ impl Reconciler {
         self.sock_egress = on;
         let Ok(mut cfg) = self.maps.node_config.get(&0, 0) else { return Ok(()) };
         let bit = lb_common::node_flags::SOCK_EGRESS;
+        cfg.flags = if on { cfg.flags | bit } else { cfg.flags & !bit };
+        self.maps.set_node_config(&cfg)
+    }
+
+    /// Set or clear a bit of the node flags, in the node config too once
+    /// it holds this agent's flags (before that, its first write takes it).
+    pub(super) fn set_node_flag(&mut self, bit: u32, on: bool) -> Result<()> {
+        self.node_flags = if on { self.node_flags | bit } else { self.node_flags & !bit };
+        if !self.config_written {
+            return Ok(());
+        }
+        let mut cfg = self.maps.node_config.get(&0, 0).context("read the node config")?;
         cfg.flags = if on { cfg.flags | bit } else { cfg.flags & !bit };
         self.maps.set_node_config(&cfg)
     }

@@ -1774,13 +1774,19 @@ pub fn lb_pod_ingress(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn pod_then<F: Net>(skb: *mut __sk_buff) -> i32 {
     // Replies of flows masqueraded in BPF are translated here whatever the
-    // flags say (the agent keeps these programs while such flows live);
-    // with --bpf-forward the other replies of local backends too.
-    let mut act = fib::reply::<F>(skb);
-    if act == ACT_ICMP {
-        act = fib::reply_error::<F>(skb);
+    // other flags say (the agent keeps these programs while such flows
+    // live); with --bpf-forward the other replies of local backends too.
+    // Skipped once the agent knows no such flow lives (--per-packet-lb
+    // alone: the lookup is the ingress step's again).
+    let flags = lb::node_flags();
+    let mut act = TC_ACT_OK;
+    if flags & node_flags::BPF_FORWARD != 0 || flags & node_flags::NO_BPF_MASQUERADED == 0 {
+        act = fib::reply::<F>(skb);
+        if act == ACT_ICMP {
+            act = fib::reply_error::<F>(skb);
+        }
     }
-    if act != TC_ACT_OK || lb::node_flags() & node_flags::POD_PACKET_LB == 0 {
+    if act != TC_ACT_OK || flags & node_flags::POD_PACKET_LB == 0 {
         return pod_finish::<F>(skb, act);
     }
     // One call after another, not nested: each gets the whole stack.
