@@ -780,7 +780,9 @@ impl Cluster {
         self.serve_with(pod, &pod.name, port, &["--report-peer"])
     }
 
-    fn serve_with(&self, pod: &Pod, name: &str, port: u16, extra: &[&str]) -> Result<u32> {
+    /// A server answering with `name`, with `extra` arguments of `lbprobe
+    /// serve`.
+    pub fn serve_with(&self, pod: &Pod, name: &str, port: u16, extra: &[&str]) -> Result<u32> {
         let mut child = self
             .probe_cmd(pod)
             .args(["serve", "--name", name, "--port", &port.to_string()])

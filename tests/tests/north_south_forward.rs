@@ -251,6 +251,37 @@ fn flows_to_local_backends_are_masqueraded_in_bpf() -> Result<()> {
     }
     assert!(datapath(&w.c, 1, "nat_dropped")? >= dropped + 6, "pod-1's answers without a route back counted");
 
+    // pod-1 answers with TTL 1: node-1 does not forward them, it tells
+    // pod-1 its TTL ran out (as the stack would, from the address pod-1
+    // sent them to) and counts them dropped.
+    w.c.stop(w.servers[0]);
+    let ttl1 = w.c.serve_with(&w.p1, "pod-1", 8080, &["--report-peer", "--ttl", "1"])?;
+    let p1_netns = w.p1.netns.clone();
+    let time_exceeded = |w: &World, v6: bool| -> Result<u64> {
+        let (file, key) = if v6 { ("/proc/net/snmp6", "Icmp6InTimeExcds") } else { ("/proc/net/snmp", "InTimeExcds") };
+        let text = w.c.in_netns(&p1_netns, &["cat", file])?;
+        if v6 {
+            return text.lines().find_map(|l| l.strip_prefix(key)).and_then(|v| v.trim().parse().ok()).ok_or_else(|| anyhow::anyhow!("{key} in {text}"));
+        }
+        // "Icmp: Name ..." then "Icmp: values ...".
+        let rows: Vec<Vec<&str>> = text.lines().filter(|l| l.starts_with("Icmp: ")).map(|l| l.split_whitespace().collect()).collect();
+        let i = rows.first().and_then(|h| h.iter().position(|n| *n == key)).ok_or_else(|| anyhow::anyhow!("{key} in {text}"))?;
+        Ok(rows.get(1).and_then(|v| v.get(i)).and_then(|v| v.parse().ok()).unwrap_or(0))
+    };
+    let dropped = datapath(&w.c, 1, "nat_dropped")?;
+    for (lb, v6) in [(LB_IP, false), (LB_IP6, true)] {
+        let before = time_exceeded(&w, v6)?;
+        let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(lb, 80), "--count", "3", "--timeout-ms", "300"])?;
+        assert_eq!(s.ok, 0, "{lb}: {s:?}");
+        let told = time_exceeded(&w, v6)? - before;
+        assert_eq!(told, 3, "{lb}: pod-1 told, once per answer, that its TTL ran out at node-1");
+    }
+    assert!(datapath(&w.c, 1, "nat_dropped")? >= dropped + 6, "answers whose TTL ran out counted");
+    w.c.stop(ttl1);
+    w.servers[0] = w.c.serve_reporting_peer(&w.p1, 8080)?;
+    let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(LB_IP, 80), "--count", "3"])?;
+    assert_eq!(s.ok, 3, "answers with a TTL that lasts arrive again: {s:?}");
+
     // A connection held across a restart without --bpf-forward keeps
     // going: the pod program stays on pod-1's device while it lives.
     let links = w.c.nodes[0].bpffs.join("links");
@@ -288,6 +319,55 @@ fn flows_to_local_backends_are_masqueraded_in_bpf() -> Result<()> {
         assert_eq!(s.errors.get("ECONNREFUSED"), Some(&2), "via {lb}: {s:?}");
         let from = format!("{unreachable} from={lb}");
         assert!(s.offenders.keys().all(|k| *k == from) && !s.offenders.is_empty(), "{from}: {s:?}");
+    }
+    Ok(())
+}
+
+/// node-1's node flags, as `bpftool map dump` shows them.
+fn node_flags(w: &World) -> Result<u64> {
+    let pin = w.c.nodes[0].bpffs.join("LB_NODE_CONFIG");
+    let dump = lbtest::run("bpftool", &["-j", "map", "dump", "pinned", pin.to_str().unwrap_or_default()])?;
+    let v: serde_json::Value = serde_json::from_str(&dump)?;
+    v[0]["formatted"]["value"]["flags"].as_u64().or_else(|| v[0]["value"]["flags"].as_u64()).ok_or_else(|| anyhow::anyhow!("no flags in {dump}"))
+}
+
+/// Under `--per-packet-lb` alone, the pod program translates the replies
+/// of flows an earlier agent masqueraded in BPF while they live, and skips
+/// that lookup once none is left (`NO_BPF_MASQUERADED` in the node flags,
+/// set only by a count taken after the agent's own flags, without
+/// `--bpf-forward`, were written).
+#[test]
+fn per_packet_lb_keeps_flows_masqueraded_in_bpf_until_they_end() -> Result<()> {
+    const NO_BPF_MASQUERADED: u64 = lb_common::node_flags::NO_BPF_MASQUERADED as u64;
+    let gc = ["--nat-tcp-close-timeout", "1", "--nat-udp-timeout", "3", "--nat-gc-interval", "1"];
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP, LB_IP6]), &[&["--bpf-forward"][..], &gc].concat())?;
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    assert_eq!(node_flags(&w)? & NO_BPF_MASQUERADED, 0, "with --bpf-forward the flag is never set");
+    for lb in [LB_IP, LB_IP6] {
+        let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(lb, 80), "--hold-ms", "4000", "--interval-ms", "50"])?;
+        std::thread::sleep(Duration::from_millis(500));
+        w.c.kill_agent(1);
+        w.c.start_agent_with(1, &[&["--bpf-forward=false", "--per-packet-lb"][..], &gc].concat())?;
+        assert_eq!(node_flags(&w)? & NO_BPF_MASQUERADED, 0, "{lb}: a flow masqueraded in BPF lives");
+        let s = Cluster::finish(held)?;
+        assert_eq!(s.failed(), 0, "{lb}: the held connection across the restart: {s:?}");
+        let bridge = if lb == LB_IP { NODE1_BRIDGE } else { NODE1_BRIDGE6 };
+        assert_eq!(keys(&s), [format!("pod-1 {bridge}").as_str()].into(), "{s:?}");
+        w.c.wait_for("the pod program told no flow masqueraded in BPF is left", Duration::from_secs(30), || {
+            Ok(node_flags(&w)? & NO_BPF_MASQUERADED != 0)
+        })?;
+        // Outside flows are masqueraded by the stack meanwhile, and still
+        // answered (the stack translates their replies).
+        let s = tcp(&w.c, &w.outside, &hostport(lb, 80), 5)?;
+        assert_eq!(s.ok, 5, "{s:?}");
+        assert_eq!(keys(&s), [format!("pod-1 {bridge}").as_str()].into(), "{s:?}");
+        // Back with --bpf-forward: the flag goes with the agent's first write.
+        w.c.kill_agent(1);
+        w.c.start_agent_with(1, &[&["--bpf-forward"][..], &gc].concat())?;
+        assert_eq!(node_flags(&w)? & NO_BPF_MASQUERADED, 0, "{lb}: --bpf-forward again");
+        let s = tcp(&w.c, &w.outside, &hostport(lb, 80), 5)?;
+        assert_eq!(s.ok, 5, "{s:?}");
     }
     Ok(())
 }

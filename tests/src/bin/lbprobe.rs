@@ -2,7 +2,7 @@
 //! server or a client; it enters its pod's network namespace and its node's
 //! cgroup itself, before it opens any socket.
 //!
-//!   lbprobe --netns NS --cgroup DIR serve --name NAME --port P
+//!   lbprobe --netns NS --cgroup DIR serve --name NAME --port P [--ttl T]
 //!   lbprobe --netns NS --cgroup DIR tcp --addr IP:PORT --count N [--sport P] [--linger0]
 //!   lbprobe --netns NS --cgroup DIR udp --addr IP:PORT --count N [--connected]
 //!           [--size N] [--ttl T] [--recverr]
@@ -52,6 +52,9 @@ enum Cmd {
         /// connections at once (a thread each would exhaust the machine).
         #[arg(long)]
         many: bool,
+        /// Send with this TTL / hop limit (both families).
+        #[arg(long)]
+        ttl: Option<u32>,
     },
     /// Benchmark client: connect, 1-byte request, 1-byte response, close,
     /// as fast as possible for SECS seconds, pinned to CPU `cpu`.
@@ -340,10 +343,21 @@ fn peer_ip(a: SocketAddr) -> String {
     }
 }
 
-fn serve(name: String, port: u16, report_peer: bool) -> anyhow::Result<()> {
+fn serve(name: String, port: u16, report_peer: bool, ttl: Option<u32>) -> anyhow::Result<()> {
     // Dual-stack: [::] also takes IPv4 (net.ipv6.bindv6only is 0).
     let tcp = TcpListener::bind(("::", port))?;
     let udp = UdpSocket::bind(("::", port))?;
+    if let Some(t) = ttl {
+        // IP_TTL for the IPv4 side of a dual-stack socket; accepted TCP
+        // connections inherit both.
+        use nix::sys::socket::{setsockopt, sockopt};
+        use std::os::fd::AsFd as _;
+        let t = libc::c_int::try_from(t)?;
+        for fd in [tcp.as_fd(), udp.as_fd()] {
+            setsockopt(&fd, sockopt::Ipv4Ttl, &t)?;
+            setsockopt(&fd, sockopt::Ipv6Ttl, &t)?;
+        }
+    }
     println!("ready");
     std::io::stdout().flush()?;
     let answer = move |name: &str, from: SocketAddr| if report_peer { format!("{name} {}", peer_ip(from)) } else { name.to_string() };
@@ -945,9 +959,9 @@ fn main() -> anyhow::Result<()> {
             raise_nofile();
             return serve_many(&name, port, report_peer);
         }
-        Cmd::Serve { name, port, report_peer, tiny: None, .. } => {
+        Cmd::Serve { name, port, report_peer, tiny: None, ttl, .. } => {
             raise_nofile();
-            return serve(name, port, report_peer);
+            return serve(name, port, report_peer, ttl);
         }
         Cmd::Rate(RateArgs { addr, secs, cpu }) => {
             pin(cpu);
