@@ -48,7 +48,9 @@
 //! address of the device they leave by, with random ports, as
 //! kube-proxy's KUBE-EXT-* chains (KUBE-MARK-MASQ, then MASQUERADE
 //! --random-fully in KUBE-POSTROUTING) do for every outside flow of such
-//! a Service; lb SNATs the flows to other nodes itself. conntrack reverses
+//! a Service; lb SNATs the flows to other nodes itself. Unlike
+//! kube-proxy's, the rule gives TCP and UDP ports outside lb's SNAT and
+//! NodePort ranges only (`masquerade_ports`). conntrack reverses
 //! the replies before the egress program translates them. A nat chain
 //! makes conntrack run, so the notrack rule is written with it at once.
 //!
@@ -290,12 +292,13 @@ pub type Seen = Vec<(String, State)>;
 /// Look at every backend's FORWARD chain and put lb's rules where they
 /// are needed (`mark`; 0: not), and lb's nftables table: its notrack rule
 /// where conntrack runs (`notrack`; 0: not), its masquerade rule
-/// (`masq`; 0: not); warn about what changed since `last`, and count into
-/// `m` (`lb_netfilter_rules_written_total`, `lb_netfilter_problems`).
-pub fn ensure(mark: u32, notrack: u32, masq: u32, last: &mut Option<Seen>, m: &crate::health::Metrics) {
+/// (`masq`; 0: not) with its TCP and UDP ports (`masq_ports`); warn
+/// about what changed since `last`, and count into `m`
+/// (`lb_netfilter_rules_written_total`, `lb_netfilter_problems`).
+pub fn ensure(mark: u32, notrack: u32, masq: u32, masq_ports: Option<(u16, u16)>, last: &mut Option<Seen>, m: &crate::health::Metrics) {
     let mut now = Seen::new();
     if (notrack != 0 || masq != 0)
-        && let Some(state) = ensure_table(notrack, masq, m)
+        && let Some(state) = ensure_table(notrack, masq, masq_ports, m)
     {
         now.push((format!("nftables {NFT_TABLE}"), state));
     }
@@ -366,8 +369,42 @@ fn notrack_comment(mark: u32) -> String {
 /// The comment of the masquerade rule that matches nothing (`table_script`).
 const KEEP_COMMENT: &str = "lb: matches nothing; keeps connections masqueraded before --local-masquerade none (lb-agent teardown removes it)";
 
-fn masquerade_comment(mark: u32) -> String {
-    format!("lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark {mark:#x})")
+fn masquerade_comment(mark: u32, ports: Option<(u16, u16)>) -> String {
+    match ports {
+        Some((lo, hi)) => format!("lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark {mark:#x}, ports {lo}-{hi})"),
+        None => format!("lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark {mark:#x})"),
+    }
+}
+
+/// The source ports the masquerade rule gives TCP and UDP flows: the
+/// longest run of 1024-65535 outside the ranges in `avoid` (None where
+/// nothing is left: then any port, as kube-proxy's rule gives). lb passes
+/// its SNAT range (`--snat-ports`) and the NodePort range:
+/// - lb's masquerade in BPF (`--bpf-forward`) takes its ports from the
+///   SNAT range, checking its own NAT table, not conntrack: a port the
+///   stack gave a flow to the same pod, while both kinds of flow live
+///   (after `--bpf-forward` is turned on or off), would be given twice.
+/// - With `--per-packet-lb` the pod program sees a pod's reply before
+///   conntrack does: one to a NodePort (the stack's masquerade gave the
+///   flow that port) would look like a new connection to it.
+pub fn masquerade_ports(avoid: &[(u16, u16)]) -> Option<(u16, u16)> {
+    let mut ranges: Vec<(u32, u32)> = avoid.iter().map(|&(a, b)| (u32::from(a.min(b)), u32::from(a.max(b)))).collect();
+    ranges.sort();
+    let mut best: Option<(u32, u32)> = None;
+    let mut consider = |lo: u32, hi: u32| {
+        if lo <= hi && best.is_none_or(|(a, b)| hi - lo > b - a) {
+            best = Some((lo, hi));
+        }
+    };
+    let mut next = 1024u32;
+    for (a, b) in ranges {
+        if a > next {
+            consider(next, a - 1);
+        }
+        next = next.max(b + 1);
+    }
+    consider(next, 65535);
+    best.map(|(lo, hi)| (lo as u16, hi as u16))
 }
 
 /// The `nft -f` script that makes `inet lb` hold exactly what is asked
@@ -377,7 +414,8 @@ fn masquerade_comment(mark: u32) -> String {
 ///   Priority raw (-300): before conntrack (-200).
 /// - `masq` (a mark; 0: none): packets carrying it are masqueraded to
 ///   the address of the device they leave by, with random ports
-///   (kube-proxy's `MASQUERADE --random-fully` for its masquerade mark).
+///   (kube-proxy's `MASQUERADE --random-fully` for its masquerade mark),
+///   TCP and UDP within `ports` (`masquerade_ports`; None: any).
 /// - `keep_nat` (with `masq` 0): the nat chain stays, with a masquerade
 ///   rule that matches nothing, so that the connections masqueraded
 ///   before the masquerade was turned off keep their translation. The
@@ -386,7 +424,7 @@ fn masquerade_comment(mark: u32) -> String {
 ///   masqueraded conntrack entry (unregistering its device notifier
 ///   replays a "device down" for each device), which resets those
 ///   connections.
-pub fn table_script(notrack: u32, masq: u32, keep_nat: bool) -> String {
+pub fn table_script(notrack: u32, masq: u32, ports: Option<(u16, u16)>, keep_nat: bool) -> String {
     let mut s = format!("add table {NFT_TABLE}\ndelete table {NFT_TABLE}\nadd table {NFT_TABLE}\n");
     if notrack != 0 {
         s += &format!(
@@ -402,9 +440,12 @@ pub fn table_script(notrack: u32, masq: u32, keep_nat: bool) -> String {
         s += &format!("add rule {NFT_TABLE} postrouting meta nfproto ipv4 meta nfproto ipv6 masquerade comment \"{KEEP_COMMENT}\"\n");
     }
     if masq != 0 {
+        // Ports need a transport protocol; lb marks TCP and UDP flows only.
+        let to = ports.map_or(String::new(), |(lo, hi)| format!("meta l4proto {{ tcp, udp }} masquerade to :{lo}-{hi}"));
         s += &format!(
-            "add rule {NFT_TABLE} postrouting meta mark & {masq:#x} == {masq:#x} masquerade fully-random comment \"{}\"\n",
-            masquerade_comment(masq)
+            "add rule {NFT_TABLE} postrouting meta mark & {masq:#x} == {masq:#x} {} fully-random comment \"{}\"\n",
+            if to.is_empty() { "masquerade" } else { &to },
+            masquerade_comment(masq, ports)
         );
     }
     s
@@ -451,7 +492,7 @@ const NAT_CHAIN: &str = "type nat hook postrouting";
 /// rule comes with it. A nat chain lb wrote stays, with a rule that
 /// matches nothing, when the masquerade is turned off (`table_script`);
 /// with nothing else to hold, a table without one is removed.
-pub fn ensure_table(notrack: u32, masq: u32, m: &crate::health::Metrics) -> Option<State> {
+pub fn ensure_table(notrack: u32, masq: u32, masq_ports: Option<(u16, u16)>, m: &crate::health::Metrics) -> Option<State> {
     let table: Vec<&str> = NFT_TABLE.split_whitespace().collect();
     let current = nft(&["list", "table", table[0], table[1]], None).ok();
     let keep_nat = masq == 0 && current.as_deref().is_some_and(|t| t.contains(NAT_CHAIN));
@@ -464,7 +505,7 @@ pub fn ensure_table(notrack: u32, masq: u32, m: &crate::health::Metrics) -> Opti
         }
         return None;
     }
-    let mut want: Vec<String> = [(notrack, notrack_comment(notrack)), (masq, masquerade_comment(masq)), (keep_nat as u32, KEEP_COMMENT.to_string())]
+    let mut want: Vec<String> = [(notrack, notrack_comment(notrack)), (masq, masquerade_comment(masq, masq_ports)), (keep_nat as u32, KEEP_COMMENT.to_string())]
         .into_iter()
         .filter(|(m, _)| *m != 0)
         .map(|(_, c)| c)
@@ -473,7 +514,7 @@ pub fn ensure_table(notrack: u32, masq: u32, m: &crate::health::Metrics) -> Opti
     if current.as_deref().is_some_and(|t| rule_comments(t) == want) {
         return Some(State::InPlace);
     }
-    Some(match nft(&["-f", "-"], Some(&table_script(notrack, masq, keep_nat))) {
+    Some(match nft(&["-f", "-"], Some(&table_script(notrack, masq, masq_ports, keep_nat))) {
         Ok(_) => {
             if notrack != 0 {
                 m.netfilter_written.get_or_create(&[("kind", "notrack")]).inc();
@@ -489,8 +530,9 @@ pub fn ensure_table(notrack: u32, masq: u32, m: &crate::health::Metrics) -> Opti
             }
             if masq != 0 {
                 m.netfilter_written.get_or_create(&[("kind", "masquerade")]).inc();
+                let ports = masq_ports.map_or("any".to_string(), |(lo, hi)| format!("{lo}-{hi}"));
                 tracing::info!(
-                    "outside flows to backends on this node of externalTrafficPolicy Cluster Services are masqueraded to the node's address, as kube-proxy does (nftables table {NFT_TABLE}: masquerade for mark {masq:#x})"
+                    "outside flows to backends on this node of externalTrafficPolicy Cluster Services are masqueraded to the node's address, as kube-proxy does (nftables table {NFT_TABLE}: masquerade for mark {masq:#x}, TCP and UDP ports {ports}: outside --snat-ports and the NodePort range)"
                 );
             }
             State::InPlace
@@ -686,14 +728,35 @@ mod tests {
         let masq = "add chain inet lb postrouting { type nat hook postrouting priority srcnat; policy accept; }\n\
                     add rule inet lb postrouting meta mark & 0x800 == 0x800 masquerade fully-random comment \"lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark 0x800)\"\n";
         let head = "add table inet lb\ndelete table inet lb\nadd table inet lb\n";
-        assert_eq!(table_script(0x2000, 0, false), format!("{head}{notrack}"));
-        assert_eq!(table_script(0, 0x800, false), format!("{head}{masq}"));
-        assert_eq!(table_script(0x2000, 0x800, false), format!("{head}{notrack}{masq}"));
-        assert_eq!(table_script(0x2000, 0x800, true), format!("{head}{notrack}{masq}"), "the chain once");
+        assert_eq!(table_script(0x2000, 0, None, false), format!("{head}{notrack}"));
+        assert_eq!(table_script(0, 0x800, None, false), format!("{head}{masq}"));
+        assert_eq!(table_script(0x2000, 0x800, None, false), format!("{head}{notrack}{masq}"));
+        assert_eq!(table_script(0x2000, 0x800, None, true), format!("{head}{notrack}{masq}"), "the chain once");
         let (chain, _) = masq.split_once("add rule").unwrap();
         let keep = format!("add rule inet lb postrouting meta nfproto ipv4 meta nfproto ipv6 masquerade comment \"{KEEP_COMMENT}\"\n");
-        assert_eq!(table_script(0x2000, 0, true), format!("{head}{notrack}{chain}{keep}"), "the nat chain kept, with a rule that matches nothing");
-        assert_eq!(table_script(0, 0, true), format!("{head}{chain}{keep}"));
+        assert_eq!(table_script(0x2000, 0, None, true), format!("{head}{notrack}{chain}{keep}"), "the nat chain kept, with a rule that matches nothing");
+        assert_eq!(table_script(0, 0, None, true), format!("{head}{chain}{keep}"));
+        assert_eq!(table_script(0x2000, 0, Some((32768, 65535)), true), format!("{head}{notrack}{chain}{keep}"), "no ports without the masquerade");
+        let ported = "add rule inet lb postrouting meta mark & 0x800 == 0x800 meta l4proto { tcp, udp } masquerade to :32768-65535 fully-random \
+                      comment \"lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark 0x800, ports 32768-65535)\"\n";
+        assert_eq!(table_script(0, 0x800, Some((32768, 65535)), false), format!("{head}{chain}{ported}"));
+    }
+
+    #[test]
+    fn the_masquerade_keeps_out_of_lbs_port_ranges() {
+        // The defaults: --snat-ports 1024-29999, NodePorts 30000-32767.
+        assert_eq!(masquerade_ports(&[(1024, 29999), (30000, 32767)]), Some((32768, 65535)));
+        assert_eq!(masquerade_ports(&[(30000, 32767), (1024, 29999)]), Some((32768, 65535)), "in any order");
+        assert_eq!(masquerade_ports(&[]), Some((1024, 65535)));
+        // The longest run wins: 1024-29999 over 32768-39999 and 50001-65535.
+        assert_eq!(masquerade_ports(&[(40000, 50000), (30000, 32767)]), Some((1024, 29999)));
+        // Overlapping, nested, below 1024, reversed.
+        assert_eq!(masquerade_ports(&[(100, 2000), (1500, 40000), (2000, 3000)]), Some((40001, 65535)));
+        assert_eq!(masquerade_ports(&[(60000, 50000), (1024, 49999)]), Some((60001, 65535)));
+        // Up to the top, and a single port left.
+        assert_eq!(masquerade_ports(&[(1025, 65535)]), Some((1024, 1024)));
+        assert_eq!(masquerade_ports(&[(1024, 65535)]), None, "nothing left");
+        assert_eq!(masquerade_ports(&[(1, 65535), (30000, 32767)]), None);
     }
 
     #[test]
@@ -703,7 +766,7 @@ mod tests {
                       \t\tmeta mark & 0x00002000 == 0x00002000 notrack comment \"lb: SNATed and DSR flows skip conntrack (mark 0x2000)\"\n\t}\n\n\
                       \tchain postrouting {\n\t\ttype nat hook postrouting priority srcnat; policy accept;\n\
                       \t\tmeta mark & 0x00000800 == 0x00000800 masquerade fully-random comment \"lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark 0x800)\"\n\t}\n}\n";
-        let mut want = vec![notrack_comment(0x2000), masquerade_comment(0x800)];
+        let mut want = vec![notrack_comment(0x2000), masquerade_comment(0x800, None)];
         want.sort();
         assert_eq!(rule_comments(listed), want);
         assert_eq!(rule_comments("table inet lb {\n}\n"), Vec::<String>::new());

@@ -403,6 +403,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mark = lb_common::node_flags::mark_of(cfg.node_flags);
     let notrack = lb_common::node_flags::notrack_of(cfg.node_flags);
     let masq = lb_common::node_flags::masq_of(cfg.node_flags);
+    let masq_ports = crate::firewall::masquerade_ports(&[cfg.snat_ports, cfg.nodeport_range]);
     let nm = metrics.clone();
     tokio::task::spawn_blocking(move || {
         let errors = if mark == 0 { crate::firewall::remove() } else { Vec::new() };
@@ -412,7 +413,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         // Both off: the table goes, but for a nat chain an earlier agent's
         // masquerade leaves (its connections keep their translation).
         if notrack == 0 && masq == 0
-            && let Some(crate::firewall::State::Failed(e)) = crate::firewall::ensure_table(0, 0, &nm)
+            && let Some(crate::firewall::State::Failed(e)) = crate::firewall::ensure_table(0, 0, None, &nm)
         {
             tracing::warn!("lb's nftables table could not be written: {e}");
         }
@@ -441,7 +442,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 }
             });
         }
-        every(cfg.forward_accept_period, Some(wake), "looking at the FORWARD chains and conntrack", move |last| crate::firewall::ensure(mark, notrack, masq, last, &fm));
+        every(cfg.forward_accept_period, Some(wake), "looking at the FORWARD chains and conntrack", move |last| crate::firewall::ensure(mark, notrack, masq, masq_ports, last, &fm));
     }
     // kube-proxy's conntrack settings, once conntrack is loaded (lb's
     // masquerade loads it; so may anything else, later): a look a second

@@ -2,7 +2,7 @@
 //! server or a client; it enters its pod's network namespace and its node's
 //! cgroup itself, before it opens any socket.
 //!
-//!   lbprobe --netns NS --cgroup DIR serve --name NAME --port P [--ttl T]
+//!   lbprobe --netns NS --cgroup DIR serve --name NAME --port P [--report-peer [--report-port]] [--ttl T]
 //!   lbprobe --netns NS --cgroup DIR tcp --addr IP:PORT --count N [--sport P] [--linger0]
 //!   lbprobe --netns NS --cgroup DIR udp --addr IP:PORT --count N [--connected]
 //!           [--size N] [--ttl T] [--recverr]
@@ -55,6 +55,9 @@ enum Cmd {
         /// Send with this TTL / hop limit (both families).
         #[arg(long)]
         ttl: Option<u32>,
+        /// With --report-peer: "NAME PEER-IP port=PEER-PORT".
+        #[arg(long)]
+        report_port: bool,
     },
     /// Benchmark client: connect, 1-byte request, 1-byte response, close,
     /// as fast as possible for SECS seconds, pinned to CPU `cpu`.
@@ -343,7 +346,7 @@ fn peer_ip(a: SocketAddr) -> String {
     }
 }
 
-fn serve(name: String, port: u16, report_peer: bool, ttl: Option<u32>) -> anyhow::Result<()> {
+fn serve(name: String, port: u16, (report_peer, report_port): (bool, bool), ttl: Option<u32>) -> anyhow::Result<()> {
     // Dual-stack: [::] also takes IPv4 (net.ipv6.bindv6only is 0).
     let tcp = TcpListener::bind(("::", port))?;
     let udp = UdpSocket::bind(("::", port))?;
@@ -360,7 +363,11 @@ fn serve(name: String, port: u16, report_peer: bool, ttl: Option<u32>) -> anyhow
     }
     println!("ready");
     std::io::stdout().flush()?;
-    let answer = move |name: &str, from: SocketAddr| if report_peer { format!("{name} {}", peer_ip(from)) } else { name.to_string() };
+    let answer = move |name: &str, from: SocketAddr| match (report_peer, report_port) {
+        (true, true) => format!("{name} {} port={}", peer_ip(from), from.port()),
+        (true, false) => format!("{name} {}", peer_ip(from)),
+        _ => name.to_string(),
+    };
     let uname = name.clone();
     std::thread::spawn(move || {
         let mut buf = vec![0u8; 65536];
@@ -959,9 +966,9 @@ fn main() -> anyhow::Result<()> {
             raise_nofile();
             return serve_many(&name, port, report_peer);
         }
-        Cmd::Serve { name, port, report_peer, tiny: None, ttl, .. } => {
+        Cmd::Serve { name, port, report_peer, tiny: None, ttl, report_port, .. } => {
             raise_nofile();
-            return serve(name, port, report_peer, ttl);
+            return serve(name, port, (report_peer, report_port), ttl);
         }
         Cmd::Rate(RateArgs { addr, secs, cpu }) => {
             pin(cpu);
