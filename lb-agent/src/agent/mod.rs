@@ -1,6 +1,7 @@
 //! `lb-agent run`: watch a source, compute the model, program the maps.
 //! The run loop and the threads beside it are here; `reconciler` turns a
 //! snapshot into map writes.
+mod masq_watch;
 mod reconciler;
 
 use reconciler::{Mirror, Reconciler};
@@ -269,16 +270,10 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let (nat_left, bpf_masqueraded) = spawn_nat_gc(&cfg)?;
     // Flows an agent with --bpf-forward masqueraded in BPF: the pod
     // programs translate their replies, so they stay (and are brought up
-    // to this agent's) until the last such flow is gone. Until this
-    // agent's flags are written, the programs may still make such flows
-    // under the earlier agent's flags (with --bpf-forward and the
-    // masquerade on): only a count taken after that
-    // write says none lives (`masq_after`), and only then does
-    // `NO_BPF_MASQUERADED` tell the pod programs to skip their lookup.
+    // to this agent's) until the last such flow is gone (`MasqWatch`).
     let earlier_masq = earlier_flags & lb_common::node_flags::BPF_FORWARD != 0 && lb_common::node_flags::masq_of(earlier_flags) != 0;
-    let mut masq_pending = !forward && (bpf_masqueraded.last().1 > 0 || earlier_masq);
-    let mut masq_after: Option<u64> = None;
-    let mut keep_pods = masq_pending && !per_packet;
+    let mut masq_watch = masq_watch::MasqWatch::start(forward, bpf_masqueraded.last().1, earlier_masq);
+    let mut keep_pods = masq_watch.pending() && !per_packet;
     if bpf_masqueraded.last().1 > 0 && !forward {
         tracing::info!(
             flows = bpf_masqueraded.last().1,
@@ -357,7 +352,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         route_mtus,
         route_mtu_error: None,
         snat_ports: cfg.snat_ports,
-        node_flags: cfg.node_flags | if forward || masq_pending { 0 } else { lb_common::node_flags::NO_BPF_MASQUERADED },
+        node_flags: cfg.node_flags | if forward || masq_watch.pending() { 0 } else { lb_common::node_flags::NO_BPF_MASQUERADED },
         sock_egress: tc.sock_egress(),
         config_written: false,
         addresses: crate::nodeport::Addresses::watch(forward || per_packet)?,
@@ -404,6 +399,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let notrack = lb_common::node_flags::notrack_of(cfg.node_flags);
     let masq = lb_common::node_flags::masq_of(cfg.node_flags);
     let masq_ports = crate::firewall::masquerade_ports(&[cfg.snat_ports, cfg.nodeport_range]);
+    if masq != 0 && masq_ports.is_none() {
+        tracing::warn!(
+            "--snat-ports and --nodeport-range cover 1024-65535: the local masquerade takes any port, so while flows masqueraded in BPF and by the stack live side by side a port may be given twice; narrow --snat-ports"
+        );
+    }
     let nm = metrics.clone();
     tokio::task::spawn_blocking(move || {
         let errors = if mark == 0 { crate::firewall::remove() } else { Vec::new() };
@@ -518,29 +518,22 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 tc.check_xdp();
                 continue;
             }
-            _ = pods_check.tick(), if masq_pending => {
-                match masq_after {
-                    // This agent's flags (no BPF_FORWARD) are written: a
-                    // pass that starts now counts every flow made before.
-                    None if rec.config_written => {
-                        masq_after = Some(bpf_masqueraded.started());
+            _ = pods_check.tick(), if masq_watch.pending() => {
+                match masq_watch.look(rec.config_written, bpf_masqueraded.started(), bpf_masqueraded.last()) {
+                    masq_watch::Look::Wait => {}
+                    masq_watch::Look::Pass => {
                         let _ = rec.nat_left.send(BTreeSet::new());
                     }
-                    None => {}
-                    Some(after) => {
-                        let (pass, flows) = bpf_masqueraded.last();
-                        if pass > after && flows == 0 {
-                            if keep_pods {
-                                keep_pods = false;
-                                tracing::info!("the last flow masqueraded in BPF ended: the pod programs go");
-                                tc.drop_pod_programs(true);
-                            }
-                            masq_pending = false;
-                            // On failure the bit is still in this agent's
-                            // flags: its next write of the config has it.
-                            if let Err(e) = rec.set_node_flag(lb_common::node_flags::NO_BPF_MASQUERADED, true) {
-                                tracing::warn!("no flow masqueraded in BPF is left; the pod programs keep looking for them until the node config is written again: {e:#}");
-                            }
+                    masq_watch::Look::Done => {
+                        if keep_pods {
+                            keep_pods = false;
+                            tracing::info!("the last flow masqueraded in BPF ended: the pod programs go");
+                            tc.drop_pod_programs(true);
+                        }
+                        // On failure the bit is still in this agent's
+                        // flags: its next write of the config has it.
+                        if let Err(e) = rec.set_node_flag(lb_common::node_flags::NO_BPF_MASQUERADED, true) {
+                            tracing::warn!("no flow masqueraded in BPF is left; the pod programs keep looking for them until the node config is written again: {e:#}");
                         }
                     }
                 }
