@@ -370,10 +370,8 @@ fn notrack_comment(mark: u32) -> String {
 const KEEP_COMMENT: &str = "lb: matches nothing; keeps connections masqueraded before --local-masquerade none (lb-agent teardown removes it)";
 
 fn masquerade_comment(mark: u32, ports: Option<(u16, u16)>) -> String {
-    match ports {
-        Some((lo, hi)) => format!("lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark {mark:#x}, ports {lo}-{hi})"),
-        None => format!("lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark {mark:#x})"),
-    }
+    let ports = ports.map_or(String::new(), |(lo, hi)| format!(", ports {lo}-{hi}"));
+    format!("lb: outside flows to local backends of externalTrafficPolicy Cluster Services are masqueraded (mark {mark:#x}{ports})")
 }
 
 /// The source ports the masquerade rule gives TCP and UDP flows: the
@@ -441,10 +439,9 @@ pub fn table_script(notrack: u32, masq: u32, ports: Option<(u16, u16)>, keep_nat
     }
     if masq != 0 {
         // Ports need a transport protocol; lb marks TCP and UDP flows only.
-        let to = ports.map_or(String::new(), |(lo, hi)| format!("meta l4proto {{ tcp, udp }} masquerade to :{lo}-{hi}"));
+        let action = ports.map_or("masquerade".to_string(), |(lo, hi)| format!("meta l4proto {{ tcp, udp }} masquerade to :{lo}-{hi}"));
         s += &format!(
-            "add rule {NFT_TABLE} postrouting meta mark & {masq:#x} == {masq:#x} {} fully-random comment \"{}\"\n",
-            if to.is_empty() { "masquerade" } else { &to },
+            "add rule {NFT_TABLE} postrouting meta mark & {masq:#x} == {masq:#x} {action} fully-random comment \"{}\"\n",
             masquerade_comment(masq, ports)
         );
     }
@@ -530,9 +527,9 @@ pub fn ensure_table(notrack: u32, masq: u32, masq_ports: Option<(u16, u16)>, m: 
             }
             if masq != 0 {
                 m.netfilter_written.get_or_create(&[("kind", "masquerade")]).inc();
-                let ports = masq_ports.map_or("any".to_string(), |(lo, hi)| format!("{lo}-{hi}"));
+                let ports = masq_ports.map_or(String::new(), |(lo, hi)| format!(", TCP and UDP ports {lo}-{hi}: outside --snat-ports and the NodePort range"));
                 tracing::info!(
-                    "outside flows to backends on this node of externalTrafficPolicy Cluster Services are masqueraded to the node's address, as kube-proxy does (nftables table {NFT_TABLE}: masquerade for mark {masq:#x}, TCP and UDP ports {ports}: outside --snat-ports and the NodePort range)"
+                    "outside flows to backends on this node of externalTrafficPolicy Cluster Services are masqueraded to the node's address, as kube-proxy does (nftables table {NFT_TABLE}: masquerade for mark {masq:#x}{ports})"
                 );
             }
             State::InPlace

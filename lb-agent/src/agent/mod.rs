@@ -273,16 +273,17 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // to this agent's) until the last such flow is gone (`MasqWatch`).
     let earlier_masq = earlier_flags & lb_common::node_flags::BPF_FORWARD != 0 && lb_common::node_flags::masq_of(earlier_flags) != 0;
     let mut masq_watch = masq_watch::MasqWatch::start(forward, bpf_masqueraded.last().1, earlier_masq);
-    let mut keep_pods = masq_watch.pending() && !per_packet;
+    // Only the watch keeps the pod programs where no flag asks for them.
+    let keep_pods = |w: &masq_watch::MasqWatch| w.pending() && !forward && !per_packet;
     if bpf_masqueraded.last().1 > 0 && !forward {
         tracing::info!(
             flows = bpf_masqueraded.last().1,
             "flows masqueraded in BPF by an agent with --bpf-forward live: the pod programs stay until they end"
         );
     }
-    tc.verify_optional(forward || per_packet || keep_pods)?;
+    tc.verify_optional(forward || per_packet || keep_pods(&masq_watch))?;
     if !forward || !per_packet {
-        tc.drop_pod_programs(!forward && !per_packet && !keep_pods);
+        tc.drop_pod_programs(!forward && !per_packet && !keep_pods(&masq_watch));
     }
     // During an upgrade the programs attach once the new maps are filled.
     if upgrade.is_none() {
@@ -525,8 +526,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                         let _ = rec.nat_left.send(BTreeSet::new());
                     }
                     masq_watch::Look::Done => {
-                        if keep_pods {
-                            keep_pods = false;
+                        if !per_packet {
                             tracing::info!("the last flow masqueraded in BPF ended: the pod programs go");
                             tc.drop_pod_programs(true);
                         }
@@ -652,7 +652,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         // Service addresses is translated there, as soon as a Service
         // exists. New pods' devices are picked up here: a veth coming up
         // wakes this loop (`Addresses`).
-        let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods;
+        let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods(&masq_watch);
         if upgrade.is_none() && (rec.has_external || pods) {
             let nodeport = if cfg.nodeport_interfaces.is_empty() {
                 let found = crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses);
