@@ -134,12 +134,25 @@ impl Collector for DatapathCollector {
             return Ok(());
         }
         type Pick = fn(&lb_common::SvcStats) -> u64;
-        let families: [(&str, &str, bool, &str, Pick); 6] = [
-            ("lb_frontend_connections", "Connections translated for a frontend (connect; new TC flows)", true, "", |c| c.conns),
+        let families: [(&str, &str, bool, &str, Pick); 7] = [
+            (
+                "lb_frontend_connections",
+                "Connections translated for a frontend (connect; new TC flows; behind loadBalancerSourceRanges, once a packet passes them)",
+                true,
+                "",
+                |c| c.conns,
+            ),
             ("lb_frontend_refused", "Connections to a frontend refused", true, "no_endpoints", |c| c.refused),
             ("lb_frontend_refused", "", true, "no_local_endpoint", |c| c.unreachable),
             ("lb_frontend_packets", "Packets of a frontend's translated TC flows, both directions", true, "", |c| c.packets),
             ("lb_frontend_bytes", "Bytes of a frontend's translated TC flows, both directions", true, "", |c| c.bytes),
+            (
+                "lb_frontend_source_range_dropped_packets",
+                "Packets to a frontend dropped by its loadBalancerSourceRanges (TC; the socket path's connections and datagrams)",
+                true,
+                "",
+                |c| c.source_range,
+            ),
             ("lb_backend_connections", "Connections translated to a backend", false, "", |c| c.conns),
         ];
         let mut i = 0;

@@ -247,6 +247,11 @@ pub struct SvcStats {
     pub packets: u64,
     /// TC: bytes of those packets (as on the wire, Ethernet header included).
     pub bytes: u64,
+    /// Frontends: packets dropped by its loadBalancerSourceRanges (TC: from
+    /// outside sources; socket path: the packets of a connection, or
+    /// unconnected datagrams, from a source outside them). Such a
+    /// connection is counted in `conns` only once a packet of it passes.
+    pub source_range: u64,
 }
 
 /// `lb-agent monitor`: one decision of a program, sent through the ring
@@ -581,9 +586,11 @@ pub mod stats {
     /// not hold (ECMP sent the error to another node than the flow),
     /// translated and sent on to the backend Maglev picks for the flow.
     pub const NAT_ICMP_MAGLEV: u32 = 22;
-    /// Socket hooks: packets of sockets translated to a frontend with
-    /// loadBalancerSourceRanges, dropped because their source is outside
-    /// them (`lb_sock_egress`).
+    /// Packets dropped by a frontend's loadBalancerSourceRanges: on the
+    /// socket path, packets of sockets translated to it whose source is
+    /// outside them (`lb_sock_egress`); since 12-05 also TC's (outside
+    /// clients and, under `--per-packet-lb`, pods: also counted in
+    /// `nat_dropped`).
     pub const SRC_RANGE_DROPPED: u32 = 23;
     pub const COUNT: u32 = 24;
     pub const NAMES: [&str; COUNT as usize] = [
@@ -643,6 +650,10 @@ pub mod maps {
     /// Sockets whose packets' source loadBalancerSourceRanges must allow
     /// (`SockCheck`).
     pub const SOCK_CHECK: &str = "LB_SOCK_CHECK";
+    /// Connections to a frontend with loadBalancerSourceRanges not counted
+    /// yet (socket -> the backend id they were sent to): counted when their
+    /// first packet passes the ranges.
+    pub const SOCK_PENDING: &str = "LB_SOCK_PENDING";
     pub const SVC_STATS: &str = "LB_SVC_STATS";
     pub const MAGLEV4: &str = "LB4_MAGLEV";
     pub const MAGLEV6: &str = "LB6_MAGLEV";
@@ -658,11 +669,11 @@ pub mod maps {
     pub const FRAG6: &str = "LB6_FRAG";
     /// Routes that set an MTU (`RouteKey` -> `RouteMtu`).
     pub const ROUTE_MTU: &str = "LB_ROUTE_MTU";
-    pub const ALL: [&str; 31] = [
+    pub const ALL: [&str; 32] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
         AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
         SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3], MAGLEV4, MAGLEV6, SOCK_UDP, XDP_DEVS,
-        FRAG4, FRAG6, ROUTE_MTU, SOCK_CHECK,
+        FRAG4, FRAG6, ROUTE_MTU, SOCK_CHECK, SOCK_PENDING,
     ];
 }
 
@@ -914,7 +925,7 @@ const _: () = {
     assert!(core::mem::size_of::<SockRevNat6Value>() == 20);
     assert!(core::mem::size_of::<SockXlate>() == 40);
     assert!(core::mem::size_of::<SvcStatsKey>() == 8);
-    assert!(core::mem::size_of::<SvcStats>() == 40);
+    assert!(core::mem::size_of::<SvcStats>() == 48);
     assert!(core::mem::size_of::<MonitorEvent>() == 80);
     assert!(core::mem::size_of::<AffinityKey>() == 32);
     assert!(core::mem::size_of::<AffinityValue>() == 16);
@@ -954,7 +965,10 @@ mod layout_tests {
     /// keeps sizes (a field moved, two swapped) is invisible to the loader's
     /// size check: it must bump LAYOUT_VERSION, so that an upgrade replaces
     /// the pinned maps instead of misreading them. Update the expected value
-    /// below together with the version.
+    /// below together with the version. A change of a value's size alone
+    /// (`SvcStats` growing `source_range`, 12-05) needs no bump: the loader
+    /// replaces that one map, where a bump would replace them all (and
+    /// with `LB_SOCK_XLATE` every socket's getpeername rewriting).
     #[test]
     fn the_layout_fingerprint_goes_with_the_layout_version() {
         let layouts: &[(&str, usize, &[usize])] = &[
@@ -971,7 +985,7 @@ mod layout_tests {
             ("SockRevNat6Value", core::mem::size_of::<SockRevNat6Value>(), &[core::mem::offset_of!(SockRevNat6Value, addr), core::mem::offset_of!(SockRevNat6Value, port), core::mem::offset_of!(SockRevNat6Value, rev_nat_id)]),
             ("SockXlate", core::mem::size_of::<SockXlate>(), &[core::mem::offset_of!(SockXlate, front), core::mem::offset_of!(SockXlate, backend), core::mem::offset_of!(SockXlate, front_port), core::mem::offset_of!(SockXlate, backend_port), core::mem::offset_of!(SockXlate, rev_nat_id), core::mem::offset_of!(SockXlate, family), core::mem::offset_of!(SockXlate, _pad)]),
             ("SvcStatsKey", core::mem::size_of::<SvcStatsKey>(), &[core::mem::offset_of!(SvcStatsKey, id), core::mem::offset_of!(SvcStatsKey, kind), core::mem::offset_of!(SvcStatsKey, family), core::mem::offset_of!(SvcStatsKey, _pad)]),
-            ("SvcStats", core::mem::size_of::<SvcStats>(), &[core::mem::offset_of!(SvcStats, conns), core::mem::offset_of!(SvcStats, refused), core::mem::offset_of!(SvcStats, unreachable), core::mem::offset_of!(SvcStats, packets), core::mem::offset_of!(SvcStats, bytes)]),
+            ("SvcStats", core::mem::size_of::<SvcStats>(), &[core::mem::offset_of!(SvcStats, conns), core::mem::offset_of!(SvcStats, refused), core::mem::offset_of!(SvcStats, unreachable), core::mem::offset_of!(SvcStats, packets), core::mem::offset_of!(SvcStats, bytes), core::mem::offset_of!(SvcStats, source_range)]),
             ("AffinityKey", core::mem::size_of::<AffinityKey>(), &[core::mem::offset_of!(AffinityKey, netns_cookie), core::mem::offset_of!(AffinityKey, client), core::mem::offset_of!(AffinityKey, rev_nat_id), core::mem::offset_of!(AffinityKey, family), core::mem::offset_of!(AffinityKey, _pad)]),
             ("AffinityValue", core::mem::size_of::<AffinityValue>(), &[core::mem::offset_of!(AffinityValue, last_used_ns), core::mem::offset_of!(AffinityValue, backend_id), core::mem::offset_of!(AffinityValue, _pad)]),
             ("AffinityMatchKey", core::mem::size_of::<AffinityMatchKey>(), &[core::mem::offset_of!(AffinityMatchKey, backend_id), core::mem::offset_of!(AffinityMatchKey, rev_nat_id), core::mem::offset_of!(AffinityMatchKey, family), core::mem::offset_of!(AffinityMatchKey, _pad)]),
@@ -1002,8 +1016,8 @@ mod layout_tests {
                 eat(&o.to_le_bytes());
             }
         }
-        assert_eq!((LAYOUT_VERSION, h), (5, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION and set FINGERPRINT to {h:#x}");
+        assert_eq!((LAYOUT_VERSION, h), (5, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION (unless only sizes changed) and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0x088c_fbf7_461b_0cd0;
+    const FINGERPRINT: u64 = 0x6b75_8038_4df3_d920;
 }

@@ -198,6 +198,8 @@ pub enum Acct {
     Conn,
     Refused,
     Unreachable,
+    /// A packet dropped by loadBalancerSourceRanges.
+    SourceRange,
     /// A packet of this many bytes.
     Packet(u32),
 }
@@ -228,6 +230,7 @@ pub fn account(kind: u8, family: u8, id: u32, what: Acct) {
             Acct::Conn => add(core::ptr::addr_of_mut!((*p).conns), 1),
             Acct::Refused => add(core::ptr::addr_of_mut!((*p).refused), 1),
             Acct::Unreachable => add(core::ptr::addr_of_mut!((*p).unreachable), 1),
+            Acct::SourceRange => add(core::ptr::addr_of_mut!((*p).source_range), 1),
             Acct::Packet(len) => {
                 add(core::ptr::addr_of_mut!((*p).packets), 1);
                 add(core::ptr::addr_of_mut!((*p).bytes), len as u64);

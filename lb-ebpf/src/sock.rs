@@ -48,6 +48,14 @@ static LB_SOCK_UDP: HashMap<u64, SockXlate, { capacity::SOCK_REVNAT as usize }, 
 #[btf_map]
 static LB_SOCK_CHECK: SkStorage<SockCheck> = SkStorage::new();
 
+/// The backend id of a connection marked in `LB_SOCK_CHECK` that has not
+/// been counted yet: a connection its frontend's ranges refuse is no
+/// connection, so it is counted (`account_conn`) when its first packet
+/// passes them, and this storage goes. (A socket an agent from before it
+/// marked has none: that agent counted it at connect.)
+#[btf_map]
+static LB_SOCK_PENDING: SkStorage<u32> = SkStorage::new();
+
 const EADDRINUSE: i32 = 98;
 const EPERM: i32 = 1;
 
@@ -145,11 +153,14 @@ fn check_meta(stable: bool, ranged: bool, family: u8, rev_nat_id: u16, backend_p
 /// connected socket's packets to its backend until one passes; an
 /// unconnected socket's datagrams one by one. A connect to a frontend
 /// without ranges clears what an earlier connect of the socket (UDP may
-/// connect again) marked. False: the kernel refused the socket its
+/// connect again) marked. MARK_REFUSE: the kernel refused the socket its
 /// storage, and the connect or datagram is refused (EPERM) rather than let
-/// through unchecked. (Its own frame, like `track`.)
+/// through unchecked; MARK_DEFERRED: a connection marked for the check,
+/// with `backend_id` kept in `LB_SOCK_PENDING`, is counted by
+/// `lb_sock_egress` once a packet of it passes; MARK_COUNT: count it now.
+/// (Its own frame, like `track`.)
 #[inline(never)]
-fn mark_check(ctx: &SockAddrContext, meta: u64, backend: &[u8; 16]) -> bool {
+fn mark_check(ctx: &SockAddrContext, meta: u64, backend: &[u8; 16], backend_id: u32) -> u8 {
     let (family, stable, ranged) = (meta as u8, meta & 1 << 8 != 0, meta & 1 << 9 != 0);
     let (rev_nat_id, backend_port) = ((meta >> 16) as u16, (meta >> 32) as u16);
     if !ranged {
@@ -165,17 +176,29 @@ fn mark_check(ctx: &SockAddrContext, meta: u64, backend: &[u8; 16]) -> bool {
                 }
             }
         }
-        return true;
+        return MARK_COUNT;
     }
     if lb::node_flags() & node_flags::SOCK_EGRESS == 0 {
-        return true;
+        return MARK_COUNT;
     }
     let mut v = SockCheck::default();
     // SAFETY: ctx is this program's context; the helper checks the socket.
     let p = unsafe { LB_SOCK_CHECK.get_or_insert_ptr_mut(ctx, Some(&mut v)) };
     if p.is_null() {
         lb::event(stats::SOCK_STORAGE_FAILED);
-        return false;
+        return MARK_REFUSE;
+    }
+    let mut out = MARK_COUNT;
+    if !stable {
+        let mut id = backend_id;
+        // SAFETY: as above.
+        let pending = unsafe { LB_SOCK_PENDING.get_or_insert_ptr_mut(ctx, Some(&mut id)) };
+        if !pending.is_null() {
+            // SAFETY: this socket's storage (an earlier connect's, when
+            // the socket connects again: overwritten).
+            unsafe { core::ptr::write_volatile(pending, backend_id) };
+            out = MARK_DEFERRED;
+        }
     }
     // SAFETY: p points to this socket's storage.
     let mut c = unsafe { core::ptr::read_volatile(p) };
@@ -193,7 +216,31 @@ fn mark_check(ctx: &SockAddrContext, meta: u64, backend: &[u8; 16]) -> bool {
     }
     // SAFETY: p points to this socket's storage.
     unsafe { core::ptr::write_volatile(p, c) };
-    true
+    out
+}
+
+/// `mark_check`'s verdicts.
+const MARK_REFUSE: u8 = 0;
+const MARK_COUNT: u8 = 1;
+const MARK_DEFERRED: u8 = 2;
+
+/// The first packet of a connection marked in `LB_SOCK_CHECK` passed:
+/// count the connection, if its connect left that to this program. (Its
+/// own frame.)
+#[inline(never)]
+fn count_pending(sk: *mut aya_ebpf::bindings::bpf_sock, family: u8, rev_nat_id: u16) {
+    let map = core::ptr::from_ref(&LB_SOCK_PENDING).cast_mut().cast::<c_void>();
+    // SAFETY: the helper checks the socket (a full socket, or NULL back).
+    let p = unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), 0) }.cast::<u32>();
+    if p.is_null() {
+        return;
+    }
+    // SAFETY: p points to this socket's storage.
+    let backend_id = unsafe { core::ptr::read_volatile(p) };
+    lb::account_conn(family, rev_nat_id, backend_id);
+    // SAFETY: sk is the packet's full socket (the lookup above found its
+    // storage).
+    let _ = unsafe { LB_SOCK_PENDING.delete(sk) };
 }
 
 /// cgroup_skb egress verdicts. DROP_CN: dropped, and the sender told of
@@ -232,7 +279,7 @@ pub fn lb_sock_egress(ctx: SkBuffContext) -> i32 {
     if p.is_null() {
         return SKB_PASS;
     }
-    let verdict = check_source(skb, p);
+    let verdict = check_source(skb, sk, p);
     if verdict & EVENT_FILLED != 0 {
         report_denied();
     }
@@ -304,7 +351,7 @@ fn addresses(skb: *mut __sk_buff, h: &mut Hdr) -> bool {
 /// `lb_sock_egress` for a marked socket. (Its own frame: the addresses
 /// stay off the entry point's stack.)
 #[inline(never)]
-fn check_source(skb: *mut __sk_buff, p: *mut SockCheck) -> i32 {
+fn check_source(skb: *mut __sk_buff, sk: *mut aya_ebpf::bindings::bpf_sock, p: *mut SockCheck) -> i32 {
     // SAFETY: p points to this socket's storage.
     let mut c = unsafe { core::ptr::read_volatile(p) };
     if c.state & (sock_check::CONNECTED | sock_check::UNCONNECTED) == 0 {
@@ -327,6 +374,7 @@ fn check_source(skb: *mut __sk_buff, p: *mut SockCheck) -> i32 {
             c.state &= !sock_check::CONNECTED;
             // SAFETY: p points to this socket's storage.
             unsafe { core::ptr::write_volatile(p, c) };
+            count_pending(sk, c.family, c.rev_nat_id);
             return SKB_PASS;
         }
         return denied(family, &src, c.rev_nat_id, l4, drop);
@@ -383,10 +431,12 @@ fn node_allowed(rev_nat_id: u16, family: u8) -> bool {
 /// monitors listen, fill this CPU's event with the client
 /// (`lb_sock_egress` adds the frontend and sends it, a frame away from
 /// this one's stack, when the verdict says EVENT_FILLED); `l4` is
-/// protocol << 16 | port, `verdict` what the program returns.
-#[inline(always)]
+/// protocol << 16 | port, `verdict` what the program returns. (Its own
+/// frame: the counters' key and value stay off `check_source`'s stack.)
+#[inline(never)]
 fn denied(family: u8, src: &[u8; 16], rev_nat_id: u16, l4: u32, verdict: i32) -> i32 {
     lb::event(stats::SRC_RANGE_DROPPED);
+    lb::account(lb_common::STATS_FRONTEND, family, rev_nat_id as u32, lb::Acct::SourceRange);
     if lb::observed()
         && let Some(ev) = lb::event_buf()
     {
@@ -438,15 +488,16 @@ fn refused(ctx: &SockAddrContext, stable: bool, family: u8, proto: u8, front: *c
 }
 
 /// A translated connect or datagram: tell the monitors and the log (when
-/// they listen) and count the connection for its frontend and backend.
+/// they listen) and count the connection for its frontend and backend
+/// (`count`: not left to `lb_sock_egress`, `mark_check`'s MARK_COUNT).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn translated(ctx: &SockAddrContext, stable: bool, family: u8, proto: u8, front: *const u8, port: u16, to: (*const u8, u16), v: (u16, u32, u8)) {
+fn translated(ctx: &SockAddrContext, stable: bool, count: bool, family: u8, proto: u8, front: *const u8, port: u16, to: (*const u8, u16), v: (u16, u32, u8)) {
     let (rev_nat_id, backend_id, why) = v;
     if lb::observed() {
         report(ctx.sock_addr.cast(), meta(family, proto, stable, why, 0, rev_nat_id), front, to.0, (port as u32) << 16 | to.1 as u32);
     }
-    if !stable {
+    if !stable && count {
         lb::account_conn(family, rev_nat_id, backend_id);
     }
 }
@@ -621,10 +672,11 @@ fn xlate4_to(ctx: &SockAddrContext, stable: bool, proto: u8, addr: [u8; 4], port
         Verdict::Refuse { errno, why, rev_nat_id } => refused(ctx, stable, FAMILY_V4, proto, addr.as_ptr(), port, errno, why, rev_nat_id),
         Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
             let ranged = front_flags & svc_flags::SRC_RANGE != 0;
-            if !mark_check(ctx, check_meta(stable, ranged, FAMILY_V4, rev_nat_id, backend.port), &wide4(backend.addr)) {
+            let mark = mark_check(ctx, check_meta(stable, ranged, FAMILY_V4, rev_nat_id, backend.port), &wide4(backend.addr), backend_id);
+            if mark == MARK_REFUSE {
                 return refuse(EPERM);
             }
-            translated(ctx, stable, FAMILY_V4, proto, addr.as_ptr(), port, (backend.addr.as_ptr(), backend.port), (rev_nat_id, backend_id, why));
+            translated(ctx, stable, mark == MARK_COUNT, FAMILY_V4, proto, addr.as_ptr(), port, (backend.addr.as_ptr(), backend.port), (rev_nat_id, backend_id, why));
             let x = SockXlate {
                 front: wide4(addr),
                 backend: wide4(backend.addr),
@@ -664,10 +716,11 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
         Verdict::Refuse { errno, why, rev_nat_id } => refused(ctx, stable, FAMILY_V6, proto, addr.as_ptr(), port, errno, why, rev_nat_id),
         Verdict::Backend { backend, rev_nat_id, backend_id, why } => {
             let ranged = front_flags & svc_flags::SRC_RANGE != 0;
-            if !mark_check(ctx, check_meta(stable, ranged, FAMILY_V6, rev_nat_id, backend.port), &backend.addr) {
+            let mark = mark_check(ctx, check_meta(stable, ranged, FAMILY_V6, rev_nat_id, backend.port), &backend.addr, backend_id);
+            if mark == MARK_REFUSE {
                 return refuse(EPERM);
             }
-            translated(ctx, stable, FAMILY_V6, proto, addr.as_ptr(), port, (backend.addr.as_ptr(), backend.port), (rev_nat_id, backend_id, why));
+            translated(ctx, stable, mark == MARK_COUNT, FAMILY_V6, proto, addr.as_ptr(), port, (backend.addr.as_ptr(), backend.port), (rev_nat_id, backend_id, why));
             let x = SockXlate {
                 front: addr,
                 backend: backend.addr,

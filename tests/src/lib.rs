@@ -1052,6 +1052,21 @@ impl Cluster {
         Ok(serde_json::from_str(&out)?)
     }
 
+    /// Frontend `addr:port/proto`'s counters on node `node` (`lb-agent list
+    /// --stats`: conns, refused, unreachable, source_range, packets, bytes)
+    /// and the sum of its backends' connections.
+    pub fn frontend_stats(&self, node: usize, addr: &str, port: u16, proto: &str) -> Result<(serde_json::Value, u64)> {
+        let l = self.list_with(node, &["--stats"])?;
+        let f = l["frontends"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|f| f["address"] == addr && f["port"] == port && f["protocol"] == proto)
+            .with_context(|| format!("no frontend {addr}:{port}/{proto} on node-{node}: {l}"))?;
+        let backends = f["backends"].as_array().into_iter().flatten().filter_map(|b| b["stats"]["conns"].as_u64()).sum();
+        Ok((f["stats"].clone(), backends))
+    }
+
     /// The backends programmed for `addr:port/proto` on node `node`, as
     /// `ip:port` strings, or None when the frontend is not programmed.
     pub fn programmed(&self, node: usize, addr: &str, port: u16, proto: &str) -> Result<Option<Vec<String>>> {

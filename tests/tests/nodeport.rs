@@ -146,13 +146,24 @@ fn external_ips_in_cluster_translation_can_be_turned_off() -> Result<()> {
 #[test]
 fn load_balancer_source_ranges_drop_other_sources() -> Result<()> {
     let svc = web("LoadBalancer", "  loadBalancerSourceRanges: [\"192.168.77.100/32\"]\n", &[LB_IP]);
-    let mut w = world(&svc, &[])?;
+    let mut w = world(&svc, &["--metrics-per-service"])?;
     let other = w.c.add_outside("other", 101, &[(&format!("{LB_IP}/32"), 1)])?;
     wait_nodeport(&w.c, 1, 2)?;
     let s = tcp(&w.c, &w.outside, &format!("{LB_IP}:80"), 10)?;
     assert_eq!(s.ok, 10, "inside the range: {s:?}");
     let s = tcp(&w.c, &other, &format!("{LB_IP}:80"), 2)?;
     assert_eq!(s.errors.get("ETIMEDOUT"), Some(&2), "outside the range: dropped: {s:?}");
+    // Counted for the frontend (`lb-agent list --stats`): the 10 flows
+    // served, and the dropped SYNs (one or two per connect in its second).
+    let (stats, backends) = w.c.frontend_stats(1, LB_IP, 80, "TCP")?;
+    assert_eq!((stats["conns"].as_u64(), backends), (Some(10), 10), "{stats}");
+    let dropped = stats["source_range"].as_u64().unwrap_or_default();
+    assert!((2..=4).contains(&dropped), "{stats}");
+    assert_eq!(lbtest::world::datapath(&w.c, 1, "source_range_dropped")?, dropped, "the node's counter");
+    let (_, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
+    let name = format!("lb_frontend_source_range_dropped_packets_total{{frontend=\"{LB_IP}:80\"}} ");
+    let exported: Option<u64> = m.lines().find_map(|l| l.strip_prefix(&name)?.parse().ok());
+    assert_eq!(exported, Some(dropped), "{m}");
     Ok(())
 }
 

@@ -513,6 +513,19 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
         assert_eq!((s.ok, s.errors.get("EPERM")), (0, Some(&2)), "{addr}: {s:?}");
     }
     assert!(lbtest::world::datapath(&c, 1, "source_range_dropped")? >= 16, "counted");
+    // Per frontend (`lb-agent list --stats`; an address and port, TCP and
+    // UDP together): a connection the ranges refused is no connection, for
+    // the frontend or its backends; its dropped packets are counted as
+    // source_range. Served: 10 TCP connections and 5 connected UDP sockets
+    // (IPv6: 6 more with extension headers). Dropped: the pod's 2 SYNs
+    // (each timed out before a second one), 2 unconnected and 2 connected
+    // datagrams (IPv6: 8 more with extension headers), the node's 2 SYNs
+    // and 2 datagrams.
+    for (addr, conns, dropped) in [(lb4, 15, 10), (lb6, 21, 18)] {
+        let (stats, backends) = c.frontend_stats(1, addr, 80, "TCP")?;
+        assert_eq!((stats["conns"].as_u64(), stats["source_range"].as_u64()), (Some(conns), Some(dropped)), "{addr}: {stats}");
+        assert_eq!(backends, 10, "{addr}: the TCP backends count the 10 served only: {stats}");
+    }
     // The ClusterIP is not restricted.
     assert_eq!(tcp(&c, &outside, "10.96.0.10:80", 5)?.ok, 5);
     assert_eq!(udp(&c, &host, "10.96.0.10:80", 5, &[])?.ok, 5);
@@ -540,6 +553,7 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
     lbtest::run("nsenter", &[&ns, "--", "ip", "addr", "del", &format!("{lb4}/32"), "dev", "lo"])?;
     // A connect that the ranges drop goes through with its next SYN once
     // they hold the pod (kube-proxy's firewall checks each new flow).
+    let (before, before_backends) = c.frontend_stats(1, lb4, 80, "TCP")?;
     let late = std::thread::scope(|sc| -> Result<Summary> {
         let t = sc.spawn(|| c.probe(&outside, &["tcp", "--addr", &format!("{lb4}:80"), "--count", "1", "--timeout-ms", "5000"]));
         std::thread::sleep(Duration::from_millis(300));
@@ -547,6 +561,11 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
         t.join().unwrap()
     })?;
     assert_eq!(late.ok, 1, "{late:?}");
+    // Counted once it got through: one connection, after its dropped SYNs.
+    let (after, after_backends) = c.frontend_stats(1, lb4, 80, "TCP")?;
+    let n = |v: &serde_json::Value, k: &str| v[k].as_u64().unwrap_or_default();
+    assert_eq!((n(&after, "conns") - n(&before, "conns"), after_backends - before_backends), (1, 1), "{before} -> {after}");
+    assert!(n(&after, "source_range") > n(&before, "source_range"), "{before} -> {after}");
     // ... and once the Service has no ranges any more.
     c.write_object("svc.yaml", &svc(&format!("\"{}/32\"", inside.ip)))?;
     c.wait_for("the pod left out again", Duration::from_secs(5), || Ok(short(&outside, "tcp", &format!("{lb4}:80"), &[])?.ok == 0))?;

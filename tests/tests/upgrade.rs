@@ -178,3 +178,48 @@ fn an_upgrade_moves_the_programs_of_devices_whose_pins_spell_them_otherwise() ->
     assert_eq!(s.ok, 10, "{s:?}");
     Ok(())
 }
+
+/// Counters pinned by an agent from before `SvcStats::source_range` (12-05:
+/// `LB_SVC_STATS` values of 40 bytes) come along into the wider map: no
+/// counter goes back (a Prometheus counter that drops reads as a reset).
+#[test]
+fn counters_from_before_the_source_range_counter_are_carried_over() -> Result<()> {
+    use aya::maps::{HashMap, Map, MapData};
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    assert_eq!(tcp(&w.c, &client, "10.96.0.10:80", 10)?.ok, 10);
+    let (stats, backends) = w.c.frontend_stats(1, "10.96.0.10", 80, "TCP")?;
+    assert_eq!((stats["conns"].as_u64(), backends), (Some(10), 10), "{stats}");
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+
+    // The same counters in the old layout: the first five fields.
+    let pin = w.c.nodes[0].bpffs.join(lb_common::maps::SVC_STATS);
+    let entries: Vec<([u8; 8], [u8; 48])> = {
+        let wide: HashMap<MapData, [u8; 8], [u8; 48]> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
+        wide.iter().collect::<Result<_, _>>()?
+    };
+    assert!(entries.len() >= 3, "the frontend and its two backends: {entries:?}");
+    std::fs::remove_file(&pin)?;
+    let max = (lb_common::capacity::REVNAT + lb_common::capacity::BACKENDS).to_string();
+    lbtest::run("bpftool", &["map", "create", pin.to_str().unwrap(), "type", "hash", "key", "8", "value", "40", "entries", &max, "name", "LB_SVC_STATS"])?;
+    {
+        let mut narrow: HashMap<MapData, [u8; 8], [u8; 40]> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
+        for (k, v) in &entries {
+            narrow.insert(k, <[u8; 40]>::try_from(&v[..40])?, 0)?;
+        }
+    }
+
+    w.c.start_agent_env(1, &objects, &[], &[])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let replaced = lines_with(&w.c, "gets a new layout")?;
+    assert!(replaced.len() == 1 && replaced[0].contains(lb_common::maps::SVC_STATS), "{replaced:?}");
+    assert_eq!(aya::maps::MapInfo::from_pin(&pin)?.value_size(), 48);
+    let (stats, backends) = w.c.frontend_stats(1, "10.96.0.10", 80, "TCP")?;
+    assert_eq!((stats["conns"].as_u64(), stats["source_range"].as_u64(), backends), (Some(10), Some(0), 10), "carried over: {stats}");
+    assert_eq!(tcp(&w.c, &client, "10.96.0.10:80", 5)?.ok, 5);
+    let (stats, backends) = w.c.frontend_stats(1, "10.96.0.10", 80, "TCP")?;
+    assert_eq!((stats["conns"].as_u64(), backends), (Some(15), 15), "and counting on: {stats}");
+    Ok(())
+}

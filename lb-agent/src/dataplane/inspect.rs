@@ -29,13 +29,16 @@ pub struct Counters {
     pub conns: u64,
     pub refused: u64,
     pub unreachable: u64,
+    /// Packets dropped by loadBalancerSourceRanges.
+    pub source_range: u64,
     pub packets: u64,
     pub bytes: u64,
 }
 
 impl From<SvcStats> for Counters {
     fn from(s: SvcStats) -> Self {
-        Self { conns: s.conns, refused: s.refused, unreachable: s.unreachable, packets: s.packets, bytes: s.bytes }
+        let SvcStats { conns, refused, unreachable, packets, bytes, source_range } = s;
+        Self { conns, refused, unreachable, source_range, packets, bytes }
     }
 }
 
@@ -214,7 +217,10 @@ pub fn render_text(v: &ListView) -> String {
         let front = if f.family == "IPv6" { format!("[{}]:{}", f.address, f.port) } else { format!("{}:{}", f.address, f.port) };
         let fam = if f.family == "IPv6" { "ip6" } else { "ip4" };
         let counted = f.stats.map_or(String::new(), |c| {
-            format!("  conns={} refused={} unreachable={} packets={} bytes={}", c.conns, c.refused, c.unreachable, c.packets, c.bytes)
+            format!(
+                "  conns={} refused={} unreachable={} source_range={} packets={} bytes={}",
+                c.conns, c.refused, c.unreachable, c.source_range, c.packets, c.bytes
+            )
         });
         let maglev = f.maglev.as_ref().map_or(String::new(), |m| format!("  maglev={}x{} digest={}", m.size, m.backends, m.digest));
         let _ = writeln!(s, "{fam:<4} {:<4} {:<33} {:<9} {}{maglev}{counted}", f.protocol, front, shown.len(), flags.join(","));

@@ -57,7 +57,7 @@ pub(super) fn mark_layout(dir: &Path, version: &str) -> Result<()> {
 
 /// Every map with the type, key size, value size and max_entries this agent
 /// gives it.
-pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 31] {
+pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 32] {
     use aya::maps::MapType as T;
     use lb_common::capacity as c;
     let revnat = cap.services.min(u16::MAX as u32);
@@ -80,6 +80,7 @@ pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapT
         (maps::STATS, T::PerCpuArray, size_of::<u32>(), size_of::<u64>(), lb_common::stats::COUNT),
         (maps::SOCK_XLATE, T::SkStorage, size_of::<i32>(), size_of::<lb_common::SockXlate>(), 0),
         (maps::SOCK_CHECK, T::SkStorage, size_of::<i32>(), size_of::<lb_common::SockCheck>(), 0),
+        (maps::SOCK_PENDING, T::SkStorage, size_of::<i32>(), size_of::<u32>(), 0),
         (maps::SVC_STATS, T::Hash, size_of::<lb_common::SvcStatsKey>(), size_of::<lb_common::SvcStats>(), revnat + cap.backends),
         (maps::MONITOR, T::Array, size_of::<u32>(), size_of::<u64>(), lb_common::monitor::SLOTS + 1),
         (maps::EVENTS[0], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
@@ -177,6 +178,15 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -
             (Ok(None), Ok(_)) | (Ok(_), Ok(None)) => true,
             _ => false,
         };
+        if *name == maps::SVC_STATS && !same_sizes {
+            // Counters from before `source_range` (40 bytes): carried
+            // over with it at zero, so that no counter goes back.
+            match copy_stats_before_source_range(&old, &new) {
+                Ok(n) => total += n,
+                Err(e) => tracing::warn!(map = name, "upgrade: carrying counters over: {e:#}"),
+            }
+            continue;
+        }
         if !same_sizes || !same_btf {
             if warn && [maps::AFFINITY, maps::SOCK_REVNAT4, maps::SOCK_REVNAT6, maps::NAT4, maps::NAT6].contains(name) {
                 tracing::warn!(map = name, "upgrade: its entries have another layout and are not carried over");
@@ -199,4 +209,33 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -
         }
     }
     total
+}
+
+/// `LB_SVC_STATS` values as agents before 12-05 wrote them: conns, refused,
+/// unreachable, packets, bytes.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SvcStatsBeforeSourceRange([u64; 5]);
+// SAFETY: five u64s, no padding.
+unsafe impl aya::Pod for SvcStatsBeforeSourceRange {}
+
+/// Copy the counters of an `LB_SVC_STATS` with 40-byte values (before
+/// `SvcStats::source_range`) into the staged map, the new counter at
+/// zero; counters the new programs already wrote win. Anything else
+/// (another key size, values of another size) is an error.
+fn copy_stats_before_source_range(old: &Path, new: &Path) -> Result<usize> {
+    use aya::maps::{HashMap, Map, MapData};
+    let from: HashMap<MapData, lb_common::SvcStatsKey, SvcStatsBeforeSourceRange> =
+        HashMap::try_from(Map::HashMap(MapData::from_pin(old)?)).context("the old counters")?;
+    let mut to: HashMap<MapData, lb_common::SvcStatsKey, lb_common::SvcStats> =
+        HashMap::try_from(Map::HashMap(MapData::from_pin(new)?)).context("the new counters")?;
+    let mut n = 0;
+    for (k, SvcStatsBeforeSourceRange([conns, refused, unreachable, packets, bytes])) in from.iter().filter_map(|r| r.ok()) {
+        let v = lb_common::SvcStats { conns, refused, unreachable, packets, bytes, source_range: 0 };
+        // BPF_NOEXIST: never overwrite what the new programs wrote.
+        if to.insert(k, v, 1).is_ok() {
+            n += 1;
+        }
+    }
+    Ok(n)
 }

@@ -1231,6 +1231,8 @@ fn new_flow<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
             let hook = if pod { lb_common::monitor::HOOK_POD } else { lb_common::monitor::HOOK_TC };
             report::<F>(&p, &Verdict::Refuse { errno: 0, why, rev_nat_id: front.rev_nat_id }, hook);
         }
+        lb::event(stats::SRC_RANGE_DROPPED);
+        lb::account(lb_common::STATS_FRONTEND, F::ID, front.rev_nat_id as u32, lb::Acct::SourceRange);
         return drop_packet();
     }
     let h = flow_hash::<F>(&p);
