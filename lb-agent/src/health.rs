@@ -213,6 +213,9 @@ pub struct Metrics {
     pub cgroup_invisible: Gauge,
     /// kube-proxy's rules found on the node, per mode (1: there).
     pub kube_proxy_rules: Family<[(&'static str, &'static str); 1], Gauge>,
+    /// `--bpf-forward` only: NetworkPolicy engines enforcing in netfilter
+    /// (crate::policy_engines), whose policy the flag bypasses.
+    pub bpf_forward_policy_bypassed: Family<[(&'static str, &'static str); 1], Gauge>,
     /// lb's netfilter rules written (put in place, or back), by kind
     /// (`forward`: LB-FORWARD and its jump; `notrack`, `masquerade`: table
     /// inet lb's rules).
@@ -254,6 +257,7 @@ impl Metrics {
             drift_repaired: Counter::default(),
             cgroup_invisible: Gauge::default(),
             kube_proxy_rules: Family::default(),
+            bpf_forward_policy_bypassed: Family::default(),
             netfilter_written: Family::default(),
             netfilter_problems: Gauge::default(),
             health_check_failed: Gauge::default(),
@@ -353,6 +357,11 @@ impl Metrics {
                 "lb_kube_proxy_rules",
                 "kube-proxy's rules found on the node, by mode (iptables-legacy, iptables-nft, nftables, ipvs): 1 while there (kube-proxy running, or its rules left behind)",
                 m.kube_proxy_rules.clone(),
+            );
+            r.register(
+                "lb_bpf_forward_policy_bypassed",
+                "With --bpf-forward: NetworkPolicy engines found enforcing in netfilter (calico, kube-router, weave-net), 1 while found: lb's outside flows, forwarded in BPF, bypass their policy",
+                m.bpf_forward_policy_bypassed.clone(),
             );
             r.register(
                 "lb_netfilter_rules_written",

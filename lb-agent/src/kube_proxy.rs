@@ -210,15 +210,15 @@ pub fn tables_in_nft(list: &str) -> Found {
 
 /// The output of `cmd args`, or None where the tool is not installed or
 /// fails (said at debug level: each mode is looked for with its own tool).
-fn output(cmd: &str, args: &[&str]) -> Option<String> {
+pub(crate) fn output(cmd: &str, args: &[&str]) -> Option<String> {
     match Command::new(cmd).args(args).output() {
         Ok(o) if o.status.success() => Some(String::from_utf8_lossy(&o.stdout).into_owned()),
         Ok(o) => {
-            tracing::debug!(cmd, status = %o.status, stderr = %String::from_utf8_lossy(&o.stderr).trim(), "cannot look for kube-proxy's rules");
+            tracing::debug!(cmd, status = %o.status, stderr = %String::from_utf8_lossy(&o.stderr).trim(), "cannot look at the node's rules");
             None
         }
         Err(e) => {
-            tracing::debug!(cmd, error = %e, "cannot look for kube-proxy's rules");
+            tracing::debug!(cmd, error = %e, "cannot look at the node's rules");
             None
         }
     }

@@ -16,6 +16,7 @@ mod model;
 mod monitor;
 mod netdev;
 mod nodeport;
+mod policy_engines;
 mod source;
 mod stale;
 
@@ -210,7 +211,9 @@ enum Cmd {
         /// Look for kube-proxy's rules on the node (kube-proxy still
         /// running, or its rules left behind) at start and then this often;
         /// what is found is warned about and exported as
-        /// lb_kube_proxy_rules{mode}. 0 turns it off.
+        /// lb_kube_proxy_rules{mode}. With --bpf-forward, also for
+        /// NetworkPolicy enforced in netfilter, which it bypasses
+        /// (lb_bpf_forward_policy_bypassed{engine}). 0 turns it off.
         #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
         kube_proxy_check_period: std::time::Duration,
         /// Where the node's iptables FORWARD chain may drop forwarded

@@ -457,6 +457,67 @@ fn kube_proxys_rules_on_a_node_are_named_in_a_warning_and_a_metric() -> Result<(
     Ok(())
 }
 
+/// `--bpf-forward` sends lb's outside flows past netfilter's FORWARD hook,
+/// and so past NetworkPolicy that a CNI enforces there: a node where
+/// Calico's, kube-router's or Weave Net's rules are found gets a warning
+/// naming them and `lb_bpf_forward_policy_bypassed{engine}`, looked at
+/// again every period; a node without the flag loses nothing and is told
+/// nothing.
+#[test]
+fn bpf_forward_names_the_network_policy_it_would_bypass() -> Result<()> {
+    let mut c = Cluster::new(2)?;
+    let pod = c.add_pod(2, "pod-a")?;
+    c.write_object("svc.yaml", &service("web", "10.96.0.10", &[("http", 80, 8080, "TCP")]))?;
+    c.write_object("slice.yaml", &slice("web", "web-1", &[("http", 8080, "TCP")], &[(&pod.ip, "node-2", true)]))?;
+    let (n1, n2) = (c.nodes[0].netns.clone(), c.nodes[1].netns.clone());
+    // Calico's iptables chains on both nodes, its nftables table on node-1;
+    // Docker's chain, which is no NetworkPolicy, too.
+    for ns in [&n1, &n2] {
+        for cmd in [
+            &["iptables-legacy", "-t", "filter", "-N", "cali-FORWARD"][..],
+            &["iptables-legacy", "-t", "filter", "-A", "FORWARD", "-j", "cali-FORWARD"],
+            &["iptables-legacy", "-t", "filter", "-N", "DOCKER-ISOLATION-STAGE-1"],
+        ] {
+            c.in_netns(ns, cmd)?;
+        }
+    }
+    c.in_netns(&n1, &["nft", "add", "table", "ip6", "calico"])?;
+    c.start_agent_with(1, &["--bpf-forward", "--kube-proxy-check-period", "1s"])?;
+    c.start_agent_with(2, &["--kube-proxy-check-period", "1s"])?;
+    let log1 = c.agent_log(1);
+    let warned = |log: &std::path::Path| -> Result<Vec<String>> {
+        Ok(std::fs::read_to_string(log)?.lines().filter(|l| l.contains("NetworkPolicy enforced in netfilter")).map(String::from).collect())
+    };
+    c.wait_for("node-1's warning", Duration::from_secs(10), || Ok(!warned(&log1)?.is_empty()))?;
+    let w = warned(&log1)?;
+    assert!(w.len() == 1 && w[0].contains("calico (filter cali-FORWARD, table ip6 calico)") && !w[0].contains("DOCKER"), "{w:?}");
+    let gauge = |node: usize, engine: &str| -> Result<Option<f64>> {
+        Ok(metric(&c.http(node, "127.0.0.1:10249", "/metrics")?.1, &format!("lb_bpf_forward_policy_bypassed{{engine=\"{engine}\"}}")))
+    };
+    assert_eq!((gauge(1, "calico")?, gauge(1, "kube-router")?, gauge(1, "weave-net")?), (Some(1.0), Some(0.0), Some(0.0)));
+    // kube-router comes later: seen at the next look.
+    c.in_netns(&n1, &["iptables-legacy", "-t", "filter", "-N", "KUBE-ROUTER-FORWARD"])?;
+    c.wait_for("kube-router seen", Duration::from_secs(10), || Ok(gauge(1, "kube-router")? == Some(1.0)))?;
+    let w = warned(&log1)?;
+    assert!(w.len() == 2 && w[1].contains("kube-router (filter KUBE-ROUTER-FORWARD)"), "{w:?}");
+    // All gone: said once, and the metric drops.
+    for cmd in [
+        &["iptables-legacy", "-t", "filter", "-D", "FORWARD", "-j", "cali-FORWARD"][..],
+        &["iptables-legacy", "-t", "filter", "-X", "cali-FORWARD"],
+        &["iptables-legacy", "-t", "filter", "-X", "KUBE-ROUTER-FORWARD"],
+        &["nft", "delete", "table", "ip6", "calico"],
+    ] {
+        c.in_netns(&n1, cmd)?;
+    }
+    c.wait_for("the engines seen gone", Duration::from_secs(10), || Ok(std::fs::read_to_string(&log1)?.contains("bypasses none")))?;
+    assert_eq!((gauge(1, "calico")?, gauge(1, "kube-router")?), (Some(0.0), Some(0.0)));
+    // node-2 forwards through the stack: its Calico rules see lb's flows,
+    // and it says nothing of them.
+    assert!(warned(&c.agent_log(2))?.is_empty());
+    assert_eq!(gauge(2, "calico")?, None);
+    Ok(())
+}
+
 /// kube-proxy still running on the node holds 10256 (and 10249): the
 /// agent stops at start with an error naming the flag, the address, the
 /// process that holds it and what to do.

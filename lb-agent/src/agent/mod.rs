@@ -392,6 +392,13 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     if !cfg.kube_proxy_check_period.is_zero() {
         let m = metrics.clone();
         every(cfg.kube_proxy_check_period, None, "looking for kube-proxy's rules", move |last| crate::kube_proxy::check(&m.kube_proxy_rules, last));
+        // NetworkPolicy in netfilter, which forwarding in BPF bypasses.
+        if cfg.node_flags & lb_common::node_flags::BPF_FORWARD != 0 {
+            let m = metrics.clone();
+            every(cfg.kube_proxy_check_period, None, "looking for NetworkPolicy in netfilter", move |last| {
+                crate::policy_engines::check(&m.bpf_forward_policy_bypassed, last)
+            });
+        }
     }
     // The FORWARD chains: lb's rules where they may drop what the TC
     // programs hand to the stack (crate::firewall), at start and then every
