@@ -343,6 +343,21 @@ fn node_ports_are_on_every_node_address_unless_nodeport_addresses_narrow_them() 
     assert_eq!(s.ok, 5, "{s:?}");
     let s = tcp(&w.c, &w.p1, &gateway, 5)?;
     assert_eq!(s.ok, 5, "a pod to its node's bridge address: {s:?}");
+    // An IPv4 link-local address (NodeLocal DNSCache's 169.254.20.10, on a
+    // device of its own in a real node) has them too, as kube-proxy's
+    // `--dst-type LOCAL` match gives them: from outside (through the TC
+    // program) and from a pod of the node (its socket).
+    w.c.in_netns(&netns, &["ip", "addr", "add", "169.254.20.10/32", "dev", "eth0"])?;
+    lbtest::run("ip", &["-n", &w.outside.netns, "route", "add", "169.254.20.10/32", "via", &w.c.nodes[0].ip])?;
+    w.c.wait_for("the NodePort on the link-local address", Duration::from_secs(5), || Ok(w.c.programmed(1, "169.254.20.10", 30080, "TCP")?.is_some()))?;
+    let s = tcp(&w.c, &w.outside, "169.254.20.10:30080", 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    let s = tcp(&w.c, &w.p1, "169.254.20.10:30080", 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    // The IPv6 link-local addresses every veth has get none.
+    let l = w.c.list(1)?;
+    let link_local: Vec<&serde_json::Value> = l["frontends"].as_array().unwrap().iter().filter(|f| f["address"].as_str().is_some_and(|a| a.starts_with("fe80"))).collect();
+    assert!(link_local.is_empty(), "{link_local:?}");
     let refused = |w: &World, from: &Pod, addr: &str| -> Result<()> {
         let s = w.c.probe(from, &["tcp", "--addr", addr, "--count", "3", "--timeout-ms", "500"])?;
         assert_eq!(s.errors.get("ECONNREFUSED"), Some(&3), "{addr} from {}: {s:?}", from.name);
@@ -353,6 +368,7 @@ fn node_ports_are_on_every_node_address_unless_nodeport_addresses_narrow_them() 
         w.c.start_agent_with(1, &["--nodeport-addresses", flag])?;
         w.c.wait_for("the NodePort off the second address", Duration::from_secs(5), || Ok(w.c.programmed(1, "192.168.77.61", 30080, "TCP")?.is_none()))?;
         refused(&w, &w.outside, "192.168.77.61:30080")?;
+        refused(&w, &w.outside, "169.254.20.10:30080")?;
         refused(&w, &w.p1, &gateway)?;
         // 127.0.0.1 is in neither: no localhost NodePorts.
         refused(&w, &w.c.host(1), "127.0.0.1:30080")?;

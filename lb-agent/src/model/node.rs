@@ -88,10 +88,10 @@ pub struct NodeFacts<'a> {
     pub zone: Option<&'a str>,
     /// `--node-ip`.
     pub ips: &'a [IpAddr],
-    /// The global addresses on the node's interfaces: NodePorts are on
-    /// these (and on the primary addresses), as far as `nodeport_addresses`
-    /// lets them be; the primary addresses when neither `--node-ip` nor
-    /// the Node object gives any.
+    /// The global and IPv4 link-local addresses on the node's interfaces:
+    /// NodePorts are on these (and on the primary addresses), as far as
+    /// `nodeport_addresses` lets them be; the global ones are the primary
+    /// addresses when neither `--node-ip` nor the Node object gives any.
     pub interface_ips: &'a [IpAddr],
     /// `--nodeport-addresses`.
     pub nodeport_addresses: NodePortAddresses,
@@ -121,7 +121,9 @@ pub fn node_info<N: std::borrow::Borrow<Node>>(facts: &NodeFacts, nodes: &[N]) -
     } else if !from_node.is_empty() {
         from_node
     } else {
-        facts.interface_ips.to_vec()
+        // A link-local address is no node address to SNAT from or to
+        // pick as `primary`.
+        facts.interface_ips.iter().filter(|a| !matches!(a, IpAddr::V4(v4) if v4.is_link_local())).copied().collect()
     };
     let cidrs = facts.nodeport_addresses.resolved(&primary);
     let mut addresses: Vec<IpAddr> = Vec::new();
@@ -195,6 +197,15 @@ mod tests {
         let flag = ips(&["10.1.1.1"]);
         let facts = NodeFacts { ips: &flag, ..facts };
         assert_eq!(node_info(&facts, std::slice::from_ref(&n)).addresses, ips(&["10.1.1.1", "192.168.5.5", "172.16.0.1", "fd00::5"]));
+        // An IPv4 link-local address (NodeLocal DNSCache's on its dummy
+        // device) has them, as kube-proxy's LOCAL match gives them; it is
+        // never a primary address.
+        let with_link_local = ips(&["169.254.20.10", "192.168.5.5"]);
+        let ll = NodeFacts { name: "node-a", interface_ips: &with_link_local, ..Default::default() };
+        let info = node_info(&ll, &[] as &[Node]);
+        assert_eq!((info.primary, info.addresses), (ips(&["192.168.5.5"]), ips(&["192.168.5.5", "169.254.20.10"])));
+        let ll = NodeFacts { nodeport_addresses: NodePortAddresses::parse(&["primary"]).unwrap(), ..ll };
+        assert_eq!(node_info(&ll, &[] as &[Node]).addresses, ips(&["192.168.5.5"]));
         // Localhost NodePorts: 127.0.0.1, last.
         let facts = NodeFacts { localhost_nodeports: true, ..facts };
         assert_eq!(node_info(&facts, &[] as &[Node]).addresses.last(), Some(&"127.0.0.1".parse().unwrap()));

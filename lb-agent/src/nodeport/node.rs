@@ -6,8 +6,12 @@ use anyhow::{Context as _, Result};
 
 use crate::dataplane::maps::RouteMtus;
 
-/// The global addresses on this netns' interfaces (with the interface), and
-/// the interfaces holding one that are up, sorted.
+/// The addresses on this netns' interfaces that get NodePorts (with the
+/// interface): the global ones, and IPv4 link-local ones, which
+/// kube-proxy's `--dst-type LOCAL` match takes too (NodeLocal DNSCache's
+/// 169.254.20.10 on its dummy device, say). IPv6 link-local addresses get
+/// none: every veth has one. And the interfaces holding a global address
+/// that are up, sorted.
 fn interface_state() -> (Vec<(String, IpAddr)>, Vec<String>) {
     let Ok(addrs) = nix::ifaddrs::getifaddrs() else { return Default::default() };
     let mut up = Vec::new();
@@ -28,7 +32,7 @@ fn interface_state() -> (Vec<(String, IpAddr)>, Vec<String>) {
             if global && ifa.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP) {
                 up.push(ifa.interface_name.clone());
             }
-            global.then_some((ifa.interface_name, ip))
+            (global || link_local_v4(&ip)).then_some((ifa.interface_name, ip))
         })
         .collect();
     up.sort();
@@ -151,10 +155,19 @@ impl Addresses {
     }
 }
 
+/// An IPv4 link-local address (169.254.0.0/16).
+fn link_local_v4(ip: &IpAddr) -> bool {
+    matches!(ip, IpAddr::V4(a) if a.is_link_local())
+}
+
 /// The devices the TC programs go on for a node with addresses `addrs`
 /// (see `netdev::nodeport_devices`), given the addresses each interface
-/// holds. Without rtnetlink: the devices that hold `addrs`.
+/// holds. Without rtnetlink: the devices that hold `addrs`. A link-local
+/// address gives its device no programs (a CNI may put the same one on
+/// every pod's device); packets to it come in by the devices that have
+/// them.
 pub fn interfaces_for(held: Vec<(String, IpAddr)>, addrs: &[IpAddr]) -> Vec<String> {
+    let held: Vec<(String, IpAddr)> = held.into_iter().filter(|(_, a)| !link_local_v4(a)).collect();
     match crate::netdev::links() {
         Ok(links) => crate::netdev::nodeport_devices(&links, &held, addrs),
         Err(e) => {
