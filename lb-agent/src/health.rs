@@ -103,6 +103,14 @@ pub trait StatsSource: Send + Sync + std::fmt::Debug + 'static {
     }
 }
 
+/// The sockets holding a translation storage now: created less released
+/// (`stats::SOCK_TRACKED`, `SOCK_UNTRACKED`). Sockets an agent from before
+/// the count translated are released uncounted: never below zero.
+pub fn tracked_sockets(stats: &[(&'static str, u64)]) -> Option<u64> {
+    let get = |n: &str| stats.iter().find(|(name, _)| *name == n).map(|(_, v)| *v);
+    Some(get("sock_tracked")?.saturating_sub(get("sock_untracked")?))
+}
+
 /// The counters of one frontend (`addr` = its address:port) or backend.
 #[derive(Debug, Clone)]
 pub struct ServiceCounters {
@@ -124,9 +132,18 @@ impl Collector for DatapathCollector {
                 None,
                 prometheus_client::metrics::MetricType::Counter,
             )?;
-            for (name, v) in stats {
-                let labels = [("result", name)];
-                ConstCounter::new(v).encode(m.encode_family(&labels)?)?;
+            for (name, v) in &stats {
+                let labels = [("result", *name)];
+                ConstCounter::new(*v).encode(m.encode_family(&labels)?)?;
+            }
+            if let Some(n) = tracked_sockets(&stats) {
+                let m = encoder.encode_descriptor(
+                    "lb_sockets_tracked",
+                    "Connected sockets holding their translation in socket storage (LB_SOCK_XLATE): about 384 bytes each, charged to the memory cgroup of the agent that created lb's maps",
+                    None,
+                    prometheus_client::metrics::MetricType::Gauge,
+                )?;
+                prometheus_client::metrics::gauge::ConstGauge::new(n as i64).encode(m)?;
             }
         }
         let per = self.0.per_service();

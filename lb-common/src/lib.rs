@@ -592,7 +592,13 @@ pub mod stats {
     /// clients and, under `--per-packet-lb`, pods: also counted in
     /// `nat_dropped`).
     pub const SRC_RANGE_DROPPED: u32 = 23;
-    pub const COUNT: u32 = 24;
+    /// connect: a socket's translation storage (`LB_SOCK_XLATE`) created;
+    /// less SOCK_UNTRACKED: the sockets holding one now
+    /// (`lb_sockets_tracked`).
+    pub const SOCK_TRACKED: u32 = 24;
+    /// sock_release: a socket with such storage closed.
+    pub const SOCK_UNTRACKED: u32 = 25;
+    pub const COUNT: u32 = 26;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -618,6 +624,8 @@ pub mod stats {
         "sock_storage_failed",
         "nat_icmp_maglev",
         "source_range_dropped",
+        "sock_tracked",
+        "sock_untracked",
     ];
 }
 

@@ -65,17 +65,26 @@ const EPERM: i32 = 1;
 #[inline(never)]
 fn track(ctx: &SockAddrContext, x: &SockXlate) -> bool {
     let x = *x;
-    let mut v = x;
+    // Created with a family no translation has, so that a new storage is
+    // told from an earlier connect's (UDP, or TCP after a failed connect,
+    // may connect again) and counted once (`stats::SOCK_TRACKED`).
+    let mut v = SockXlate { family: NEW_STORAGE, ..x };
     // SAFETY: ctx is this program's context; the helper checks the socket.
     let p = unsafe { LB_SOCK_XLATE.get_or_insert_ptr_mut(ctx, Some(&mut v)) };
     if p.is_null() {
         return false;
     }
-    // An earlier connect of this socket (UDP may connect again).
     // SAFETY: p points to this socket's storage.
+    if unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*p).family)) } == NEW_STORAGE {
+        lb::event(stats::SOCK_TRACKED);
+    }
+    // SAFETY: as above.
     unsafe { core::ptr::write_volatile(p, x) };
     true
 }
+
+/// `SockXlate::family` of a storage `track` has just created.
+const NEW_STORAGE: u8 = 0xff;
 
 /// The translation connect gave this socket; `family` 0 when none. (Not an
 /// Option: LLVM reads the fields of a None speculatively, and the verifier
@@ -870,7 +879,8 @@ fn post_bind(ctx: &SockContext) -> i32 {
 }
 
 /// A socket of the cgroup goes away: a connected UDP one takes its entry in
-/// `LB_SOCK_UDP` with it.
+/// `LB_SOCK_UDP` with it; one with a translation storage is counted
+/// (`stats::SOCK_UNTRACKED`: the kernel frees the storage with the socket).
 #[cgroup_sock(sock_release)]
 pub fn lb_sock_release(ctx: SockContext) -> i32 {
     // SAFETY: a context field this program type may read.
@@ -879,6 +889,12 @@ pub fn lb_sock_release(ctx: SockContext) -> i32 {
         // SAFETY: helper valid for cgroup sock programs.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.sock.cast()) };
         let _ = LB_SOCK_UDP.remove(&cookie);
+    }
+    let map = core::ptr::from_ref(&LB_SOCK_XLATE).cast_mut().cast::<c_void>();
+    // SAFETY: a cgroup sock program passes its context (the socket); a
+    // socket with no storage at all answers at once.
+    if !unsafe { bpf_sk_storage_get(map, ctx.sock.cast(), core::ptr::null_mut(), 0) }.is_null() {
+        lb::event(stats::SOCK_UNTRACKED);
     }
     ALLOW
 }

@@ -3,7 +3,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use lbtest::objects::{Endpoint as E, SvcPort, service_ips, slice_of};
 use lbtest::world::datapath;
 use lbtest::{Cluster, MemCgroup, Pod, Summary};
@@ -369,19 +369,27 @@ fn an_agent_under_a_memory_limit_warns_that_the_nodes_translated_sockets_count_a
     assert!(warning.contains("limit_mib=1024") && warning.contains("about 384 bytes each") && warning.contains("up to 60 MiB"), "{warning}");
     // 5,000 sockets held open straight to the pod, then as many through
     // the ClusterIP: only the second set is charged to the agent's cgroup.
+    // And lb_sockets_tracked says how many sockets hold such storage.
+    let tracked = || -> Result<u64> {
+        let (_, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
+        m.lines().find_map(|l| l.strip_prefix("lb_sockets_tracked ")?.trim().parse().ok()).with_context(|| format!("no lb_sockets_tracked: {m}"))
+    };
+    let base = tracked()?;
     let mut grew = Vec::new();
-    for (name, addr) in [("direct", be(&p[0])), ("clusterip", format!("{VIP}:80"))] {
+    for (name, addr, count) in [("direct", be(&p[0]), 0), ("clusterip", format!("{VIP}:80"), 5000)] {
         let dir = c.objects.parent().unwrap().join(format!("hold-{name}"));
         std::fs::create_dir_all(&dir)?;
         let before = mem.usage()?;
         let held = c.probe_bg(&client, &["hold", "--addr", &addr, "--udp-addr", &be(&p[0]), "--tcp", "5000", "--udp", "0", "--dir", dir.to_str().unwrap()])?;
         c.wait_for("the held sockets", Duration::from_secs(60), || Ok(dir.join("ready").exists()))?;
         grew.push(mem.usage()? as i64 - before as i64);
+        assert_eq!(tracked()?, base + count, "{name}: the sockets holding a translation");
         std::fs::write(dir.join("churned"), "")?;
         c.wait_for("getpeername of every held socket", Duration::from_secs(30), || Ok(dir.join("checked").exists()))?;
         std::fs::write(dir.join("removed"), "nobody")?;
         let s = Cluster::finish(held)?;
         assert_eq!(s.peers.values().sum::<u32>(), 5000, "{s:?}");
+        c.wait_for("the sockets released", Duration::from_secs(10), || Ok(tracked()? == base))?;
     }
     // 384 bytes each: 1,920,000 for 5,000 sockets. The cgroup's usage moves
     // in batches of 64 pages per CPU (charges are taken ahead), and the

@@ -42,10 +42,15 @@ fn upgrades_to_new_map_layouts_drop_no_connection_and_leave_no_pins() -> Result<
     assert_eq!(max_entries(&w.c, lb_common::maps::REVNAT4)?, 65535, "REVNAT is capped at u16");
     std::thread::sleep(Duration::from_millis(700));
 
-    // 2. A new layout version: every map is replaced, state carried over.
+    // 2. A new layout version: every map is replaced, state carried over,
+    // and the counters too (none goes back).
+    let counted_conns = |w: &World| -> Result<u64> { Ok(w.c.frontend_stats(1, "10.96.0.10", 80, "TCP")?.0["conns"].as_u64().unwrap_or_default()) };
+    let (translated, counted) = (datapath(&w.c, 1, "translated")?, counted_conns(&w)?);
+    assert!(translated > 0 && counted > 0, "{translated} {counted}");
     w.c.kill_agent(1);
     w.c.start_agent_env(1, &objects, &["--max-services", "100000"], &[("LB_LAYOUT_VERSION", "99")])?;
     w.c.wait_for("the second upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 2))?;
+    assert!(datapath(&w.c, 1, "translated")? >= translated && counted_conns(&w)? >= counted, "the counters came along");
     let log = std::fs::read_to_string(w.c.agent_log(1))?;
     let last = log.lines().rfind(|l| l.contains("upgrade finished")).unwrap();
     assert!(!last.contains("entries_carried=0"), "the NAT flow and the socket tracking came along: {last}");
@@ -180,8 +185,9 @@ fn an_upgrade_moves_the_programs_of_devices_whose_pins_spell_them_otherwise() ->
 }
 
 /// Counters pinned by an agent from before `SvcStats::source_range` (12-05:
-/// `LB_SVC_STATS` values of 40 bytes) come along into the wider map: no
-/// counter goes back (a Prometheus counter that drops reads as a reset).
+/// `LB_SVC_STATS` values of 40 bytes) and before `sock_tracked` (24
+/// datapath counters) come along into the wider maps: no counter goes back
+/// (a Prometheus counter that drops reads as a reset).
 #[test]
 fn counters_from_before_the_source_range_counter_are_carried_over() -> Result<()> {
     use aya::maps::{HashMap, Map, MapData};
@@ -191,6 +197,8 @@ fn counters_from_before_the_source_range_counter_are_carried_over() -> Result<()
     assert_eq!(tcp(&w.c, &client, "10.96.0.10:80", 10)?.ok, 10);
     let (stats, backends) = w.c.frontend_stats(1, "10.96.0.10", 80, "TCP")?;
     assert_eq!((stats["conns"].as_u64(), backends), (Some(10), 10), "{stats}");
+    let translated = datapath(&w.c, 1, "translated")?;
+    assert!(translated >= 10, "{translated}");
     let objects = w.c.objects.clone();
     w.c.kill_agent(1);
 
@@ -211,11 +219,32 @@ fn counters_from_before_the_source_range_counter_are_carried_over() -> Result<()
         }
     }
 
+    // And the datapath counters as they were before sock_tracked and
+    // sock_untracked: 24 of them.
+    let stats_pin = w.c.nodes[0].bpffs.join(lb_common::maps::STATS);
+    let per_cpu: Vec<aya::maps::PerCpuValues<u64>> = {
+        let wide: aya::maps::PerCpuArray<MapData, u64> = aya::maps::PerCpuArray::try_from(Map::PerCpuArray(MapData::from_pin(&stats_pin)?))?;
+        (0..24).map(|i| wide.get(&i, 0)).collect::<Result<_, _>>()?
+    };
+    std::fs::remove_file(&stats_pin)?;
+    lbtest::run("bpftool", &["map", "create", stats_pin.to_str().unwrap(), "type", "percpu_array", "key", "4", "value", "8", "entries", "24", "name", "LB_STATS"])?;
+    {
+        let mut narrow: aya::maps::PerCpuArray<MapData, u64> = aya::maps::PerCpuArray::try_from(Map::PerCpuArray(MapData::from_pin(&stats_pin)?))?;
+        for (i, v) in per_cpu.into_iter().enumerate() {
+            narrow.set(i as u32, v, 0)?;
+        }
+    }
+
     w.c.start_agent_env(1, &objects, &[], &[])?;
     w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
     let replaced = lines_with(&w.c, "gets a new layout")?;
-    assert!(replaced.len() == 1 && replaced[0].contains(lb_common::maps::SVC_STATS), "{replaced:?}");
+    assert!(
+        replaced.len() == 2 && [lb_common::maps::STATS, lb_common::maps::SVC_STATS].iter().all(|m| replaced.iter().any(|l| l.contains(m))),
+        "{replaced:?}"
+    );
     assert_eq!(aya::maps::MapInfo::from_pin(&pin)?.value_size(), 48);
+    assert_eq!(aya::maps::MapInfo::from_pin(&stats_pin)?.max_entries(), lb_common::stats::COUNT);
+    assert!(datapath(&w.c, 1, "translated")? >= translated, "the datapath counters came along");
     let (stats, backends) = w.c.frontend_stats(1, "10.96.0.10", 80, "TCP")?;
     assert_eq!((stats["conns"].as_u64(), stats["source_range"].as_u64(), backends), (Some(10), Some(0), 10), "carried over: {stats}");
     assert_eq!(tcp(&w.c, &client, "10.96.0.10:80", 5)?.ok, 5);

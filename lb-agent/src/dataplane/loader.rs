@@ -24,7 +24,7 @@ use super::maps::Maps;
 pub use super::bpflog::{BpfLog, BpfLogSink};
 pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_root, memory_limit};
 pub use super::upgrade::pin_path;
-use super::upgrade::{LAYOUT_MARKER, NEXT, carry_state, expected_layout, incompatible, layout_version, mark_layout};
+use super::upgrade::{LAYOUT_MARKER, NEXT, Pass, carry_state, expected_layout, incompatible, layout_version, mark_layout};
 
 /// The BPF object, built by build.rs.
 pub(super) static OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
@@ -396,7 +396,7 @@ impl Tc {
     /// the new maps' pins in place of the old ones, and drop links of
     /// programs this agent does not have.
     pub fn finish_upgrade(&mut self, replaced: &[&'static str]) -> Result<()> {
-        let copied = carry_state(&self.bpffs, replaced, true);
+        let copied = carry_state(&self.bpffs, replaced, Pass::First);
         self.attach_cgroup()?;
         let links = self.bpffs.join("links");
         // Pins name devices as `pin_safe` spells them ("eth0.100" ->
@@ -434,7 +434,7 @@ impl Tc {
             }
         }
         // What the old programs added between the copy and the switch.
-        let late = carry_state(&self.bpffs, replaced, false);
+        let late = carry_state(&self.bpffs, replaced, Pass::Late);
         for name in replaced {
             let staged = self.bpffs.join(NEXT).join(name);
             fs::rename(&staged, self.bpffs.join(name)).with_context(|| format!("move {} in place", staged.display()))?;

@@ -144,12 +144,18 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
 }
 
 /// Copy the entries of the state maps the datapath writes (sessionAffinity,
-/// socket tracking, NAT, fragments) from their old pins to the staged new maps, where
+/// socket tracking, NAT, fragments, counters) from their old pins to the staged new maps, where
 /// key and value sizes and their BTF layouts agree (the new map may be
 /// larger or smaller: a `--max-*` change); entries already in the new map
-/// win. `warn`: say which maps' entries cannot come along. Returns how many
-/// were copied.
-pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -> usize {
+/// win. Returns how many were copied.
+///
+/// Called twice (`Pass`): before the programs move to the new maps, and
+/// after, for what the old programs added meanwhile. The first pass says
+/// which maps' entries cannot come along. The datapath counters, which add
+/// up rather than fill in, are carried in the second pass only, once no
+/// program counts into the old map any more.
+pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -> usize {
+    let warn = pass == Pass::First;
     fn copy<K: aya::Pod, V: aya::Pod>(old: &Path, new: &Path, lru: bool) -> Result<usize> {
         use aya::maps::{HashMap, Map, MapData};
         let wrap = |d: MapData| if lru { Map::LruHashMap(d) } else { Map::HashMap(d) };
@@ -178,6 +184,18 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -
             (Ok(None), Ok(_)) | (Ok(_), Ok(None)) => true,
             _ => false,
         };
+        if *name == maps::STATS {
+            // The datapath counters: the old ones, index by index (a new
+            // counter starts at zero), so that none goes back.
+            if pass == Pass::First {
+                continue;
+            }
+            match copy_counters(&old, &new) {
+                Ok(n) => total += n,
+                Err(e) => tracing::warn!(map = name, "upgrade: carrying counters over: {e:#}"),
+            }
+            continue;
+        }
         if *name == maps::SVC_STATS && !same_sizes {
             // Counters from before `source_range` (40 bytes): carried
             // over with it at zero, so that no counter goes back.
@@ -201,6 +219,7 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -
             maps::NAT6 => copy::<Nat6Key, Nat6Entry>(&old, &new, false),
             maps::FRAG4 => copy::<lb_common::FragKey, lb_common::FragPorts>(&old, &new, true),
             maps::FRAG6 => copy::<lb_common::Frag6Key, lb_common::FragPorts>(&old, &new, true),
+            maps::SVC_STATS => copy::<lb_common::SvcStatsKey, lb_common::SvcStats>(&old, &new, false),
             _ => Ok(0),
         };
         match r {
@@ -209,6 +228,15 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], warn: bool) -
         }
     }
     total
+}
+
+/// Which of `carry_state`'s two passes.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Pass {
+    /// Before the programs move to the new maps.
+    First,
+    /// After: what the old programs added meanwhile.
+    Late,
 }
 
 /// `LB_SVC_STATS` values as agents before 12-05 wrote them: conns, refused,
@@ -238,4 +266,22 @@ fn copy_stats_before_source_range(old: &Path, new: &Path) -> Result<usize> {
         }
     }
     Ok(n)
+}
+
+/// Add the per-CPU datapath counters of the old `LB_STATS` to the staged
+/// map's, each index the old map has (an upgrade that adds counters makes
+/// it larger): the staged map holds what the new programs counted since
+/// they were attached. Returns
+/// how many counters were copied.
+fn copy_counters(old: &Path, new: &Path) -> Result<usize> {
+    use aya::maps::{Map, MapData, PerCpuArray, PerCpuValues};
+    let from: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(MapData::from_pin(old)?)).context("the old counters")?;
+    let mut to: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(MapData::from_pin(new)?)).context("the new counters")?;
+    let n = from.len().min(to.len());
+    for i in 0..n {
+        let (a, b) = (from.get(&i, 0)?, to.get(&i, 0)?);
+        let sum: Vec<u64> = a.iter().zip(b.iter()).map(|(x, y)| x + y).collect();
+        to.set(i, PerCpuValues::try_from(sum)?, 0)?;
+    }
+    Ok(n as usize)
 }
