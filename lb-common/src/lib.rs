@@ -175,7 +175,19 @@ pub struct SockXlate {
     pub rev_nat_id: u16,
     /// FAMILY_V4 or FAMILY_V6: which maps `rev_nat_id` belongs to.
     pub family: u8,
+    /// `sock_xlate` flags in the socket storage (0 in `LB_SOCK_UDP`). Still
+    /// named `_pad`, as when it was: a new name would change the pinned
+    /// map's BTF layout, and an upgrade would replace the storage map (and
+    /// lose every live socket's translation) for a name.
     pub _pad: u8,
+}
+
+/// Flags in `SockXlate::_pad` of a socket's storage.
+pub mod sock_xlate {
+    /// `stats::SOCK_TRACKED` counted this storage, so its release counts
+    /// `SOCK_UNTRACKED` (storage an agent from before 12-05 created was
+    /// never counted, and is not at its release either).
+    pub const COUNTED: u8 = 1;
 }
 
 /// Value of the `LB_SOCK_CHECK` socket storage: a socket the hooks sent to

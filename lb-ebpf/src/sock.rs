@@ -24,7 +24,7 @@ use aya_ebpf::{
     macros::{btf_map, cgroup_skb, cgroup_sock, cgroup_sock_addr},
     programs::{SkBuffContext, SockAddrContext, SockContext},
 };
-use lb_common::{FAMILY_V4, FAMILY_V6, NodePortKey, PROTO_TCP, PROTO_UDP, SockCheck, SockXlate, capacity, monitor, node_flags, sock_check, stats, svc_flags};
+use lb_common::{FAMILY_V4, FAMILY_V6, NodePortKey, PROTO_TCP, PROTO_UDP, SockCheck, SockXlate, capacity, monitor, node_flags, sock_check, sock_xlate, stats, svc_flags};
 
 /// The NodePorts in use: processes in the node's network namespace may not
 /// bind() them.
@@ -75,11 +75,18 @@ fn track(ctx: &SockAddrContext, x: &SockXlate) -> bool {
         return false;
     }
     // SAFETY: p points to this socket's storage.
-    if unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*p).family)) } == NEW_STORAGE {
+    let counted = if unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*p).family)) } == NEW_STORAGE {
         lb::event(stats::SOCK_TRACKED);
-    }
+        sock_xlate::COUNTED
+    } else {
+        // Connected again: counted or not, as it was (a storage an agent
+        // from before the count created is not, and its release is not
+        // counted either).
+        // SAFETY: as above.
+        (unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*p)._pad)) } & sock_xlate::COUNTED)
+    };
     // SAFETY: as above.
-    unsafe { core::ptr::write_volatile(p, x) };
+    unsafe { core::ptr::write_volatile(p, SockXlate { _pad: counted, ..x }) };
     true
 }
 
@@ -246,10 +253,15 @@ fn count_pending(sk: *mut aya_ebpf::bindings::bpf_sock, family: u8, rev_nat_id: 
     }
     // SAFETY: p points to this socket's storage.
     let backend_id = unsafe { core::ptr::read_volatile(p) };
-    lb::account_conn(family, rev_nat_id, backend_id);
+    // Counted by the one run whose delete takes the storage: two threads
+    // sending a connected UDP socket's first datagrams at once both get
+    // here (sending takes no socket lock); the storage's lock lets one
+    // delete succeed.
     // SAFETY: sk is the packet's full socket (the lookup above found its
     // storage).
-    let _ = unsafe { LB_SOCK_PENDING.delete(sk) };
+    if unsafe { LB_SOCK_PENDING.delete(sk) }.is_ok() {
+        lb::account_conn(family, rev_nat_id, backend_id);
+    }
 }
 
 /// cgroup_skb egress verdicts. DROP_CN: dropped, and the sender told of
@@ -879,8 +891,9 @@ fn post_bind(ctx: &SockContext) -> i32 {
 }
 
 /// A socket of the cgroup goes away: a connected UDP one takes its entry in
-/// `LB_SOCK_UDP` with it; one with a translation storage is counted
-/// (`stats::SOCK_UNTRACKED`: the kernel frees the storage with the socket).
+/// `LB_SOCK_UDP` with it; one whose translation storage was counted
+/// (`sock_xlate::COUNTED`) is counted again (`stats::SOCK_UNTRACKED`: the
+/// kernel frees the storage with the socket).
 #[cgroup_sock(sock_release)]
 pub fn lb_sock_release(ctx: SockContext) -> i32 {
     // SAFETY: a context field this program type may read.
@@ -893,7 +906,9 @@ pub fn lb_sock_release(ctx: SockContext) -> i32 {
     let map = core::ptr::from_ref(&LB_SOCK_XLATE).cast_mut().cast::<c_void>();
     // SAFETY: a cgroup sock program passes its context (the socket); a
     // socket with no storage at all answers at once.
-    if !unsafe { bpf_sk_storage_get(map, ctx.sock.cast(), core::ptr::null_mut(), 0) }.is_null() {
+    let p = unsafe { bpf_sk_storage_get(map, ctx.sock.cast(), core::ptr::null_mut(), 0) }.cast::<SockXlate>();
+    // SAFETY: a non-null p points to this socket's storage.
+    if !p.is_null() && unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*p)._pad)) } & sock_xlate::COUNTED != 0 {
         lb::event(stats::SOCK_UNTRACKED);
     }
     ALLOW

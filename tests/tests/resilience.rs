@@ -399,3 +399,37 @@ fn an_agent_under_a_memory_limit_warns_that_the_nodes_translated_sockets_count_a
     assert!(grew[1] - grew[0] > 1_920_000 - slack, "5,000 translated sockets charge the agent's cgroup: {grew:?}");
     Ok(())
 }
+
+/// A socket connected again holds one translation: a connected UDP socket
+/// that connects to the ClusterIP before each of its 10 datagrams (each
+/// connect translated anew) is counted once in `lb_sockets_tracked`, and
+/// released once; 10 sockets connecting once each are 10. A socket whose
+/// storage an older agent created is counted neither way.
+#[test]
+fn a_socket_connected_again_is_tracked_once() -> Result<()> {
+    let (c, _p, client) = setup(&["pod-a"], &[])?;
+    let counts = || -> Result<(u64, u64)> { Ok((datapath(&c, 1, "sock_tracked")?, datapath(&c, 1, "sock_untracked")?)) };
+    for (one_socket, sockets) in [(true, 1), (false, 10)] {
+        let (tracked, untracked) = counts()?;
+        let mut args = vec!["udp", "--addr", "10.96.0.10:53", "--connected", "--count", "10"];
+        if one_socket {
+            args.push("--one-socket");
+        }
+        let s = c.probe(&client, &args)?;
+        assert_eq!((s.ok, s.peers.clone()), (10, [("10.96.0.10:53".to_string(), 10)].into()), "every datagram answered from the ClusterIP: {s:?}");
+        // The probe has exited: every socket it had is released.
+        assert_eq!(counts()?, (tracked + sockets, untracked + sockets), "one_socket={one_socket}");
+    }
+    // A socket whose storage an agent from before the count created (its
+    // flags byte 0: written so here, through the pinned map) was never
+    // counted, and its release is not either.
+    let (tracked, untracked) = counts()?;
+    let pin = c.nodes[0].bpffs.join(lb_common::maps::SOCK_XLATE);
+    let s = c.probe(&client, &["older-storage", "--addr", "10.96.0.10:80", "--pin", pin.to_str().unwrap()])?;
+    assert_eq!((s.ok, s.peers.clone()), (1, [("10.96.0.10:80".to_string(), 1)].into()), "{s:?}");
+    assert_eq!(counts()?, (tracked + 1, untracked), "counted at its connect (this agent's), not at its release");
+    let (_, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
+    let (tracked, untracked) = counts()?;
+    assert!(m.lines().any(|l| l == format!("lb_sockets_tracked {}", tracked - untracked)), "{m}");
+    Ok(())
+}

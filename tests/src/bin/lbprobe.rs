@@ -114,6 +114,16 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         hold_ms: u64,
     },
+    /// TCP: connect to ADDR (the hooks give the socket its translation
+    /// storage), then rewrite that storage through the pinned map PIN as an
+    /// agent from before `sock_xlate::COUNTED` left it (the flags byte 0),
+    /// send a line, read the reply, close.
+    OlderStorage {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long)]
+        pin: std::path::PathBuf,
+    },
     /// bind() a TCP and a UDP socket to 0.0.0.0:PORT; print the errno (0: bound).
     Bind {
         #[arg(long)]
@@ -1117,6 +1127,23 @@ fn main() -> anyhow::Result<()> {
                     Err(e) => s.fail(&e, started),
                 }
             }
+        }
+        Cmd::OlderStorage { addr, pin } => {
+            use aya::maps::{Map, MapData, SkStorage};
+            const SIZE: usize = size_of::<lb_common::SockXlate>();
+            s.attempts += 1;
+            let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+            let mut storage: SkStorage<MapData, [u8; SIZE]> = SkStorage::try_from(Map::SkStorage(MapData::from_pin(&pin)?))?;
+            let mut v = anyhow::Context::context(storage.get(&c, 0), "the socket's translation storage")?;
+            v[std::mem::offset_of!(lb_common::SockXlate, _pad)] = 0;
+            storage.insert(&c, v, 0)?;
+            c.set_read_timeout(Some(Duration::from_secs(2)))?;
+            writeln!(c, "hi")?;
+            let mut line = String::new();
+            BufReader::new(&c).read_line(&mut line)?;
+            s.ok += 1;
+            *s.replies.entry(line.split_whitespace().next().unwrap_or("").to_string()).or_default() += 1;
+            *s.peers.entry(c.peer_addr()?.to_string()).or_default() += 1;
         }
         Cmd::Bind { port } => {
             for tcp in [true, false] {
