@@ -282,6 +282,8 @@ struct AgentLaunch {
     /// No `--node-ip`: the agent takes the node's addresses from its
     /// interfaces.
     interface_addresses: bool,
+    /// Return once the agent has logged this (default: its first sync).
+    ready: Option<&'static str>,
     /// Start the agent in this memory cgroup (its directory).
     memory_cgroup: Option<PathBuf>,
 }
@@ -914,6 +916,20 @@ impl Cluster {
         self.launch_agent(node, launch, extra)
     }
 
+    /// `start_agent_kube` with environment variables, returning once the
+    /// agent serves health and metrics, before its first sync (for what it
+    /// shows meanwhile).
+    pub fn start_agent_kube_unsynced(&mut self, node: usize, kubeconfig: &Path, extra: &[&str], env: &[(&str, &str)]) -> Result<()> {
+        let launch = AgentLaunch {
+            source: "kube".into(),
+            flags: vec!["--kubeconfig".into(), kubeconfig.display().to_string()],
+            env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            ready: Some("serving health and metrics"),
+            ..Default::default()
+        };
+        self.launch_agent(node, launch, extra)
+    }
+
     /// `start_agent_with`, with `--source kube` and nothing but the
     /// in-cluster configuration of a pod: `KUBERNETES_SERVICE_HOST`/`_PORT`
     /// name `api` (a TLS one), and its service-account files appear at
@@ -943,7 +959,8 @@ impl Cluster {
     /// attached to its cgroup, and wait for its first full sync.
     fn launch_agent(&mut self, node: usize, launch: AgentLaunch, extra: &[&str]) -> Result<()> {
         let log = self.agent_log(node);
-        let before = std::fs::read_to_string(&log).map(|s| s.matches("initial sync complete").count()).unwrap_or(0);
+        let ready = launch.ready.unwrap_or("initial sync complete");
+        let before = std::fs::read_to_string(&log).map(|s| s.matches(ready).count()).unwrap_or(0);
         let n = &self.nodes[node - 1];
         let f = std::fs::OpenOptions::new().create(true).append(true).open(&log)?;
         let mut cmd = Command::new("nsenter");
@@ -1002,7 +1019,7 @@ impl Cluster {
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if text.matches("initial sync complete").count() > before {
+            if text.matches(ready).count() > before {
                 return Ok(());
             }
             if let Some(c) = self.nodes[node - 1].agent.as_mut()

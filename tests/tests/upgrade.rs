@@ -244,11 +244,97 @@ fn counters_from_before_the_source_range_counter_are_carried_over() -> Result<()
     );
     assert_eq!(aya::maps::MapInfo::from_pin(&pin)?.value_size(), 48);
     assert_eq!(aya::maps::MapInfo::from_pin(&stats_pin)?.max_entries(), lb_common::stats::COUNT);
-    assert!(datapath(&w.c, 1, "translated")? >= translated, "the datapath counters came along");
+    assert_eq!(datapath(&w.c, 1, "translated")?, translated, "the datapath counters came along, once");
     let (stats, backends) = w.c.frontend_stats(1, "10.96.0.10", 80, "TCP")?;
     assert_eq!((stats["conns"].as_u64(), stats["source_range"].as_u64(), backends), (Some(10), Some(0), 10), "carried over: {stats}");
     assert_eq!(tcp(&w.c, &client, "10.96.0.10:80", 5)?.ok, 5);
     let (stats, backends) = w.c.frontend_stats(1, "10.96.0.10", 80, "TCP")?;
     assert_eq!((stats["conns"].as_u64(), backends), (Some(15), 15), "and counting on: {stats}");
+    Ok(())
+}
+
+/// Per-frontend counters follow their frontend, not its id: an upgrade that
+/// replaces the services maps numbers the frontends afresh ("extra",
+/// numbered after "web"'s frontends, comes first once "web" is gone); its
+/// counters come along to its new id, and none lands on another frontend.
+/// And a socket held across it, whose translation storage went with the
+/// old storage map, no longer counts in `lb_sockets_tracked`.
+#[test]
+fn counters_follow_their_frontend_not_its_id_across_an_upgrade() -> Result<()> {
+    use lbtest::objects::{Endpoint as E, service_ips, slice_of};
+    const EXTRA: &str = "10.96.0.20";
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    w.c.write_object("extra.yaml", &service_ips("extra", &[EXTRA], &[("http", 80, 8080, "TCP")], ""))?;
+    w.c.write_object("extra-slice.yaml", &slice_of("extra", "extra-1", "IPv4", &[("http", 8080, "TCP")], &[E::ready(&w.p1.ip, "node-1")]))?;
+    wait_backends(&w.c, 1, EXTRA, 80, 1)?;
+    w.c.remove_object("svc.yaml")?;
+    w.c.wait_for("web gone", Duration::from_secs(5), || Ok(w.c.programmed(1, "10.96.0.10", 80, "TCP")?.is_none()))?;
+    let id = |w: &World| -> Result<u64> {
+        let l = w.c.list(1)?;
+        let f = l["frontends"].as_array().into_iter().flatten().find(|f| f["address"] == EXTRA);
+        Ok(f.and_then(|f| f["rev_nat_id"].as_u64()).unwrap_or_default())
+    };
+    let before = id(&w)?;
+    assert_eq!(tcp(&w.c, &client, &format!("{EXTRA}:80"), 7)?.ok, 7);
+    let held = w.c.probe_bg(&client, &["tcp", "--addr", &format!("{EXTRA}:80"), "--hold-ms", "5000", "--interval-ms", "100", "--timeout-ms", "1000"])?;
+    let live = |w: &World| -> Result<i64> { Ok(datapath(&w.c, 1, "sock_tracked")? as i64 - datapath(&w.c, 1, "sock_untracked")? as i64) };
+    w.c.wait_for("the held socket tracked", Duration::from_secs(5), || Ok(live(&w)? == 1))?;
+    assert_eq!(w.c.frontend_stats(1, EXTRA, 80, "TCP")?.0["conns"].as_u64(), Some(8));
+
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    w.c.start_agent_env(1, &objects, &[], &[("LB_LAYOUT_VERSION", "99")])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let after = id(&w)?;
+    assert!(before > 0 && after > 0 && after != before, "the upgrade numbered the frontend afresh: {before} -> {after}");
+    let (stats, backends) = w.c.frontend_stats(1, EXTRA, 80, "TCP")?;
+    assert_eq!((stats["conns"].as_u64(), backends), (Some(8), 8), "its counters followed it: {stats}");
+    let l = w.c.list_with(1, &["--stats"])?;
+    for f in l["frontends"].as_array().into_iter().flatten().filter(|f| f["address"] != EXTRA) {
+        assert_eq!(f["stats"]["conns"].as_u64(), Some(0), "no other frontend got its counters: {f}");
+    }
+    assert_eq!(live(&w)?, 0, "the held socket's storage went with the old map");
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "{s:?}");
+    assert_eq!(live(&w)?, 0, "and its release is not counted");
+    Ok(())
+}
+
+/// Until an upgrade finishes (after the new agent's first sync, which an
+/// API server failing every request holds back here), the old programs
+/// still count into the old maps: the metrics read those, not the staged
+/// maps' zeros (a reset, then a jump, to Prometheus), and the per-service
+/// series are absent (the staged map is empty: a gap); when it finishes, no
+/// counter goes back or jumps.
+#[test]
+fn metrics_read_the_live_counters_while_an_upgrade_waits_for_its_first_sync() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    assert_eq!(tcp(&w.c, &client, "10.96.0.10:80", 10)?.ok, 10);
+    let scrape = |w: &World| -> Result<(u64, bool)> {
+        let (_, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
+        let translated = m.lines().find_map(|l| l.strip_prefix("lb_datapath_events_total{result=\"translated\"} ")?.trim().parse().ok());
+        Ok((translated.unwrap_or_default(), m.contains("lb_frontend_connections_total{")))
+    };
+    let api = w.c.start_apiserver(1, false)?;
+    w.c.kill_agent(1);
+    w.c.start_agent_kube(1, &api.kubeconfig, &["--metrics-per-service"])?;
+    let (before, per_service) = scrape(&w)?;
+    assert!(before >= 10 && per_service, "{before}");
+    api.control("/lbtest/fail?code=500&count=1000000")?;
+    w.c.kill_agent(1);
+    w.c.start_agent_kube_unsynced(1, &api.kubeconfig, &["--metrics-per-service"], &[("LB_LAYOUT_VERSION", "99")])?;
+    assert!(w.c.nodes[0].bpffs.join("next").join(lb_common::maps::STATS).exists(), "staged, not finished");
+    assert_eq!(scrape(&w)?, (before, false), "the live counters; no per-service series");
+    assert_eq!(tcp(&w.c, &client, "10.96.0.10:80", 5)?.ok, 5);
+    assert_eq!(scrape(&w)?, (before + 5, false), "the old programs count on");
+    api.control("/lbtest/fail?code=500&count=0")?;
+    w.c.wait_for("the upgrade", Duration::from_secs(30), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    assert_eq!(scrape(&w)?, (before + 5, true), "carried over: no jump, no reset");
+    assert_eq!(tcp(&w.c, &client, "10.96.0.10:80", 5)?.ok, 5);
+    assert_eq!(scrape(&w)?.0, before + 10);
     Ok(())
 }

@@ -190,16 +190,17 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -
             if pass == Pass::First {
                 continue;
             }
-            match copy_counters(&old, &new) {
+            match copy_counters(&old, &new, replaced.contains(&maps::SOCK_XLATE)) {
                 Ok(n) => total += n,
                 Err(e) => tracing::warn!(map = name, "upgrade: carrying counters over: {e:#}"),
             }
             continue;
         }
-        if *name == maps::SVC_STATS && !same_sizes {
-            // Counters from before `source_range` (40 bytes): carried
-            // over with it at zero, so that no counter goes back.
-            match copy_stats_before_source_range(&old, &new) {
+        if *name == maps::SVC_STATS {
+            // Per frontend and backend, by what each id stands for; from
+            // before `source_range` (40 bytes), with it at zero; so that
+            // no counter goes back, nor lands on another Service.
+            match copy_svc_stats(bpffs, &old, &new, !same_sizes) {
                 Ok(n) => total += n,
                 Err(e) => tracing::warn!(map = name, "upgrade: carrying counters over: {e:#}"),
             }
@@ -219,7 +220,6 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -
             maps::NAT6 => copy::<Nat6Key, Nat6Entry>(&old, &new, false),
             maps::FRAG4 => copy::<lb_common::FragKey, lb_common::FragPorts>(&old, &new, true),
             maps::FRAG6 => copy::<lb_common::Frag6Key, lb_common::FragPorts>(&old, &new, true),
-            maps::SVC_STATS => copy::<lb_common::SvcStatsKey, lb_common::SvcStats>(&old, &new, false),
             _ => Ok(0),
         };
         match r {
@@ -247,40 +247,110 @@ struct SvcStatsBeforeSourceRange([u64; 5]);
 // SAFETY: five u64s, no padding.
 unsafe impl aya::Pod for SvcStatsBeforeSourceRange {}
 
-/// Copy the counters of an `LB_SVC_STATS` with 40-byte values (before
-/// `SvcStats::source_range`) into the staged map, the new counter at
-/// zero; counters the new programs already wrote win. Anything else
+/// Copy the per-frontend and per-backend counters of the old
+/// `LB_SVC_STATS` into the staged map; counters the new programs already
+/// wrote win. Ids are each agent's own: an upgrade that replaces the
+/// services maps hands them out afresh, and even one that keeps them may
+/// have freed an id in its first sync. So each old key is followed to what
+/// its id stands for in the old maps (a frontend's address and port; a
+/// backend's address, port, protocol and flags) and given that one's id in
+/// the maps the new agent filled; a counter whose frontend or backend is
+/// gone is dropped. `before_source_range`: the old values are 40 bytes
+/// (agents before 12-05), the new counter starts at zero. Anything else
 /// (another key size, values of another size) is an error.
-fn copy_stats_before_source_range(old: &Path, new: &Path) -> Result<usize> {
+fn copy_svc_stats(bpffs: &Path, old: &Path, new: &Path, before_source_range: bool) -> Result<usize> {
     use aya::maps::{HashMap, Map, MapData};
-    let from: HashMap<MapData, lb_common::SvcStatsKey, SvcStatsBeforeSourceRange> =
-        HashMap::try_from(Map::HashMap(MapData::from_pin(old)?)).context("the old counters")?;
-    let mut to: HashMap<MapData, lb_common::SvcStatsKey, lb_common::SvcStats> =
-        HashMap::try_from(Map::HashMap(MapData::from_pin(new)?)).context("the new counters")?;
+    use lb_common::{SvcStats, SvcStatsKey};
+    let ids = stats_ids(bpffs).context("follow the counters' ids to the new maps")?;
+    let entries: Vec<(SvcStatsKey, SvcStats)> = if before_source_range {
+        let from: HashMap<MapData, SvcStatsKey, SvcStatsBeforeSourceRange> =
+            HashMap::try_from(Map::HashMap(MapData::from_pin(old)?)).context("the old counters")?;
+        from.iter()
+            .filter_map(|r| r.ok())
+            .map(|(k, SvcStatsBeforeSourceRange([conns, refused, unreachable, packets, bytes]))| {
+                (k, SvcStats { conns, refused, unreachable, packets, bytes, source_range: 0 })
+            })
+            .collect()
+    } else {
+        let from: HashMap<MapData, SvcStatsKey, SvcStats> = HashMap::try_from(Map::HashMap(MapData::from_pin(old)?)).context("the old counters")?;
+        from.iter().filter_map(|r| r.ok()).collect()
+    };
+    let mut to: HashMap<MapData, SvcStatsKey, SvcStats> = HashMap::try_from(Map::HashMap(MapData::from_pin(new)?)).context("the new counters")?;
     let mut n = 0;
-    for (k, SvcStatsBeforeSourceRange([conns, refused, unreachable, packets, bytes])) in from.iter().filter_map(|r| r.ok()) {
-        let v = lb_common::SvcStats { conns, refused, unreachable, packets, bytes, source_range: 0 };
+    for (k, v) in entries {
+        let Some(k) = ids.get(&k) else { continue };
         // BPF_NOEXIST: never overwrite what the new programs wrote.
-        if to.insert(k, v, 1).is_ok() {
+        if to.insert(*k, v, 1).is_ok() {
             n += 1;
         }
     }
     Ok(n)
 }
 
+/// Each `LB_SVC_STATS` key of the old agent's ids, and the key of the same
+/// frontend or backend among the new agent's (see `copy_svc_stats`).
+fn stats_ids(bpffs: &Path) -> Result<std::collections::HashMap<lb_common::SvcStatsKey, lb_common::SvcStatsKey>> {
+    use lb_common::{FAMILY_V4, FAMILY_V6, STATS_BACKEND, STATS_FRONTEND};
+    let mut out = std::collections::HashMap::new();
+    follow::<u16, RevNat4>(bpffs, maps::REVNAT4, STATS_FRONTEND, FAMILY_V4, &mut out)?;
+    follow::<u16, RevNat6>(bpffs, maps::REVNAT6, STATS_FRONTEND, FAMILY_V6, &mut out)?;
+    follow::<u32, Backend4>(bpffs, maps::BACKENDS4, STATS_BACKEND, FAMILY_V4, &mut out)?;
+    follow::<u32, Backend6>(bpffs, maps::BACKENDS6, STATS_BACKEND, FAMILY_V6, &mut out)?;
+    Ok(out)
+}
+
+/// Add to `out` the keys of map `name`'s ids: from its old pin's to its
+/// current (staged) one's, matched by value.
+fn follow<K, V>(
+    bpffs: &Path,
+    name: &str,
+    kind: u8,
+    family: u8,
+    out: &mut std::collections::HashMap<lb_common::SvcStatsKey, lb_common::SvcStatsKey>,
+) -> Result<()>
+where
+    K: aya::Pod + Into<u32>,
+    V: aya::Pod + Eq + std::hash::Hash,
+{
+    use aya::maps::{HashMap, Map, MapData};
+    let read = |p: &Path| -> Result<Vec<(K, V)>> {
+        let m: HashMap<MapData, K, V> = HashMap::try_from(Map::HashMap(MapData::from_pin(p)?)).with_context(|| format!("read {}", p.display()))?;
+        Ok(m.iter().filter_map(|r| r.ok()).collect())
+    };
+    let now: std::collections::HashMap<V, u32> = read(&pin_path(bpffs, name))?.into_iter().map(|(k, v)| (v, k.into())).collect();
+    let key = |id: u32| lb_common::SvcStatsKey { id, kind, family, _pad: 0 };
+    for (k, v) in read(&bpffs.join(name))? {
+        if let Some(&id) = now.get(&v) {
+            out.insert(key(k.into()), key(id));
+        }
+    }
+    Ok(())
+}
+
 /// Add the per-CPU datapath counters of the old `LB_STATS` to the staged
 /// map's, each index the old map has (an upgrade that adds counters makes
 /// it larger): the staged map holds what the new programs counted since
-/// they were attached. Returns
-/// how many counters were copied.
-fn copy_counters(old: &Path, new: &Path) -> Result<usize> {
+/// they were attached. When the socket storage map itself is replaced
+/// (`xlate_replaced`), the storage the old one held goes with it, and no
+/// release will count it: it is counted released here, so that
+/// `lb_sockets_tracked` (tracked - released) stays true. Returns how many
+/// counters were copied.
+fn copy_counters(old: &Path, new: &Path, xlate_replaced: bool) -> Result<usize> {
     use aya::maps::{Map, MapData, PerCpuArray, PerCpuValues};
+    use lb_common::stats::{SOCK_TRACKED, SOCK_UNTRACKED};
     let from: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(MapData::from_pin(old)?)).context("the old counters")?;
     let mut to: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(MapData::from_pin(new)?)).context("the new counters")?;
     let n = from.len().min(to.len());
-    for i in 0..n {
-        let (a, b) = (from.get(&i, 0)?, to.get(&i, 0)?);
-        let sum: Vec<u64> = a.iter().zip(b.iter()).map(|(x, y)| x + y).collect();
+    let total = |i: u32| -> Result<u64> { Ok(if i < from.len() { from.get(&i, 0)?.iter().sum() } else { 0 }) };
+    let gone = if xlate_replaced { total(SOCK_TRACKED)?.saturating_sub(total(SOCK_UNTRACKED)?) } else { 0 };
+    for i in 0..to.len() {
+        let b = to.get(&i, 0)?;
+        let mut sum: Vec<u64> = if i < n { from.get(&i, 0)?.iter().zip(b.iter()).map(|(x, y)| x + y).collect() } else { b.to_vec() };
+        if i == SOCK_UNTRACKED {
+            sum[0] += gone;
+        } else if i >= n {
+            continue;
+        }
         to.set(i, PerCpuValues::try_from(sum)?, 0)?;
     }
     Ok(n as usize)
