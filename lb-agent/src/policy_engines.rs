@@ -125,7 +125,10 @@ pub fn check(metric: &prometheus_client::metrics::family::Family<[(&'static str,
     for engine in ENGINES {
         metric.get_or_create(&[("engine", engine)]).set(now.iter().any(|(e, _)| *e == engine) as i64);
     }
-    if last.as_ref() == Some(&now) {
+    // Said again only when the engines change, not their chains (kube-router
+    // has a chain per NetworkPolicy).
+    let engines = |f: &Found| f.iter().map(|(e, _)| *e).collect::<Vec<_>>();
+    if last.as_ref().map(engines) == Some(engines(&now)) {
         return;
     }
     if now.is_empty() {
