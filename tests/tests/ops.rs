@@ -346,6 +346,56 @@ fn per_frontend_and_backend_counters_like_ipvsadm_stats() -> Result<()> {
     Ok(())
 }
 
+/// A frontend or backend id handed out again starts its counters from
+/// zero, whatever a freed id still holds (counts that reached it after its
+/// deletion: a NAT flow's last packets, a connection counted once a packet
+/// passed its source ranges; or what an earlier agent left): here every
+/// free id holds such counters, written through the pinned map.
+#[test]
+fn an_id_handed_out_again_starts_its_counters_from_zero() -> Result<()> {
+    use aya::maps::{HashMap, Map, MapData};
+    use lb_common::{FAMILY_V4, STATS_BACKEND, STATS_FRONTEND, SvcStats, SvcStatsKey};
+    use lbtest::objects::{Endpoint as E, slice_of};
+    use lbtest::world::*;
+    const EXTRA: &str = "10.96.0.20";
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let l = w.c.list(1)?;
+    let used = |kind: u8| -> std::collections::BTreeSet<u32> {
+        let fronts = l["frontends"].as_array().into_iter().flatten().filter(|f| f["family"] == "IPv4");
+        if kind == STATS_FRONTEND {
+            fronts.filter_map(|f| f["rev_nat_id"].as_u64()).map(|id| id as u32).collect()
+        } else {
+            fronts.flat_map(|f| f["backends"].as_array().into_iter().flatten().filter_map(|b| b["id"].as_u64()).map(|id| id as u32)).collect()
+        }
+    };
+    let mut stats: HashMap<MapData, SvcStatsKey, SvcStats> =
+        HashMap::try_from(Map::HashMap(MapData::from_pin(w.c.nodes[0].bpffs.join(lb_common::maps::SVC_STATS))?))?;
+    let stale = SvcStats { conns: 1000, refused: 100, unreachable: 10, packets: 5000, bytes: 500_000, source_range: 1 };
+    for kind in [STATS_FRONTEND, STATS_BACKEND] {
+        let used = used(kind);
+        for id in (1..=300).filter(|id| !used.contains(id)) {
+            stats.insert(SvcStatsKey { id, kind, family: FAMILY_V4, _pad: 0 }, stale, 0)?;
+        }
+    }
+    // A new Service, with a backend of its own (pod-1 on another port).
+    w.c.write_object("extra.yaml", &service_ips("extra", &[EXTRA], &[("http", 80, 8081, "TCP")], ""))?;
+    w.c.write_object("extra-slice.yaml", &slice_of("extra", "extra-1", "IPv4", &[("http", 8081, "TCP")], &[E::ready(&w.p1.ip, "node-1")]))?;
+    wait_backends(&w.c, 1, EXTRA, 80, 1)?;
+    w.c.serve(&w.p1, 8081)?;
+    let l = w.c.list_with(1, &["--stats"])?;
+    let f = l["frontends"].as_array().into_iter().flatten().find(|f| f["address"] == EXTRA).unwrap().clone();
+    let (id, backend) = (f["rev_nat_id"].as_u64().unwrap(), f["backends"][0]["id"].as_u64().unwrap());
+    assert!(id <= 300 && backend <= 300, "ids the stale counters cover: {f}");
+    let zero = serde_json::json!({"conns": 0, "refused": 0, "unreachable": 0, "source_range": 0, "packets": 0, "bytes": 0});
+    assert_eq!((&f["stats"], &f["backends"][0]["stats"]), (&zero, &zero), "{f}");
+    assert_eq!(tcp(&w.c, &client, &format!("{EXTRA}:80"), 3)?.ok, 3);
+    let (stats, backends) = w.c.frontend_stats(1, EXTRA, 80, "TCP")?;
+    assert_eq!((stats["conns"].as_u64(), backends), (Some(3), 3), "{stats}");
+    Ok(())
+}
+
 /// kube-proxy's rules on a node (kube-proxy still running, or its rules
 /// left behind when its DaemonSet was deleted) are named in a warning and
 /// in `lb_kube_proxy_rules{mode}`, in each mode kube-proxy has: iptables

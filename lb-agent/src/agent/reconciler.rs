@@ -116,10 +116,27 @@ where
     lb_common::Backend<A>: aya::Pod,
     lb_common::RevNat<A>: aya::Pod,
 {
+    // An id handed out anew starts its counters from zero, before anything
+    // can count on it: counts that reached a freed id after its deletion
+    // (a NAT flow's last packets, a connection counted once its first
+    // packet passed the source ranges) or that an earlier agent left are
+    // not its new owner's.
+    for op in ops {
+        let new = match op {
+            Op::PutRevNat(id, _) => !mirror.table.revnat.contains_key(id),
+            Op::PutBackend(id, _) => !mirror.table.backends.contains_key(id),
+            _ => false,
+        };
+        if new {
+            shared.forget_stats(op);
+        }
+    }
     let (done, err) = write_ops(ops, fm, shared);
     for op in &ops[..done] {
         mirror.apply(op);
-        shared.forget_stats(op);
+        if matches!(op, Op::DelRevNat(_) | Op::DelBackend(_)) {
+            shared.forget_stats(op);
+        }
     }
     match err {
         Some(e) => Err(write_failed(&ops[done], target, e)),

@@ -213,12 +213,12 @@ pub struct Shared<'a> {
 }
 
 impl Shared<'_> {
-    /// A frontend or backend id was deleted: its counters go too, so that
-    /// a later owner of the id starts from zero.
+    /// A frontend or backend id was deleted, or is handed out anew: its
+    /// counters go, so that a later owner of the id starts from zero.
     pub fn forget_stats<A: Addr>(&mut self, op: &Op<A>) {
         let (kind, id) = match op {
-            Op::DelRevNat(id) => (lb_common::STATS_FRONTEND, *id as u32),
-            Op::DelBackend(id) => (lb_common::STATS_BACKEND, *id),
+            Op::DelRevNat(id) | Op::PutRevNat(id, _) => (lb_common::STATS_FRONTEND, *id as u32),
+            Op::DelBackend(id) | Op::PutBackend(id, _) => (lb_common::STATS_BACKEND, *id),
             _ => return,
         };
         let key = SvcStatsKey { id, kind, family: A::FAMILY, _pad: 0 };
@@ -435,10 +435,11 @@ impl Maps {
         self.svc_stats.iter().map(|r| r.context("read LB_SVC_STATS")).collect()
     }
 
-    /// The stats counters, summed over CPUs, by name.
+    /// The stats counters, summed over CPUs, by name (those the pinned map
+    /// has: an older agent's has fewer).
     pub fn read_stats(&self) -> Result<Vec<(&'static str, u64)>> {
         let mut out = Vec::new();
-        for (i, name) in stats::NAMES.iter().enumerate() {
+        for (i, name) in stats::NAMES.iter().enumerate().take(self.stats.len() as usize) {
             let per_cpu = self.stats.get(&(i as u32), 0).with_context(|| format!("read {}", maps::STATS))?;
             out.push((*name, per_cpu.iter().sum()));
         }
