@@ -253,10 +253,11 @@ fn count_pending(sk: *mut aya_ebpf::bindings::bpf_sock, family: u8, rev_nat_id: 
     }
     // SAFETY: p points to this socket's storage.
     let backend_id = unsafe { core::ptr::read_volatile(p) };
-    // Counted by the one run whose delete takes the storage: two threads
-    // sending a connected UDP socket's first datagrams at once both get
-    // here (sending takes no socket lock); the storage's lock lets one
-    // delete succeed.
+    // Counted by a run whose delete takes the storage: two threads sending
+    // a connected UDP socket's first datagrams at once may both get here
+    // (sending takes no socket lock); a run that finds the storage gone
+    // counts nothing. (Not airtight: the kernel's delete answers 0 to both
+    // runs when both looked the storage up before either unlinked it.)
     // SAFETY: sk is the packet's full socket (the lookup above found its
     // storage).
     if unsafe { LB_SOCK_PENDING.delete(sk) }.is_ok() {

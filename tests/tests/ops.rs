@@ -357,43 +357,58 @@ fn an_id_handed_out_again_starts_its_counters_from_zero() -> Result<()> {
     use lb_common::{FAMILY_V4, STATS_BACKEND, STATS_FRONTEND, SvcStats, SvcStatsKey};
     use lbtest::objects::{Endpoint as E, slice_of};
     use lbtest::world::*;
-    const EXTRA: &str = "10.96.0.20";
     let mut w = world(&web("NodePort", "", &[]))?;
     let client = w.c.add_pod(1, "client")?;
     wait_backends(&w.c, 1, NODE1, 30080, 2)?;
-    let l = w.c.list(1)?;
-    let used = |kind: u8| -> std::collections::BTreeSet<u32> {
-        let fronts = l["frontends"].as_array().into_iter().flatten().filter(|f| f["family"] == "IPv4");
-        if kind == STATS_FRONTEND {
-            fronts.filter_map(|f| f["rev_nat_id"].as_u64()).map(|id| id as u32).collect()
-        } else {
-            fronts.flat_map(|f| f["backends"].as_array().into_iter().flatten().filter_map(|b| b["id"].as_u64()).map(|id| id as u32)).collect()
+    // Every free id (of the first 300) gets stale counters.
+    let stale = |w: &World| -> Result<()> {
+        let l = w.c.list(1)?;
+        let fronts = || l["frontends"].as_array().into_iter().flatten().filter(|f| f["family"] == "IPv4");
+        let ids = |v: &serde_json::Value| v.as_u64().map(|id| id as u32);
+        let used_fronts: std::collections::BTreeSet<u32> = fronts().filter_map(|f| ids(&f["rev_nat_id"])).collect();
+        let used_backends: std::collections::BTreeSet<u32> =
+            fronts().flat_map(|f| f["backends"].as_array().into_iter().flatten().filter_map(|b| ids(&b["id"]))).collect();
+        let mut stats: HashMap<MapData, SvcStatsKey, SvcStats> =
+            HashMap::try_from(Map::HashMap(MapData::from_pin(w.c.nodes[0].bpffs.join(lb_common::maps::SVC_STATS))?))?;
+        let old = SvcStats { conns: 1000, refused: 100, unreachable: 10, packets: 5000, bytes: 500_000, source_range: 1 };
+        for (kind, used) in [(STATS_FRONTEND, used_fronts), (STATS_BACKEND, used_backends)] {
+            for id in (1..=300).filter(|id| !used.contains(id)) {
+                stats.insert(SvcStatsKey { id, kind, family: FAMILY_V4, _pad: 0 }, old, 0)?;
+            }
         }
+        Ok(())
     };
-    let mut stats: HashMap<MapData, SvcStatsKey, SvcStats> =
-        HashMap::try_from(Map::HashMap(MapData::from_pin(w.c.nodes[0].bpffs.join(lb_common::maps::SVC_STATS))?))?;
-    let stale = SvcStats { conns: 1000, refused: 100, unreachable: 10, packets: 5000, bytes: 500_000, source_range: 1 };
-    for kind in [STATS_FRONTEND, STATS_BACKEND] {
-        let used = used(kind);
-        for id in (1..=300).filter(|id| !used.contains(id)) {
-            stats.insert(SvcStatsKey { id, kind, family: FAMILY_V4, _pad: 0 }, stale, 0)?;
-        }
-    }
     // A new Service, with a backend of its own (pod-1 on another port).
-    w.c.write_object("extra.yaml", &service_ips("extra", &[EXTRA], &[("http", 80, 8081, "TCP")], ""))?;
-    w.c.write_object("extra-slice.yaml", &slice_of("extra", "extra-1", "IPv4", &[("http", 8081, "TCP")], &[E::ready(&w.p1.ip, "node-1")]))?;
-    wait_backends(&w.c, 1, EXTRA, 80, 1)?;
-    w.c.serve(&w.p1, 8081)?;
-    let l = w.c.list_with(1, &["--stats"])?;
-    let f = l["frontends"].as_array().into_iter().flatten().find(|f| f["address"] == EXTRA).unwrap().clone();
-    let (id, backend) = (f["rev_nat_id"].as_u64().unwrap(), f["backends"][0]["id"].as_u64().unwrap());
-    assert!(id <= 300 && backend <= 300, "ids the stale counters cover: {f}");
-    let zero = serde_json::json!({"conns": 0, "refused": 0, "unreachable": 0, "source_range": 0, "packets": 0, "bytes": 0});
-    assert_eq!((&f["stats"], &f["backends"][0]["stats"]), (&zero, &zero), "{f}");
-    assert_eq!(tcp(&w.c, &client, &format!("{EXTRA}:80"), 3)?.ok, 3);
-    let (stats, backends) = w.c.frontend_stats(1, EXTRA, 80, "TCP")?;
-    assert_eq!((stats["conns"].as_u64(), backends), (Some(3), 3), "{stats}");
-    Ok(())
+    let add = |w: &World, name: &str, vip: &str, port: u16| -> Result<()> {
+        w.c.serve(&w.p1, port)?;
+        w.c.write_object(&format!("{name}.yaml"), &service_ips(name, &[vip], &[("http", 80, port, "TCP")], ""))?;
+        w.c.write_object(&format!("{name}-slice.yaml"), &slice_of(name, &format!("{name}-1"), "IPv4", &[("http", port, "TCP")], &[E::ready(&w.p1.ip, "node-1")]))?;
+        Ok(())
+    };
+    let fresh = |w: &World, vip: &str| -> Result<()> {
+        wait_backends(&w.c, 1, vip, 80, 1)?;
+        let l = w.c.list_with(1, &["--stats"])?;
+        let f = l["frontends"].as_array().into_iter().flatten().find(|f| f["address"] == vip).unwrap().clone();
+        let (id, backend) = (f["rev_nat_id"].as_u64().unwrap(), f["backends"][0]["id"].as_u64().unwrap());
+        assert!(id <= 300 && backend <= 300, "ids the stale counters cover: {f}");
+        let zero = serde_json::json!({"conns": 0, "refused": 0, "unreachable": 0, "source_range": 0, "packets": 0, "bytes": 0});
+        assert_eq!((&f["stats"], &f["backends"][0]["stats"]), (&zero, &zero), "{f}");
+        assert_eq!(tcp(&w.c, &client, &format!("{vip}:80"), 3)?.ok, 3);
+        let (stats, backends) = w.c.frontend_stats(1, vip, 80, "TCP")?;
+        assert_eq!((stats["conns"].as_u64(), backends), (Some(3), 3), "{stats}");
+        Ok(())
+    };
+    // Handed out by a sync of the change.
+    stale(&w)?;
+    add(&w, "extra", "10.96.0.20", 8081)?;
+    fresh(&w, "10.96.0.20")?;
+    // And by a full sync: the first after a restart, with a Service added
+    // while the agent was down.
+    w.c.kill_agent(1);
+    stale(&w)?;
+    add(&w, "third", "10.96.0.30", 8082)?;
+    w.c.start_agent_with(1, &[])?;
+    fresh(&w, "10.96.0.30")
 }
 
 /// kube-proxy's rules on a node (kube-proxy still running, or its rules

@@ -124,8 +124,12 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<BTreeSet<mod
             if flushed + marked > 0 {
                 tracing::info!(udp_removed = flushed, tcp_to_reset = marked, "NAT flows to endpoints that left ended");
             }
+            // No comparison in a pass that began with the upgrade pending:
+            // the counts may be added meanwhile. (The staged map is moved in
+            // place only after they were: a pass that sees it moved reads
+            // them.)
+            let upgrading = staged.is_some();
             if let Some(p) = &staged {
-                // Moved in place only after the old counts were added.
                 let finished = !p.exists();
                 seen_failed = failed();
                 if finished {
@@ -133,7 +137,7 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<BTreeSet<mod
                 }
             }
             let now_failed = failed();
-            if now_failed > seen_failed {
+            if !upgrading && now_failed > seen_failed {
                 tracing::warn!(
                     refused = now_failed - seen_failed,
                     "outside flows refused: no free SNAT port for their backend (--snat-ports) or the NAT table is full (--max-nat); see lb_datapath_nat_failed"

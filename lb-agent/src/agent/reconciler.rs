@@ -102,6 +102,41 @@ fn write_failed<A: Addr>(op: &Op<A>, target: &writer::Target<A>, e: anyhow::Erro
     WriteFailed { service: owner.map(|(s, _)| s), error: e.context(format!("programming {who} failed")), too_many: Vec::new() }
 }
 
+/// `write_ops`, with the counters of the ids it frees or hands out anew
+/// forgotten (`table`: what the maps held before), so that a later owner
+/// of an id starts from zero. An id handed out anew is forgotten before
+/// anything can count on it: counts that reached a freed id after its
+/// deletion (a NAT flow's last packets, a connection counted once its
+/// first packet passed the source ranges) or that an earlier agent left
+/// are not its new owner's.
+fn write_counted<A: Addr>(
+    ops: &[Op<A>],
+    table: &Table<A>,
+    fm: &mut FamilyMaps<A>,
+    shared: &mut crate::dataplane::maps::Shared<'_>,
+) -> (usize, Option<anyhow::Error>)
+where
+    lb_common::SvcKey<A>: aya::Pod,
+    lb_common::Backend<A>: aya::Pod,
+    lb_common::RevNat<A>: aya::Pod,
+{
+    for op in ops {
+        let new = match op {
+            Op::PutRevNat(id, _) => !table.revnat.contains_key(id),
+            Op::PutBackend(id, _) => !table.backends.contains_key(id),
+            _ => false,
+        };
+        if new {
+            shared.forget_stats(op);
+        }
+    }
+    let (done, err) = write_ops(ops, fm, shared);
+    for op in ops[..done].iter().filter(|op| matches!(op, Op::DelRevNat(_) | Op::DelBackend(_))) {
+        shared.forget_stats(op);
+    }
+    (done, err)
+}
+
 /// Apply `ops` in order, stopping at the first failed write; the mirror
 /// follows every write that reached the maps.
 fn apply_ops<A: Addr>(
@@ -116,27 +151,9 @@ where
     lb_common::Backend<A>: aya::Pod,
     lb_common::RevNat<A>: aya::Pod,
 {
-    // An id handed out anew starts its counters from zero, before anything
-    // can count on it: counts that reached a freed id after its deletion
-    // (a NAT flow's last packets, a connection counted once its first
-    // packet passed the source ranges) or that an earlier agent left are
-    // not its new owner's.
-    for op in ops {
-        let new = match op {
-            Op::PutRevNat(id, _) => !mirror.table.revnat.contains_key(id),
-            Op::PutBackend(id, _) => !mirror.table.backends.contains_key(id),
-            _ => false,
-        };
-        if new {
-            shared.forget_stats(op);
-        }
-    }
-    let (done, err) = write_ops(ops, fm, shared);
+    let (done, err) = write_counted(ops, &mirror.table, fm, shared);
     for op in &ops[..done] {
         mirror.apply(op);
-        if matches!(op, Op::DelRevNat(_) | Op::DelBackend(_)) {
-            shared.forget_stats(op);
-        }
     }
     match err {
         Some(e) => Err(write_failed(&ops[done], target, e)),
@@ -353,7 +370,7 @@ where
     tracing::debug!(family = A::NAME, us = t_plan.elapsed().as_micros() as u64, ops = ops.len(), "sync: plan");
     let stale = affinity_gone(&mirror.table, &target.table);
     let t_write = Instant::now();
-    let (done, err) = write_ops(&ops, fm, shared);
+    let (done, err) = write_counted(&ops, &mirror.table, fm, shared);
     if let Some(e) = err {
         for op in &ops[..done] {
             mirror.apply(op);

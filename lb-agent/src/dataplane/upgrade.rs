@@ -140,6 +140,14 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
             out.push(name);
         }
     }
+    // New services maps number frontends and backends afresh: the counters
+    // keyed by their ids move to a new map too, by what each id stands for
+    // (`copy_svc_stats`), even where their own layout is kept.
+    let ids = [maps::REVNAT4, maps::REVNAT6, maps::BACKENDS4, maps::BACKENDS6];
+    if out.iter().any(|m| ids.contains(m)) && !out.contains(&maps::SVC_STATS) && dir.join(maps::SVC_STATS).exists() {
+        tracing::info!(map = maps::SVC_STATS, "pinned map gets a new layout: its ids are renumbered with the services maps");
+        out.push(maps::SVC_STATS);
+    }
     Ok(out)
 }
 
@@ -292,10 +300,19 @@ fn copy_svc_stats(bpffs: &Path, old: &Path, new: &Path, before_source_range: boo
 fn stats_ids(bpffs: &Path) -> Result<std::collections::HashMap<lb_common::SvcStatsKey, lb_common::SvcStatsKey>> {
     use lb_common::{FAMILY_V4, FAMILY_V6, STATS_BACKEND, STATS_FRONTEND};
     let mut out = std::collections::HashMap::new();
-    follow::<u16, RevNat4>(bpffs, maps::REVNAT4, STATS_FRONTEND, FAMILY_V4, &mut out)?;
-    follow::<u16, RevNat6>(bpffs, maps::REVNAT6, STATS_FRONTEND, FAMILY_V6, &mut out)?;
-    follow::<u32, Backend4>(bpffs, maps::BACKENDS4, STATS_BACKEND, FAMILY_V4, &mut out)?;
-    follow::<u32, Backend6>(bpffs, maps::BACKENDS6, STATS_BACKEND, FAMILY_V6, &mut out)?;
+    // Each map on its own: one that cannot be read (another value layout)
+    // costs only its own counters.
+    let results = [
+        (maps::REVNAT4, follow::<u16, RevNat4>(bpffs, maps::REVNAT4, STATS_FRONTEND, FAMILY_V4, &mut out)),
+        (maps::REVNAT6, follow::<u16, RevNat6>(bpffs, maps::REVNAT6, STATS_FRONTEND, FAMILY_V6, &mut out)),
+        (maps::BACKENDS4, follow::<u32, Backend4>(bpffs, maps::BACKENDS4, STATS_BACKEND, FAMILY_V4, &mut out)),
+        (maps::BACKENDS6, follow::<u32, Backend6>(bpffs, maps::BACKENDS6, STATS_BACKEND, FAMILY_V6, &mut out)),
+    ];
+    for (map, r) in results {
+        if let Err(e) = r {
+            tracing::warn!(map, "upgrade: the counters of its ids are not carried over: {e:#}");
+        }
+    }
     Ok(out)
 }
 
