@@ -52,9 +52,11 @@ static LB_SOCK_CHECK: SkStorage<SockCheck> = SkStorage::new();
 /// been counted yet: a connection its frontend's ranges refuse is no
 /// connection, so it is counted (`account_conn`) when its first packet
 /// passes them, and this storage goes. (A socket an agent from before it
-/// marked has none: that agent counted it at connect.)
+/// marked has none: that agent counted it at connect.) 64 bits, so that
+/// `count_pending` can swap it atomically (the BPF target's cpu has no
+/// 32-bit exchange).
 #[btf_map]
-static LB_SOCK_PENDING: SkStorage<u32> = SkStorage::new();
+static LB_SOCK_PENDING: SkStorage<u64> = SkStorage::new();
 
 const EADDRINUSE: i32 = 98;
 const EPERM: i32 = 1;
@@ -206,13 +208,13 @@ fn mark_check(ctx: &SockAddrContext, meta: u64, backend: &[u8; 16], backend_id: 
     }
     let mut out = MARK_COUNT;
     if !stable {
-        let mut id = backend_id;
+        let mut id = backend_id as u64;
         // SAFETY: as above.
         let pending = unsafe { LB_SOCK_PENDING.get_or_insert_ptr_mut(ctx, Some(&mut id)) };
         if !pending.is_null() {
             // SAFETY: this socket's storage (an earlier connect's, when
             // the socket connects again: overwritten).
-            unsafe { core::ptr::write_volatile(pending, backend_id) };
+            unsafe { core::ptr::write_volatile(pending, backend_id as u64) };
             out = MARK_DEFERRED;
         }
     }
@@ -247,23 +249,30 @@ const MARK_DEFERRED: u8 = 2;
 fn count_pending(sk: *mut aya_ebpf::bindings::bpf_sock, family: u8, rev_nat_id: u16) {
     let map = core::ptr::from_ref(&LB_SOCK_PENDING).cast_mut().cast::<c_void>();
     // SAFETY: the helper checks the socket (a full socket, or NULL back).
-    let p = unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), 0) }.cast::<u32>();
+    let p = unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), 0) }.cast::<u64>();
     if p.is_null() {
         return;
     }
-    // SAFETY: p points to this socket's storage.
-    let backend_id = unsafe { core::ptr::read_volatile(p) };
-    // Counted by a run whose delete takes the storage: two threads sending
-    // a connected UDP socket's first datagrams at once may both get here
-    // (sending takes no socket lock); a run that finds the storage gone
-    // counts nothing. (Not airtight: the kernel's delete answers 0 to both
-    // runs when both looked the storage up before either unlinked it.)
+    // Two threads sending a connected UDP socket's first datagrams at once
+    // may both get here (sending takes no socket lock), and both find the
+    // storage (the kernel's delete answers 0 to both when both looked it up
+    // before either unlinked it): the run that swaps the backend id out
+    // counts the connection, the other finds it claimed.
+    // SAFETY: p points to this socket's storage, a u64 (RCU keeps it alive
+    // for this run).
+    let backend_id = unsafe { core::intrinsics::atomic_xchg::<u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, PENDING_CLAIMED) };
+    if backend_id == PENDING_CLAIMED {
+        return;
+    }
+    lb::account_conn(family, rev_nat_id, backend_id as u32);
     // SAFETY: sk is the packet's full socket (the lookup above found its
     // storage).
-    if unsafe { LB_SOCK_PENDING.delete(sk) }.is_ok() {
-        lb::account_conn(family, rev_nat_id, backend_id);
-    }
+    let _ = unsafe { LB_SOCK_PENDING.delete(sk) };
 }
+
+/// `LB_SOCK_PENDING` of a connection already counted (no backend id is
+/// this large).
+const PENDING_CLAIMED: u64 = u64::MAX;
 
 /// cgroup_skb egress verdicts. DROP_CN: dropped, and the sender told of
 /// congestion, which UDP's sendmsg reports as success (a pod's packets

@@ -80,7 +80,7 @@ pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapT
         (maps::STATS, T::PerCpuArray, size_of::<u32>(), size_of::<u64>(), lb_common::stats::COUNT),
         (maps::SOCK_XLATE, T::SkStorage, size_of::<i32>(), size_of::<lb_common::SockXlate>(), 0),
         (maps::SOCK_CHECK, T::SkStorage, size_of::<i32>(), size_of::<lb_common::SockCheck>(), 0),
-        (maps::SOCK_PENDING, T::SkStorage, size_of::<i32>(), size_of::<u32>(), 0),
+        (maps::SOCK_PENDING, T::SkStorage, size_of::<i32>(), size_of::<u64>(), 0),
         (maps::SVC_STATS, T::Hash, size_of::<lb_common::SvcStatsKey>(), size_of::<lb_common::SvcStats>(), revnat + cap.backends),
         (maps::MONITOR, T::Array, size_of::<u32>(), size_of::<u64>(), lb_common::monitor::SLOTS + 1),
         (maps::EVENTS[0], T::RingBuf, 0, 0, lb_common::monitor::RING_BYTES),
