@@ -1109,7 +1109,17 @@ impl Cluster {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                bail!("timed out after {timeout:?} waiting for {what}");
+                // The agents' last lines: a test that fails by returning an
+                // error (not a panic) shows nothing else of them.
+                let logs: String = (1..=self.nodes.len())
+                    .filter_map(|n| {
+                        let text = std::fs::read_to_string(self.agent_log(n)).ok()?;
+                        let lines: Vec<&str> = text.lines().collect();
+                        let tail = &lines[lines.len().saturating_sub(40)..];
+                        Some(format!("\n--- node-{n}'s agent log, last {} lines ---\n{}", tail.len(), tail.join("\n")))
+                    })
+                    .collect();
+                bail!("timed out after {timeout:?} waiting for {what}{logs}");
             }
             std::thread::sleep(Duration::from_millis(20));
         }
