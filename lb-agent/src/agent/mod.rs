@@ -95,7 +95,7 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<BTreeSet<mod
     let failed = move || -> u64 { stats.get(&lb_common::stats::NAT_FAILED, 0).map(|v| v.iter().sum()).unwrap_or(0) };
     // Counters staged by an upgrade: the old agent's are added on when it
     // finishes, which is no new refusal.
-    let mut staged = Some(loader::pin_path(&cfg.bpffs, lb_common::maps::STATS)).filter(|p| *p != cfg.bpffs.join(lb_common::maps::STATS));
+    let mut staged = loader::staged_pin(&cfg.bpffs, lb_common::maps::STATS);
     let masqueraded = Arc::new(BpfMasqueraded {
         started: Default::default(),
         last: std::sync::Mutex::new((0, crate::nodeport::count_bpf_masqueraded(&nat4) + crate::nodeport::count_bpf_masqueraded(&nat6))),
@@ -189,14 +189,15 @@ struct PinnedStats {
     stats: std::sync::Mutex<aya::maps::PerCpuArray<aya::maps::MapData, u64>>,
     per_service: Option<std::sync::Mutex<Maps>>,
     /// An upgrade this agent has not finished (it does after its first
-    /// sync) that replaces `LB_STATS`: the staged map and the live one.
+    /// sync) that replaces `LB_STATS`: the staged map's pin.
     /// Until it finishes, the programs count into the live map, and the
     /// staged one holds none of it (the old counts are added when it
     /// finishes): a scrape of the staged map would read as a reset, then a
     /// jump. So meanwhile the datapath counters are read from the live map.
     /// (A staged `LB_SVC_STATS` is empty until then: the per-service series
     /// are absent meanwhile, a gap.)
-    upgrading: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    upgrading: Option<std::path::PathBuf>,
+    bpffs: std::path::PathBuf,
 }
 
 impl std::fmt::Debug for PinnedStats {
@@ -207,8 +208,8 @@ impl std::fmt::Debug for PinnedStats {
 
 impl crate::health::StatsSource for PinnedStats {
     fn read(&self) -> Vec<(&'static str, u64)> {
-        let live = self.upgrading.as_ref().filter(|(staged, _)| staged.exists()).and_then(|(_, p)| {
-            let m = aya::maps::MapData::from_pin(p).ok()?;
+        let live = self.upgrading.as_ref().filter(|staged| staged.exists()).and_then(|_| {
+            let m = aya::maps::MapData::from_pin(self.bpffs.join(lb_common::maps::STATS)).ok()?;
             aya::maps::PerCpuArray::<_, u64>::try_from(aya::maps::Map::PerCpuArray(m)).ok()
         });
         let staged = self.stats.lock().unwrap();
@@ -353,9 +354,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     )?))?;
     let per_service = if cfg.metrics_per_service { Some(std::sync::Mutex::new(Maps::open_pinned(&cfg.bpffs)?)) } else { None };
     crate::monitor::spawn_janitor(&cfg.bpffs)?;
-    let upgrading = Some((loader::pin_path(&cfg.bpffs, lb_common::maps::STATS), cfg.bpffs.join(lb_common::maps::STATS)))
-        .filter(|(staged, live)| staged != live);
-    let metrics = Metrics::new(Arc::new(PinnedStats { stats: std::sync::Mutex::new(stats), per_service, upgrading }));
+    let upgrading = loader::staged_pin(&cfg.bpffs, lb_common::maps::STATS);
+    let metrics = Metrics::new(Arc::new(PinnedStats { stats: std::sync::Mutex::new(stats), per_service, upgrading, bpffs: cfg.bpffs.clone() }));
     let health = Arc::new(Health::new(cfg.stall_after));
     metrics.register_health(&health);
     metrics.register_source(&source_status);

@@ -23,7 +23,7 @@ use lb_common::maps;
 use super::maps::Maps;
 pub use super::bpflog::{BpfLog, BpfLogSink};
 pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_root, memory_limit};
-pub use super::upgrade::pin_path;
+pub use super::upgrade::{pin_path, staged_pin};
 use super::upgrade::{LAYOUT_MARKER, NEXT, Pass, carry_state, expected_layout, incompatible, layout_version, mark_layout};
 
 /// The BPF object, built by build.rs.

@@ -24,8 +24,13 @@ pub(super) const LAYOUT_MARKER: &str = "layout-";
 /// Where the pin of map `name` is now: staged in `next/` during an upgrade
 /// that replaces it, else in `bpffs`.
 pub fn pin_path(bpffs: &Path, name: &str) -> PathBuf {
-    let staged = bpffs.join(NEXT).join(name);
-    if staged.exists() { staged } else { bpffs.join(name) }
+    staged_pin(bpffs, name).unwrap_or_else(|| bpffs.join(name))
+}
+
+/// The pin of map `name` staged by an upgrade this agent has not finished
+/// (until then the programs use the one in `bpffs`), if any.
+pub fn staged_pin(bpffs: &Path, name: &str) -> Option<PathBuf> {
+    Some(bpffs.join(NEXT).join(name)).filter(|p| p.exists())
 }
 
 /// The layout version of the maps this agent uses (lb_common::LAYOUT_VERSION;
@@ -361,12 +366,18 @@ fn copy_counters(old: &Path, new: &Path, xlate_replaced: bool) -> Result<usize> 
     let total = |i: u32| -> Result<u64> { Ok(if i < from.len() { from.get(&i, 0)?.iter().sum() } else { 0 }) };
     let gone = if xlate_replaced { total(SOCK_TRACKED)?.saturating_sub(total(SOCK_UNTRACKED)?) } else { 0 };
     for i in 0..to.len() {
-        let b = to.get(&i, 0)?;
-        let mut sum: Vec<u64> = if i < n { from.get(&i, 0)?.iter().zip(b.iter()).map(|(x, y)| x + y).collect() } else { b.to_vec() };
-        if i == SOCK_UNTRACKED {
-            sum[0] += gone;
-        } else if i >= n {
+        let add_gone = i == SOCK_UNTRACKED && gone > 0;
+        if i >= n && !add_gone {
             continue;
+        }
+        let mut sum = to.get(&i, 0)?.to_vec();
+        if i < n {
+            for (s, x) in sum.iter_mut().zip(from.get(&i, 0)?.iter()) {
+                *s += x;
+            }
+        }
+        if add_gone {
+            sum[0] += gone;
         }
         to.set(i, PerCpuValues::try_from(sum)?, 0)?;
     }
