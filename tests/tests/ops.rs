@@ -350,7 +350,9 @@ fn per_frontend_and_backend_counters_like_ipvsadm_stats() -> Result<()> {
 /// zero, whatever a freed id still holds (counts that reached it after its
 /// deletion: a NAT flow's last packets, a connection counted once a packet
 /// passed its source ranges; or what an earlier agent left): here every
-/// free id holds such counters, written through the pinned map.
+/// free id holds such counters, written through the pinned map. The
+/// counters of ids still free are deleted: by every full sync, and by the
+/// periodic resync between them.
 #[test]
 fn an_id_handed_out_again_starts_its_counters_from_zero() -> Result<()> {
     use aya::maps::{HashMap, Map, MapData};
@@ -360,23 +362,36 @@ fn an_id_handed_out_again_starts_its_counters_from_zero() -> Result<()> {
     let mut w = world(&web("NodePort", "", &[]))?;
     let client = w.c.add_pod(1, "client")?;
     wait_backends(&w.c, 1, NODE1, 30080, 2)?;
-    // Every free id (of the first 300) gets stale counters.
-    let stale = |w: &World| -> Result<()> {
+    // The ids in use (IPv4), by kind.
+    let in_use = |w: &World| -> Result<[(u8, std::collections::BTreeSet<u32>); 2]> {
         let l = w.c.list(1)?;
         let fronts = || l["frontends"].as_array().into_iter().flatten().filter(|f| f["family"] == "IPv4");
         let ids = |v: &serde_json::Value| v.as_u64().map(|id| id as u32);
-        let used_fronts: std::collections::BTreeSet<u32> = fronts().filter_map(|f| ids(&f["rev_nat_id"])).collect();
-        let used_backends: std::collections::BTreeSet<u32> =
-            fronts().flat_map(|f| f["backends"].as_array().into_iter().flatten().filter_map(|b| ids(&b["id"]))).collect();
-        let mut stats: HashMap<MapData, SvcStatsKey, SvcStats> =
-            HashMap::try_from(Map::HashMap(MapData::from_pin(w.c.nodes[0].bpffs.join(lb_common::maps::SVC_STATS))?))?;
+        let used_fronts = fronts().filter_map(|f| ids(&f["rev_nat_id"])).collect();
+        let used_backends = fronts().flat_map(|f| f["backends"].as_array().into_iter().flatten().filter_map(|b| ids(&b["id"]))).collect();
+        Ok([(STATS_FRONTEND, used_fronts), (STATS_BACKEND, used_backends)])
+    };
+    let pinned = |w: &World| -> Result<HashMap<MapData, SvcStatsKey, SvcStats>> {
+        Ok(HashMap::try_from(Map::HashMap(MapData::from_pin(w.c.nodes[0].bpffs.join(lb_common::maps::SVC_STATS))?))?)
+    };
+    // Every free id (of the first 300) gets stale counters.
+    let stale = |w: &World| -> Result<usize> {
+        let mut stats = pinned(w)?;
         let old = SvcStats { conns: 1000, refused: 100, unreachable: 10, packets: 5000, bytes: 500_000, source_range: 1 };
-        for (kind, used) in [(STATS_FRONTEND, used_fronts), (STATS_BACKEND, used_backends)] {
+        let mut n = 0;
+        for (kind, used) in in_use(w)? {
             for id in (1..=300).filter(|id| !used.contains(id)) {
                 stats.insert(SvcStatsKey { id, kind, family: FAMILY_V4, _pad: 0 }, old, 0)?;
+                n += 1;
             }
         }
-        Ok(())
+        Ok(n)
+    };
+    // How many counters of ids not in use the map holds.
+    let stale_left = |w: &World| -> Result<usize> {
+        let used = in_use(w)?;
+        let keys: Vec<SvcStatsKey> = pinned(w)?.keys().collect::<Result<_, _>>()?;
+        Ok(keys.iter().filter(|k| k.family == FAMILY_V4 && !used.iter().any(|(kind, ids)| *kind == k.kind && ids.contains(&k.id))).count())
     };
     // A new Service, with a backend of its own (pod-1 on another port).
     let add = |w: &World, name: &str, vip: &str, port: u16| -> Result<()> {
@@ -399,16 +414,28 @@ fn an_id_handed_out_again_starts_its_counters_from_zero() -> Result<()> {
         Ok(())
     };
     // Handed out by a sync of the change.
-    stale(&w)?;
+    assert!(stale(&w)? > 500);
     add(&w, "extra", "10.96.0.20", 8081)?;
     fresh(&w, "10.96.0.20")?;
     // And by a full sync: the first after a restart, with a Service added
     // while the agent was down.
     w.c.kill_agent(1);
-    stale(&w)?;
+    assert!(stale(&w)? > 500);
     add(&w, "third", "10.96.0.30", 8082)?;
     w.c.start_agent_with(1, &[])?;
-    fresh(&w, "10.96.0.30")
+    fresh(&w, "10.96.0.30")?;
+    // That full sync also deleted the counters of every id still free
+    // (the periodic resync, 30 s by default, has not run yet).
+    assert_eq!(stale_left(&w)?, 0);
+    // Between full syncs the periodic resync deletes them, and only them.
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--resync-period", "1s"])?;
+    wait_backends(&w.c, 1, "10.96.0.30", 80, 1)?;
+    assert!(stale(&w)? > 500);
+    w.c.wait_for("the periodic resync to delete the stale counters", std::time::Duration::from_secs(10), || Ok(stale_left(&w)? == 0))?;
+    let (stats, backends) = w.c.frontend_stats(1, "10.96.0.30", 80, "TCP")?;
+    assert_eq!((stats["conns"].as_u64(), backends), (Some(3), 3), "the counters of ids in use stay: {stats}");
+    Ok(())
 }
 
 /// kube-proxy's rules on a node (kube-proxy still running, or its rules

@@ -578,6 +578,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 continue;
             }
             _ = resync.tick(), if !cfg.resync_period.is_zero() && last.is_some() && !dirty => {
+                // Counters of freed ids (a NAT flow's last packets) go
+                // here, between full syncs.
+                rec.sweep_stats();
                 match rec.repair_drift() {
                     Ok(0) => continue,
                     Ok(n) => {

@@ -668,6 +668,9 @@ impl Reconciler {
         self.maglev6.sync(&self.maglev, &self.v6.table, None)?;
         self.maps.purge_affinity(lb_common::FAMILY_V4, &stale4)?;
         self.maps.purge_affinity(lb_common::FAMILY_V6, &stale6)?;
+        // After a full sync: the first after a start (an earlier agent's
+        // leftovers), or after a failure.
+        self.sweep_stats();
         Ok(n4 + n6)
     }
 
@@ -704,6 +707,30 @@ impl Reconciler {
         let mut cfg = self.maps.node_config.get(&0, 0).context("read the node config")?;
         cfg.flags = if on { cfg.flags | bit } else { cfg.flags & !bit };
         self.maps.set_node_config(&cfg)
+    }
+
+    /// Delete the counters of ids neither family's maps hold (see
+    /// `Maps::sweep_svc_stats`). The mirrors are exact here: every write
+    /// that reached the maps is in them, and nothing else writes ids. A
+    /// failure costs only stale counters: it is logged.
+    pub(super) fn sweep_stats(&mut self) {
+        use lb_common::{FAMILY_V4, FAMILY_V6, STATS_BACKEND, STATS_FRONTEND};
+        let (v4, v6) = (&self.v4.table, &self.v6.table);
+        let swept = self.maps.sweep_svc_stats(|k| {
+            let front = u16::try_from(k.id).ok();
+            match (k.family, k.kind) {
+                (FAMILY_V4, STATS_FRONTEND) => front.is_some_and(|id| v4.revnat.contains_key(&id)),
+                (FAMILY_V6, STATS_FRONTEND) => front.is_some_and(|id| v6.revnat.contains_key(&id)),
+                (FAMILY_V4, STATS_BACKEND) => v4.backends.contains_key(&k.id),
+                (FAMILY_V6, STATS_BACKEND) => v6.backends.contains_key(&k.id),
+                _ => false,
+            }
+        });
+        match swept {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(entries = n, "LB_SVC_STATS: counters of ids no longer in use deleted"),
+            Err(e) => tracing::warn!("LB_SVC_STATS: deleting the counters of ids no longer in use: {e:#}"),
+        }
     }
 
     /// Re-read the maps; where they differ from what this agent programmed

@@ -430,6 +430,19 @@ impl Maps {
         Ok(stale.len())
     }
 
+    /// Delete the counters of every frontend and backend id `in_use` does
+    /// not hold: ids freed while a packet or connection still counted on
+    /// them (a NAT flow's last packets), or left by an earlier agent.
+    /// Without it they stay until the id is handed out again, and a map
+    /// full of them leaves new ids uncounted. Returns how many went.
+    pub fn sweep_svc_stats(&mut self, in_use: impl Fn(&SvcStatsKey) -> bool) -> Result<usize> {
+        let stale: Vec<SvcStatsKey> = self.svc_stats.keys().filter_map(|k| k.ok()).filter(|k| !in_use(k)).collect();
+        for k in &stale {
+            ignore_missing(self.svc_stats.remove(k)).with_context(|| format!("{}: delete {k:?}", maps::SVC_STATS))?;
+        }
+        Ok(stale.len())
+    }
+
     /// Every frontend's and backend's counters.
     pub fn read_svc_stats(&self) -> Result<std::collections::BTreeMap<SvcStatsKey, SvcStats>> {
         self.svc_stats.iter().map(|r| r.context("read LB_SVC_STATS")).collect()
