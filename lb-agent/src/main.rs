@@ -516,7 +516,15 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             }
             let maps = Maps::open_pinned(&bpffs)?;
             let (t4, t6) = (maps.v4.read_table(&maps.affinity_match, &maps.src_range)?, maps.v6.read_table(&maps.affinity_match, &maps.src_range)?);
-            let mut v = inspect::view(&t4, &t6, maps.read_stats()?, stats.then(|| maps.read_svc_stats()).transpose()?.as_ref());
+            // Counters of either layout: an older agent's pins may hold the
+            // narrower one.
+            let svc_stats = stats
+                .then(|| {
+                    dataplane::maps::read_svc_stats_pin(&dataplane::loader::pin_path(&bpffs, lb_common::maps::SVC_STATS))
+                        .map(|v| v.into_iter().collect::<std::collections::BTreeMap<_, _>>())
+                })
+                .transpose()?;
+            let mut v = inspect::view(&t4, &t6, maps.read_stats()?, svc_stats.as_ref());
             // Maglev frontends: their tables (scope "all") as the kernel holds them.
             let tables4 = dataplane::maglev::read_tables(&bpffs, lb_common::maps::MAGLEV4)?;
             let tables6 = dataplane::maglev::read_tables(&bpffs, lb_common::maps::MAGLEV6)?;

@@ -188,7 +188,8 @@ fn an_upgrade_moves_the_programs_of_devices_whose_pins_spell_them_otherwise() ->
 /// Counters pinned by an agent from before `SvcStats::source_range` (12-05:
 /// `LB_SVC_STATS` values of 40 bytes) and before `sock_tracked` (24
 /// datapath counters) come along into the wider maps: no counter goes back
-/// (a Prometheus counter that drops reads as a reset).
+/// (a Prometheus counter that drops reads as a reset). `lb-agent list
+/// --stats` reads such pins too.
 #[test]
 fn counters_from_before_the_source_range_counter_are_carried_over() -> Result<()> {
     use aya::maps::{HashMap, Map, MapData};
@@ -235,6 +236,11 @@ fn counters_from_before_the_source_range_counter_are_carried_over() -> Result<()
             narrow.set(i as u32, v, 0)?;
         }
     }
+
+    // This `lb-agent list` reads the older agent's pins as they are (an
+    // operator's newer CLI, no agent running).
+    let (stats, backends) = w.c.frontend_stats(1, "10.96.0.10", 80, "TCP")?;
+    assert_eq!((stats["conns"].as_u64(), stats["source_range"].as_u64(), backends), (Some(10), Some(0), 10), "listed from the old pins: {stats}");
 
     w.c.start_agent_env(1, &objects, &[], &[])?;
     w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;

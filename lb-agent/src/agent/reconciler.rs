@@ -589,7 +589,7 @@ impl Reconciler {
         let mut shared = crate::dataplane::maps::Shared {
             matches: &mut self.maps.affinity_match,
             src_range: &mut self.maps.src_range,
-            svc_stats: &mut self.maps.svc_stats,
+            svc_stats: self.maps.svc_stats.as_mut(),
         };
         let t = Instant::now();
         let Some((n4, stale4)) = sync_changes(desired, ch, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings, &cap)? else {
@@ -641,7 +641,7 @@ impl Reconciler {
                 crate::dataplane::maps::Shared {
             matches: &mut self.maps.affinity_match,
             src_range: &mut self.maps.src_range,
-            svc_stats: &mut self.maps.svc_stats,
+            svc_stats: self.maps.svc_stats.as_mut(),
         };
             let cap = self.capacity;
             let r = sync_family(desired, &mut self.v4, &mut self.maps.v4, &mut shared, &mut warnings, &cap).and_then(|(n4, s4)| {

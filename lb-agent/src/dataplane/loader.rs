@@ -266,6 +266,8 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         ebpf.program(name).with_context(|| format!("program {name} missing from the object"))?;
     }
     let maps = Maps::open_pinned(bpffs)?;
+    // The upgrade replaced any other layout of it (`list` alone reads those).
+    anyhow::ensure!(maps.svc_stats.is_some(), "{} under {} is not of this agent's layout", lb_common::maps::SVC_STATS, bpffs.display());
     let mut tc = Tc {
         mode: TcAttach::Auto,
         xdp: false,

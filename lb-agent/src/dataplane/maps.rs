@@ -188,6 +188,37 @@ fn phase<A>(op: &Op<A>) -> u8 {
     }
 }
 
+/// `LB_SVC_STATS` values as agents before 12-05 wrote them: conns, refused,
+/// unreachable, packets, bytes.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct SvcStatsBeforeSourceRange([u64; 5]);
+// SAFETY: five u64s, no padding.
+unsafe impl Pod for SvcStatsBeforeSourceRange {}
+
+/// Every counter of the `LB_SVC_STATS` pinned at `pin`: of this layout, or
+/// of the one before 12-05 (40 bytes: `source_range` reads 0). Anything
+/// else is an error naming the sizes. A key deleted while it is read (its
+/// id freed) is left out.
+pub fn read_svc_stats_pin(pin: &Path) -> Result<Vec<(SvcStatsKey, SvcStats)>> {
+    let size = aya::maps::MapInfo::from_pin(pin).with_context(|| format!("open {}", pin.display()))?.value_size() as usize;
+    let data = MapData::from_pin(pin).with_context(|| format!("open {}", pin.display()))?;
+    let what = || format!("{}: values of {size} bytes (this agent's are {}, 12-04's were {})", pin.display(), size_of::<SvcStats>(), size_of::<SvcStatsBeforeSourceRange>());
+    if size == size_of::<SvcStatsBeforeSourceRange>() {
+        let m: HashMap<MapData, SvcStatsKey, SvcStatsBeforeSourceRange> = HashMap::try_from(Map::HashMap(data)).with_context(what)?;
+        m.iter()
+            .filter(|r| !matches!(r, Err(aya::maps::MapError::KeyNotFound)))
+            .map(|r| {
+                let (k, SvcStatsBeforeSourceRange([conns, refused, unreachable, packets, bytes])) = r.with_context(what)?;
+                Ok((k, SvcStats { conns, refused, unreachable, packets, bytes, source_range: 0 }))
+            })
+            .collect()
+    } else {
+        let m: HashMap<MapData, SvcStatsKey, SvcStats> = HashMap::try_from(Map::HashMap(data)).with_context(what)?;
+        m.iter().filter(|r| !matches!(r, Err(aya::maps::MapError::KeyNotFound))).map(|r| r.with_context(what)).collect()
+    }
+}
+
 /// Every map the agent reads or writes.
 pub struct Maps {
     pub v4: FamilyMaps<[u8; 4]>,
@@ -200,7 +231,10 @@ pub struct Maps {
     pub nat4: HashMap<MapData, Nat4Key, Nat4Entry>,
     pub nat6: HashMap<MapData, Nat6Key, Nat6Entry>,
     pub stats: PerCpuArray<MapData, u64>,
-    pub svc_stats: HashMap<MapData, SvcStatsKey, SvcStats>,
+    /// None under an older agent's pins (`list`): none, or the narrower
+    /// one from before 12-05 (`read_svc_stats_pin` reads it). An agent
+    /// always has it: an upgrade replaced an older one.
+    pub svc_stats: Option<HashMap<MapData, SvcStatsKey, SvcStats>>,
     /// None under an older agent's pins (`list`): the map came later.
     pub route_mtu: Option<LpmTrie<MapData, RouteKey, RouteMtu>>,
 }
@@ -209,7 +243,7 @@ pub struct Maps {
 pub struct Shared<'a> {
     pub matches: &'a mut HashMap<MapData, AffinityMatchKey, u8>,
     pub src_range: &'a mut LpmTrie<MapData, SrcRange, u8>,
-    pub svc_stats: &'a mut HashMap<MapData, SvcStatsKey, SvcStats>,
+    pub svc_stats: Option<&'a mut HashMap<MapData, SvcStatsKey, SvcStats>>,
 }
 
 impl Shared<'_> {
@@ -222,7 +256,8 @@ impl Shared<'_> {
             _ => return,
         };
         let key = SvcStatsKey { id, kind, family: A::FAMILY, _pad: 0 };
-        if let Err(e) = ignore_missing(self.svc_stats.remove(&key)) {
+        let Some(svc_stats) = self.svc_stats.as_mut() else { return };
+        if let Err(e) = ignore_missing(svc_stats.remove(&key)) {
             tracing::debug!("LB_SVC_STATS: delete {key:?}: {e}");
         }
     }
@@ -407,7 +442,10 @@ impl Maps {
             nat4: hash(dir, maps::NAT4)?,
             nat6: hash(dir, maps::NAT6)?,
             stats: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(dir, maps::STATS)?))?,
-            svc_stats: hash(dir, maps::SVC_STATS)?,
+            svc_stats: match aya::maps::MapInfo::from_pin(super::loader::pin_path(dir, maps::SVC_STATS)) {
+                Ok(info) if info.value_size() as usize == size_of::<SvcStats>() => Some(hash(dir, maps::SVC_STATS)?),
+                _ => None,
+            },
             route_mtu: open_pinned(dir, maps::ROUTE_MTU).ok().map(|m| LpmTrie::try_from(Map::LpmTrie(m))).transpose()?,
         })
     }
@@ -436,16 +474,18 @@ impl Maps {
     /// Without it they stay until the id is handed out again, and a map
     /// full of them leaves new ids uncounted. Returns how many went.
     pub fn sweep_svc_stats(&mut self, in_use: impl Fn(&SvcStatsKey) -> bool) -> Result<usize> {
-        let stale: Vec<SvcStatsKey> = self.svc_stats.keys().filter_map(|k| k.ok()).filter(|k| !in_use(k)).collect();
+        let Some(svc_stats) = self.svc_stats.as_mut() else { return Ok(0) };
+        let stale: Vec<SvcStatsKey> = svc_stats.keys().filter_map(|k| k.ok()).filter(|k| !in_use(k)).collect();
         for k in &stale {
-            ignore_missing(self.svc_stats.remove(k)).with_context(|| format!("{}: delete {k:?}", maps::SVC_STATS))?;
+            ignore_missing(svc_stats.remove(k)).with_context(|| format!("{}: delete {k:?}", maps::SVC_STATS))?;
         }
         Ok(stale.len())
     }
 
     /// Every frontend's and backend's counters.
     pub fn read_svc_stats(&self) -> Result<std::collections::BTreeMap<SvcStatsKey, SvcStats>> {
-        self.svc_stats.iter().map(|r| r.context("read LB_SVC_STATS")).collect()
+        let Some(svc_stats) = &self.svc_stats else { anyhow::bail!("{} is missing or of another layout", maps::SVC_STATS) };
+        svc_stats.iter().map(|r| r.context("read LB_SVC_STATS")).collect()
     }
 
     /// The stats counters, summed over CPUs, by name (those the pinned map

@@ -213,7 +213,7 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -
             // Per frontend and backend, by what each id stands for; from
             // before `source_range` (40 bytes), with it at zero; so that
             // no counter goes back, nor lands on another Service.
-            match copy_svc_stats(bpffs, &old, &new, !same_sizes) {
+            match copy_svc_stats(bpffs, &old, &new) {
                 Ok(n) => total += n,
                 Err(e) => tracing::warn!(map = name, "upgrade: carrying counters over: {e:#}"),
             }
@@ -252,14 +252,6 @@ pub(super) enum Pass {
     Late,
 }
 
-/// `LB_SVC_STATS` values as agents before 12-05 wrote them: conns, refused,
-/// unreachable, packets, bytes.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct SvcStatsBeforeSourceRange([u64; 5]);
-// SAFETY: five u64s, no padding.
-unsafe impl aya::Pod for SvcStatsBeforeSourceRange {}
-
 /// Copy the per-frontend and per-backend counters of the old
 /// `LB_SVC_STATS` into the staged map; counters the new programs already
 /// wrote win. Ids are each agent's own: an upgrade that replaces the
@@ -268,26 +260,13 @@ unsafe impl aya::Pod for SvcStatsBeforeSourceRange {}
 /// its id stands for in the old maps (a frontend's address and port; a
 /// backend's address, port, protocol and flags) and given that one's id in
 /// the maps the new agent filled; a counter whose frontend or backend is
-/// gone is dropped. `before_source_range`: the old values are 40 bytes
-/// (agents before 12-05), the new counter starts at zero. Anything else
-/// (another key size, values of another size) is an error.
-fn copy_svc_stats(bpffs: &Path, old: &Path, new: &Path, before_source_range: bool) -> Result<usize> {
+/// gone is dropped. Old values of 40 bytes (agents before 12-05) come
+/// with `source_range` at zero; any other layout is an error.
+fn copy_svc_stats(bpffs: &Path, old: &Path, new: &Path) -> Result<usize> {
     use aya::maps::{HashMap, Map, MapData};
     use lb_common::{SvcStats, SvcStatsKey};
     let ids = stats_ids(bpffs).context("follow the counters' ids to the new maps")?;
-    let entries: Vec<(SvcStatsKey, SvcStats)> = if before_source_range {
-        let from: HashMap<MapData, SvcStatsKey, SvcStatsBeforeSourceRange> =
-            HashMap::try_from(Map::HashMap(MapData::from_pin(old)?)).context("the old counters")?;
-        from.iter()
-            .filter_map(|r| r.ok())
-            .map(|(k, SvcStatsBeforeSourceRange([conns, refused, unreachable, packets, bytes]))| {
-                (k, SvcStats { conns, refused, unreachable, packets, bytes, source_range: 0 })
-            })
-            .collect()
-    } else {
-        let from: HashMap<MapData, SvcStatsKey, SvcStats> = HashMap::try_from(Map::HashMap(MapData::from_pin(old)?)).context("the old counters")?;
-        from.iter().filter_map(|r| r.ok()).collect()
-    };
+    let entries = super::maps::read_svc_stats_pin(old).context("the old counters")?;
     let mut to: HashMap<MapData, SvcStatsKey, SvcStats> = HashMap::try_from(Map::HashMap(MapData::from_pin(new)?)).context("the new counters")?;
     let mut n = 0;
     for (k, v) in entries {
