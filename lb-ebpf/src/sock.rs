@@ -903,7 +903,9 @@ fn post_bind(ctx: &SockContext) -> i32 {
 /// A socket of the cgroup goes away: a connected UDP one takes its entry in
 /// `LB_SOCK_UDP` with it; one whose translation storage was counted
 /// (`sock_xlate::COUNTED`) is counted again (`stats::SOCK_UNTRACKED`: the
-/// kernel frees the storage with the socket).
+/// kernel frees the storage with the socket), once: the flag is cleared,
+/// for while an agent starting replaces the links, its program and the
+/// earlier agent's both run, one after the other, for the same release.
 #[cgroup_sock(sock_release)]
 pub fn lb_sock_release(ctx: SockContext) -> i32 {
     // SAFETY: a context field this program type may read.
@@ -917,8 +919,16 @@ pub fn lb_sock_release(ctx: SockContext) -> i32 {
     // SAFETY: a cgroup sock program passes its context (the socket); a
     // socket with no storage at all answers at once.
     let p = unsafe { bpf_sk_storage_get(map, ctx.sock.cast(), core::ptr::null_mut(), 0) }.cast::<SockXlate>();
-    // SAFETY: a non-null p points to this socket's storage.
-    if !p.is_null() && unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*p)._pad)) } & sock_xlate::COUNTED != 0 {
+    if p.is_null() {
+        return ALLOW;
+    }
+    // SAFETY: p points to this socket's storage, which no other program
+    // run touches meanwhile (a socket is released once, its programs run
+    // in turn).
+    let flags = unsafe { core::ptr::read_volatile(core::ptr::addr_of!((*p)._pad)) };
+    if flags & sock_xlate::COUNTED != 0 {
+        // SAFETY: as above.
+        unsafe { core::ptr::write_volatile(core::ptr::addr_of_mut!((*p)._pad), flags & !sock_xlate::COUNTED) };
         lb::event(stats::SOCK_UNTRACKED);
     }
     ALLOW

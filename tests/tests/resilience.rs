@@ -433,3 +433,39 @@ fn a_socket_connected_again_is_tracked_once() -> Result<()> {
     assert!(m.lines().any(|l| l == format!("lb_sockets_tracked {}", tracked - untracked)), "{m}");
     Ok(())
 }
+
+/// Two `lb_sock_release` programs for one socket count its release once.
+/// An agent that starts attaches its programs before the earlier agent's
+/// links go, so for a moment both run for a socket that closes; here a
+/// second copy of the program, attached to a child cgroup the client runs
+/// in, makes that moment last.
+#[test]
+fn a_socket_released_under_two_release_programs_is_counted_out_once() -> Result<()> {
+    /// A cgroup of the test's own below the node's, removed at the end
+    /// (its programs go with it).
+    struct ChildCgroup(std::path::PathBuf);
+    impl Drop for ChildCgroup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir(&self.0);
+        }
+    }
+    let (c, _p, client) = setup(&["pod-a"], &[])?;
+    let child = ChildCgroup(c.nodes[0].cgroup.join("release-twice"));
+    std::fs::create_dir(&child.0)?;
+    let link = c.nodes[0].bpffs.join("links").join("lb_sock_release");
+    let info: serde_json::Value = serde_json::from_str(&lbtest::run("bpftool", &["-j", "link", "show", "pinned", link.to_str().unwrap()])?)?;
+    let prog = info["prog_id"].as_u64().with_context(|| format!("no prog_id: {info}"))?.to_string();
+    lbtest::run("bpftool", &["cgroup", "attach", child.0.to_str().unwrap(), "sock_release", "id", &prog, "multi"])?;
+    let pod = Pod { cgroup: child.0.clone(), ..client.clone() };
+
+    let counts = || -> Result<(u64, u64)> { Ok((datapath(&c, 1, "sock_tracked")?, datapath(&c, 1, "sock_untracked")?)) };
+    let (tracked, untracked) = counts()?;
+    let s = c.probe(&pod, &["udp", "--addr", "10.96.0.10:53", "--connected", "--count", "10"])?;
+    assert_eq!((s.ok, s.peers.clone()), (10, [("10.96.0.10:53".to_string(), 10)].into()), "every datagram answered from the ClusterIP: {s:?}");
+    // The probe has exited: its 10 sockets are released, each once.
+    assert_eq!(counts()?, (tracked + 10, untracked + 10));
+    let (_, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
+    let (tracked, untracked) = counts()?;
+    assert!(m.lines().any(|l| l == format!("lb_sockets_tracked {}", tracked - untracked)), "{m}");
+    Ok(())
+}
