@@ -10,6 +10,7 @@ use anyhow::{Context as _, Result};
 const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_BTF_LOAD: libc::c_long = 18;
+const SK_STORAGE: u32 = 24;
 
 fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<OwnedFd> {
     // SAFETY: attr is a valid bpf_attr prefix of size_of::<T>().
@@ -85,7 +86,8 @@ struct ObjPin {
 
 /// Replace the map pinned at `path` by an empty one of the same type, key
 /// and value size, max_entries and flags, whose BTF says its key and value
-/// are byte arrays in structs of other names.
+/// are byte arrays in structs of other names (a socket storage map's key
+/// stays the u32 the kernel requires).
 pub fn replace_with_bogus_btf(path: &Path) -> Result<()> {
     let info = aya::maps::MapInfo::from_pin(path).with_context(|| format!("inspect {}", path.display()))?;
     let (key, value) = (info.key_size(), info.value_size());
@@ -102,6 +104,7 @@ pub fn replace_with_bogus_btf(path: &Path) -> Result<()> {
         format!("BPF_BTF_LOAD: {}", String::from_utf8_lossy(&log).trim_end_matches('\0'))
     })?;
     let map_type = raw_map_type(&info)?;
+    let key_type = if map_type == SK_STORAGE { 2 } else { 5 };
     let mut create = MapCreate {
         map_type,
         key_size: key,
@@ -113,7 +116,7 @@ pub fn replace_with_bogus_btf(path: &Path) -> Result<()> {
         map_name: *b"bogus_btf\0\0\0\0\0\0\0",
         map_ifindex: 0,
         btf_fd: btf.as_raw_fd() as u32,
-        btf_key_type_id: 5,
+        btf_key_type_id: key_type,
         btf_value_type_id: 6,
     };
     let map = bpf(BPF_MAP_CREATE, &mut create).context("BPF_MAP_CREATE with the bogus BTF")?;
@@ -136,6 +139,7 @@ fn raw_map_type(info: &aya::maps::MapInfo) -> Result<u32> {
         T::PerCpuArray => 6,
         T::LruHash => 9,
         T::LpmTrie => 11,
+        T::SkStorage => SK_STORAGE,
         other => anyhow::bail!("no bogus-BTF twin for a {other:?} map"),
     })
 }

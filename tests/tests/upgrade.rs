@@ -316,6 +316,43 @@ fn counters_follow_their_frontend_not_its_id_across_an_upgrade() -> Result<()> {
     Ok(())
 }
 
+/// An upgrade that replaces the socket storage map alone (its BTF layout
+/// changed at the same sizes: a field renamed) counts the storage the old
+/// map held as released: it goes with the old map, and no release program
+/// will see it. The datapath counters are replaced with it for that, so
+/// that what the old programs counted is told apart from the new ones'.
+#[test]
+fn sockets_of_a_replaced_storage_map_leave_lb_sockets_tracked() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let live = |w: &World| -> Result<i64> { Ok(datapath(&w.c, 1, "sock_tracked")? as i64 - datapath(&w.c, 1, "sock_untracked")? as i64) };
+    let base = live(&w)?;
+    let held = w.c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "5000", "--interval-ms", "100", "--timeout-ms", "1000"])?;
+    w.c.wait_for("the held socket tracked", Duration::from_secs(5), || Ok(live(&w)? == base + 1))?;
+    let translated = datapath(&w.c, 1, "translated")?;
+
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    lbtest::btfmap::replace_with_bogus_btf(&w.c.nodes[0].bpffs.join(lb_common::maps::SOCK_XLATE))?;
+    w.c.start_agent_env(1, &objects, &[], &[])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let replaced = lines_with(&w.c, "gets a new layout")?;
+    assert!(
+        replaced.len() == 2 && replaced[0].contains(lb_common::maps::SOCK_XLATE) && replaced[1].contains(lb_common::maps::STATS),
+        "the storage map, and the counters with it: {replaced:?}"
+    );
+    assert_eq!(live(&w)?, base, "the held socket's storage went with the old map");
+    assert_eq!(datapath(&w.c, 1, "translated")?, translated, "the other counters came along");
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "{s:?}");
+    assert_eq!(live(&w)?, base, "and its release is not counted");
+    // Sockets of the new storage map count as before.
+    assert_eq!(tcp(&w.c, &client, "10.96.0.10:80", 3)?.ok, 3);
+    assert_eq!((live(&w)?, datapath(&w.c, 1, "translated")?), (base, translated + 3));
+    Ok(())
+}
+
 /// Until an upgrade finishes (after the new agent's first sync, which an
 /// API server failing every request holds back here), the old programs
 /// still count into the old maps: the metrics read those, not the staged

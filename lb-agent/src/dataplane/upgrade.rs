@@ -153,6 +153,13 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
         tracing::info!(map = maps::SVC_STATS, "pinned map gets a new layout: its ids are renumbered with the services maps");
         out.push(maps::SVC_STATS);
     }
+    // A new socket storage map leaves the storage of the old one to go with
+    // it, never released by a program: `copy_counters` counts it released,
+    // from the old datapath counters, which only the old programs wrote.
+    if out.contains(&maps::SOCK_XLATE) && !out.contains(&maps::STATS) && dir.join(maps::STATS).exists() {
+        tracing::info!(map = maps::STATS, "pinned map gets a new layout: the socket storage it counts is replaced");
+        out.push(maps::STATS);
+    }
     Ok(out)
 }
 
