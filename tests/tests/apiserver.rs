@@ -498,6 +498,19 @@ fn api_errors_and_garbage_leave_traffic_alone_and_a_later_change_still_arrives()
     let timed = m.lines().find_map(|l| l.strip_prefix(timed.as_str())?.trim().parse::<f64>().ok());
     assert!(timed.is_some_and(|n| n >= 12.0), "every request timed: {m}");
 
+    // 503s (an API server behind a load balancer with no server up) are
+    // failures the agent reports and counts, each one, as client-go does:
+    // kube-rs' client would retry them silently, for minutes.
+    api.control("/lbtest/fail?code=503&count=3")?;
+    api.control("/lbtest/compact")?;
+    c.wait_for("the 503s consumed", Duration::from_secs(30), || Ok(api.state()?["failRemaining"] == 0))?;
+    c.wait_for("the 503s counted", Duration::from_secs(10), || {
+        let (_, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
+        let name = format!("rest_client_requests_total{{code=\"503\",host=\"{}\",method=\"GET\"}} ", api.addr);
+        Ok(m.lines().find_map(|l| l.strip_prefix(name.as_str())?.trim().parse::<f64>().ok()) == Some(3.0))
+    })?;
+    assert!(log(&c).contains("503"), "the 503s are reported: {}", log(&c));
+
     // A change after the fault gets through once the watchers recover.
     c.write_object("slice.yaml", &slice_for("web", "web-1", &[&p[0], &p[2]]))?;
     wait_backends(&c, &[&p[0], &p[2]], 60)?;
@@ -559,6 +572,29 @@ fn failing_seconds(c: &Cluster) -> Result<f64> {
     let (_, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
     let v = m.lines().find_map(|l| l.strip_prefix("lb_source_watch_failing_seconds ")).context("no lb_source_watch_failing_seconds")?;
     Ok(v.trim().parse()?)
+}
+
+/// Lists answered 200 with a body that cannot be decoded fail for as long
+/// as they do: `lb_source_watch_failing_seconds` counts from the first
+/// failure (a 200's headers, or the watcher's retry starting, do not
+/// restart it), and goes back to 0 once the lists decode again.
+#[test]
+fn lists_that_keep_failing_after_their_headers_are_reported_failing_throughout() -> Result<()> {
+    let (mut c, api, p, client) = world(&["pod-a", "pod-b"], false)?;
+    c.start_agent_kube(1, &api.kubeconfig, &[])?;
+    wait_backends(&c, &[&p[0], &p[1]], 10)?;
+    c.wait_for("three open watches", Duration::from_secs(10), || Ok(api.state()?["openWatches"] == 3))?;
+    api.control("/lbtest/garbage?count=1000000")?;
+    api.control("/lbtest/compact")?;
+    c.wait_for("a failure reported", Duration::from_secs(10), || Ok(failing_seconds(&c)? > 0.0))?;
+    let started = Instant::now();
+    std::thread::sleep(Duration::from_secs(6));
+    let f = failing_seconds(&c)?;
+    assert!(f >= started.elapsed().as_secs_f64() - 0.5, "failing for {f} s, since at least {:?} ago", started.elapsed());
+    // The ClusterIP works throughout, from what the maps hold.
+    assert_eq!(tcp(&c, &client, 10)?.ok, 10);
+    api.control("/lbtest/garbage?count=0")?;
+    c.wait_for("lb_source_watch_failing_seconds back to 0", Duration::from_secs(40), || Ok(failing_seconds(&c)? == 0.0))
 }
 
 /// A watch whose re-watch fails once and then succeeds is healthy again,

@@ -136,13 +136,20 @@ struct ObjectDiff {
 
 impl ObjectDiff {
     fn of(old_svcs: &[Arc<Service>], svcs: &[Arc<Service>], old_slices: &[Arc<EndpointSlice>], slices: &[Arc<EndpointSlice>]) -> Self {
-        let (gone_svcs, new_svcs) = diff(old_svcs, svcs);
-        let (gone_slices, new_slices) = diff(old_slices, slices);
+        let (gone_svcs, new_svcs) = diff(old_svcs, svcs, |s: &Service| &s.metadata);
+        let (gone_slices, new_slices) = diff(old_slices, slices, |s: &EndpointSlice| &s.metadata);
         ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices }
     }
 }
 
-fn diff<T>(old: &[Arc<T>], new: &[Arc<T>]) -> (Vec<Arc<T>>, Vec<Arc<T>>) {
+/// The objects of `old` not in `new`, and those of `new` not in `old`: the
+/// same object (pointer) anywhere in both, or an object of the same name
+/// and content (a relist after a 410 decodes every object anew), is no
+/// change. kube-proxy likewise drops an update that changes nothing it
+/// uses (its change trackers compare with DeepEqual), so a relist neither
+/// recomputes every Service nor observes every slice's old trigger time
+/// in `kubeproxy_network_programming_duration_seconds`.
+fn diff<T: PartialEq>(old: &[Arc<T>], new: &[Arc<T>], meta: fn(&T) -> &super::objects::Meta) -> (Vec<Arc<T>>, Vec<Arc<T>>) {
     let (mut gone, mut added) = (Vec::new(), Vec::new());
     for i in 0..old.len().max(new.len()) {
         match (old.get(i), new.get(i)) {
@@ -159,6 +166,19 @@ fn diff<T>(old: &[Arc<T>], new: &[Arc<T>]) -> (Vec<Arc<T>>, Vec<Arc<T>>) {
         let a: HashSet<*const T> = added.iter().map(Arc::as_ptr).collect();
         gone.retain(|x| !a.contains(&Arc::as_ptr(x)));
         added.retain(|x| !g.contains(&Arc::as_ptr(x)));
+    }
+    if !gone.is_empty() && !added.is_empty() {
+        // Objects decoded anew with the same content.
+        let key = |o: &Arc<T>| {
+            let m = meta(o);
+            (m.namespace.clone(), m.name.clone())
+        };
+        let was: HashMap<_, Arc<T>> = gone.iter().map(|o| (key(o), o.clone())).collect();
+        let same: HashSet<_> = added.iter().filter(|o| was.get(&key(o)).is_some_and(|w| **w == ***o)).map(key).collect();
+        if !same.is_empty() {
+            gone.retain(|o| !same.contains(&key(o)));
+            added.retain(|o| !same.contains(&key(o)));
+        }
     }
     (gone, added)
 }

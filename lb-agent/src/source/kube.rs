@@ -59,6 +59,13 @@ pub async fn client(kubeconfig: Option<&Path>, status: Arc<Status>) -> Result<(C
              (in-cluster config needs KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT)",
         )?,
     };
+    let mut config = config;
+    // No silent retries below the watcher: kube-rs' client would retry a
+    // 429, 503 or 504 up to 15 times (minutes) with nothing logged or
+    // counted. The watcher's own backoff retries, and each failure is
+    // reported (`cannot watch`, `lb_source_watch_failing_seconds`,
+    // `rest_client_requests_total{code}`), as client-go's informers do.
+    config.default_retry = false;
     let url = config.cluster_url.to_string();
     tracing::info!(url, "API server");
     // client-go's `host` label: the server's host:port.
@@ -78,11 +85,14 @@ fn kind_of(path: &str) -> Option<&'static str> {
     }
 }
 
-/// Marks a kind's watch as working again at any successful answer to its
-/// list or watch: kube-rs' watcher says nothing when a watch resumes
-/// quietly, so without this a recovered watch would count as failing
-/// until its kind next changed. Counts every request and its time for
-/// client-go's `rest_client_*` metrics.
+/// Tells the status when a watch request of a kind is answered 2xx
+/// (`Status::watch_answered`: working once it has not failed for a
+/// moment): kube-rs' watcher says nothing when a watch resumes quietly,
+/// so without this a recovered watch would count as failing until its
+/// kind next changed. Not a list's 2xx: its body may still fail (cut off,
+/// or undecodable), and a list's success shows as its objects
+/// (`spawn_watch`). Counts every request and its time for client-go's
+/// `rest_client_*` metrics.
 #[derive(Clone)]
 struct ObserveLayer {
     status: Arc<Status>,
@@ -117,7 +127,8 @@ where
     }
 
     fn call(&mut self, req: http::Request<kube::client::Body>) -> Self::Future {
-        let kind = kind_of(req.uri().path());
+        let is_watch = req.uri().query().is_some_and(|q| q.split('&').any(|kv| kv == "watch=true" || kv == "watch=1"));
+        let kind = kind_of(req.uri().path()).filter(|_| is_watch);
         let method = req.method().clone();
         let (status, host) = (self.status.clone(), self.host.clone());
         let started = Instant::now();
@@ -129,7 +140,7 @@ where
             if let (Some(kind), Ok(resp)) = (kind, &r)
                 && resp.status().is_success()
             {
-                status.recovered(kind);
+                status.watch_answered(kind);
             }
             r
         })
@@ -205,7 +216,8 @@ where
                     continue;
                 }
             };
-            if failing {
+            // (Init comes before the list is asked for: no sign of health.)
+            if failing && !matches!(ev, watcher::Event::Init) {
                 tracing::info!(kind, "watch recovered");
                 status.recovered(kind);
                 failing = false;

@@ -44,7 +44,7 @@ type Labels<const N: usize> = [(&'static str, String); N];
 /// of its watches has been failing, and its requests to the API server.
 #[derive(Debug)]
 pub struct Status {
-    failing: std::sync::Mutex<std::collections::BTreeMap<&'static str, Instant>>,
+    failing: std::sync::Mutex<std::collections::BTreeMap<&'static str, Spell>>,
     /// client-go's `rest_client_requests_total{code,host,method}`: every
     /// request by its answer's status code ("<error>": no answer).
     pub requests: Family<Labels<3>, Counter>,
@@ -69,20 +69,58 @@ impl Status {
         self.request_duration.get_or_create(&[("host", host.to_string()), ("verb", method.to_string())]).observe(took.as_secs_f64());
     }
 
-    /// Watch `what` failed (the first failure of a spell counts).
+    /// Watch `what` failed (the first failure of a spell counts; a watch
+    /// answered 2xx less than `WATCH_OK_GRACE` before does not end it).
+    /// Returns how long the spell has lasted.
     pub fn failed(&self, what: &'static str) -> std::time::Duration {
         let mut f = self.failing.lock().unwrap();
-        f.entry(what).or_insert_with(Instant::now).elapsed()
+        let spell = f.entry(what).or_insert(Spell { since: Instant::now(), watch_ok: None });
+        if spell.over() {
+            spell.since = Instant::now();
+        }
+        spell.watch_ok = None;
+        spell.since.elapsed()
     }
 
-    /// Watch `what` works again.
+    /// A watch request of `what` was answered 2xx: working, unless it
+    /// fails within `WATCH_OK_GRACE`.
+    pub fn watch_answered(&self, what: &'static str) {
+        if let Some(spell) = self.failing.lock().unwrap().get_mut(what) {
+            spell.watch_ok = Some(Instant::now());
+        }
+    }
+
+    /// Watch `what` works again (its objects arrived).
     pub fn recovered(&self, what: &'static str) {
         self.failing.lock().unwrap().remove(what);
     }
 
     /// How long the longest-failing watch has been failing (zero: none is).
     pub fn failing_for(&self) -> std::time::Duration {
-        self.failing.lock().unwrap().values().map(|t| t.elapsed()).max().unwrap_or_default()
+        let mut f = self.failing.lock().unwrap();
+        f.retain(|_, s| !s.over());
+        f.values().map(|s| s.since.elapsed()).max().unwrap_or_default()
+    }
+}
+
+/// A spell of failures of one watch.
+#[derive(Debug, Clone, Copy)]
+struct Spell {
+    since: Instant,
+    /// A watch request of it answered 2xx since its last failure (no
+    /// objects need come: a watch resumes quietly).
+    watch_ok: Option<Instant>,
+}
+
+/// How long a watch answered 2xx must go without failing to count as
+/// working: a 200's body may still fail (an undecodable first line, a
+/// stream cut at once), and that is the same spell.
+const WATCH_OK_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl Spell {
+    /// Over: a watch answered and has not failed since, for the grace.
+    fn over(&self) -> bool {
+        self.watch_ok.is_some_and(|t| t.elapsed() >= WATCH_OK_GRACE)
     }
 }
 
@@ -135,5 +173,23 @@ mod tests {
         assert!("dir:".parse::<SourceSpec>().unwrap_err().contains("needs a path"));
         assert!("http://x".parse::<SourceSpec>().unwrap_err().contains("unknown source scheme \"http\""));
         assert!("bogus".parse::<SourceSpec>().unwrap_err().contains("unknown source"));
+    }
+
+    /// A watch answered 2xx that fails at once continues its spell; one
+    /// that keeps working for the grace ends it; objects end it at once.
+    #[test]
+    fn a_failing_spell_lasts_until_a_watch_keeps_working() {
+        let st = Status::default();
+        st.failed("Service");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        st.watch_answered("Service");
+        assert!(st.failed("Service") >= std::time::Duration::from_millis(300), "the same spell");
+        st.watch_answered("Service");
+        assert!(st.failing_for() >= std::time::Duration::from_millis(300), "not over before the grace");
+        std::thread::sleep(WATCH_OK_GRACE + std::time::Duration::from_millis(100));
+        assert_eq!(st.failing_for(), std::time::Duration::ZERO, "over: the watch kept working");
+        assert!(st.failed("Service") < std::time::Duration::from_millis(100), "a new spell");
+        st.recovered("Service");
+        assert_eq!(st.failing_for(), std::time::Duration::ZERO);
     }
 }
