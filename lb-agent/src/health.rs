@@ -2,7 +2,8 @@
 //! `/healthz` and `/livez` on `--healthz-bind` (default `0.0.0.0:10256`),
 //! `/metrics` on `--metrics-bind` (default `127.0.0.1:10249`), with
 //! kube-proxy's semantics: `/healthz` fails while the Node is being deleted
-//! (KEP-3836), `/livez` does not; an API outage fails neither (the pinned
+//! or cluster-autoscaler has tainted it for deletion (KEP-3836), `/livez`
+//! does not; an API outage fails neither (the pinned
 //! dataplane keeps serving) but shows in `lb_source_watch_failing_seconds`.
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -42,8 +43,10 @@ struct HealthState {
     last_updated: Option<SystemTime>,
     /// The oldest change received and not programmed yet.
     pending_since: Option<Instant>,
-    /// The Node is being deleted (a deletionTimestamp): load balancers
-    /// should stop sending here (KEP-3836).
+    /// The Node is being deleted (a deletionTimestamp, or
+    /// cluster-autoscaler's ToBeDeletedByClusterAutoscaler taint;
+    /// `model::node_eligible`): load balancers should stop sending here
+    /// (KEP-3836).
     node_deleting: bool,
 }
 

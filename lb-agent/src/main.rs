@@ -57,7 +57,8 @@ enum Cmd {
         /// /healthz turns 503 when a change waits longer than this many seconds.
         #[arg(long, default_value_t = 60)]
         healthz_stall_seconds: u64,
-        /// This node's name (matches EndpointSlice nodeName). Default: $NODE_NAME, else the hostname.
+        /// This node's name (matches EndpointSlice nodeName). Default: $NODE_NAME, else the hostname;
+        /// trimmed and lowercased, as kube-proxy and kubelet take it.
         #[arg(long, env = "NODE_NAME")]
         node_name: Option<String>,
         /// This node's zone, for topology hints. Default: the Node object's
@@ -344,7 +345,16 @@ fn port_range(flag: &str, s: &str) -> anyhow::Result<(u16, u16)> {
 }
 
 fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default()
+    std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default()
+}
+
+/// The node's name as kube-proxy takes it (`GetHostname`): `--node-name`
+/// or the hostname, trimmed and lowercased, as kubelet names its Node. An
+/// empty one is an error: no endpoint would ever be local.
+fn node_name(flag: Option<String>) -> anyhow::Result<String> {
+    let name = flag.unwrap_or_else(hostname).trim().to_lowercase();
+    anyhow::ensure!(!name.is_empty(), "--node-name: empty, and so is the hostname");
+    Ok(name)
 }
 
 fn main() -> ExitCode {
@@ -383,7 +393,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             metrics_bind,
             healthz_stall_seconds,
             resync_period,
-            node_name,
+            node_name: node_name_flag,
             zone,
             cgroup,
             bpffs,
@@ -456,7 +466,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 metrics_bind: bind("--metrics-bind", &metrics_bind)?,
                 stall_after: std::time::Duration::from_secs(healthz_stall_seconds),
                 resync_period,
-                node_name: node_name.unwrap_or_else(hostname),
+                node_name: node_name(node_name_flag)?,
                 zone,
                 cgroup,
                 bpffs,
@@ -587,5 +597,16 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             loader::check_root()?;
             kube_proxy::cleanup(dry_run)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// kube-proxy's GetHostname: trimmed, lowercased; blank is an error.
+    #[test]
+    fn node_names_are_taken_as_kubelet_names_nodes() {
+        assert_eq!(super::node_name(Some(" Worker-1\n".into())).unwrap(), "worker-1");
+        assert!(super::node_name(Some("  ".into())).is_err());
+        assert_eq!(super::node_name(None).unwrap(), super::hostname().trim().to_lowercase());
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 mod node;
 pub mod objects;
-pub use node::{NodeFacts, NodeInfo, NodePortAddresses, node_info};
+pub use node::{NodeFacts, NodeInfo, NodePortAddresses, node_eligible, node_info};
 pub use objects::{Endpoint, EndpointSlice, Service};
 
 /// Label that ties an EndpointSlice to its Service.
@@ -103,8 +103,19 @@ fn one_of<T: Copy>(s: &str, choices: &[(&str, T)]) -> Result<T, String> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HealthCheck {
     pub service: ServiceRef,
-    /// Ready endpoints of the Service on this node.
-    pub local_endpoints: usize,
+    /// Ready endpoints of the Service on this node, by family (IPv4,
+    /// IPv6): the distinct addresses kube-proxy's proxier of that family
+    /// counts (`LocalReadyEndpoints`).
+    pub local_v4: usize,
+    pub local_v6: usize,
+}
+
+impl HealthCheck {
+    /// The count kube-proxy's proxier of the asking client's family
+    /// answers with.
+    pub fn local_endpoints(&self, v4: bool) -> usize {
+        if v4 { self.local_v4 } else { self.local_v6 }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -587,6 +598,32 @@ mod tests {
         assert_eq!(addrs(&d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends), ["10.0.0.5:8080"]);
     }
 
+    /// kube-proxy reads a nil `serving` as true, whatever `ready` says: a
+    /// terminating endpoint that does not say it serves is the fallback.
+    #[test]
+    fn nil_serving_means_serving() {
+        let eps = [Ep { ready: Some(false), serving: None, terminating: Some(true), ..ep("10.0.0.6") }];
+        let d = compute(&[svc("web", "10.96.0.10", WEB)], &[slice("web", "s", "IPv4", WEB_EP, &eps)], &node());
+        let f = &d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)];
+        assert_eq!(addrs(&f.backends), ["10.0.0.6:8080"]);
+        assert!(f.backends[0].terminating);
+    }
+
+    /// kube-proxy takes an endpoint's first address only (the API says
+    /// consumers use the first; the rest are not looked at).
+    #[test]
+    fn only_an_endpoints_first_address_is_a_backend() {
+        let mut s = slice("web", "s", "IPv4", WEB_EP, &[ep("10.0.0.1")]);
+        s.endpoints[0].addresses = vec!["10.0.0.1".into(), "10.0.0.2".into()];
+        let d = compute(&[svc("web", "10.96.0.10", WEB)], std::slice::from_ref(&s), &node());
+        assert_eq!(addrs(&d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends), ["10.0.0.1:8080"]);
+        // A first address that does not parse is no endpoint; the second
+        // does not stand in for it.
+        s.endpoints[0].addresses = vec!["not-an-ip".into(), "10.0.0.2".into()];
+        let d = compute(&[svc("web", "10.96.0.10", WEB)], &[s], &node());
+        assert!(d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends.is_empty());
+    }
+
     #[test]
     fn local_set_has_its_own_fallback() {
         let eps = [
@@ -1036,13 +1073,29 @@ mod tests {
         let f = &d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)];
         assert!(f.ext_local);
         assert_eq!(addrs(&f.local_backends), ["10.0.0.1:8080"]);
-        assert_eq!(d.health_checks[&32000].local_endpoints, 1);
+        assert_eq!((d.health_checks[&32000].local_v4, d.health_checks[&32000].local_v6), (1, 0));
         assert_eq!(d.health_checks[&32000].service.to_string(), "default/web");
         // ClusterIP traffic is not affected by externalTrafficPolicy.
         assert!(!d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].ext_local);
         // Only terminating endpoints here: 0 local endpoints.
         let term = slice("web", "s", "IPv4", WEB_EP, &[Ep { node: "node-a", ready: Some(false), serving: Some(true), terminating: Some(true), ..ep("10.0.0.1") }]);
-        let d = compute(&[s], &[term], &node());
-        assert_eq!(d.health_checks[&32000].local_endpoints, 0);
+        let d = compute(&[s.clone()], &[term], &node());
+        assert_eq!(d.health_checks[&32000].local_v4, 0);
+        // kube-proxy counts what its endpoints map holds: endpoints of
+        // slices with a port, each address once per family, whatever
+        // ports it serves. A slice without ports (its pods have no port
+        // of the targetPort's name) counts nothing.
+        fn local(ip: &str) -> Ep<'_> {
+            Ep { node: "node-a", ..ep(ip) }
+        }
+        let slices = [
+            slice("web", "a", "IPv4", WEB_EP, &[local("10.0.0.1"), local("10.0.0.2")]),
+            slice("web", "b", "IPv4", &[(Some("metrics"), 9090, "TCP")], &[local("10.0.0.2"), local("10.0.0.3")]),
+            slice("web", "c", "IPv4", &[], &[local("10.0.0.4")]),
+            slice("web", "d", "IPv6", WEB_EP, &[local("fd00::1")]),
+        ];
+        let d = compute(&[s], &slices, &node());
+        let hc = &d.health_checks[&32000];
+        assert_eq!((hc.local_v4, hc.local_v6, hc.local_endpoints(true), hc.local_endpoints(false)), (3, 1, 3, 1));
     }
 }

@@ -165,13 +165,29 @@ fn kube_proxys_operational_contract() -> Result<()> {
     let (_, body) = c.http(1, "127.0.0.1:10256", "/healthz")?;
     assert_eq!(serde_json::from_str::<serde_json::Value>(&body)?["nodeEligible"], false, "{body}");
     assert_eq!(c.http(1, "127.0.0.1:10256", "/livez")?.0, 200);
+    // Its finalizers done, the Node object is gone: the node stays
+    // ineligible, as kube-proxy syncs the deleted object's last state.
+    c.remove_object("node.yaml")?;
+    std::thread::sleep(Duration::from_millis(1500));
+    let (code, body) = c.http(1, "127.0.0.1:10256", "/healthz")?;
+    assert_eq!((code, serde_json::from_str::<serde_json::Value>(&body)?["nodeEligible"].clone()), (503, false.into()), "{body}");
     c.write_object("node.yaml", &lbtest::objects::node("node-1", "z1"))?;
     c.wait_for("/healthz 200", Duration::from_secs(5), || Ok(c.http(1, "127.0.0.1:10256", "/healthz")?.0 == 200))?;
+    // cluster-autoscaler's taint on a node it is about to delete: 503 too.
+    let tainted = format!(
+        "{}spec:\n  taints:\n  - key: ToBeDeletedByClusterAutoscaler\n    value: \"1764928800\"\n    effect: NoSchedule\n",
+        lbtest::objects::node("node-1", "z1")
+    );
+    c.write_object("node.yaml", &tainted)?;
+    c.wait_for("/healthz 503 (tainted)", Duration::from_secs(5), || Ok(c.http(1, "127.0.0.1:10256", "/healthz")?.0 == 503))?;
+    assert_eq!(c.http(1, "127.0.0.1:10256", "/livez")?.0, 200);
+    c.write_object("node.yaml", &lbtest::objects::node("node-1", "z1"))?;
+    c.wait_for("/healthz 200 (untainted)", Duration::from_secs(5), || Ok(c.http(1, "127.0.0.1:10256", "/healthz")?.0 == 200))?;
     // Every answer counted by its code, as kube-proxy's healthz server does.
     let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
-    assert!(metric(&m, "kubeproxy_proxy_healthz_total{code=\"503\"}").is_some_and(|n| n >= 2.0), "{m}");
+    assert!(metric(&m, "kubeproxy_proxy_healthz_total{code=\"503\"}").is_some_and(|n| n >= 4.0), "{m}");
     assert!(metric(&m, "kubeproxy_proxy_healthz_total{code=\"200\"}").is_some_and(|n| n >= 1.0), "{m}");
-    assert_eq!(metric(&m, "kubeproxy_proxy_livez_total{code=\"200\"}"), Some(1.0), "{m}");
+    assert_eq!(metric(&m, "kubeproxy_proxy_livez_total{code=\"200\"}"), Some(2.0), "{m}");
 
     // Drift: the frontend's entry deleted by hand comes back within the
     // resync period, counted and logged.

@@ -415,7 +415,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             None
         },
     };
-    let mut health_checks = crate::nodeport::HealthChecks::default();
+    let mut health_checks = crate::nodeport::HealthChecks::new(health.clone());
     rec.export(&metrics, &cfg.capacity);
     rec.export_names(&metrics);
     // kube-proxy's rules on the node, at start and then every period (off
@@ -521,6 +521,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mut pods_check = tokio::time::interval(Duration::from_secs(1));
     let mut last: Option<Arc<Update>> = None;
     let mut dirty = false;
+    // Whether load balancers may send here (`model::node_eligible`).
+    let mut eligible = true;
     let mut first = true;
     // Changes a failed sync took into the model and no sync has programmed;
     // when the last change arrived (kube-proxy's "queued", reported once a
@@ -546,10 +548,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 tracing::debug!(waited_us = upd.since.elapsed().as_micros() as u64, "update received");
                 health.changed(upd.since);
                 queued_at = unix_seconds(std::time::SystemTime::now());
-                let deleting = upd.snapshot.nodes.iter().any(|n| {
-                    n.metadata.name.as_deref() == Some(cfg.node_name.as_str()) && n.metadata.deletion_timestamp.is_some()
-                });
-                health.node_deleting(deleting);
+                let this = upd.snapshot.nodes.iter().find(|n| n.metadata.name.as_deref() == Some(cfg.node_name.as_str()));
+                eligible = model::node_eligible(this.map(|n| &**n), eligible);
+                health.node_deleting(!eligible);
                 last = Some(upd);
             }
             _ = retry.tick(), if dirty => {}

@@ -70,8 +70,10 @@ impl PortEndpoints<'_> {
     }
 }
 
-/// The endpoint conditions, with the API's defaults: a nil `ready` means
-/// ready, a nil `serving` means the value of `ready`, a nil `terminating` false.
+/// The endpoint conditions, with kube-proxy's defaults: a nil `ready` or
+/// `serving` means true, a nil `terminating` false (pkg/proxy
+/// endpointslicecache.go; a nil `serving` beside `ready: false,
+/// terminating: true` is a serving-terminating endpoint).
 #[derive(Clone)]
 pub(super) struct Conditions {
     pub(super) ready: bool,
@@ -89,7 +91,7 @@ pub(super) fn conditions(ep: &Endpoint) -> Conditions {
     let h = ep.hints.as_ref();
     Conditions {
         ready,
-        serving: c.and_then(|c| c.serving).unwrap_or(ready),
+        serving: c.and_then(|c| c.serving).unwrap_or(true),
         terminating: c.and_then(|c| c.terminating).unwrap_or(false),
         zones: h.and_then(|h| h.for_zones.as_ref()).map(|z| z.iter().map(|z| z.name.clone()).collect()).unwrap_or_default(),
         nodes: h.and_then(|h| h.for_nodes.as_ref()).map(|n| n.iter().map(|n| n.name.clone()).collect()).unwrap_or_default(),

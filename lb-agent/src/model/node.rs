@@ -23,6 +23,21 @@ pub struct NodeInfo {
     pub primary: Vec<IpAddr>,
 }
 
+/// The taint cluster-autoscaler puts on a node it is about to delete.
+pub const TAINT_TO_BE_DELETED: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// Whether load balancers should send new connections to this node
+/// (kube-proxy's `/healthz` "nodeEligible", proxy_health.go `SyncNode`,
+/// KEP-3836): not while its Node object is being deleted or carries
+/// cluster-autoscaler's `ToBeDeletedByClusterAutoscaler` taint. `node`:
+/// the Node object, None once it is gone; then its last state stands
+/// (kube-proxy syncs the deleted object), `was` here.
+pub fn node_eligible(node: Option<&Node>, was: bool) -> bool {
+    let Some(n) = node else { return was };
+    let tainted = n.spec.as_ref().and_then(|s| s.taints.as_ref()).is_some_and(|t| t.iter().any(|t| t.key == TAINT_TO_BE_DELETED));
+    n.metadata.deletion_timestamp.is_none() && !tainted
+}
+
 /// `--nodeport-addresses`, as kube-proxy reads its flag of that name: the
 /// node's addresses within these CIDRs get the NodePorts; a family with
 /// no CIDR of its own gets them on all its addresses (so does every
@@ -141,6 +156,25 @@ pub fn node_info<N: std::borrow::Borrow<Node>>(facts: &NodeFacts, nodes: &[N]) -
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_node_is_eligible_unless_being_deleted_or_tainted_for_it() {
+        use k8s_openapi::api::core::v1::{NodeSpec, Taint};
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+        let plain = Node::default();
+        assert!(node_eligible(Some(&plain), false));
+        let mut deleting = Node::default();
+        deleting.metadata.deletion_timestamp = Some(Time(Default::default()));
+        assert!(!node_eligible(Some(&deleting), true));
+        let taint = |key: &str| Taint { key: key.into(), effect: "NoSchedule".into(), ..Default::default() };
+        let mut tainted = Node { spec: Some(NodeSpec { taints: Some(vec![taint("other"), taint(TAINT_TO_BE_DELETED)]), ..Default::default() }), ..Default::default() };
+        assert!(!node_eligible(Some(&tainted), true));
+        tainted.spec.as_mut().unwrap().taints = Some(vec![taint("other")]);
+        assert!(node_eligible(Some(&tainted), false));
+        // Gone: as it was last seen.
+        assert!(!node_eligible(None, false));
+        assert!(node_eligible(None, true));
+    }
+
     use super::*;
     use k8s_openapi::api::core::v1::{NodeAddress, NodeStatus};
 

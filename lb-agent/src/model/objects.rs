@@ -186,8 +186,11 @@ pub struct Endpoint {
     pub node_name: Option<Arc<str>>,
 }
 
+/// An endpoint's address: its first, as kube-proxy takes it (the API
+/// says consumers use the first and may ignore the rest); none when that
+/// one does not parse.
 fn parse_ips<'a>(v: impl IntoIterator<Item = &'a String>) -> SmallVec<[IpAddr; 1]> {
-    v.into_iter().filter_map(|a| a.parse().ok()).collect()
+    v.into_iter().next().and_then(|a| a.parse().ok()).into_iter().collect()
 }
 
 fn ip_addresses<'de, D: Deserializer<'de>>(d: D) -> Result<SmallVec<[IpAddr; 1]>, D::Error> {
@@ -263,11 +266,13 @@ mod tests {
     fn only_relevant_labels_and_ip_addresses_are_kept() {
         let e: EndpointSlice = serde_json::from_str(
             r#"{"metadata": {"name": "s", "labels": {"kubernetes.io/service-name": "web", "app": "x"}, "annotations": {"a": "b"}},
-                "addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1", "not-an-ip"], "targetRef": {"kind": "Pod", "name": "p"}}]}"#,
+                "addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1", "10.0.0.2"], "targetRef": {"kind": "Pod", "name": "p"}},
+                                                     {"addresses": ["not-an-ip", "10.0.0.3"]}]}"#,
         )
         .unwrap();
         assert_eq!(e.metadata.labels, Labels { service_name: Some("web".into()), proxy_name: None });
         assert_eq!(e.endpoints[0].addresses.as_slice(), ["10.0.0.1".parse::<IpAddr>().unwrap()]);
+        assert!(e.endpoints[1].addresses.is_empty(), "the first address only");
         let e: EndpointSlice = serde_json::from_str(r#"{"metadata": {"name": "s"}, "addressType": "IPv4", "endpoints": null}"#).unwrap();
         assert!(e.endpoints.is_empty());
     }

@@ -309,11 +309,16 @@ fn health_check(sref: &ServiceRef, spec: &ServiceSpec, slices: &[&EndpointSlice]
         return None;
     }
     let hc = spec.health_check_node_port.and_then(valid_port)?;
+    // What kube-proxy's endpoints map holds: endpoints of slices with a
+    // port (of any name), each address once, in its own family.
     let local: BTreeSet<IpAddr> = slices
         .iter()
-        .flat_map(|s| s.endpoints.iter())
-        .filter(|ep| ep.node_name.as_deref() == Some(node.name.as_str()) && conditions(ep).ready)
-        .flat_map(|ep| ep.addresses.iter().copied())
+        .filter(|s| s.ports.iter().flatten().any(|p| p.port.and_then(valid_port).is_some()))
+        .filter(|s| matches!(s.address_type.as_str(), "IPv4" | "IPv6"))
+        .flat_map(|s| s.endpoints.iter().map(move |ep| (s.address_type.as_str() == "IPv4", ep)))
+        .filter(|(_, ep)| ep.node_name.as_deref() == Some(node.name.as_str()) && !node.name.is_empty() && conditions(ep).ready)
+        .flat_map(|(v4, ep)| ep.addresses.iter().copied().filter(move |a| a.is_ipv4() == v4))
         .collect();
-    Some((hc, HealthCheck { service: sref.clone(), local_endpoints: local.len() }))
+    let local_v4 = local.iter().filter(|a| a.is_ipv4()).count();
+    Some((hc, HealthCheck { service: sref.clone(), local_v4, local_v6: local.len() - local_v4 }))
 }

@@ -1,12 +1,17 @@
 //! kube-proxy's health check servers, one per healthCheckNodePort of a
-//! Service with externalTrafficPolicy Local: 200 with local endpoints, 503
-//! without, kube-proxy's JSON body.
+//! Service with externalTrafficPolicy Local: 200 with local endpoints while
+//! the agent keeps its maps up to date, 503 otherwise (no local endpoint,
+//! or a change waiting past `--healthz-stall-seconds`: the load balancer
+//! should not rely on a node whose maps are stale), kube-proxy's JSON body
+//! and headers.
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 
+use axum::extract::ConnectInfo;
 use axum::http::{StatusCode, header};
 
+use crate::health::Health;
 use crate::model::HealthCheck;
 
 /// A listener on every address of both families (`[::]` with IPV6_V6ONLY
@@ -49,26 +54,37 @@ struct Server {
 }
 
 /// The kube-proxy health check servers, one per healthCheckNodePort.
-#[derive(Default)]
 pub struct HealthChecks {
     servers: BTreeMap<u16, Server>,
     /// The listeners that could not be opened (healthCheckNodePort, the
     /// address; None: every address), with why: logged when they fail
     /// and when that changes, not at every sync while they stay failed.
     failed: BTreeMap<(u16, Option<IpAddr>), String>,
+    /// The agent's own health: `serviceProxyHealthy`.
+    health: Arc<Health>,
 }
 
-fn hc_body(hc: &HealthCheck) -> (StatusCode, String) {
+/// kube-proxy's answer (`service_health.go`): 200 when there are local
+/// endpoints and the proxy is healthy (its `/livez` sense: the Node's
+/// deletion does not count here), else 503; the count is that of the
+/// asking client's family (`v4`), as each of kube-proxy's proxiers counts
+/// its own.
+fn hc_answer(hc: &HealthCheck, v4: bool, proxy_healthy: bool) -> (StatusCode, usize, String) {
+    let n = hc.local_endpoints(v4);
     let body = serde_json::json!({
         "service": {"namespace": hc.service.namespace, "name": hc.service.name},
-        "localEndpoints": hc.local_endpoints,
-        "serviceProxyHealthy": true,
+        "localEndpoints": n,
+        "serviceProxyHealthy": proxy_healthy,
     });
-    let code = if hc.local_endpoints > 0 { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (code, body.to_string())
+    let code = if n > 0 && proxy_healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, n, body.to_string())
 }
 
 impl HealthChecks {
+    pub fn new(health: Arc<Health>) -> Self {
+        Self { servers: BTreeMap::new(), failed: BTreeMap::new(), health }
+    }
+
     /// Serve exactly `want`, on the addresses `on` (None: all of them, as
     /// kube-proxy does without `--nodeport-addresses`; with it, where the
     /// NodePorts are): start, update and stop servers, and open and close
@@ -91,12 +107,21 @@ impl HealthChecks {
         for (port, hc) in want {
             let s = self.servers.entry(*port).or_insert_with(|| {
                 let state = Arc::new(Mutex::new(hc.clone()));
-                let st = state.clone();
-                let app = axum::Router::new().fallback(move || {
-                    let s = st.clone();
+                let (st, health) = (state.clone(), self.health.clone());
+                let app = axum::Router::new().fallback(move |ConnectInfo(peer): ConnectInfo<SocketAddr>| {
+                    let (s, health) = (st.clone(), health.clone());
                     async move {
-                        let (code, body) = hc_body(&s.lock().unwrap());
-                        (code, [(header::CONTENT_TYPE, "application/json")], body)
+                        let v4 = match peer.ip() {
+                            IpAddr::V4(_) => true,
+                            IpAddr::V6(a) => a.to_ipv4_mapped().is_some(),
+                        };
+                        let (code, n, body) = hc_answer(&s.lock().unwrap(), v4, health.report(true).0);
+                        let headers = [
+                            (header::CONTENT_TYPE, "application/json".to_string()),
+                            (header::X_CONTENT_TYPE_OPTIONS, "nosniff".to_string()),
+                            (header::HeaderName::from_static("x-load-balancing-endpoint-weight"), n.to_string()),
+                        ];
+                        (code, headers, body)
                     }
                 });
                 Server { state, app, listeners: BTreeMap::new() }
@@ -122,7 +147,7 @@ impl HealthChecks {
                     Ok(l) => {
                         let app = s.app.clone();
                         let task = tokio::spawn(async move {
-                            let _ = axum::serve(l, app).await;
+                            let _ = axum::serve(l, app.into_make_service_with_connect_info::<SocketAddr>()).await;
                         });
                         s.listeners.insert(*k, task);
                         if self.failed.remove(&(*port, *k)).is_some() {
@@ -151,12 +176,52 @@ mod tests {
     use crate::model::ServiceRef;
 
     #[test]
-    fn health_check_body_is_kube_proxys() {
-        let hc = HealthCheck { service: ServiceRef { namespace: "ns".into(), name: "web".into() }, local_endpoints: 2 };
-        let (code, body) = hc_body(&hc);
-        assert_eq!(code, StatusCode::OK);
+    fn health_check_answer_is_kube_proxys() {
+        let hc = HealthCheck { service: ServiceRef { namespace: "ns".into(), name: "web".into() }, local_v4: 2, local_v6: 1 };
+        let (code, n, body) = hc_answer(&hc, true, true);
+        assert_eq!((code, n), (StatusCode::OK, 2));
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(v, serde_json::json!({"service": {"namespace": "ns", "name": "web"}, "localEndpoints": 2, "serviceProxyHealthy": true}));
-        assert_eq!(hc_body(&HealthCheck { local_endpoints: 0, ..hc }).0, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(hc_answer(&hc, false, true).1, 1, "the IPv6 proxier's count");
+        assert_eq!(hc_answer(&HealthCheck { local_v4: 0, ..hc.clone() }, true, true).0, StatusCode::SERVICE_UNAVAILABLE);
+        // Local endpoints, but the proxy is not keeping up: 503.
+        let (code, n, body) = hc_answer(&hc, true, false);
+        assert_eq!((code, n), (StatusCode::SERVICE_UNAVAILABLE, 2));
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&body).unwrap()["serviceProxyHealthy"], false);
+    }
+
+    /// Over HTTP on loopback: the answer follows the agent's health (a
+    /// change waiting past the stall limit turns it 503) and carries
+    /// kube-proxy's headers.
+    #[tokio::test]
+    async fn the_server_answers_with_the_agents_health() {
+        let health = Arc::new(Health::new(std::time::Duration::from_millis(200)));
+        health.synced();
+        let mut hcs = HealthChecks::new(health.clone());
+        // A free port on loopback.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let hc = HealthCheck { service: ServiceRef { namespace: "ns".into(), name: "web".into() }, local_v4: 3, local_v6: 0 };
+        assert_eq!(hcs.reconcile(&[(port, hc)].into(), None).await, 0);
+        let get = || async move {
+            use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+            let mut c = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+            c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+            let mut out = String::new();
+            c.read_to_string(&mut out).await.unwrap();
+            out.to_ascii_lowercase()
+        };
+        let r = get().await;
+        assert!(r.starts_with("http/1.1 200"), "{r}");
+        assert!(r.contains("x-load-balancing-endpoint-weight: 3") && r.contains("x-content-type-options: nosniff"), "{r}");
+        assert!(r.contains("\"serviceproxyhealthy\":true"), "{r}");
+        // A change the agent has not programmed for longer than the limit.
+        health.changed(std::time::Instant::now() - std::time::Duration::from_secs(1));
+        let r = get().await;
+        assert!(r.starts_with("http/1.1 503") && r.contains("\"serviceproxyhealthy\":false") && r.contains("\"localendpoints\":3"), "{r}");
+        health.synced();
+        assert!(get().await.starts_with("http/1.1 200"));
+        // The Node being deleted fails /healthz, not the health check.
+        health.node_deleting(true);
+        assert!(get().await.starts_with("http/1.1 200"));
     }
 }
