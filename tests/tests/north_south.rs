@@ -149,6 +149,31 @@ fn a_udp_flow_moves_off_an_endpoint_that_left() -> Result<()> {
     Ok(())
 }
 
+/// An endpoint that leaves while no agent runs (a restart, an upgrade):
+/// the next agent's first full sync ends its flows in the NAT table too,
+/// as kube-proxy's conntrack cleanup does at its first sync.
+#[test]
+fn a_udp_flow_moves_off_an_endpoint_that_left_while_no_agent_ran() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let addr = hostport(NODE1, 30080);
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    // One socket, one flow: a datagram every 100 ms for 6 s.
+    let udp = w.c.probe_bg(&w.outside, &["udp", "--addr", &addr, "--one-socket", "--count", "60", "--interval-ms", "100"])?;
+    std::thread::sleep(Duration::from_millis(1000));
+    w.c.kill_agent(1);
+    // pod-1 leaves the Service (it still answers: only the flow's NAT
+    // entry would keep sending to it, refreshed by every datagram).
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    std::thread::sleep(Duration::from_millis(500));
+    w.c.start_agent_with(1, &[])?;
+    let s = Cluster::finish(udp)?;
+    let to = |p: &str| s.replies.iter().filter(|(k, _)| k.starts_with(p)).map(|(_, n)| *n).sum::<u32>();
+    assert!(to("pod-1") >= 5, "{s:?}");
+    assert!(to("pod-2") >= 10, "the flow's next datagrams after the restart pick a live backend: {s:?}");
+    Ok(())
+}
+
 #[test]
 fn a_tcp_flow_to_an_endpoint_that_left_gets_a_reset_and_a_draining_one_keeps_going() -> Result<()> {
     let w = world(&web("NodePort", "", &[]))?;

@@ -272,7 +272,7 @@ pub(super) struct Reconciler {
     /// Pairs that started serving since, for the destroyer with them.
     pub(super) pending_joined: BTreeSet<model::Pair>,
     /// The NAT thread, told of pairs that left so it ends their flows.
-    pub(super) nat_left: std::sync::mpsc::Sender<BTreeSet<model::Pair>>,
+    pub(super) nat_left: std::sync::mpsc::Sender<crate::nodeport::Ending>,
     /// Connections to endpoints that stopped serving are destroyed by it,
     /// off the programming path.
     pub(super) destroyer: Option<crate::stale::Destroyer>,
@@ -552,6 +552,12 @@ impl Reconciler {
         if full && let Some(d) = &self.destroyer {
             d.sweep(desired.frontends.iter().map(|(k, f)| (k.addr, k.port, f.clone())).collect());
         }
+        // And the NAT tables' flows (outside clients', and pods' under
+        // --per-packet-lb) to backends that went meanwhile.
+        if full {
+            let fronts = desired.frontends.keys().map(|k| (k.addr, k.port)).collect();
+            let _ = self.nat_left.send(crate::nodeport::Ending::Sweep { fronts, alive: desired.alive_pairs() });
+        }
         // After a full sync the sweep judges by the whole state.
         let joined = if full { BTreeSet::new() } else { std::mem::take(&mut self.pending_joined) };
         if full {
@@ -559,8 +565,10 @@ impl Reconciler {
         }
         if !self.pending_left.is_empty() || !joined.is_empty() {
             let left = std::mem::take(&mut self.pending_left);
-            if self.has_external && !left.is_empty() {
-                let _ = self.nat_left.send(left.clone());
+            // (Whatever frontends are external: pods' flows under
+            // --per-packet-lb are in the NAT tables too.)
+            if !left.is_empty() {
+                let _ = self.nat_left.send(crate::nodeport::Ending::Left(left.clone()));
             }
             if let Some(d) = &self.destroyer {
                 d.update(left, joined);

@@ -9,6 +9,31 @@ use lb_common::{NatEntry, NatKey, PROTO_UDP, nat_flags, nat_state};
 use crate::dataplane::writer::Addr;
 use crate::model::Pair;
 
+/// Which flows a pass ends, by their (frontend, backend) pair.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Ending {
+    /// None: a pass of expiry only.
+    #[default]
+    Nothing,
+    /// The pairs a sync saw leave (endpoints gone or no longer serving).
+    Left(BTreeSet<Pair>),
+    /// After a full sync: every pair of these frontends that is not among
+    /// the serving ones, so that endpoints that went while no agent
+    /// watched (a restart, an upgrade) end their flows too. Flows to an
+    /// address no frontend has are left to expire.
+    Sweep { fronts: BTreeSet<(std::net::IpAddr, u16)>, alive: BTreeSet<Pair> },
+}
+
+impl Ending {
+    fn ends(&self, p: &Pair) -> bool {
+        match self {
+            Ending::Nothing => false,
+            Ending::Left(left) => left.contains(p),
+            Ending::Sweep { fronts, alive } => fronts.contains(&(p.0, p.1)) && !alive.contains(p),
+        }
+    }
+}
+
 /// How long NAT entries live.
 #[derive(Clone, Copy, Debug)]
 pub struct NatTimeouts {
@@ -110,9 +135,10 @@ pub enum Step<A> {
 }
 
 /// The steps of a pass, from a snapshot of the table: expire flows (both
-/// entries of each), and end flows to the (frontend, backend) pairs in
-/// `left`. Pure: `apply` checks each step against the table as it is then.
-pub fn plan<A: Addr>(entries: &BTreeMap<NatKey<A>, NatEntry<A>>, now: u64, t: &NatTimeouts, left: &BTreeSet<Pair>) -> Vec<Step<A>> {
+/// entries of each), and end flows to the (frontend, backend) pairs
+/// `ending` names. Pure: `apply` checks each step against the table as it
+/// is then.
+pub fn plan<A: Addr>(entries: &BTreeMap<NatKey<A>, NatEntry<A>>, now: u64, t: &NatTimeouts, ending: &Ending) -> Vec<Step<A>> {
     let mut steps = Vec::new();
     for (k, e) in entries {
         // A DSR flow has one entry per node: the client's on the frontend's
@@ -131,7 +157,7 @@ pub fn plan<A: Addr>(entries: &BTreeMap<NatKey<A>, NatEntry<A>>, now: u64, t: &N
             steps.push(Step::Expire(*k));
             continue;
         }
-        if !left.is_empty() && left.contains(&(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)) {
+        if ending.ends(&(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)) {
             if k.proto == PROTO_UDP {
                 steps.push(Step::Flush(*k, e.created_ns));
             } else if e.state & nat_state::STALE == 0 {
@@ -252,14 +278,14 @@ where
 }
 
 /// One pass over a NAT table: `plan` from a snapshot, then `apply`.
-pub fn nat_pass<A: Addr>(nat: &mut NatMap<A>, t: &NatTimeouts, left: &BTreeSet<Pair>) -> NatPass
+pub fn nat_pass<A: Addr>(nat: &mut NatMap<A>, t: &NatTimeouts, ending: &Ending) -> NatPass
 where
     NatKey<A>: aya::Pod,
     NatEntry<A>: aya::Pod,
 {
     let now = monotonic_ns();
     let entries = snapshot(nat);
-    let steps = plan(&entries, now, t, left);
+    let steps = plan(&entries, now, t, ending);
     let mut pass = apply(nat, &steps, now, t);
     pass.bpf_masqueraded = bpf_masqueraded(entries.values());
     pass
@@ -393,7 +419,7 @@ mod tests {
     fn an_expired_flow_goes_with_its_reply_entry() {
         let (k, e, rk, r) = flow(100, 100, SEEN | nat_state::RST);
         let mut m = table(&[(k, e), (rk, r)]);
-        let steps = plan(&snapshot(&m), 111 * S, &T, &BTreeSet::new());
+        let steps = plan(&snapshot(&m), 111 * S, &T, &Ending::Nothing);
         assert_eq!(steps, [Step::Expire(k)]);
         assert_eq!(apply(&mut m, &steps, 111 * S, &T), NatPass { expired: 1, ..Default::default() });
         assert!(snapshot(&m).is_empty());
@@ -406,7 +432,7 @@ mod tests {
     fn a_flow_that_replaced_an_expired_one_after_the_snapshot_stays() {
         let (k, e, rk, r) = flow(100, 100, SEEN | nat_state::RST);
         let mut m = table(&[(k, e), (rk, r)]);
-        let steps = plan(&snapshot(&m), 111 * S, &T, &BTreeSet::new());
+        let steps = plan(&snapshot(&m), 111 * S, &T, &Ending::Nothing);
         assert_eq!(steps, [Step::Expire(k)]);
         // The datapath: the SYN of the new flow removes the closed one and
         // sets up its own, same backend, same SNAT port.
@@ -422,7 +448,7 @@ mod tests {
     fn a_flow_that_went_on_after_the_snapshot_stays() {
         let (k, e, rk, r) = flow(100, 100, SEEN);
         let mut m = table(&[(k, e), (rk, r)]);
-        let steps = plan(&snapshot(&m), 201 * S, &T, &BTreeSet::new());
+        let steps = plan(&snapshot(&m), 201 * S, &T, &Ending::Nothing);
         assert_eq!(steps, [Step::Expire(k)]);
         let r_on = NatEntry { last_seen_ns: 200 * S, ..r };
         m.insert(rk, r_on, 0).unwrap();
@@ -433,7 +459,7 @@ mod tests {
     #[test]
     fn a_backend_that_left_ends_its_flows_but_not_a_new_flow_with_their_keys() {
         let (k, e, rk, r) = flow(100, 100, SEEN);
-        let left: BTreeSet<Pair> = [(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)].into();
+        let left = Ending::Left([(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)].into());
         // TCP: marked STALE (the next packet gets a RST) ...
         let mut m = table(&[(k, e), (rk, r)]);
         let steps = plan(&snapshot(&m), 101 * S, &T, &left);
@@ -465,6 +491,21 @@ mod tests {
         assert_eq!(snapshot(&m).len(), 2);
     }
 
+    /// After a full sync the sweep ends the flows of a frontend to a
+    /// backend that no longer serves it (gone while no agent watched), and
+    /// keeps those to serving ones and those to addresses no frontend has.
+    #[test]
+    fn a_sweep_ends_the_flows_to_backends_that_no_longer_serve() {
+        let (k, e, rk, r) = flow(100, 100, SEEN);
+        let pair = (k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport);
+        let m = table(&[(k, e), (rk, r)]);
+        let other = (pair.0, pair.1, "10.9.9.9".parse().unwrap(), 80);
+        let sweep = |fronts: &[(std::net::IpAddr, u16)], alive: &[Pair]| Ending::Sweep { fronts: fronts.iter().copied().collect(), alive: alive.iter().copied().collect() };
+        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[(pair.0, pair.1)], &[other])), [Step::MarkStale(k, 100 * S)]);
+        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[(pair.0, pair.1)], &[pair, other])), []);
+        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[], &[])), [], "no frontend at its address: left to expire");
+    }
+
     /// A flow whose reply key a new flow took (its SNAT port freed and
     /// claimed again): expiring it leaves the new flow's entry alone.
     #[test]
@@ -477,7 +518,7 @@ mod tests {
         rx.to_dport = 2000;
         assert_eq!(rkx, rk);
         let mut m = table(&[(k, e), (kx, ex), (rk, rx)]);
-        let steps = plan(&snapshot(&m), 171 * S, &T, &BTreeSet::new());
+        let steps = plan(&snapshot(&m), 171 * S, &T, &Ending::Nothing);
         assert_eq!(steps, [Step::Expire(k)], "X is live; the old flow has no reply entry of its own");
         assert_eq!(apply(&mut m, &steps, 171 * S, &T).expired, 1);
         assert_eq!(snapshot(&m), [(kx, ex), (rk, rx)].into());
@@ -487,7 +528,7 @@ mod tests {
     fn a_lone_reply_entry_goes_unless_its_flow_came_back() {
         let (k, e, rk, r) = flow(100, 100, SEEN);
         let mut m = table(&[(rk, r)]);
-        let steps = plan(&snapshot(&m), 161 * S, &T, &BTreeSet::new());
+        let steps = plan(&snapshot(&m), 161 * S, &T, &Ending::Nothing);
         assert_eq!(steps, [Step::RemoveLone(rk)]);
         m.insert(k, e, 0).unwrap();
         apply(&mut m, &steps, 161 * S, &T);
