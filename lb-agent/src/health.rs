@@ -506,10 +506,37 @@ async fn metrics(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], m.encode())
 }
 
-/// Listen on `addr` (given by `flag`). A port in use says who holds it,
+/// A listener on every address of both families (`[::]` with IPV6_V6ONLY
+/// off, whatever net.ipv6.bindv6only says); IPv4 alone where the node has
+/// no IPv6.
+pub fn dual_stack_listener(port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let (sock, addr) = match Socket::new(Domain::IPV6, Type::STREAM, None) {
+        Ok(s) => {
+            s.set_only_v6(false)?;
+            (s, SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port)))
+        }
+        Err(_) => (Socket::new(Domain::IPV4, Type::STREAM, None)?, SocketAddr::from(([0, 0, 0, 0], port))),
+    };
+    sock.set_reuse_address(true)?;
+    sock.set_nonblocking(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(1024)?;
+    tokio::net::TcpListener::from_std(sock.into())
+}
+
+/// Listen on `addr` (given by `flag`); `0.0.0.0` means every address of
+/// both families, as Go's listener takes it for kube-proxy's
+/// `--healthz-bind-address` (an IPv6-only node's kubelet and load
+/// balancers probe its IPv6 address). A port in use says who holds it,
 /// and, on kube-proxy's own ports, that kube-proxy may still run here.
 async fn listen(flag: &str, addr: SocketAddr) -> anyhow::Result<tokio::net::TcpListener> {
-    match tokio::net::TcpListener::bind(addr).await {
+    let bound = if addr.ip() == std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED) {
+        dual_stack_listener(addr.port())
+    } else {
+        tokio::net::TcpListener::bind(addr).await
+    };
+    match bound {
         Ok(l) => Ok(l),
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => {
             let holder = crate::kube_proxy::port_holder(addr.port()).map(|h| format!(", held by {h}")).unwrap_or_default();

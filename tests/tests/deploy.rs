@@ -95,6 +95,15 @@ fn the_daemon_set_runs_on_every_node_with_pinned_state_and_health() {
     let probe = c.readiness_probe.as_ref().unwrap().http_get.as_ref().unwrap();
     assert_eq!(probe.path.as_deref(), Some("/healthz"));
     assert_eq!(probe.port, k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(10256));
+    // Restarted on /livez alone (/healthz fails while the node drains),
+    // after a startup probe that gives the first sync time.
+    for p in [&c.liveness_probe, &c.startup_probe] {
+        let get = p.as_ref().unwrap().http_get.as_ref().unwrap();
+        assert_eq!((get.path.as_deref(), &get.port), (Some("/livez"), &k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(10256)));
+    }
+    let startup = c.startup_probe.as_ref().unwrap();
+    assert!(startup.period_seconds.unwrap_or(10) * startup.failure_threshold.unwrap_or(3) >= 300, "{startup:?}");
+    assert_eq!(pod.node_selector.as_ref().and_then(|s| s.get("kubernetes.io/os")).map(String::as_str), Some("linux"));
     let mounts = c.volume_mounts.clone().unwrap();
     let vols = pod.volumes.clone().unwrap();
     // The mount a path lies under, and the host path behind it.
@@ -137,6 +146,7 @@ fn the_uninstall_daemon_set_tears_down_in_the_nodes_network_namespace() {
     let ds: DaemonSet = typed(&docs("uninstall.yaml")[0]);
     let pod = ds.spec.unwrap().template.spec.unwrap();
     assert_eq!(pod.host_network, Some(true), "TC filters and the reserved ports are per network namespace");
+    assert_eq!(pod.node_selector.as_ref().and_then(|s| s.get("kubernetes.io/os")).map(String::as_str), Some("linux"), "where the agent ran");
     let init = &pod.init_containers.unwrap()[0];
     let args = init.args.clone().unwrap();
     assert_eq!(args[0], "teardown");

@@ -27,6 +27,9 @@ fn healthz_and_metrics_in_a_node() -> Result<()> {
     let v: serde_json::Value = serde_json::from_str(&body)?;
     assert!(v["lastUpdated"].as_str().unwrap().ends_with('Z'), "{v}");
     assert_eq!(c.http(1, "127.0.0.1:10256", "/livez")?.0, 200);
+    // 0.0.0.0 (the default) is every address of both families, as for
+    // kube-proxy: an IPv6-only node is probed on its IPv6 address.
+    assert_eq!(c.http(1, "[::1]:10256", "/healthz")?.0, 200);
 
     let s = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "7"])?;
     assert_eq!(s.ok, 7);

@@ -81,17 +81,15 @@ pub struct RunConfig {
 /// expires flows, and at once when endpoints leave it ends their flows (UDP
 /// removed, TCP marked for a RST). It logs when new flows were refused.
 /// Also returns how many flows masqueraded in BPF the tables hold (read
-/// at once, then at each pass). A set sent to it (empty: none left) starts
-/// a pass at once.
-#[allow(clippy::type_complexity)]
-fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<BTreeSet<model::Pair>>, Arc<BpfMasqueraded>)> {
+/// at once, then at each pass). What is sent to it starts a pass at once.
+fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodeport::Ending>, Arc<BpfMasqueraded>)> {
     use aya::maps::{HashMap, Map, MapData, PerCpuArray};
     let open = |name: &str| MapData::from_pin(loader::pin_path(&cfg.bpffs, name)).with_context(|| format!("open pinned {name}"));
     let mut nat4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT4)?))?;
     let mut nat6: HashMap<MapData, lb_common::Nat6Key, lb_common::Nat6Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT6)?))?;
     let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(open(lb_common::maps::STATS)?))?;
     let (timeouts, every) = (cfg.nat_timeouts, cfg.nat_gc_interval);
-    let (tx, rx) = std::sync::mpsc::channel::<BTreeSet<model::Pair>>();
+    let (tx, rx) = std::sync::mpsc::channel::<crate::nodeport::Ending>();
     let failed = move || -> u64 { stats.get(&lb_common::stats::NAT_FAILED, 0).map(|v| v.iter().sum()).unwrap_or(0) };
     // Counters staged by an upgrade: the old agent's are added on when it
     // finishes, which is no new refusal.
@@ -109,7 +107,7 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<BTreeSet<mod
                 Ok(left) => left,
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                     next = Instant::now() + every;
-                    BTreeSet::new()
+                    crate::nodeport::Ending::Nothing
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
             };
@@ -562,7 +560,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 match masq_watch.look(rec.config_written, bpf_masqueraded.started(), bpf_masqueraded.last()) {
                     masq_watch::Look::Wait => {}
                     masq_watch::Look::Pass => {
-                        let _ = rec.nat_left.send(BTreeSet::new());
+                        let _ = rec.nat_left.send(crate::nodeport::Ending::Nothing);
                     }
                     masq_watch::Look::Done => {
                         if !per_packet {

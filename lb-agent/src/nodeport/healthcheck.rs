@@ -14,25 +14,6 @@ use axum::http::{StatusCode, header};
 use crate::health::Health;
 use crate::model::HealthCheck;
 
-/// A listener on every address of both families (`[::]` with IPV6_V6ONLY
-/// off, whatever net.ipv6.bindv6only says); IPv4 alone where the node has
-/// no IPv6.
-fn dual_stack_listener(port: u16) -> std::io::Result<tokio::net::TcpListener> {
-    use socket2::{Domain, Socket, Type};
-    let (sock, addr) = match Socket::new(Domain::IPV6, Type::STREAM, None) {
-        Ok(s) => {
-            s.set_only_v6(false)?;
-            (s, SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port)))
-        }
-        Err(_) => (Socket::new(Domain::IPV4, Type::STREAM, None)?, SocketAddr::from(([0, 0, 0, 0], port))),
-    };
-    sock.set_reuse_address(true)?;
-    sock.set_nonblocking(true)?;
-    sock.bind(&addr.into())?;
-    sock.listen(1024)?;
-    tokio::net::TcpListener::from_std(sock.into())
-}
-
 /// A listener on `addr` alone.
 fn listener_on(addr: IpAddr, port: u16) -> std::io::Result<tokio::net::TcpListener> {
     use socket2::{Domain, Socket, Type};
@@ -139,7 +120,7 @@ impl HealthChecks {
                     continue;
                 }
                 let l = match k {
-                    None => dual_stack_listener(*port),
+                    None => crate::health::dual_stack_listener(*port),
                     Some(a) => listener_on(*a, *port),
                 };
                 let on = k.map_or("every address".to_string(), |a| a.to_string());
