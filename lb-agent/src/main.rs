@@ -320,6 +320,10 @@ enum Cmd {
     Teardown {
         #[arg(long, default_value = "/sys/fs/bpf/lb")]
         bpffs: PathBuf,
+        /// How long to wait for an agent still running with these pins
+        /// (its pod terminating) to exit; past that, nothing is removed.
+        #[arg(long, default_value_t = 60)]
+        wait_seconds: u64,
     },
     /// Remove kube-proxy's rules from this node, as `kube-proxy --cleanup`
     /// does: its iptables chains (legacy and nft, both families; the
@@ -585,9 +589,9 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Teardown { bpffs } => {
+        Cmd::Teardown { bpffs, wait_seconds } => {
             loader::check_root()?;
-            loader::teardown(&bpffs)?;
+            loader::teardown(&bpffs, std::time::Duration::from_secs(wait_seconds))?;
             let mut errors = firewall::remove();
             errors.extend(firewall::remove_table());
             anyhow::ensure!(errors.is_empty(), "remove lb's netfilter rules: {}", errors.join("; "));

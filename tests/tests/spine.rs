@@ -238,8 +238,17 @@ fn two_nodes_two_agents_reach_pods_across_nodes() -> Result<()> {
 #[test]
 fn teardown_detaches_and_unpins_everything() -> Result<()> {
     let mut w = web()?;
-    w.c.kill_agent(1);
     let bpffs = w.c.nodes[0].bpffs.clone();
+    // Not while an agent runs there (it would put its rules back): an
+    // error naming it, and nothing removed.
+    let out = std::process::Command::new(lbtest::bin("lb-agent"))
+        .args(["teardown", "--wait-seconds", "1", "--bpffs", bpffs.to_str().unwrap()])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("an lb-agent still runs") && err.contains("lb-agent"), "{err}");
+    assert!(bpffs.join(lb_common::maps::SERVICES4).exists());
+    assert_eq!(tcp(&w.c, &w.client, "10.96.0.10:80", 3)?.ok, 3, "still translated");
+    w.c.kill_agent(1);
     lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["teardown", "--bpffs", bpffs.to_str().unwrap()])?;
     assert!(!bpffs.exists());
     let progs = lbtest::run("bpftool", &["cgroup", "show", w.c.nodes[0].cgroup.to_str().unwrap()])?;

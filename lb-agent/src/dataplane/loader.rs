@@ -159,6 +159,11 @@ pub struct Tc {
 /// `iptables-save`) keeps it until it has exec'd. So a lock still held is
 /// waited for, up to `LOCK_WAIT`, before it is an error.
 fn lock(dir: &Path) -> Result<fs::File> {
+    lock_waiting(dir, LOCK_WAIT, "another lb-agent is running with --bpffs")
+}
+
+/// `lock`, waiting up to `wait`; `busy` begins the error.
+fn lock_waiting(dir: &Path, wait: std::time::Duration, busy: &str) -> Result<fs::File> {
     use std::os::fd::AsRawFd as _;
     use std::os::unix::fs::MetadataExt as _;
     let f = fs::File::open(dir).with_context(|| format!("open {}", dir.display()))?;
@@ -172,11 +177,11 @@ fn lock(dir: &Path) -> Result<fs::File> {
             Err(_) => format!("pid {pid}, which has exited (a process it started still holds the directory open)"),
         });
         let holder = holder.unwrap_or_else(|| "another process".into());
-        if start.elapsed() >= LOCK_WAIT {
-            bail!("another lb-agent is running with --bpffs {}: its lock is held by {holder}", dir.display());
+        if start.elapsed() >= wait {
+            bail!("{busy} {}: its lock is held by {holder}", dir.display());
         }
         if !said {
-            tracing::warn!(bpffs = %dir.display(), "the pin directory is locked by {holder}; waiting up to {}s for it to exit", LOCK_WAIT.as_secs());
+            tracing::warn!(bpffs = %dir.display(), "the pin directory is locked by {holder}; waiting up to {}s for it to exit", wait.as_secs());
             said = true;
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -797,12 +802,20 @@ fn attach_netlink(prog: &mut SchedClassifier, iface: &str, ty: TcAttachType) -> 
     Ok(())
 }
 
-/// Detach and unpin everything under `bpffs`. Idempotent.
-pub fn teardown(bpffs: &Path) -> Result<()> {
+/// Detach and unpin everything under `bpffs`. Idempotent. An agent still
+/// running there (its pod terminating) is waited for, up to `wait`: it
+/// would put back what this removes (its firewall rules) and keep
+/// programming the maps. Past that, nothing is removed: an error.
+pub fn teardown(bpffs: &Path, wait: std::time::Duration) -> Result<()> {
     check_bpffs(bpffs)?;
     if !bpffs.exists() {
         return Ok(());
     }
+    let _lock = lock_waiting(
+        bpffs,
+        wait,
+        "nothing removed: an lb-agent still runs (stop it first: delete its DaemonSet and wait for its pods to go) with --bpffs",
+    )?;
     // The NodePort range lb reserved in this netns goes too.
     crate::nodeport::unreserve_ports(bpffs)?;
     // Links first, so that nothing reads the maps while they go away.
