@@ -72,6 +72,32 @@ fn a_connected_udp_client_is_told_when_its_pod_is_replaced_and_reconnects() -> R
     Ok(())
 }
 
+/// A UDP socket connected to a ClusterIP before its Service existed was
+/// not translated, and its datagrams go where the ClusterIP routes
+/// (nowhere: a blackhole here, as a ClusterIP outside the cluster's
+/// routing is). Once the Service has endpoints it is told (an error), so
+/// that the client connects again, translated: kube-proxy flushes such a
+/// Service's conntrack entries for the same reason. A socket connected
+/// straight to a pod is not touched.
+#[test]
+fn a_udp_socket_connected_before_its_service_existed_is_told_once_it_has_endpoints() -> Result<()> {
+    const LATE: &str = "10.96.0.30";
+    let (c, p, client) = setup(&["pod-a"], &[])?;
+    c.in_netns(&c.nodes[0].netns, &["ip", "route", "add", "blackhole", &format!("{LATE}/32")])?;
+    // A client that only connects again on an error, not on silence.
+    let late = c.probe_bg(&client, &["udp-stream", "--addr", &format!("{LATE}:53"), "--keep-on-timeout", "--interval-ms", "20", "--max-ms", "5000"])?;
+    let direct = c.probe_bg(&client, &["udp-stream", "--addr", &be(&p[0]), "--keep-on-timeout", "--interval-ms", "20", "--max-ms", "5000"])?;
+    std::thread::sleep(Duration::from_millis(1500));
+    c.write_object("late.yaml", &service_ips("late", &[LATE], SP, ""))?;
+    c.write_object("late-slice.yaml", &slice_of("late", "late-1", "IPv4", EP, &[E::ready(&p[0].ip, "node-1")]))?;
+    let s = Cluster::finish(late)?;
+    assert!(s.replies.get("pod-a").is_some_and(|n| *n > 20), "the client connected again, translated: {s:?}");
+    assert!(s.errors.contains_key("ECONNABORTED") || s.errors.contains_key("EDESTADDRREQ"), "told by an error: {s:?}");
+    let d = Cluster::finish(direct)?;
+    assert_eq!(d.failed(), 0, "a socket connected to the pod itself is untouched: {d:?}");
+    Ok(())
+}
+
 #[test]
 fn a_keepalive_tcp_client_fails_fast_and_other_connections_are_untouched() -> Result<()> {
     let (c, p, client) = setup(&["pod-a", "pod-b"], &[])?;

@@ -400,6 +400,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         full_needed: true,
         pending_left: BTreeSet::new(),
         pending_joined: BTreeSet::new(),
+        pending_udp_served: BTreeSet::new(),
         nat_left,
         names_changed: None,
         destroyer: if cfg.destroy_stale_sockets {

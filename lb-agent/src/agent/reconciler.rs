@@ -271,6 +271,9 @@ pub(super) struct Reconciler {
     pub(super) pending_left: BTreeSet<model::Pair>,
     /// Pairs that started serving since, for the destroyer with them.
     pub(super) pending_joined: BTreeSet<model::Pair>,
+    /// UDP frontends that got backends (`Changes::udp_served`), for the
+    /// destroyer once programmed.
+    pub(super) pending_udp_served: BTreeSet<(std::net::IpAddr, u16)>,
     /// The NAT thread, told of pairs that left so it ends their flows.
     pub(super) nat_left: std::sync::mpsc::Sender<crate::nodeport::Ending>,
     /// Connections to endpoints that stopped serving are destroyed by it,
@@ -440,6 +443,7 @@ impl Reconciler {
             self.pending_left.remove(p);
         }
         self.pending_joined.extend(ch.joined.iter().copied());
+        self.pending_udp_served.extend(ch.udp_served.iter().map(|k| (k.addr, k.port)));
         // loadBalancerSourceRanges on the socket path: the egress program is
         // attached, and the hooks told to mark sockets, before the first
         // frontend with ranges is written, so that no connect to it goes
@@ -573,6 +577,15 @@ impl Reconciler {
             if let Some(d) = &self.destroyer {
                 d.update(left, joined);
             }
+        }
+        // Connected UDP sockets connected to those while they had no
+        // backend (or did not exist) were not translated: told now, so
+        // that they connect again, translated.
+        let served = std::mem::take(&mut self.pending_udp_served);
+        if !served.is_empty()
+            && let Some(d) = &self.destroyer
+        {
+            d.untranslated_udp(served);
         }
         Ok(())
     }

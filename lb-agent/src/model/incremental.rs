@@ -17,7 +17,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use super::{
-    Desired, EndpointSlice, Service, FrontendKey, NodeInfo, Options, Proto, ServiceOut, ServiceRef, compute_service, lost_warning, service_ref,
+    Desired, EndpointSlice, Frontend, Service, FrontendKey, NodeInfo, Options, Proto, ServiceOut, ServiceRef, compute_service, lost_warning, service_ref,
     slice_group,
 };
 
@@ -45,6 +45,12 @@ pub struct Changes {
     /// (frontend, backend) pairs that started serving (again): a pair that
     /// left a moment ago and is back is not stale.
     pub joined: BTreeSet<Pair>,
+    /// UDP frontends the socket hooks translate that have backends now and
+    /// had none (or did not exist) before: a connected UDP socket connected
+    /// to one meanwhile was not translated, and never will be (kube-proxy
+    /// flushes such a Service's conntrack entries at this change). Not on
+    /// a full update.
+    pub udp_served: BTreeSet<FrontendKey>,
     /// Services and EndpointSlices added, changed or removed since the last
     /// update (kube-proxy's change counters).
     pub service_changes: u64,
@@ -132,14 +138,25 @@ struct ObjectDiff {
     new_svcs: Vec<Arc<Service>>,
     gone_slices: Vec<Arc<EndpointSlice>>,
     new_slices: Vec<Arc<EndpointSlice>>,
+    /// Objects decoded anew with the same content: the copy kept (the one
+    /// the groups hold), by the new one's address.
+    kept_svcs: Kept<Service>,
+    kept_slices: Kept<EndpointSlice>,
 }
+
+type Kept<T> = HashMap<*const T, Arc<T>>;
 
 impl ObjectDiff {
     fn of(old_svcs: &[Arc<Service>], svcs: &[Arc<Service>], old_slices: &[Arc<EndpointSlice>], slices: &[Arc<EndpointSlice>]) -> Self {
-        let (gone_svcs, new_svcs) = diff(old_svcs, svcs, |s: &Service| &s.metadata);
-        let (gone_slices, new_slices) = diff(old_slices, slices, |s: &EndpointSlice| &s.metadata);
-        ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices }
+        let (gone_svcs, new_svcs, kept_svcs) = diff(old_svcs, svcs, |s: &Service| &s.metadata);
+        let (gone_slices, new_slices, kept_slices) = diff(old_slices, slices, |s: &EndpointSlice| &s.metadata);
+        ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices, kept_svcs, kept_slices }
     }
+}
+
+/// `objs`, each replaced by the copy `kept` names for it.
+fn with_kept<T>(objs: &[Arc<T>], kept: &Kept<T>) -> Vec<Arc<T>> {
+    objs.iter().map(|o| kept.get(&Arc::as_ptr(o)).cloned().unwrap_or_else(|| o.clone())).collect()
 }
 
 /// The objects of `old` not in `new`, and those of `new` not in `old`: the
@@ -148,9 +165,10 @@ impl ObjectDiff {
 /// change. kube-proxy likewise drops an update that changes nothing it
 /// uses (its change trackers compare with DeepEqual), so a relist neither
 /// recomputes every Service nor observes every slice's old trigger time
-/// in `kubeproxy_network_programming_duration_seconds`.
-fn diff<T: PartialEq>(old: &[Arc<T>], new: &[Arc<T>], meta: fn(&T) -> &super::objects::Meta) -> (Vec<Arc<T>>, Vec<Arc<T>>) {
-    let (mut gone, mut added) = (Vec::new(), Vec::new());
+/// in `kubeproxy_network_programming_duration_seconds`. The third part
+/// names, for each such new copy, the old one, which stays in use.
+fn diff<T: PartialEq>(old: &[Arc<T>], new: &[Arc<T>], meta: fn(&T) -> &super::objects::Meta) -> (Vec<Arc<T>>, Vec<Arc<T>>, Kept<T>) {
+    let (mut gone, mut added, mut kept) = (Vec::new(), Vec::new(), Kept::default());
     for i in 0..old.len().max(new.len()) {
         match (old.get(i), new.get(i)) {
             (Some(a), Some(b)) if Arc::ptr_eq(a, b) => {}
@@ -173,14 +191,30 @@ fn diff<T: PartialEq>(old: &[Arc<T>], new: &[Arc<T>], meta: fn(&T) -> &super::ob
             let m = meta(o);
             (m.namespace.clone(), m.name.clone())
         };
-        let was: HashMap<_, Arc<T>> = gone.iter().map(|o| (key(o), o.clone())).collect();
-        let same: HashSet<_> = added.iter().filter(|o| was.get(&key(o)).is_some_and(|w| **w == ***o)).map(key).collect();
-        if !same.is_empty() {
-            gone.retain(|o| !same.contains(&key(o)));
-            added.retain(|o| !same.contains(&key(o)));
+        // Each new copy matched to one old object of its name (a name may
+        // be defined twice) with the same content.
+        let mut was: HashMap<_, Vec<usize>> = HashMap::default();
+        for (i, o) in gone.iter().enumerate() {
+            was.entry(key(o)).or_default().push(i);
+        }
+        let mut matched = vec![false; gone.len()];
+        for o in &added {
+            let Some(candidates) = was.get(&key(o)) else { continue };
+            if let Some(&i) = candidates.iter().find(|&&i| !matched[i] && *gone[i] == **o) {
+                matched[i] = true;
+                kept.insert(Arc::as_ptr(o), gone[i].clone());
+            }
+        }
+        if !kept.is_empty() {
+            let mut i = 0;
+            gone.retain(|_| {
+                i += 1;
+                !matched[i - 1]
+            });
+            added.retain(|o| !kept.contains_key(&Arc::as_ptr(o)));
         }
     }
-    (gone, added)
+    (gone, added, kept)
 }
 
 /// The contributions of the Services `refs` (empty for a reference with
@@ -248,8 +282,10 @@ impl Incremental {
             let all = ObjectDiff::of(&[], services, &[], slices);
             self.apply(services, slices, all, BTreeSet::new(), &mut ch);
             // Everything "joined": meaningless, and a full sync's sweep
-            // carries the whole state anyway.
+            // carries the whole state anyway. Nothing newly served either:
+            // sockets an earlier agent or kube-proxy left are not touched.
             ch.joined = BTreeSet::new();
+            ch.udp_served = BTreeSet::new();
             if let Some(before) = before {
                 ch.left = before.difference(&self.desired.alive_pairs()).copied().collect();
             }
@@ -267,9 +303,10 @@ impl Incremental {
     /// Take in the objects that went and came, and recompute the Services
     /// they touch and those in `affected`.
     fn apply(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], objs: ObjectDiff, mut affected: BTreeSet<ServiceRef>, ch: &mut Changes) {
-        let ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices } = objs;
-        self.services = services.to_vec();
-        self.slices = slices.to_vec();
+        let ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices, kept_svcs, kept_slices } = objs;
+        // The copies the groups hold, so that a later change finds them.
+        self.services = with_kept(services, &kept_svcs);
+        self.slices = with_kept(slices, &kept_slices);
         for s in gone_svcs {
             let r = service_ref(&s);
             if let Some(g) = self.groups.get_mut(&r) {
@@ -421,6 +458,10 @@ impl Incremental {
                         if !before.as_ref().is_some_and(|f| f.serves(a, p)) {
                             ch.joined.insert((k.addr, k.port, a, p));
                         }
+                    }
+                    let has = |f: &Frontend| !f.backends.is_empty() || !f.local_backends.is_empty();
+                    if k.proto == Proto::Udp && !n.no_socket && has(n) && !before.as_deref().is_some_and(has) {
+                        ch.udp_served.insert(k);
                     }
                 }
             }

@@ -71,6 +71,18 @@ enum Work {
     /// none of them serves is stale (an endpoint removed while no agent
     /// ran, say).
     Sweep(Vec<(IpAddr, u16, std::sync::Arc<crate::model::Frontend>)>),
+    /// UDP frontends that got backends: a connected UDP socket whose peer
+    /// is one of them itself was connected while it had none (or did not
+    /// exist), untranslated, and its datagrams go nowhere.
+    UntranslatedUdp(BTreeSet<(IpAddr, u16)>),
+}
+
+/// What one round of the destroyer looks for (`merge`).
+#[derive(Default)]
+struct Round {
+    left: BTreeSet<Pair>,
+    fronts: Option<(Fronts, BTreeSet<Pair>)>,
+    udp_served: BTreeSet<(IpAddr, u16)>,
 }
 
 type SockMap<K, V> = aya::maps::HashMap<aya::maps::MapData, K, V>;
@@ -102,12 +114,14 @@ const GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 /// Everything queued, at once, in order: the pairs that left and did not
 /// come back, and the newest sweep's frontends with the pairs that joined
 /// after it (a pair that joined since its snapshot is not stale).
-fn merge(works: impl Iterator<Item = Work>) -> (BTreeSet<Pair>, Option<(Fronts, BTreeSet<Pair>)>) {
+fn merge(works: impl Iterator<Item = Work>) -> Round {
     let mut left = BTreeSet::new();
     let mut sweep = None;
     let mut back = BTreeSet::new();
+    let mut udp_served = BTreeSet::new();
     for w in works {
         match w {
+            Work::UntranslatedUdp(s) => udp_served.extend(s),
             Work::Changed { left: l, joined } => {
                 for p in &joined {
                     left.remove(p);
@@ -129,7 +143,7 @@ fn merge(works: impl Iterator<Item = Work>) -> (BTreeSet<Pair>, Option<(Fronts, 
         }
         (by_addr, back)
     });
-    (left, fronts)
+    Round { left, fronts, udp_served }
 }
 
 /// Frontends by address and port (TCP and UDP share them), to judge every
@@ -144,12 +158,12 @@ impl Worker {
             // way, to an endpoint that still answers) may finish: sockets
             // still open after the grace are the ones left hanging.
             std::thread::sleep(GRACE);
-            let (left, fronts) = merge(std::iter::once(first).chain(rx.try_iter()));
-            if left.is_empty() && fronts.is_none() {
+            let round = merge(std::iter::once(first).chain(rx.try_iter()));
+            if round.left.is_empty() && round.fronts.is_none() && round.udp_served.is_empty() {
                 continue;
             }
             check_visibility(&self.cgroup, &self.invisible, &mut self.logged_blind);
-            let n: u64 = netns_sockets(&self.cgroup).into_iter().map(|(pid, sock)| self.netns(pid, &sock, &left, fronts.as_ref())).sum();
+            let n: u64 = netns_sockets(&self.cgroup).into_iter().map(|(pid, sock)| self.netns(pid, &sock, &round)).sum();
             self.destroyed.inc_by(n);
             if n > 0 {
                 tracing::info!(sockets = n, "destroyed sockets connected to removed backends");
@@ -158,10 +172,14 @@ impl Worker {
     }
 
     /// Destroy the stale sockets of one netns: connected to a pair in
-    /// `left`, or (a sweep) to a pair none of `fronts` serves.
-    fn netns(&mut self, pid: u32, sock: &netlink_sys::Socket, left: &BTreeSet<Pair>, fronts: Option<&(Fronts, BTreeSet<Pair>)>) -> u64 {
+    /// `left`, or (a sweep) to a pair none of `fronts` serves; and the
+    /// connected UDP sockets our hooks did not translate whose peer is a
+    /// frontend in `udp_served`.
+    fn netns(&mut self, pid: u32, sock: &netlink_sys::Socket, round: &Round) -> u64 {
         use std::os::fd::AsFd as _;
-        let peers: BTreeSet<(IpAddr, u16)> = left.iter().map(|(_, _, b, bp)| (*b, *bp)).collect();
+        let Round { left, fronts, udp_served } = round;
+        let fronts = fronts.as_ref();
+        let peers: BTreeSet<(IpAddr, u16)> = left.iter().map(|(_, _, b, bp)| (*b, *bp)).chain(udp_served.iter().copied()).collect();
         let conns = match connected_to(sock, fronts.is_none().then_some(&peers), self.storage.fd().as_fd()) {
             Ok(c) => c,
             Err(e) => {
@@ -178,8 +196,12 @@ impl Worker {
             };
             judged.extend(candidates.iter().filter_map(|(_, b, bp, f)| f.map(|(v, vp)| (v, vp, *b, *bp))).filter(|pair| !alive(pair)));
         }
+        let untranslated = candidates
+            .iter()
+            .filter(|(i, b, bp, from)| from.is_none() && conns[*i].req.protocol == sock_diag::IPPROTO_UDP && udp_served.contains(&(*b, *bp)))
+            .map(|(i, ..)| *i);
         let mut n = 0;
-        for i in stale(&candidates, &judged) {
+        for i in stale(&candidates, &judged).into_iter().chain(untranslated) {
             let c = &conns[i];
             match destroy_one(sock, c.req.clone()) {
                 Ok(true) => n += 1,
@@ -270,6 +292,12 @@ impl Destroyer {
         let _ = self.tx.send(Work::Changed { left, joined });
     }
 
+    /// Hand over the UDP frontends that got backends (connected UDP
+    /// sockets to them that no hook translated are destroyed).
+    pub fn untranslated_udp(&self, fronts: BTreeSet<(IpAddr, u16)>) {
+        let _ = self.tx.send(Work::UntranslatedUdp(fronts));
+    }
+
     /// Hand over every frontend after a full sync.
     pub fn sweep(&self, fronts: Vec<(IpAddr, u16, std::sync::Arc<crate::model::Frontend>)>) {
         let _ = self.tx.send(Work::Sweep(fronts));
@@ -286,19 +314,23 @@ mod tests {
         let (a, b) = ((ip("10.96.0.10"), 80, ip("10.0.0.1"), 8080), (ip("10.96.0.10"), 80, ip("10.0.0.2"), 8080));
         let changed = |l: &[Pair], j: &[Pair]| Work::Changed { left: l.iter().copied().collect(), joined: j.iter().copied().collect() };
         // a leaves, then comes back; b leaves.
-        let (left, fronts) = merge([changed(&[a, b], &[]), changed(&[], &[a])].into_iter());
+        let Round { left, fronts, .. } = merge([changed(&[a, b], &[]), changed(&[], &[a])].into_iter());
         assert_eq!(left, [b].into());
         assert!(fronts.is_none());
         // a comes back, then leaves again: stale.
-        let (left, _) = merge([changed(&[a], &[]), changed(&[], &[a]), changed(&[a], &[])].into_iter());
+        let Round { left, .. } = merge([changed(&[a], &[]), changed(&[], &[a]), changed(&[a], &[])].into_iter());
         assert_eq!(left, [a].into());
         // After a sweep, what joined since counts as alive; what joined
         // before it is in the sweep's own snapshot.
-        let (_, fronts) = merge([changed(&[], &[b]), Work::Sweep(Vec::new()), changed(&[], &[a])].into_iter());
+        let Round { fronts, .. } = merge([changed(&[], &[b]), Work::Sweep(Vec::new()), changed(&[], &[a])].into_iter());
         assert_eq!(fronts.unwrap().1, [a].into());
         // Joined after the sweep, then left again: not alive.
-        let (left, fronts) = merge([Work::Sweep(Vec::new()), changed(&[], &[a]), changed(&[a], &[])].into_iter());
+        let Round { left, fronts, .. } = merge([Work::Sweep(Vec::new()), changed(&[], &[a]), changed(&[a], &[])].into_iter());
         assert_eq!((left, fronts.unwrap().1), ([a].into(), BTreeSet::new()));
+        // Frontends that got backends, from every work of the round.
+        let served = |v: &[(IpAddr, u16)]| Work::UntranslatedUdp(v.iter().copied().collect());
+        let r = merge([served(&[(a.0, 53)]), changed(&[b], &[]), served(&[(b.0, 54)])].into_iter());
+        assert_eq!(r.udp_served, [(a.0, 53), (b.0, 54)].into());
     }
 
     #[test]

@@ -8,7 +8,8 @@ use netlink_packet_core::{
     Emitable as _, NLA_F_NESTED, NLA_TYPE_MASK, NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
     NetlinkSerializable, Nla as _, NlasIterator,
 };
-use netlink_packet_sock_diag::constants::{AF_INET, AF_INET6, IPPROTO_TCP, IPPROTO_UDP};
+pub(super) use netlink_packet_sock_diag::constants::IPPROTO_UDP;
+use netlink_packet_sock_diag::constants::{AF_INET, AF_INET6, IPPROTO_TCP};
 use netlink_packet_sock_diag::inet::nlas::Nla as InetNla;
 use netlink_packet_sock_diag::inet::{ExtensionFlags, InetRequest, SocketId, StateFlags};
 use netlink_packet_sock_diag::{SockDiagDestroy, SockDiagMessage};

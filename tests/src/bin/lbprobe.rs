@@ -192,6 +192,10 @@ enum Cmd {
         interval_ms: u64,
         #[arg(long)]
         max_ms: u64,
+        /// Keep the socket when no reply comes (a fire-and-forget client:
+        /// only an error makes it connect again).
+        #[arg(long)]
+        keep_on_timeout: bool,
         /// Write one JSON line per attempt here.
         #[arg(long)]
         trace_file: Option<std::path::PathBuf>,
@@ -1295,7 +1299,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        Cmd::UdpStream { addr, interval_ms, max_ms, trace_file } => {
+        Cmd::UdpStream { addr, interval_ms, max_ms, keep_on_timeout, trace_file } => {
             let mut trace = Trace::open(trace_file.as_deref())?;
             let deadline = Instant::now() + Duration::from_millis(max_ms);
             let new_sock = || -> std::io::Result<UdpSocket> {
@@ -1320,7 +1324,10 @@ fn main() -> anyhow::Result<()> {
                     Err(e) => {
                         s.fail(&e, Instant::now());
                         // The socket is gone or stuck: a new one.
-                        sock = new_sock()?;
+                        let timeout = matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut);
+                        if !(keep_on_timeout && timeout) {
+                            sock = new_sock()?;
+                        }
                     }
                 }
                 trace.record(t, &s, before);

@@ -30,6 +30,8 @@ enum Edit {
     Address(usize),
     /// Another primary address: nothing in the model depends on it.
     Primary,
+    /// Every object decoded anew with the same content (a relist).
+    Relist,
     /// Publish: compare with the full computation.
     Check,
 }
@@ -43,6 +45,7 @@ fn edit() -> impl Strategy<Value = Edit> {
         1 => any::<usize>().prop_map(Edit::DropService),
         1 => any::<usize>().prop_map(Edit::DropSlice),
         1 => Just(Edit::Reverse),
+        1 => Just(Edit::Relist),
         1 => Just(Edit::Zone),
         2 => any::<usize>().prop_map(Edit::Address),
         1 => Just(Edit::Primary),
@@ -88,6 +91,10 @@ fn run(services: Vec<K8sService>, slices: Vec<K8sSlice>, edits: Vec<Edit>) -> Re
             Edit::Reverse => {
                 svcs.reverse();
                 eps.reverse();
+            }
+            Edit::Relist => {
+                svcs = svcs.iter().map(|s| Arc::new((**s).clone())).collect();
+                eps = eps.iter().map(|e| Arc::new((**e).clone())).collect();
             }
             Edit::Zone => {
                 node.zone = if node.zone.as_deref() == Some("zone-a") { Some("zone-b".into()) } else { Some("zone-a".into()) };
@@ -272,4 +279,51 @@ fn a_node_address_recomputes_only_the_services_with_node_ports() {
     assert!(inc.update(&svcs, &eps, &node, &opts).is_empty());
     node.zone = Some("zone-b".into());
     assert!(inc.update(&svcs, &eps, &node, &opts).full);
+}
+
+/// `udp_served`: the UDP frontends the socket hooks translate that got
+/// backends, having had none (or not existed); never on a full update,
+/// never a TCP frontend, never an externalIP left to the stack.
+#[test]
+fn udp_frontends_that_get_backends_are_named() {
+    let opts = Options { external_ip_socket: false, ..Options::default() };
+    let svc = |name: &str, ip: &str, ext: &[&str]| -> Arc<Service> {
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "namespace": "default"},
+                "spec": {"clusterIP": ip, "externalIPs": ext, "ports": [
+                    {"name": "dns", "port": 53, "protocol": "UDP"}, {"name": "dns-tcp", "port": 53, "protocol": "TCP"}]}
+            }))
+            .unwrap(),
+        )
+    };
+    let slice = |name: &str, ips: &[&str]| -> Arc<EndpointSlice> {
+        let eps: Vec<serde_json::Value> = ips.iter().map(|ip| serde_json::json!({"addresses": [ip]})).collect();
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": format!("{name}-1"), "namespace": "default", "labels": {"kubernetes.io/service-name": name}},
+                "addressType": "IPv4",
+                "ports": [{"name": "dns", "port": 5353, "protocol": "UDP"}, {"name": "dns-tcp", "port": 5353, "protocol": "TCP"}],
+                "endpoints": eps
+            }))
+            .unwrap(),
+        )
+    };
+    let udp = |ip: &str| FrontendKey { addr: ip.parse().unwrap(), port: 53, proto: Proto::Udp };
+    let mut inc = Incremental::new();
+    let a = svc("a", "10.96.0.10", &[]);
+    let ch = inc.update(std::slice::from_ref(&a), &[slice("a", &["10.1.0.1"])], &node(), &opts);
+    assert!(ch.full && ch.udp_served.is_empty(), "not on a full update: {:?}", ch.udp_served);
+    // A new Service with endpoints at once, an externalIP among its frontends.
+    let b = svc("b", "10.96.0.11", &["192.0.2.9"]);
+    let ch = inc.update(&[a.clone(), b.clone()], &[slice("a", &["10.1.0.1"]), slice("b", &["10.1.0.2"])], &node(), &opts);
+    assert_eq!(ch.udp_served, [udp("10.96.0.11")].into(), "the externalIP is left to the stack (--external-ip-socket=false)");
+    // Endpoints gone, then back: named again when back only.
+    let ch = inc.update(&[a.clone(), b.clone()], &[slice("a", &[]), slice("b", &["10.1.0.2"])], &node(), &opts);
+    assert!(ch.udp_served.is_empty());
+    let ch = inc.update(&[a.clone(), b.clone()], &[slice("a", &["10.1.0.3"]), slice("b", &["10.1.0.2"])], &node(), &opts);
+    assert_eq!(ch.udp_served, [udp("10.96.0.10")].into());
+    // Another endpoint beside one it had: not named.
+    let ch = inc.update(&[a, b], &[slice("a", &["10.1.0.3", "10.1.0.4"]), slice("b", &["10.1.0.2"])], &node(), &opts);
+    assert!(ch.udp_served.is_empty());
 }
