@@ -522,6 +522,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mut dirty = false;
     // Whether load balancers may send here (`model::node_eligible`).
     let mut eligible = true;
+    // NodePort devices whose programs could not be attached, with why.
+    let mut attach_failed: std::collections::HashMap<String, String> = std::collections::HashMap::new();
     let mut first = true;
     // Changes a failed sync took into the model and no sync has programmed;
     // when the last change arrived (kube-proxy's "queued", reported once a
@@ -698,8 +700,22 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             let nodeport = if cfg.nodeport_interfaces.is_empty() {
                 let found = crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses);
                 for iface in found.iter().filter(|_| rec.has_external) {
-                    if let Err(e) = tc.attach_tc(iface) {
-                        tracing::error!("{e:#}");
+                    match tc.attach_tc(iface) {
+                        Ok(()) => {
+                            if attach_failed.remove(iface).is_some() {
+                                tracing::info!(iface, "NodePort programs attached after all");
+                            }
+                        }
+                        Err(e) => {
+                            // Logged when it fails anew or otherwise; the
+                            // retry tick runs this again in a second.
+                            let why = format!("{e:#}");
+                            if attach_failed.get(iface) != Some(&why) {
+                                tracing::error!(iface, "{why}; tried again every second");
+                            }
+                            attach_failed.insert(iface.clone(), why);
+                            dirty = true;
+                        }
                     }
                 }
                 found

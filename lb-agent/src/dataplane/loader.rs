@@ -297,12 +297,36 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
 
 /// Load program `name` into the kernel (`load`), which verifies it; the
 /// time the verifier took is logged (debug): it is most of an agent's
-/// start.
-fn verify(name: &str, load: impl FnOnce() -> Result<(), aya::programs::ProgramError>) -> Result<()> {
+/// start. The verifier gives up with EAGAIN when a signal is pending for
+/// the thread (a child the agent ran, nft or iptables, exiting: SIGCHLD);
+/// that is tried again, as libbpf does (seen in CI: a tunnel device's
+/// programs failed to load while the firewall's nft exited).
+fn verify(name: &str, mut load: impl FnMut() -> Result<(), aya::programs::ProgramError>) -> Result<()> {
     let started = std::time::Instant::now();
-    load().with_context(|| format!("verify program {name}"))?;
+    let interrupted = |e: &aya::programs::ProgramError| {
+        matches!(e, aya::programs::ProgramError::LoadError { io_error, .. } if io_error.raw_os_error() == Some(libc::EAGAIN))
+    };
+    retry_interrupted(&mut load, interrupted).with_context(|| format!("verify program {name}"))?;
     tracing::debug!(program = name, ms = started.elapsed().as_millis() as u64, "program verified");
     Ok(())
+}
+
+/// How many times a program load the verifier gave up on (a signal) is
+/// made: libbpf's count.
+const LOAD_ATTEMPTS: u32 = 5;
+
+/// `load`, again while it fails `interrupted`, up to `LOAD_ATTEMPTS` in all.
+fn retry_interrupted<E>(load: &mut impl FnMut() -> Result<(), E>, interrupted: impl Fn(&E) -> bool) -> Result<(), E> {
+    let mut attempt = 1;
+    loop {
+        match load() {
+            Err(e) if interrupted(&e) && attempt < LOAD_ATTEMPTS => {
+                tracing::debug!(attempt, "program load interrupted (EAGAIN): trying again");
+                attempt += 1;
+            }
+            r => return r,
+        }
+    }
 }
 
 /// `verify` for a program of any kind this agent loads at start.
@@ -861,6 +885,24 @@ pub fn teardown(bpffs: &Path, wait: std::time::Duration) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::lock_holder;
+
+    #[test]
+    fn a_load_the_verifier_gave_up_on_is_tried_again() {
+        let eagain = |e: &std::io::Error| e.raw_os_error() == Some(libc::EAGAIN);
+        let fails = |n: u32, errno: i32| {
+            let mut left = n;
+            move || -> Result<(), std::io::Error> {
+                if left == 0 {
+                    return Ok(());
+                }
+                left -= 1;
+                Err(std::io::Error::from_raw_os_error(errno))
+            }
+        };
+        assert!(super::retry_interrupted(&mut fails(4, libc::EAGAIN), eagain).is_ok(), "up to 5 attempts");
+        assert!(super::retry_interrupted(&mut fails(5, libc::EAGAIN), eagain).is_err(), "not more");
+        assert!(super::retry_interrupted(&mut fails(1, libc::EACCES), eagain).is_err(), "a verifier's refusal stands");
+    }
 
     #[test]
     fn the_lock_holder_is_read_from_proc_locks() {
