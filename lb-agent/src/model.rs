@@ -1009,7 +1009,7 @@ mod tests {
         let ifaces: Vec<IpAddr> = vec!["192.168.0.1".parse().unwrap(), "fd00::1".parse().unwrap()];
         let facts = NodeFacts { name: "node-a", interface_ips: &ifaces, localhost_nodeports: true, ..Default::default() };
         let node = node_info(&facts, &[] as &[Node]);
-        let mut s = external_svc("NodePort");
+        let mut s = dual_stack(external_svc("NodePort"));
         s.metadata.annotations = Some([(ANNOTATION_NODEPORT_ALGORITHM.to_string(), "maglev".to_string()), (ANNOTATION_NODEPORT_MODE.to_string(), "dsr".to_string())].into());
         let d = compute(std::slice::from_ref(&s), &[local_and_remote()], &node);
         let f = &d.frontends[&fk("127.0.0.1", 30080, Proto::Tcp)];
@@ -1030,6 +1030,44 @@ mod tests {
         let node = node_info(&facts, &[] as &[Node]);
         let d = compute(&[lb], &[local_and_remote()], &node);
         assert!(d.frontends.contains_key(&fk("127.0.0.1", 30080, Proto::Tcp)) && !d.frontends.contains_key(&fk("127.0.0.1", 80, Proto::Tcp)));
+    }
+
+    /// `s` with the IPv6 ClusterIP fd00:96::10 too.
+    fn dual_stack(mut s: Service) -> Service {
+        s.spec.as_mut().unwrap().cluster_ips.as_mut().unwrap().push("fd00:96::10".into());
+        s
+    }
+
+    #[test]
+    fn external_addresses_are_served_only_in_the_families_of_the_services_cluster_ips() {
+        // kube-proxy's proxier of a family skips a Service with no
+        // ClusterIP of that family: no NodePort, externalIP or ingress IP
+        // of it, whatever the node's addresses.
+        let node = NodeInfo { addresses: vec!["192.168.0.1".parse().unwrap(), "fd00::1".parse().unwrap()], ..node() };
+        let mut s = external_svc("LoadBalancer");
+        lb_status(&mut s, &[("203.0.113.1", None), ("2001:db8::1", None)]);
+        let spec = s.spec.as_mut().unwrap();
+        spec.external_ips = Some(vec!["198.51.100.7".into(), "2001:db8::7".into()]);
+        spec.load_balancer_source_ranges = Some(vec!["192.0.2.0/24".into(), "2001:db8:1::/48".into()]);
+        let six = slice("web", "s6", "IPv6", WEB_EP, &[ep("fd00:244::1")]);
+        let families = |d: &Desired| -> BTreeSet<(String, u16)> { d.frontends.keys().map(|k| (k.addr.to_string(), k.port)).collect() };
+        let set = |v: &[(&str, u16)]| -> BTreeSet<(String, u16)> { v.iter().map(|(a, p)| (a.to_string(), *p)).collect() };
+        let v4 = [("10.96.0.10", 80), ("192.168.0.1", 30080), ("203.0.113.1", 80), ("198.51.100.7", 80)];
+        let v6 = [("fd00:96::10", 80), ("fd00::1", 30080), ("2001:db8::1", 80), ("2001:db8::7", 80)];
+        let d = compute(std::slice::from_ref(&s), &[local_and_remote(), six.clone()], &node);
+        assert_eq!(families(&d), set(&v4), "single-stack IPv4");
+        assert_eq!(d.node_ports, [(30080, Proto::Tcp)].into());
+        let d = compute(&[dual_stack(s.clone())], &[local_and_remote(), six.clone()], &node);
+        assert_eq!(families(&d), set(&[v4, v6].concat()), "dual-stack");
+        assert_eq!(d.frontends[&fk("2001:db8::1", 80, Proto::Tcp)].source_ranges, [("2001:db8:1::".parse().unwrap(), 48)]);
+        assert_eq!(addrs(&d.frontends[&fk("fd00::1", 30080, Proto::Tcp)].backends), ["fd00:244::1:8080"]);
+        // Single-stack IPv6: the IPv4 addresses are left out.
+        let spec = s.spec.as_mut().unwrap();
+        spec.cluster_ip = Some("fd00:96::10".into());
+        spec.cluster_ips = Some(vec!["fd00:96::10".into()]);
+        let d = compute(&[s], &[local_and_remote(), six], &node);
+        assert_eq!(families(&d), set(&v6), "single-stack IPv6");
+        assert!(d.warnings.is_empty(), "not worth a warning: {:?}", d.warnings);
     }
 
     #[test]

@@ -107,11 +107,15 @@ pub fn node(name: &str, zone: &str) -> String {
 /// A Service port with a nodePort: (name, port, targetPort, protocol, nodePort).
 pub type NodePortSpec<'a> = (&'a str, u16, u16, &'a str, u16);
 
-/// A NodePort or LoadBalancer Service. `extra_spec` lines go under `spec:`;
+/// A NodePort or LoadBalancer Service with `cluster_ips` (the first is
+/// `clusterIP`; give one of each family for a dual-stack one). `extra_spec` lines go under `spec:`;
 /// `lb_ips` become `status.loadBalancer.ingress`.
-pub fn service_typed(name: &str, cluster_ip: &str, ty: &str, ports: &[NodePortSpec], extra_spec: &str, lb_ips: &[&str]) -> String {
+pub fn service_typed(name: &str, cluster_ips: &[&str], ty: &str, ports: &[NodePortSpec], extra_spec: &str, lb_ips: &[&str]) -> String {
+    let ips: Vec<String> = cluster_ips.iter().map(|ip| format!("\"{ip}\"")).collect();
     let mut s = format!(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  type: {ty}\n  clusterIP: {cluster_ip}\n  clusterIPs: [\"{cluster_ip}\"]\n  ports:\n"
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  type: {ty}\n  clusterIP: {}\n  clusterIPs: [{}]\n  ports:\n",
+        cluster_ips[0],
+        ips.join(", ")
     );
     for (pname, port, target, proto, np) in ports {
         s += &format!("  - name: {pname}\n    port: {port}\n    targetPort: {target}\n    protocol: {proto}\n    nodePort: {np}\n");

@@ -1,5 +1,5 @@
 //! The two-node world of the north-south tests: a Service "web" with
-//! NodePort 30080 (TCP and UDP, target port 8080) on both families, pod-1
+//! NodePort 30080 (TCP and UDP, target port 8080), dual-stack, pod-1
 //! on node-1 and pod-2 on node-2 answering with the client address they
 //! see, an outside client, and helpers to look at what happened.
 use std::collections::BTreeSet;
@@ -11,6 +11,8 @@ use crate::objects::{Endpoint as E, service_typed, slice_of};
 use crate::{Cluster, Pod, Summary};
 
 pub const EP: &[(&str, u16, &str)] = &[("http", 8080, "TCP"), ("dns", 8080, "UDP")];
+/// The IPv6 ClusterIP of "web" (dual-stack: its IPv6 NodePorts exist).
+pub const WEB6: &str = "fd00:96::10";
 pub const LB_IP: &str = "10.100.0.10";
 pub const LB_IP6: &str = "fd00:100::10";
 pub const NODE1: &str = "192.168.77.11";
@@ -86,7 +88,7 @@ pub fn set_endpoints(w: &World, eps: &[(&Pod, Make)]) -> Result<()> {
 
 pub fn web(ty: &str, extra: &str, lb_ips: &[&str]) -> String {
     let extra = format!("  ipFamilyPolicy: PreferDualStack\n{extra}");
-    service_typed("web", "10.96.0.10", ty, &[("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)], &extra, lb_ips)
+    service_typed("web", &["10.96.0.10", WEB6], ty, &[("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)], &extra, lb_ips)
 }
 
 pub fn wait_backends(c: &Cluster, node: usize, addr: &str, port: u16, n: usize) -> Result<()> {

@@ -37,7 +37,7 @@ fn world(svc: &str, extra_agent: &[&str]) -> Result<World> {
 }
 
 fn web(ty: &str, extra: &str, lb_ips: &[&str]) -> String {
-    service_typed("web", "10.96.0.10", ty, &[("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)], extra, lb_ips)
+    service_typed("web", &["10.96.0.10"], ty, &[("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)], extra, lb_ips)
 }
 
 fn tcp(c: &Cluster, pod: &Pod, addr: &str, n: u32) -> Result<Summary> {

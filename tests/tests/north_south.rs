@@ -101,6 +101,35 @@ fn a_service_without_endpoints_is_rejected_at_once_on_both_families() -> Result<
     Ok(())
 }
 
+/// kube-proxy's proxier of a family skips a Service with no ClusterIP of
+/// that family: a single-stack IPv4 Service has no IPv6 NodePort, even
+/// when IPv6 endpoints are listed for it: outside IPv6 clients reach the
+/// node's stack, where nothing listens (lb refuses node processes binds
+/// to NodePorts in any family).
+#[test]
+fn a_single_stack_service_has_no_node_ports_in_the_other_family() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    let ports = [("http", 80, 8080, "TCP", 30082)];
+    w.c.write_object("v4.yaml", &lbtest::objects::service_typed("v4", &["10.96.0.12"], "NodePort", &ports, "", &[]))?;
+    let ep = [("http", 8080, "TCP")];
+    w.c.write_object("v4-s.yaml", &lbtest::objects::slice_of("v4", "v4-4", "IPv4", &ep, &[E::ready(&w.p1.ip, "node-1")]))?;
+    w.c.write_object("v4-s6.yaml", &lbtest::objects::slice_of("v4", "v4-6", "IPv6", &ep, &[E::ready(&w.p1.ip6, "node-1")]))?;
+    wait_backends(&w.c, 1, NODE1, 30082, 1)?;
+    // The dual-stack "web" has its IPv6 NodePort on the same node.
+    wait_backends(&w.c, 1, NODE1_6, 30080, 2)?;
+    assert_eq!(w.c.programmed(1, NODE1_6, 30082, "TCP")?, None, "no IPv6 NodePort for a single-stack IPv4 Service");
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30082), 5)?;
+    assert_eq!(keys(&s), [format!("pod-1 {NODE1_BRIDGE}").as_str()].into(), "{s:?}");
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1_6, 30082), 5)?;
+    assert_eq!(s.errors.get("ECONNREFUSED"), Some(&5), "refused by the node's stack: {s:?}");
+    // Made dual-stack, the Service takes the IPv6 NodePort.
+    w.c.write_object("v4.yaml", &lbtest::objects::service_typed("v4", &["10.96.0.12", "fd00:96::12"], "NodePort", &ports, "", &[]))?;
+    wait_backends(&w.c, 1, NODE1_6, 30082, 1)?;
+    let s = tcp(&w.c, &w.outside, &hostport(NODE1_6, 30082), 5)?;
+    assert_eq!(keys(&s), [format!("pod-1 {NODE1_BRIDGE6}").as_str()].into(), "{s:?}");
+    Ok(())
+}
+
 #[test]
 fn session_affinity_keys_on_the_outside_clients_address() -> Result<()> {
     let extra = "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: 60\n";
@@ -403,7 +432,7 @@ fn direct_and_node_port_connections_to_a_local_backend_mixed_at_full_speed() -> 
     let mut w = world(&web("NodePort", "", &[]))?;
     w.c.serve_tiny(&w.p1, 9000, 1)?;
     let port = [("t", 80, 9000, "TCP", 30090)];
-    w.c.write_object("tiny.yaml", &lbtest::objects::service_typed("tiny", "10.96.0.20", "NodePort", &port, "", &[]))?;
+    w.c.write_object("tiny.yaml", &lbtest::objects::service_typed("tiny", &["10.96.0.20"], "NodePort", &port, "", &[]))?;
     w.c.write_object("tiny-s.yaml", &lbtest::objects::slice_of("tiny", "tiny-1", "IPv4", &[("t", 9000, "TCP")], &[E::ready(&w.p1.ip, "node-1")]))?;
     wait_backends(&w.c, 1, NODE1, 30090, 1)?;
     let client = w.c.add_outside("direct", 101, &[("10.244.1.0/24", 1)])?;

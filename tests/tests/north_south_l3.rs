@@ -136,7 +136,7 @@ fn served_by_pod1(w: &World, node: &str, client: &str) -> Result<()> {
 fn node_port_traffic_through_a_tunnel_is_served_answered_and_rejected() -> Result<()> {
     let w = world(&web("NodePort", "", &[]))?;
     // A Service without endpoints, for the REJECT.
-    w.c.write_object("empty.yaml", &service_typed("empty", "10.96.0.11", "NodePort", &[("http", 80, 8080, "TCP", 30081)], "  ipFamilyPolicy: PreferDualStack\n", &[]))?;
+    w.c.write_object("empty.yaml", &service_typed("empty", &["10.96.0.11", "fd00:96::11"], "NodePort", &[("http", 80, 8080, "TCP", 30081)], "  ipFamilyPolicy: PreferDualStack\n", &[]))?;
     let t = tunnel(&w, &[(&w.p1, E::ready)])?;
     // Replies of pod-1 (on node-1) to the client leave node-1 through the
     // tunnel (node-2 forwards them on): the egress program on wg0

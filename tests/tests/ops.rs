@@ -152,7 +152,7 @@ fn kube_proxys_operational_contract() -> Result<()> {
     };
     c.write_object("itp.yaml", &service_ips("itp", &["10.96.0.20"], &[("http", 80, 8080, "TCP"), ("dns", 53, 53, "UDP")], "  internalTrafficPolicy: Local\n"))?;
     c.write_object("itp-slice.yaml", &slice("itp", "itp-1", &[("http", 8080, "TCP"), ("dns", 53, "UDP")], &[("10.244.2.5", "node-2", true)]))?;
-    c.write_object("etp.yaml", &service_typed("etp", "10.96.0.21", "NodePort", &[("http", 80, 8080, "TCP", 30080)], "  externalTrafficPolicy: Local\n", &[]))?;
+    c.write_object("etp.yaml", &service_typed("etp", &["10.96.0.21"], "NodePort", &[("http", 80, 8080, "TCP", 30080)], "  externalTrafficPolicy: Local\n", &[]))?;
     c.write_object("etp-slice.yaml", &slice("etp", "etp-1", &[("http", 8080, "TCP")], &[("10.244.2.6", "node-2", true)]))?;
     c.wait_for("two internal, one external", Duration::from_secs(5), || Ok(no_local(&c, "internal")? == Some(2.0) && no_local(&c, "external")? == Some(1.0)))?;
     // An endpoint here for each: none left. No endpoints at all: not counted.

@@ -463,13 +463,13 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
     let (lb4, lb6) = ("10.100.0.10", "fd00:100::10");
     let svc = |ranges: &str| {
         let extra = format!("  ipFamilyPolicy: PreferDualStack\n  loadBalancerSourceRanges: [{ranges}]\n");
-        service_typed("web", "10.96.0.10", "LoadBalancer", &[("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)], &extra, &[lb4, lb6])
+        service_typed("web", &["10.96.0.10", "fd00:96::10"], "LoadBalancer", &[("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)], &extra, &[lb4, lb6])
     };
     c.write_object("svc.yaml", &svc(&format!("\"{}/32\", \"{}/128\"", inside.ip, inside.ip6)))?;
     c.write_object("slice4.yaml", &slice_of("web", "web-v4", "IPv4", EP, &ready4(&[&p[0], &p[1]])))?;
     // Another Service with ranges, for all but the end of the test.
     let ports = [("http", 80, 8080, "TCP", 30080), ("dns", 80, 8080, "UDP", 30080)];
-    c.write_object("keep.yaml", &service_typed("keep", "10.96.0.99", "LoadBalancer", &ports[..1], "  loadBalancerSourceRanges: [\"192.0.2.0/24\"]\n", &["10.100.0.99"]))?;
+    c.write_object("keep.yaml", &service_typed("keep", &["10.96.0.99"], "LoadBalancer", &ports[..1], "  loadBalancerSourceRanges: [\"192.0.2.0/24\"]\n", &["10.100.0.99"]))?;
     let v6: Vec<E> = p.iter().map(|p| E::ready(&p.ip6, "node-1")).collect();
     c.write_object("slice6.yaml", &slice_of("web", "web-v6", "IPv6", EP, &v6))?;
     c.start_agent(1)?;
@@ -573,7 +573,7 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
         let t = sc.spawn(|| c.probe(&outside, &["tcp", "--addr", &format!("{lb4}:80"), "--count", "1", "--timeout-ms", "5000"]));
         std::thread::sleep(Duration::from_millis(300));
         let extra = "  ipFamilyPolicy: PreferDualStack\n";
-        c.write_object("svc.yaml", &service_typed("web", "10.96.0.10", "LoadBalancer", &ports, extra, &[lb4, lb6]))?;
+        c.write_object("svc.yaml", &service_typed("web", &["10.96.0.10", "fd00:96::10"], "LoadBalancer", &ports, extra, &[lb4, lb6]))?;
         t.join().unwrap()
     })?;
     assert_eq!(late.ok, 1, "{late:?}");
@@ -592,7 +592,7 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
     let egress = || -> Result<bool> { Ok(lbtest::run("bpftool", &["cgroup", "show", c.nodes[0].cgroup.to_str().unwrap()])?.contains("lb_sock_egress")) };
     assert!(egress()?);
     c.remove_object("keep.yaml")?;
-    c.write_object("svc.yaml", &service_typed("web", "10.96.0.10", "LoadBalancer", &ports, "  ipFamilyPolicy: PreferDualStack\n", &[lb4, lb6]))?;
+    c.write_object("svc.yaml", &service_typed("web", &["10.96.0.10", "fd00:96::10"], "LoadBalancer", &ports, "  ipFamilyPolicy: PreferDualStack\n", &[lb4, lb6]))?;
     c.wait_for("the egress program detached", Duration::from_secs(5), || Ok(!egress()?))?;
     assert_eq!(tcp(&c, &outside, &format!("{lb4}:80"), 5)?.ok, 5);
     // The first Service with ranges again, a new one: the egress program is
@@ -608,7 +608,7 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
         let t = sc.spawn(|| c.probe(&outside, &["tcp", "--addr", "10.100.0.20:80", "--count", "1000000", "--timeout-ms", "5", "--max-ms", "2500"]));
         std::thread::sleep(Duration::from_millis(500));
         let ranged = format!("  loadBalancerSourceRanges: [\"{}/32\"]\n", inside.ip);
-        c.write_object("late.yaml", &service_typed("late", "10.96.0.20", "LoadBalancer", &ports[..1], &ranged, &["10.100.0.20"]))?;
+        c.write_object("late.yaml", &service_typed("late", &["10.96.0.20"], "LoadBalancer", &ports[..1], &ranged, &["10.100.0.20"]))?;
         t.join().unwrap()
     })?;
     assert_eq!(late.ok, 0, "{late:?}");

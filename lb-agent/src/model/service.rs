@@ -117,7 +117,7 @@ where
             dsr,
         };
         cluster_frontends(&mut out, &mut claimed, &p, &vips);
-        external_frontends(&mut out, &mut claimed, &p);
+        external_frontends(&mut out, &mut claimed, &p, &vips);
     }
     out.health_check = health_check(sref, spec, &svc_slices, node);
     out.vips = vips;
@@ -272,9 +272,20 @@ fn source_ranges(sref: &ServiceRef, spec: &ServiceSpec, warnings: &mut Vec<Strin
     ranges
 }
 
-/// One frontend per external address, following externalTrafficPolicy.
-fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>, p: &Port<'_>) {
-    let external = external_addresses(out, p);
+/// One frontend per external address, following externalTrafficPolicy;
+/// only in the families the Service has a ClusterIP of, as kube-proxy's
+/// proxier of a family skips a Service without a ClusterIP of its own
+/// (`serviceToServiceMap`) and filters externalIPs, ingress IPs and
+/// source ranges to its family: a single-stack IPv4 Service has no IPv6
+/// NodePort.
+fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>, p: &Port<'_>, vips: &[IpAddr]) {
+    let (external, other): (Vec<External>, Vec<External>) =
+        external_addresses(out, p).into_iter().partition(|e| vips.iter().any(|v| v.is_ipv4() == e.addr.is_ipv4()));
+    // The node's own addresses of the other family are not worth a line.
+    let ignored: Vec<String> = other.iter().filter(|e| !p.node.addresses.contains(&e.addr)).map(|e| e.addr.to_string()).collect();
+    if !ignored.is_empty() {
+        tracing::debug!(service = %p.sref, ?ignored, "addresses of a family the Service has no ClusterIP of are not served");
+    }
     let ext_local = p.spec.external_traffic_policy.as_deref() == Some("Local");
     let ranges = source_ranges(p.sref, p.spec, &mut out.warnings);
     for e in external {

@@ -862,7 +862,7 @@ fn main() -> Result<()> {
         let np_dir = work.join("objects-np");
         std::fs::create_dir_all(&np_dir)?;
         let ports = [("http", 80, 8080, "TCP", NP_HTTP), ("bulk", 90, 9090, "TCP", NP_BULK), ("udp", 80, 8080, "UDP", NP_HTTP)];
-        let mut doc = lbtest::objects::service_typed("np", NP_VIP, "NodePort", &ports, "  ipFamilyPolicy: PreferDualStack\n", &[]);
+        let mut doc = lbtest::objects::service_typed("np", &[NP_VIP], "NodePort", &ports, "  ipFamilyPolicy: PreferDualStack\n", &[]);
         doc += "---\n";
         let ep_ports = [("http", 8080, "TCP"), ("bulk", 9090, "TCP"), ("udp", 8080, "UDP")];
         let e: Vec<(&str, &str, bool)> = server_ips.iter().map(|ip| (ip.as_str(), "node-2", true)).collect();
