@@ -189,14 +189,16 @@ enum Cmd {
         /// --nodeport-addresses admits 127.0.0.1.
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
         localhost_nodeports: bool,
-        /// NAT: seconds an idle established TCP flow is kept.
-        #[arg(long, default_value_t = 21600)]
+        /// NAT: seconds an idle established TCP flow is kept (1 day: the
+        /// conntrack timeout kube-proxy sets, --conntrack-tcp-timeout-established).
+        #[arg(long, default_value_t = 86400)]
         nat_tcp_timeout: u64,
         /// NAT: seconds a TCP flow is kept after FIN both ways or RST.
         #[arg(long, default_value_t = 10)]
         nat_tcp_close_timeout: u64,
-        /// NAT: seconds an idle UDP flow is kept.
-        #[arg(long, default_value_t = 60)]
+        /// NAT: seconds an idle UDP flow is kept (the kernel's
+        /// nf_conntrack_udp_timeout_stream, which kube-proxy leaves alone).
+        #[arg(long, default_value_t = 120)]
         nat_udp_timeout: u64,
         /// NAT: seconds a flow that was never answered is kept (a SYN
         /// flood cannot fill the table for longer).

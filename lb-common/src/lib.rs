@@ -357,7 +357,9 @@ pub const FAMILY_V6: u8 = 6;
 /// inside the node is its network namespace (one pod, or the node):
 /// `netns_cookie`, with `client` zero. A client outside (the TC path) is its
 /// address: `client` (an IPv4 address in the first 4 bytes), with
-/// `netns_cookie` zero.
+/// `netns_cookie` zero. `proto` keeps a TCP and a UDP frontend on one
+/// address and port apart (they share a rev_nat id): kube-proxy keeps
+/// affinity per endpoint chain, whose name holds the protocol.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct AffinityKey {
@@ -365,7 +367,8 @@ pub struct AffinityKey {
     pub client: [u8; 16],
     pub rev_nat_id: u16,
     pub family: u8,
-    pub _pad: [u8; 5],
+    pub proto: u8,
+    pub _pad: [u8; 4],
 }
 
 /// Value of the `LB_AFFINITY` LRU map.
@@ -988,7 +991,11 @@ mod layout_tests {
     /// below together with the version. A change of a value's size alone
     /// (`SvcStats` growing `source_range`, 12-05) needs no bump: the loader
     /// replaces that one map, where a bump would replace them all (and
-    /// with `LB_SOCK_XLATE` every socket's getpeername rewriting).
+    /// with `LB_SOCK_XLATE` every socket's getpeername rewriting). Nor does
+    /// a new field the map's BTF names (`AffinityKey::proto` in what was
+    /// padding, 12-05): the loader compares BTF layouts and replaces that
+    /// map alone (and `upgrade::copy_affinity_adding_proto` carries its
+    /// entries).
     #[test]
     fn the_layout_fingerprint_goes_with_the_layout_version() {
         let layouts: &[(&str, usize, &[usize])] = &[
@@ -1006,7 +1013,7 @@ mod layout_tests {
             ("SockXlate", core::mem::size_of::<SockXlate>(), &[core::mem::offset_of!(SockXlate, front), core::mem::offset_of!(SockXlate, backend), core::mem::offset_of!(SockXlate, front_port), core::mem::offset_of!(SockXlate, backend_port), core::mem::offset_of!(SockXlate, rev_nat_id), core::mem::offset_of!(SockXlate, family), core::mem::offset_of!(SockXlate, _pad)]),
             ("SvcStatsKey", core::mem::size_of::<SvcStatsKey>(), &[core::mem::offset_of!(SvcStatsKey, id), core::mem::offset_of!(SvcStatsKey, kind), core::mem::offset_of!(SvcStatsKey, family), core::mem::offset_of!(SvcStatsKey, _pad)]),
             ("SvcStats", core::mem::size_of::<SvcStats>(), &[core::mem::offset_of!(SvcStats, conns), core::mem::offset_of!(SvcStats, refused), core::mem::offset_of!(SvcStats, unreachable), core::mem::offset_of!(SvcStats, packets), core::mem::offset_of!(SvcStats, bytes), core::mem::offset_of!(SvcStats, source_range)]),
-            ("AffinityKey", core::mem::size_of::<AffinityKey>(), &[core::mem::offset_of!(AffinityKey, netns_cookie), core::mem::offset_of!(AffinityKey, client), core::mem::offset_of!(AffinityKey, rev_nat_id), core::mem::offset_of!(AffinityKey, family), core::mem::offset_of!(AffinityKey, _pad)]),
+            ("AffinityKey", core::mem::size_of::<AffinityKey>(), &[core::mem::offset_of!(AffinityKey, netns_cookie), core::mem::offset_of!(AffinityKey, client), core::mem::offset_of!(AffinityKey, rev_nat_id), core::mem::offset_of!(AffinityKey, family), core::mem::offset_of!(AffinityKey, proto), core::mem::offset_of!(AffinityKey, _pad)]),
             ("AffinityValue", core::mem::size_of::<AffinityValue>(), &[core::mem::offset_of!(AffinityValue, last_used_ns), core::mem::offset_of!(AffinityValue, backend_id), core::mem::offset_of!(AffinityValue, _pad)]),
             ("AffinityMatchKey", core::mem::size_of::<AffinityMatchKey>(), &[core::mem::offset_of!(AffinityMatchKey, backend_id), core::mem::offset_of!(AffinityMatchKey, rev_nat_id), core::mem::offset_of!(AffinityMatchKey, family), core::mem::offset_of!(AffinityMatchKey, _pad)]),
             ("Nat4Key", core::mem::size_of::<Nat4Key>(), &[core::mem::offset_of!(Nat4Key, saddr), core::mem::offset_of!(Nat4Key, daddr), core::mem::offset_of!(Nat4Key, sport), core::mem::offset_of!(Nat4Key, dport), core::mem::offset_of!(Nat4Key, proto), core::mem::offset_of!(Nat4Key, _pad)]),
@@ -1036,8 +1043,8 @@ mod layout_tests {
                 eat(&o.to_le_bytes());
             }
         }
-        assert_eq!((LAYOUT_VERSION, h), (5, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION (unless only sizes changed) and set FINGERPRINT to {h:#x}");
+        assert_eq!((LAYOUT_VERSION, h), (5, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION (unless only sizes changed, or the BTF of the maps shows the change) and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0x6b75_8038_4df3_d920;
+    const FINGERPRINT: u64 = 0x6234_39c5_5bb8_ba1c;
 }

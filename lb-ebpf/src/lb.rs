@@ -498,7 +498,7 @@ pub fn select_with<F: Family>(
         // SAFETY: plain helper.
         let now = if affinity { unsafe { bpf_ktime_get_ns() } } else { 0 };
         if affinity {
-            akey = AffinityKey { rev_nat_id: front.rev_nat_id, family: F::ID, ..AffinityKey::default() };
+            akey = AffinityKey { rev_nat_id: front.rev_nat_id, family: F::ID, proto, ..AffinityKey::default() };
             match client {
                 // SAFETY: helper valid for sock_addr programs.
                 Client::Sock(ctx) => akey.netns_cookie = unsafe { bpf_get_netns_cookie(ctx) },

@@ -23,21 +23,69 @@ fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
 }
 
-/// BTF with two structs, `bogus_k { x: [u8; key] }` (type 5) and
-/// `bogus_v { x: [u8; value] }` (type 6).
-fn bogus_btf(key: u32, value: u32) -> Vec<u8> {
-    let strings = b"\0u8\0x\0bogus_k\0bogus_v\0u32\0";
-    let (u8_name, x, k_name, v_name, u32_name) = (1u32, 4u32, 6u32, 14u32, 22u32);
-    let int = |name: u32, size: u32, bits: u32| [name, 1 << 24, size, bits];
-    let array = |len: u32| [0, 3 << 24, 0, 1, 2, len];
-    let one_member = |name: u32, size: u32, ty: u32| [name, (4 << 24) | 1, size, x, ty, 0];
+/// A struct member for `replace_with_layout`: its name and type, one of
+/// `u8`, `u16`, `u32`, `u64` or `[u8;N]`.
+pub type Member<'a> = (&'a str, &'a str);
+
+fn member_size(ty: &str) -> Result<u32> {
+    Ok(match ty {
+        "u8" => 1,
+        "u16" => 2,
+        "u32" => 4,
+        "u64" => 8,
+        _ => ty
+            .strip_prefix("[u8;")
+            .and_then(|t| t.strip_suffix(']'))
+            .and_then(|n| n.trim().parse().ok())
+            .with_context(|| format!("member type {ty:?}"))?,
+    })
+}
+
+/// BTF with two structs whose members are laid out one after the other,
+/// the key's and the value's, and their type ids. Types 1-4 are u8, u16,
+/// u32 and u64 (u32 is a socket storage map's key), then one `[u8; N]`
+/// per array member, then the two structs.
+fn btf_blob(key: &[Member], value: &[Member]) -> Result<(Vec<u8>, u32, u32)> {
+    let mut strings: Vec<u8> = b"\0u8\0u16\0u32\0u64\0".to_vec();
+    let mut name = |n: &str| -> u32 {
+        let at = strings.len() as u32;
+        strings.extend(n.as_bytes());
+        strings.push(0);
+        at
+    };
+    let ints = [("u8", 1u32, 1u32), ("u16", 4, 2), ("u32", 8, 4), ("u64", 12, 8)];
     let mut types: Vec<u32> = Vec::new();
-    types.extend(int(u8_name, 1, 8)); // 1: u8
-    types.extend(int(u32_name, 4, 32)); // 2: u32
-    types.extend(array(key)); // 3: [u8; key]
-    types.extend(array(value)); // 4: [u8; value]
-    types.extend(one_member(k_name, key, 3)); // 5
-    types.extend(one_member(v_name, value, 4)); // 6
+    for (_, at, size) in ints {
+        types.extend([at, 1 << 24, size, size * 8]);
+    }
+    let mut next = 5u32;
+    let mut member_types = Vec::new();
+    for (_, ty) in key.iter().chain(value) {
+        let id = match ints.iter().position(|(n, ..)| n == ty) {
+            Some(i) => i as u32 + 1,
+            None => {
+                types.extend([0, 3 << 24, 0, 1, 3, member_size(ty)?]);
+                next += 1;
+                next - 1
+            }
+        };
+        member_types.push(id);
+    }
+    let names: Vec<u32> = key.iter().chain(value).map(|(n, _)| name(n)).collect();
+    let struct_names = [name("old_k"), name("old_v")];
+    let mut i = 0;
+    for (sname, members) in struct_names.iter().zip([key, value]) {
+        let mut body = Vec::new();
+        let mut at = 0;
+        for (_, ty) in members {
+            // Member offsets are in bits.
+            body.extend([names[i], member_types[i], at * 8]);
+            at += member_size(ty)?;
+            i += 1;
+        }
+        types.extend([*sname, (4 << 24) | members.len() as u32, at]);
+        types.extend(body);
+    }
     let type_len = (types.len() * 4) as u32;
     let mut out = Vec::new();
     out.extend(0xeb9fu16.to_ne_bytes());
@@ -49,7 +97,7 @@ fn bogus_btf(key: u32, value: u32) -> Vec<u8> {
         out.extend(w.to_ne_bytes());
     }
     out.extend(strings);
-    out
+    Ok((out, next, next + 1))
 }
 
 #[repr(C)]
@@ -90,8 +138,20 @@ struct ObjPin {
 /// stays the u32 the kernel requires).
 pub fn replace_with_bogus_btf(path: &Path) -> Result<()> {
     let info = aya::maps::MapInfo::from_pin(path).with_context(|| format!("inspect {}", path.display()))?;
-    let (key, value) = (info.key_size(), info.value_size());
-    let blob = bogus_btf(key, value);
+    let (k, v) = (format!("[u8;{}]", info.key_size()), format!("[u8;{}]", info.value_size()));
+    replace_with_layout(path, &[("x", &k)], &[("x", &v)])
+}
+
+/// Replace the map pinned at `path` by an empty one of the same type,
+/// sizes, max_entries and flags, whose BTF names the key's and the value's
+/// members as given (one after the other, no padding between them): the
+/// layout an older agent's struct had.
+pub fn replace_with_layout(path: &Path, key: &[Member], value: &[Member]) -> Result<()> {
+    let info = aya::maps::MapInfo::from_pin(path).with_context(|| format!("inspect {}", path.display()))?;
+    let sum = |m: &[Member]| m.iter().map(|(_, t)| member_size(t)).sum::<Result<u32>>();
+    anyhow::ensure!((sum(key)?, sum(value)?) == (info.key_size(), info.value_size()), "the members do not add up to the map's sizes");
+    let (key_size, value_size) = (info.key_size(), info.value_size());
+    let (blob, key_struct, value_struct) = btf_blob(key, value)?;
     let mut log = vec![0u8; 4096];
     let mut load = BtfLoad {
         btf: blob.as_ptr() as u64,
@@ -104,11 +164,11 @@ pub fn replace_with_bogus_btf(path: &Path) -> Result<()> {
         format!("BPF_BTF_LOAD: {}", String::from_utf8_lossy(&log).trim_end_matches('\0'))
     })?;
     let map_type = raw_map_type(&info)?;
-    let key_type = if map_type == SK_STORAGE { 2 } else { 5 };
+    let key_type = if map_type == SK_STORAGE { 3 } else { key_struct };
     let mut create = MapCreate {
         map_type,
-        key_size: key,
-        value_size: value,
+        key_size,
+        value_size,
         max_entries: info.max_entries(),
         map_flags: info.map_flags(),
         inner_map_fd: 0,
@@ -117,7 +177,7 @@ pub fn replace_with_bogus_btf(path: &Path) -> Result<()> {
         map_ifindex: 0,
         btf_fd: btf.as_raw_fd() as u32,
         btf_key_type_id: key_type,
-        btf_value_type_id: 6,
+        btf_value_type_id: value_struct,
     };
     let map = bpf(BPF_MAP_CREATE, &mut create).context("BPF_MAP_CREATE with the bogus BTF")?;
     std::fs::remove_file(path).with_context(|| format!("unpin {}", path.display()))?;

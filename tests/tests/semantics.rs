@@ -157,15 +157,36 @@ fn the_same_port_on_tcp_and_udp() -> Result<()> {
     c.serve_as(&d, "answer-8053", 8053)?;
     c.serve_as(&d, "answer-8054", 8054)?;
     let client = c.add_pod(1, "client")?;
-    c.write_object("svc.yaml", &service_ips("dns", &["10.96.0.53"], &[("dns", 53, 8053, "UDP"), ("dns-tcp", 53, 8054, "TCP")], ""))?;
+    let ports = [("dns", 53, 8053, "UDP"), ("dns-tcp", 53, 8054, "TCP")];
+    c.write_object("svc.yaml", &service_ips("dns", &["10.96.0.53"], &ports, ""))?;
     c.write_object("slice.yaml", &slice_of("dns", "dns-1", "IPv4", &[("dns", 8053, "UDP"), ("dns-tcp", 8054, "TCP")], &ready4(&[&d])))?;
     c.start_agent(1)?;
     wait(&c, "10.96.0.53", 53, "UDP", &[be(&d.ip, 8053)])?;
     wait(&c, "10.96.0.53", 53, "TCP", &[be(&d.ip, 8054)])?;
-    let s = udp(&c, &client, "10.96.0.53:53", 5, &[])?;
-    assert_eq!(names(&s), ["answer-8053"].into(), "{s:?}");
-    let s = tcp(&c, &client, "10.96.0.53:53", 5)?;
-    assert_eq!(names(&s), ["answer-8054"].into(), "{s:?}");
+    let both = |c: &Cluster| -> Result<()> {
+        for _ in 0..2 {
+            let s = udp(c, &client, "10.96.0.53:53", 5, &[])?;
+            assert_eq!(names(&s), ["answer-8053"].into(), "{s:?}");
+            let s = udp(c, &client, "10.96.0.53:53", 5, &["--connected"])?;
+            assert_eq!(names(&s), ["answer-8053"].into(), "{s:?}");
+            let s = tcp(c, &client, "10.96.0.53:53", 5)?;
+            assert_eq!(names(&s), ["answer-8054"].into(), "{s:?}");
+        }
+        Ok(())
+    };
+    both(&c)?;
+    // With sessionAffinity ClientIP: the two ports (one address and port
+    // number, one rev_nat id) keep their own affinity, as kube-proxy's
+    // per-endpoint-chain `recent` lists do: a client that used UDP is not
+    // sent to the UDP port over TCP, nor the other way round.
+    c.write_object("svc.yaml", &service_ips("dns", &["10.96.0.53"], &ports, AFFINITY))?;
+    c.wait_for("affinity on", Duration::from_secs(5), || {
+        let l = c.list(1)?;
+        Ok(l["frontends"].as_array().is_some_and(|f| f.iter().all(|f| !f["affinity_timeout"].is_null())))
+    })?;
+    both(&c)?;
+    let hits = lbtest::world::datapath(&c, 1, "affinity_hit")?;
+    assert!(hits >= 10, "the later picks came from affinity: {hits}");
     Ok(())
 }
 

@@ -123,6 +123,56 @@ fn a_map_of_another_btf_layout_is_replaced_and_the_same_layout_is_kept() -> Resu
     Ok(())
 }
 
+/// sessionAffinity entries of an agent from before `AffinityKey::proto`
+/// (12-05; a TCP and a UDP frontend on one address and port shared them)
+/// are carried over with the protocol of their backend: a client keeps
+/// its pod across the upgrade.
+#[test]
+fn affinity_from_before_its_protocol_field_is_carried_with_each_entrys_protocol() -> Result<()> {
+    use aya::maps::{HashMap, Map, MapData};
+    let affinity = "  sessionAffinity: ClientIP\n  sessionAffinityConfig:\n    clientIP:\n      timeoutSeconds: 10800\n";
+    let mut w = world(&web("NodePort", affinity, &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let before = tcp(&w.c, &client, "10.96.0.10:80", 10)?;
+    assert_eq!((before.ok, before.replies.len()), (10, 1), "one pod, by affinity: {before:?}");
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    let pin = w.c.nodes[0].bpffs.join(lb_common::maps::AFFINITY);
+    let read = |pin: &std::path::Path| -> Result<Vec<([u8; 32], [u8; 16])>> {
+        let m: HashMap<MapData, [u8; 32], [u8; 16]> = HashMap::try_from(Map::LruHashMap(MapData::from_pin(pin)?))?;
+        Ok(m.iter().collect::<Result<_, _>>()?)
+    };
+    let entries = read(&pin)?;
+    // The key's byte 27 is the protocol (TCP, 6).
+    let tcp_entries: Vec<_> = entries.iter().filter(|(k, _)| k[27] == 6).copied().collect();
+    assert_eq!(tcp_entries.len(), 1, "{entries:?}");
+
+    // The map as the older agent had it: its key without `proto`, the
+    // entry written there with that byte zero.
+    lbtest::btfmap::replace_with_layout(
+        &pin,
+        &[("netns_cookie", "u64"), ("client", "[u8;16]"), ("rev_nat_id", "u16"), ("family", "u8"), ("_pad", "[u8;5]")],
+        &[("last_used_ns", "u64"), ("backend_id", "u32"), ("_pad", "u32")],
+    )?;
+    {
+        let mut old: HashMap<MapData, [u8; 32], [u8; 16]> = HashMap::try_from(Map::LruHashMap(MapData::from_pin(&pin)?))?;
+        let (mut k, v) = tcp_entries[0];
+        k[27] = 0;
+        old.insert(k, v, 0)?;
+    }
+    w.c.start_agent_env(1, &objects, &[], &[])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let replaced = lines_with(&w.c, "gets a new layout")?;
+    assert!(replaced.len() == 1 && replaced[0].contains(lb_common::maps::AFFINITY), "{replaced:?}");
+    assert_eq!(lines_with(&w.c, "not carried over")?, Vec::<String>::new());
+    // Carried, with TCP's protocol, before any new connect.
+    assert_eq!(read(&pin)?, tcp_entries, "the entry in the new map");
+    let after = tcp(&w.c, &client, "10.96.0.10:80", 10)?;
+    assert_eq!(after.replies.keys().collect::<Vec<_>>(), before.replies.keys().collect::<Vec<_>>(), "the same pod: {after:?}");
+    Ok(())
+}
+
 #[test]
 fn a_half_finished_upgrade_is_started_over() -> Result<()> {
     let mut w = world(&web("NodePort", "", &[]))?;

@@ -226,6 +226,13 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -
             }
             continue;
         }
+        if *name == maps::AFFINITY && same_sizes && !same_btf && affinity_before_proto(&old, &new, &mut btf) {
+            match copy_affinity_adding_proto(bpffs, &old, &new) {
+                Ok(n) => total += n,
+                Err(e) => tracing::warn!(map = name, "upgrade: carrying entries over: {e:#}"),
+            }
+            continue;
+        }
         if !same_sizes || !same_btf {
             if warn && [maps::AFFINITY, maps::SOCK_REVNAT4, maps::SOCK_REVNAT6, maps::NAT4, maps::NAT6].contains(name) {
                 tracing::warn!(map = name, "upgrade: its entries have another layout and are not carried over");
@@ -248,6 +255,52 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -
         }
     }
     total
+}
+
+/// Whether the old `LB_AFFINITY` pin has the key of agents before 12-05's
+/// second half, which had no `proto` (a TCP and a UDP frontend on one
+/// address and port shared their clients' affinity), and the new one has
+/// it.
+fn affinity_before_proto(old: &Path, new: &Path, btf: &mut super::btf::BtfCache) -> bool {
+    match (super::btf::pinned_layout(old, btf), super::btf::pinned_layout(new, btf)) {
+        (Ok(Some(a)), Ok(Some(b))) => a.key.contains("family@") && !a.key.contains("proto@") && b.key.contains("proto@") && a.value == b.value,
+        _ => false,
+    }
+}
+
+/// Carry sessionAffinity entries from a key without `proto` (its byte was
+/// padding, zero) to the new key: each entry's protocol is its backend's
+/// (backend ids are per protocol), read from the backends maps the old
+/// ids belong to. An entry whose backend is gone is left behind: it could
+/// not pass the match check anyway.
+fn copy_affinity_adding_proto(bpffs: &Path, old: &Path, new: &Path) -> Result<usize> {
+    use aya::maps::{HashMap, Map, MapData};
+    use lb_common::{FAMILY_V4, FAMILY_V6};
+    let protos = |name: &str, family: u8, out: &mut std::collections::HashMap<(u8, u32), u8>| -> Result<()> {
+        let m = MapData::from_pin(bpffs.join(name)).with_context(|| format!("open {name}"))?;
+        if family == FAMILY_V4 {
+            let m: HashMap<MapData, u32, Backend4> = HashMap::try_from(Map::HashMap(m))?;
+            out.extend(m.iter().filter_map(|r| r.ok()).map(|(id, b)| ((family, id), b.proto)));
+        } else {
+            let m: HashMap<MapData, u32, Backend6> = HashMap::try_from(Map::HashMap(m))?;
+            out.extend(m.iter().filter_map(|r| r.ok()).map(|(id, b)| ((family, id), b.proto)));
+        }
+        Ok(())
+    };
+    let mut proto_of = std::collections::HashMap::new();
+    protos(maps::BACKENDS4, FAMILY_V4, &mut proto_of)?;
+    protos(maps::BACKENDS6, FAMILY_V6, &mut proto_of)?;
+    let from: HashMap<MapData, AffinityKey, AffinityValue> = HashMap::try_from(Map::LruHashMap(MapData::from_pin(old)?))?;
+    let mut to: HashMap<MapData, AffinityKey, AffinityValue> = HashMap::try_from(Map::LruHashMap(MapData::from_pin(new)?))?;
+    let mut n = 0;
+    for (k, v) in from.iter().filter_map(|r| r.ok()) {
+        let Some(&proto) = proto_of.get(&(k.family, v.backend_id)) else { continue };
+        // BPF_NOEXIST: never overwrite what the new programs wrote.
+        if to.insert(AffinityKey { proto, _pad: [0; 4], ..k }, v, 1).is_ok() {
+            n += 1;
+        }
+    }
+    Ok(n)
 }
 
 /// Which of `carry_state`'s two passes.
