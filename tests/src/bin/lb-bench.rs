@@ -44,6 +44,8 @@ struct Args {
 const VIP_NET: &str = "10.96";
 /// The NodePort Service of the NodePort cases.
 const NP_VIP: &str = "10.96.250.1";
+/// Its IPv6 ClusterIP: dual-stack, so that it has IPv6 NodePorts.
+const NP_VIP6: &str = "fd00:96::fa01";
 const NP_HTTP: u16 = 30080;
 const NP_BULK: u16 = 30090;
 const POD_CIDR: &str = "10.244.0.0/16";
@@ -862,7 +864,7 @@ fn main() -> Result<()> {
         let np_dir = work.join("objects-np");
         std::fs::create_dir_all(&np_dir)?;
         let ports = [("http", 80, 8080, "TCP", NP_HTTP), ("bulk", 90, 9090, "TCP", NP_BULK), ("udp", 80, 8080, "UDP", NP_HTTP)];
-        let mut doc = lbtest::objects::service_typed("np", &[NP_VIP], "NodePort", &ports, "  ipFamilyPolicy: PreferDualStack\n", &[]);
+        let mut doc = lbtest::objects::service_typed("np", &[NP_VIP, NP_VIP6], "NodePort", &ports, "  ipFamilyPolicy: PreferDualStack\n", &[]);
         doc += "---\n";
         let ep_ports = [("http", 8080, "TCP"), ("bulk", 9090, "TCP"), ("udp", 8080, "UDP")];
         let e: Vec<(&str, &str, bool)> = server_ips.iter().map(|ip| (ip.as_str(), "node-2", true)).collect();
