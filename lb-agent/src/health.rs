@@ -25,38 +25,87 @@ use prometheus_client::registry::Registry;
 /// A metric labelled by one name: value pair.
 type Label1 = [(&'static str, &'static str); 1];
 
+/// Which health endpoint asks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Probe {
+    /// kube-proxy's `/healthz`: keeping up, and the Node eligible.
+    Healthz,
+    /// kube-proxy's `/livez`: keeping up.
+    Livez,
+    /// lb's `/readyz`: keeping up, and the maps programmed by this agent
+    /// at least once (the DaemonSet's readiness and startup probes).
+    Readyz,
+}
+
+/// When the source last published a change (the `since` of its newest
+/// update), read at each answer: a loop that stopped taking updates is
+/// seen stalling without its help.
+type Latest = Box<dyn Fn() -> Option<Instant> + Send + Sync>;
+
 /// Whether the agent has programmed the maps and keeps up with changes.
-#[derive(Debug)]
 pub struct Health {
     state: Mutex<HealthState>,
     /// A change not programmed after this long makes /healthz fail.
     stall_after: Duration,
+    latest: std::sync::OnceLock<Latest>,
     /// kube-proxy's `kubeproxy_proxy_healthz_total{code}` and
     /// `kubeproxy_proxy_livez_total{code}`: the answers given.
     pub healthz_total: Family<Label1, Counter>,
     pub livez_total: Family<Label1, Counter>,
 }
 
-#[derive(Debug, Default)]
+impl std::fmt::Debug for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Health").field("state", &self.state).field("stall_after", &self.stall_after).finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
 struct HealthState {
-    /// When the maps last matched the source (wall clock, for the body).
-    last_updated: Option<SystemTime>,
-    /// The oldest change received and not programmed yet.
+    /// When the maps last matched the source (wall clock, for the body);
+    /// at start the start, as kube-proxy's sync loop marks itself updated
+    /// before its first sync ("in case Sync() never succeeds").
+    last_updated: SystemTime,
+    /// This agent programmed the maps at least once.
+    synced_once: bool,
+    /// The oldest change the sync loop took and has not programmed yet.
     pending_since: Option<Instant>,
+    /// The `since` of the newest update the maps hold.
+    programmed_since: Option<Instant>,
     /// The Node is being deleted (a deletionTimestamp, or
     /// cluster-autoscaler's ToBeDeletedByClusterAutoscaler taint;
     /// `model::node_eligible`): load balancers should stop sending here
     /// (KEP-3836).
     node_deleting: bool,
+    /// The node's IP families ("IPv4", "IPv6"): the body's `status`.
+    families: Vec<&'static str>,
 }
 
 fn rfc3339(t: SystemTime) -> String {
-    humantime::format_rfc3339_seconds(t).to_string()
+    humantime::format_rfc3339_nanos(t).to_string()
 }
 
 impl Health {
     pub fn new(stall_after: Duration) -> Self {
-        Self { state: Mutex::new(HealthState::default()), stall_after, healthz_total: Family::default(), livez_total: Family::default() }
+        Self {
+            state: Mutex::new(HealthState {
+                last_updated: SystemTime::now(),
+                synced_once: false,
+                pending_since: None,
+                programmed_since: None,
+                node_deleting: false,
+                families: Vec::new(),
+            }),
+            stall_after,
+            latest: std::sync::OnceLock::new(),
+            healthz_total: Family::default(),
+            livez_total: Family::default(),
+        }
+    }
+
+    /// Where the source's newest change is read (`Latest`).
+    pub fn watch_source(&self, latest: impl Fn() -> Option<Instant> + Send + Sync + 'static) {
+        let _ = self.latest.set(Box::new(latest));
     }
 
     /// A change arrived from the source.
@@ -67,11 +116,15 @@ impl Health {
         }
     }
 
-    /// The maps now hold everything the source said.
-    pub fn synced(&self) {
+    /// The maps now hold everything the source said up to the update of
+    /// `since` (and the node's `families`).
+    pub fn synced(&self, since: Instant, families: &[&'static str]) {
         let mut s = self.state.lock().unwrap();
-        s.last_updated = Some(SystemTime::now());
+        s.last_updated = SystemTime::now();
+        s.synced_once = true;
         s.pending_since = None;
+        s.programmed_since = Some(since);
+        s.families = families.to_vec();
     }
 
     /// Whether this node's Node object is being deleted.
@@ -79,21 +132,49 @@ impl Health {
         self.state.lock().unwrap().node_deleting = deleting;
     }
 
-    /// `/healthz`: 200 once the first full sync is programmed, no change
-    /// waits longer than `stall_after`, and the Node is not being deleted;
-    /// 503 otherwise. `/livez` (`liveness`): the same without the Node.
-    /// The body is kube-proxy's.
-    pub fn report(&self, liveness: bool) -> (bool, serde_json::Value) {
+    /// The answer to `probe`: healthy unless a change has waited longer
+    /// than `stall_after` (kube-proxy's `healthTimeout`), so also while the
+    /// agent starts, as kube-proxy's; `/healthz` also needs the Node
+    /// eligible, `/readyz` a first sync. The body is kube-proxy's (1.33+):
+    /// `lastUpdated` (now, when healthy, as kube-proxy keeps it for
+    /// compatibility), `currentTime`, `nodeEligible` (`/healthz` only),
+    /// `healthy`, and `status` by IP family.
+    pub fn report(&self, probe: Probe) -> (bool, serde_json::Value) {
         let s = self.state.lock().unwrap();
-        let stalled = s.pending_since.is_some_and(|t| t.elapsed() > self.stall_after);
+        // Published by the source and not yet in the maps: pending too,
+        // whether or not the sync loop took it.
+        let published = self.latest.get().and_then(|f| f()).filter(|t| s.programmed_since.is_none_or(|p| *t > p));
+        let oldest = match (s.pending_since, published) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let healthy = oldest.is_none_or(|t| t.elapsed() <= self.stall_after);
         let eligible = !s.node_deleting;
-        let healthy = s.last_updated.is_some() && !stalled && (liveness || eligible);
-        let body = serde_json::json!({
-            "lastUpdated": s.last_updated.map(rfc3339).unwrap_or_default(),
-            "currentTime": rfc3339(SystemTime::now()),
-            "nodeEligible": eligible,
+        let ok = match probe {
+            Probe::Healthz => healthy && eligible,
+            Probe::Livez => healthy,
+            Probe::Readyz => healthy && s.synced_once,
+        };
+        let now = SystemTime::now();
+        let status: serde_json::Map<String, serde_json::Value> = s
+            .families
+            .iter()
+            .map(|f| (f.to_string(), serde_json::json!({"lastUpdated": rfc3339(s.last_updated), "healthy": healthy})))
+            .collect();
+        let mut body = serde_json::json!({
+            "lastUpdated": rfc3339(if healthy { now } else { s.last_updated }),
+            "currentTime": rfc3339(now),
+            "healthy": healthy,
         });
-        (healthy, body)
+        if !status.is_empty() {
+            body["status"] = serde_json::Value::Object(status);
+        }
+        match probe {
+            Probe::Healthz => body["nodeEligible"] = eligible.into(),
+            Probe::Readyz => body["synced"] = s.synced_once.into(),
+            Probe::Livez => {}
+        }
+        (ok, body)
     }
 }
 
@@ -480,20 +561,30 @@ impl Collector for ProcessCollector {
     }
 }
 
-fn health_response(h: &Health, liveness: bool) -> impl IntoResponse + use<> {
-    let (ok, body) = h.report(liveness);
+fn health_response(h: &Health, probe: Probe) -> impl IntoResponse + use<> {
+    let (ok, body) = h.report(probe);
     let code = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let counter = if liveness { &h.livez_total } else { &h.healthz_total };
-    counter.get_or_create(&[("code", if ok { "200" } else { "503" })]).inc();
-    (code, [(header::CONTENT_TYPE, "application/json")], body.to_string())
+    let counter = match probe {
+        Probe::Healthz => Some(&h.healthz_total),
+        Probe::Livez => Some(&h.livez_total),
+        Probe::Readyz => None,
+    };
+    if let Some(c) = counter {
+        c.get_or_create(&[("code", if ok { "200" } else { "503" })]).inc();
+    }
+    (code, [(header::CONTENT_TYPE, "application/json"), (header::X_CONTENT_TYPE_OPTIONS, "nosniff")], body.to_string())
 }
 
 async fn healthz(State(h): State<Arc<Health>>) -> impl IntoResponse {
-    health_response(&h, false)
+    health_response(&h, Probe::Healthz)
 }
 
 async fn livez(State(h): State<Arc<Health>>) -> impl IntoResponse {
-    health_response(&h, true)
+    health_response(&h, Probe::Livez)
+}
+
+async fn readyz(State(h): State<Arc<Health>>) -> impl IntoResponse {
+    health_response(&h, Probe::Readyz)
 }
 
 /// Each frontend and its Service, for `lb-agent monitor`.
@@ -564,7 +655,7 @@ pub async fn serve(
     if let Some(addr) = healthz_bind {
         let l = listen("--healthz-bind", addr).await?;
         bound.0 = Some(l.local_addr()?);
-        let app = Router::new().route("/healthz", get(healthz)).route("/livez", get(livez)).with_state(health);
+        let app = Router::new().route("/healthz", get(healthz)).route("/livez", get(livez)).route("/readyz", get(readyz)).with_state(health);
         tokio::spawn(async move { axum::serve(l, app).await });
     }
     if let Some(addr) = metrics_bind {
@@ -599,43 +690,79 @@ mod tests {
         (code, body)
     }
 
+    /// The whole answer: status code, the headers (lowercased) and the body.
+    async fn get_full(addr: SocketAddr, path: &str) -> (u16, String, serde_json::Value) {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await.unwrap();
+        let code = buf.split_whitespace().nth(1).unwrap().parse().unwrap();
+        let (head, body) = buf.split_once("\r\n\r\n").unwrap();
+        (code, head.to_ascii_lowercase(), serde_json::from_str(body).unwrap())
+    }
+
     #[tokio::test]
-    async fn healthz_is_503_before_the_first_sync_then_200_then_503_when_stalled() {
+    async fn healthz_answers_as_kube_proxys_from_the_start_and_503_when_stalled() {
         let health = Arc::new(Health::new(Duration::from_millis(200)));
         let m = Metrics::new(Arc::new(FakeStats));
         let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let (h, _) = serve(Some(lo), Some(lo), health.clone(), m).await.unwrap();
         let h = h.unwrap();
+        let published = Arc::new(Mutex::new(None::<Instant>));
+        let p = published.clone();
+        health.watch_source(move || *p.lock().unwrap());
 
-        let (code, body) = get(h, "/healthz").await;
-        assert_eq!(code, 503, "{body}");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(v["lastUpdated"], "");
-        assert!(v["currentTime"].as_str().unwrap().ends_with('Z'));
+        // Starting: healthy, as kube-proxy is before its first sync (the
+        // pinned maps serve meanwhile); /readyz waits for the first sync.
+        let (code, head, v) = get_full(h, "/healthz").await;
+        assert_eq!(code, 200, "{v}");
+        assert!(head.contains("x-content-type-options: nosniff") && head.contains("content-type: application/json"), "{head}");
+        assert_eq!((v["healthy"].as_bool(), v["nodeEligible"].as_bool()), (Some(true), Some(true)), "{v}");
+        assert!(v["currentTime"].as_str().unwrap().ends_with('Z') && v.get("status").is_none(), "{v}");
+        let (code, _, v) = get_full(h, "/livez").await;
+        assert!(code == 200 && v.get("nodeEligible").is_none(), "/livez has no nodeEligible, as kube-proxy's: {v}");
+        let (code, _, v) = get_full(h, "/readyz").await;
+        assert_eq!((code, v["synced"].as_bool()), (503, Some(false)), "{v}");
 
-        health.synced();
-        let (code, body) = get(h, "/healthz").await;
-        assert_eq!(code, 200, "{body}");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(v["lastUpdated"].as_str().unwrap().len(), 20, "{v}");
-        assert_eq!(get(h, "/livez").await.0, 200);
-
-        // A change that is not programmed in time: unhealthy until it is.
-        health.changed(Instant::now());
-        assert_eq!(get(h, "/healthz").await.0, 200, "pending, not stalled yet");
+        // The source's first view, taken by the sync loop: pending.
+        let first = Instant::now();
+        *published.lock().unwrap() = Some(first);
+        health.changed(first);
+        assert_eq!(get_full(h, "/healthz").await.0, 200, "pending, not stalled yet");
         tokio::time::sleep(Duration::from_millis(300)).await;
-        assert_eq!(get(h, "/healthz").await.0, 503);
-        health.synced();
-        assert_eq!(get(h, "/healthz").await.0, 200);
+        let (code, _, v) = get_full(h, "/healthz").await;
+        assert_eq!((code, v["healthy"].as_bool()), (503, Some(false)), "the first sync is late: {v}");
+        assert_eq!(get_full(h, "/livez").await.0, 503);
+        health.synced(first, &["IPv4", "IPv6"]);
+        let (code, _, v) = get_full(h, "/healthz").await;
+        assert_eq!(code, 200, "{v}");
+        assert_eq!(v["status"]["IPv6"]["healthy"], true, "{v}");
+        assert!(v["status"]["IPv4"]["lastUpdated"].as_str().unwrap().ends_with('Z'), "{v}");
+        assert_eq!(get_full(h, "/readyz").await.0, 200);
+
+        // A change the source published and the sync loop never took (a
+        // loop stuck elsewhere): stalled all the same.
+        let second = Instant::now();
+        *published.lock().unwrap() = Some(second);
+        assert_eq!(get_full(h, "/livez").await.0, 200);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(get_full(h, "/livez").await.0, 503, "a loop that took nothing");
+        assert_eq!(get_full(h, "/readyz").await.0, 503);
+        let (_, _, v) = get_full(h, "/healthz").await;
+        assert_ne!(v["lastUpdated"], v["currentTime"], "unhealthy: the last sync's time: {v}");
+        health.synced(second, &["IPv4"]);
+        let (code, _, v) = get_full(h, "/healthz").await;
+        assert_eq!(code, 200);
+        assert!(v["status"].get("IPv6").is_none(), "{v}");
 
         // The Node is being deleted: /healthz fails (KEP-3836), /livez not.
         health.node_deleting(true);
-        let (code, body) = get(h, "/healthz").await;
-        assert_eq!(code, 503);
-        assert_eq!(serde_json::from_str::<serde_json::Value>(&body).unwrap()["nodeEligible"], false);
-        assert_eq!(get(h, "/livez").await.0, 200);
+        let (code, _, v) = get_full(h, "/healthz").await;
+        assert_eq!((code, v["nodeEligible"].as_bool(), v["healthy"].as_bool()), (503, Some(false), Some(true)), "{v}");
+        assert_eq!(get_full(h, "/livez").await.0, 200);
+        assert_eq!(get_full(h, "/readyz").await.0, 200);
         health.node_deleting(false);
-        assert_eq!(get(h, "/healthz").await.0, 200);
+        assert_eq!(get_full(h, "/healthz").await.0, 200);
     }
 
     /// kube-proxy's metrics as a kube-proxy 1.3x exports them: names,
@@ -649,11 +776,13 @@ mod tests {
         let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
         let (h, addr) = serve(Some(lo), Some(lo), health.clone(), m.clone()).await.unwrap();
         let (h, addr) = (h.unwrap(), addr.unwrap());
+        health.node_deleting(true);
         assert_eq!(get(h, "/healthz").await.0, 503);
-        health.synced();
+        health.node_deleting(false);
         assert_eq!(get(h, "/healthz").await.0, 200);
         assert_eq!(get(h, "/healthz").await.0, 200);
         assert_eq!(get(h, "/livez").await.0, 200);
+        assert_eq!(get(h, "/readyz").await.0, 503, "not counted among kube-proxy's answers");
         let v4 = [("ip_family", "IPv4")];
         m.kp_sync_duration.get_or_create(&v4).observe(0.003);
         m.kp_sync_full_duration.get_or_create(&v4).observe(0.003);

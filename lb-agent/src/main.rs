@@ -42,6 +42,14 @@ enum Cmd {
         /// kubeconfig for the kube source. Default: $KUBECONFIG, ~/.kube/config, then in-cluster.
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
+        /// TCP keepalive on the API server connections: a connection that
+        /// answers no probe for this long plus 3 probes (a fifth of it
+        /// apart, at least 1 s) is closed, and the watches start again
+        /// (client-go notices a dead server in about 45 s by HTTP/2
+        /// pings); 0 turns it off (the watch then ends only at its 290 s
+        /// timeout).
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        api_keepalive: std::time::Duration,
         /// Serve /healthz and /livez here ("" to disable).
         #[arg(long, default_value = "0.0.0.0:10256")]
         healthz_bind: String,
@@ -395,6 +403,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         Cmd::Run {
             source,
             kubeconfig,
+            api_keepalive,
             healthz_bind,
             metrics_bind,
             healthz_stall_seconds,
@@ -468,6 +477,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             let cfg = agent::RunConfig {
                 source,
                 kubeconfig,
+                api_keepalive,
                 healthz_bind: bind("--healthz-bind", &healthz_bind)?,
                 metrics_bind: bind("--metrics-bind", &metrics_bind)?,
                 stall_after: std::time::Duration::from_secs(healthz_stall_seconds),

@@ -462,7 +462,7 @@ spec:
         ports:
         - {name: healthz, containerPort: 10256}
         readinessProbe:
-          httpGet: {path: /healthz, port: 10256}
+          httpGet: {path: /readyz, port: 10256}
         volumeMounts:
         - {name: bpffs, mountPath: /sys/fs/bpf, mountPropagation: Bidirectional}
         - {name: cgroup, mountPath: /run/lb/cgroupv2, mountPropagation: HostToContainer}

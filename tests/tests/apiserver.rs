@@ -612,3 +612,34 @@ fn a_watch_that_resumes_after_an_error_is_not_reported_failing() -> Result<()> {
     c.wait_for("three open watches again", Duration::from_secs(20), || Ok(api.state()?["openWatches"] == 3))?;
     c.wait_for("lb_source_watch_failing_seconds back to 0", Duration::from_secs(10), || Ok(failing_seconds(&c)? == 0.0))
 }
+
+/// An API server that dies without a word (power lost; here every packet
+/// to and from it dropped) is noticed by TCP keepalive within seconds
+/// (`--api-keepalive`, 2 s here: 5 s to the verdict), not at the watch's
+/// 290 s timeout: the watches fail, are reported failing, and start
+/// again; traffic goes on from the maps meanwhile, and once the server is
+/// back a change made while it was gone arrives.
+#[test]
+fn a_server_that_dies_without_a_word_is_noticed_by_tcp_keepalive() -> Result<()> {
+    let (mut c, api, p, client) = world(&["pod-a", "pod-b"], false)?;
+    c.start_agent_kube(1, &api.kubeconfig, &["--api-keepalive", "2s"])?;
+    wait_backends(&c, &[&p[0], &p[1]], 10)?;
+    c.wait_for("three open watches", Duration::from_secs(10), || Ok(api.state()?["openWatches"] == 3))?;
+    let port = api.addr.rsplit(':').next().context("the API server's port")?.to_string();
+    let netns = c.nodes[0].netns.clone();
+    let rule = |op: &str, dir: &str| -> Result<String> { c.in_netns(&netns, &["iptables", "-w", op, "INPUT", "-i", "lo", "-p", "tcp", dir, &port, "-j", "DROP"]) };
+    rule("-I", "--dport")?;
+    rule("-I", "--sport")?;
+    let dropped = Instant::now();
+    c.wait_for("the dead server noticed", Duration::from_secs(15), || Ok(failing_seconds(&c)? > 0.0))?;
+    eprintln!("noticed after {:.1?}", dropped.elapsed());
+    assert!(log(&c).contains("cannot watch"), "{}", log(&c));
+    assert_eq!(tcp(&c, &client, 10)?.ok, 10, "the maps serve meanwhile");
+    // Gone while the server could not be reached; seen once it can.
+    c.write_object("slice.yaml", &slice_for("web", "web-1", &[&p[0]]))?;
+    std::thread::sleep(Duration::from_secs(1));
+    rule("-D", "--dport")?;
+    rule("-D", "--sport")?;
+    wait_backends(&c, &[&p[0]], 60)?;
+    c.wait_for("lb_source_watch_failing_seconds back to 0", Duration::from_secs(40), || Ok(failing_seconds(&c)? == 0.0))
+}

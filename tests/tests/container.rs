@@ -331,6 +331,8 @@ fn the_daemonset_pod_serves_the_cluster_ip_with_health_metrics_and_pins_on_the_h
     // metrics address 127.0.0.1:10249, in the node's network namespace.
     let (code, body) = w.c.http(1, "127.0.0.1:10256", "/healthz")?;
     assert_eq!(code, 200, "{body}");
+    let (code, body) = w.c.http(1, "127.0.0.1:10256", "/readyz")?;
+    assert_eq!(code, 200, "the pod's readiness probe: {body}");
     let (code, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
     assert_eq!(code, 200, "{m}");
     assert_eq!(metric(&m, "lb_services"), Some(1.0), "{m}");

@@ -92,14 +92,14 @@ fn the_daemon_set_runs_on_every_node_with_pinned_state_and_health() {
     let c = &pod.containers[0];
     let args = c.args.clone().unwrap();
     assert!(args.contains(&"--source=kube".to_string()), "{args:?}");
-    let probe = c.readiness_probe.as_ref().unwrap().http_get.as_ref().unwrap();
-    assert_eq!(probe.path.as_deref(), Some("/healthz"));
-    assert_eq!(probe.port, k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(10256));
-    // Restarted on /livez alone (/healthz fails while the node drains),
-    // after a startup probe that gives the first sync time.
-    for p in [&c.liveness_probe, &c.startup_probe] {
+    // Ready, and started, once the agent has synced (/readyz; /healthz is
+    // kube-proxy's, 200 from the start); restarted on /livez alone
+    // (/healthz fails while the node drains), after a startup probe that
+    // gives the first sync time.
+    let port = k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(10256);
+    for (p, path) in [(&c.readiness_probe, "/readyz"), (&c.startup_probe, "/readyz"), (&c.liveness_probe, "/livez")] {
         let get = p.as_ref().unwrap().http_get.as_ref().unwrap();
-        assert_eq!((get.path.as_deref(), &get.port), (Some("/livez"), &k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(10256)));
+        assert_eq!((get.path.as_deref(), &get.port), (Some(path), &port));
     }
     let startup = c.startup_probe.as_ref().unwrap();
     assert!(startup.period_seconds.unwrap_or(10) * startup.failure_threshold.unwrap_or(3) >= 300, "{startup:?}");

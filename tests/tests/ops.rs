@@ -51,7 +51,7 @@ fn healthz_and_metrics_in_a_node() -> Result<()> {
 }
 
 #[test]
-fn an_unreachable_api_server_is_a_clear_error_and_healthz_stays_503() -> Result<()> {
+fn an_unreachable_api_server_is_a_clear_error_and_the_agent_is_not_ready() -> Result<()> {
     let c = Cluster::new(1)?;
     let n = &c.nodes[0];
     // An API server on a closed loopback port of the node's own netns.
@@ -81,8 +81,13 @@ fn an_unreachable_api_server_is_a_clear_error_and_healthz_stays_503() -> Result<
         let text = std::fs::read_to_string(&log)?;
         assert!(text.contains("KUBERNETES_SERVICE_HOST"), "the error says what to check: {text}");
         assert!(!text.contains("initial sync complete"), "{text}");
-        let (code, _) = c.http(1, "127.0.0.1:10256", "/healthz")?;
-        assert_eq!(code, 503, "no sync yet");
+        // kube-proxy's /healthz and /livez: healthy while starting (what
+        // the pins hold serves meanwhile; no change has waited); lb's
+        // /readyz, the DaemonSet's readiness probe: not before a sync.
+        assert_eq!(c.http(1, "127.0.0.1:10256", "/healthz")?.0, 200);
+        assert_eq!(c.http(1, "127.0.0.1:10256", "/livez")?.0, 200);
+        let (code, body) = c.http(1, "127.0.0.1:10256", "/readyz")?;
+        assert_eq!(code, 503, "no sync yet: {body}");
         Ok(())
     })();
     let _ = agent.kill();
@@ -120,6 +125,18 @@ fn kube_proxys_operational_contract() -> Result<()> {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs_f64();
     assert!((now - last).abs() < 60.0, "{last} vs {now}");
     assert!(queued <= last && last - queued < 5.0, "queued {queued}, synced {last}");
+    // Nothing changes: every resync (1 s here) checks the maps and counts
+    // as a full sync, so the timestamp moves on, as kube-proxy's periodic
+    // syncs move it (an alert on its age must not fire on a quiet node).
+    let full = |m: &str| metric(m, "kubeproxy_sync_full_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}").unwrap();
+    let full_before = full(&m);
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let quiet = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+    let later = metric(&quiet, "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"}").unwrap();
+    assert!(later - last >= 1.0, "the timestamp moved on: {last} -> {later}");
+    assert!(full(&quiet) >= full_before + 1.0, "{quiet}");
+    assert_eq!(metric(&quiet, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family=\"IPv4\"}"), Some(queued), "nothing queued");
+    let m = quiet;
     let endpoint_changes = metric(&m, "kubeproxy_sync_proxy_rules_endpoint_changes_total").unwrap();
     let service_changes = metric(&m, "kubeproxy_sync_proxy_rules_service_changes_total").unwrap();
     assert_eq!(metric(&m, "kubeproxy_sync_proxy_rules_endpoint_changes_pending"), Some(0.0), "{m}");

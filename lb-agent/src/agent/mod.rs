@@ -24,6 +24,8 @@ use crate::source::{SourceSpec, Update};
 pub struct RunConfig {
     pub source: SourceSpec,
     pub kubeconfig: Option<PathBuf>,
+    /// TCP keepalive on the API server connections (`source::kube::client`).
+    pub api_keepalive: Duration,
     pub healthz_bind: Option<std::net::SocketAddr>,
     pub metrics_bind: Option<std::net::SocketAddr>,
     /// /healthz fails when a change waits longer than this.
@@ -270,7 +272,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             tokio::spawn(dir::run(state, tx))
         }
         SourceSpec::Kube => {
-            let (client, server) = crate::source::kube::client(cfg.kubeconfig.as_deref(), source_status.clone()).await?;
+            let (client, server) = crate::source::kube::client(cfg.kubeconfig.as_deref(), cfg.api_keepalive, source_status.clone()).await?;
             tokio::spawn(crate::source::kube::run(client, server, cfg.node_name.clone(), tx, source_status.clone()))
         }
     };
@@ -355,6 +357,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let upgrading = loader::staged_pin(&cfg.bpffs, lb_common::maps::STATS);
     let metrics = Metrics::new(Arc::new(PinnedStats { stats: std::sync::Mutex::new(stats), per_service, upgrading, bpffs: cfg.bpffs.clone() }));
     let health = Arc::new(Health::new(cfg.stall_after));
+    let published = rx.clone();
+    health.watch_source(move || published.borrow().as_ref().map(|u| u.since));
     metrics.register_health(&health);
     metrics.register_source(&source_status);
     let (hz, mt) = crate::health::serve(cfg.healthz_bind, cfg.metrics_bind, health.clone(), metrics.clone()).await?;
@@ -583,8 +587,27 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 // Counters of freed ids (a NAT flow's last packets) go
                 // here, between full syncs.
                 rec.sweep_stats();
+                let started = Instant::now();
                 match rec.repair_drift() {
-                    Ok(0) => continue,
+                    Ok(0) => {
+                        // Every map checked against the model and found
+                        // right: a full sync that had nothing to write, as
+                        // kube-proxy's periodic one often has. It counts as
+                        // one (kubeproxy_sync_proxy_rules_last_timestamp_seconds
+                        // moves on a quiet cluster, as kube-proxy's does).
+                        if let Some(upd) = &last {
+                            health.synced(upd.since, &rec.ip_families);
+                        }
+                        let took = started.elapsed().as_secs_f64();
+                        let now = unix_seconds(std::time::SystemTime::now());
+                        for family in &rec.ip_families {
+                            let l = [("ip_family", *family)];
+                            metrics.kp_sync_duration.get_or_create(&l).observe(took);
+                            metrics.kp_sync_full_duration.get_or_create(&l).observe(took);
+                            metrics.kp_last_sync.get_or_create(&l).set(now);
+                        }
+                        continue;
+                    }
                     Ok(n) => {
                         metrics.drift_repaired.inc_by(n as u64);
                         tracing::warn!(entries = n, "the maps differed from what this agent programmed (changed by hand?); writing them back");
@@ -605,7 +628,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         match rec.sync(&upd.snapshot, attach) {
             Ok(()) => {
                 dirty = false;
-                health.synced();
+                health.synced(upd.since, &rec.ip_families);
                 let took = started.elapsed().as_secs_f64();
                 metrics.sync_duration.observe(took);
                 metrics.event_to_programmed.observe(upd.since.elapsed().as_secs_f64());
@@ -627,6 +650,13 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 dirty = true;
                 metrics.sync_errors.inc();
                 tracing::error!("{e:#}");
+                // kube-proxy observes every attempt's duration, failed
+                // ones too (not in the full and partial histograms here:
+                // which one failed is not known).
+                let took = started.elapsed().as_secs_f64();
+                for family in &rec.ip_families {
+                    metrics.kp_sync_duration.get_or_create(&[("ip_family", *family)]).observe(took);
+                }
             }
         }
         rec.export(&metrics, &cfg.capacity);

@@ -96,7 +96,7 @@ impl HealthChecks {
                             IpAddr::V4(_) => true,
                             IpAddr::V6(a) => a.to_ipv4_mapped().is_some(),
                         };
-                        let (code, n, body) = hc_answer(&s.lock().unwrap(), v4, health.report(true).0);
+                        let (code, n, body) = hc_answer(&s.lock().unwrap(), v4, health.report(crate::health::Probe::Livez).0);
                         let headers = [
                             (header::CONTENT_TYPE, "application/json".to_string()),
                             (header::X_CONTENT_TYPE_OPTIONS, "nosniff".to_string()),
@@ -177,7 +177,7 @@ mod tests {
     #[tokio::test]
     async fn the_server_answers_with_the_agents_health() {
         let health = Arc::new(Health::new(std::time::Duration::from_millis(200)));
-        health.synced();
+        health.synced(std::time::Instant::now(), &["IPv4"]);
         let mut hcs = HealthChecks::new(health.clone());
         // A free port on loopback.
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -199,7 +199,7 @@ mod tests {
         health.changed(std::time::Instant::now() - std::time::Duration::from_secs(1));
         let r = get().await;
         assert!(r.starts_with("http/1.1 503") && r.contains("\"serviceproxyhealthy\":false") && r.contains("\"localendpoints\":3"), "{r}");
-        health.synced();
+        health.synced(std::time::Instant::now(), &["IPv4"]);
         assert!(get().await.starts_with("http/1.1 200"));
         // The Node being deleted fails /healthz, not the health check.
         health.node_deleting(true);

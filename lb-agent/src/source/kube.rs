@@ -46,7 +46,7 @@ pub const DEBOUNCE: Duration = Duration::from_millis(5);
 /// A client from `--kubeconfig`, else `KUBECONFIG` / `~/.kube/config`, else
 /// the in-cluster config (`KUBERNETES_SERVICE_HOST`/`_PORT` and the
 /// service account).
-pub async fn client(kubeconfig: Option<&Path>, status: Arc<Status>) -> Result<(Client, String)> {
+pub async fn client(kubeconfig: Option<&Path>, keepalive: Duration, status: Arc<Status>) -> Result<(Client, String)> {
     let config = match kubeconfig {
         Some(p) => {
             let kc = kube::config::Kubeconfig::read_from(p).with_context(|| format!("--kubeconfig {}", p.display()))?;
@@ -70,8 +70,47 @@ pub async fn client(kubeconfig: Option<&Path>, status: Arc<Status>) -> Result<(C
     tracing::info!(url, "API server");
     // client-go's `host` label: the server's host:port.
     let host = config.cluster_url.authority().map(|a| a.to_string()).unwrap_or_default();
-    let builder = kube::client::ClientBuilder::try_from(config).context("build the Kubernetes client")?;
-    Ok((builder.with_layer(&ObserveLayer { status, host: host.into() }).build(), url))
+    Ok((build_client(config, keepalive, ObserveLayer { status, host: host.into() })?, url))
+}
+
+/// kube-rs' client stack (`ClientBuilder::try_from(Config)`: TLS, the
+/// timeouts, the base URI, auth and extra headers) on a connector with TCP
+/// keepalive, which kube-rs' own does not set: a watch on a server that
+/// died without a word (power lost, a half-open connection) would
+/// otherwise wait for its 290 s timeout. The socket's TCP_USER_TIMEOUT
+/// ends it as the probes fail, also with a request unanswered.
+fn build_client(config: Config, keepalive: Duration, observe: ObserveLayer) -> Result<Client> {
+    use kube::client::ConfigExt as _;
+    use tower::ServiceBuilder;
+    anyhow::ensure!(
+        config.proxy_url.is_none(),
+        "the kubeconfig sets proxy-url, which lb's client does not support: reach the API server directly"
+    );
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    if !keepalive.is_zero() {
+        let interval = (keepalive / 5).max(Duration::from_secs(1));
+        http.set_keepalive(Some(keepalive));
+        http.set_keepalive_interval(Some(interval));
+        http.set_keepalive_retries(Some(3));
+        http.set_tcp_user_timeout(Some(keepalive + interval * 3));
+    }
+    let https = config.rustls_https_connector_with_connector(http).context("TLS for the API server")?;
+    let mut timeouts = hyper_timeout::TimeoutConnector::new(https);
+    timeouts.set_connect_timeout(config.connect_timeout);
+    timeouts.set_read_timeout(config.read_timeout);
+    timeouts.set_write_timeout(config.write_timeout);
+    timeouts.set_reset_reader_on_write(config.reset_reader_on_write);
+    let http_client: hyper_util::client::legacy::Client<_, kube::client::Body> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build(timeouts);
+    let service = ServiceBuilder::new()
+        .layer(observe)
+        .layer(config.base_uri_layer())
+        .option_layer(config.auth_layer().context("API server credentials")?)
+        .layer(config.extra_headers_layer().context("the kubeconfig's extra headers")?)
+        .map_err(tower::BoxError::from)
+        .service(http_client);
+    Ok(Client::new(service, config.default_namespace))
 }
 
 /// The watched kind a request path is for.
