@@ -12,6 +12,7 @@ mod dataplane;
 mod health;
 mod firewall;
 mod kube_proxy;
+mod kube_proxy_config;
 mod model;
 mod monitor;
 mod netdev;
@@ -42,6 +43,11 @@ enum Cmd {
         /// kubeconfig for the kube source. Default: $KUBECONFIG, ~/.kube/config, then in-cluster.
         #[arg(long)]
         kubeconfig: Option<PathBuf>,
+        /// kube-proxy's configuration file (KubeProxyConfiguration, the
+        /// config.conf of kubeadm's kube-proxy ConfigMap): its settings
+        /// become lb's flags of the same meaning (a flag given here wins).
+        #[arg(long)]
+        kube_proxy_config: Option<PathBuf>,
         /// TCP keepalive on the API server connections: a connection that
         /// answers no probe for this long plus 3 probes (a fifth of it
         /// apart, at least 1 s) is closed, and the watches start again
@@ -388,7 +394,13 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let cli = Cli::parse();
+    let cli = match kube_proxy_config::expand(std::env::args_os().collect()) {
+        Ok(args) => Cli::parse_from(args),
+        Err(e) => {
+            eprintln!("lb-agent: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
     match real_main(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -403,6 +415,8 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         Cmd::Run {
             source,
             kubeconfig,
+            // Read before the command line is parsed (kube_proxy_config::expand).
+            kube_proxy_config: _,
             api_keepalive,
             healthz_bind,
             metrics_bind,

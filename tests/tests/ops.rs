@@ -272,6 +272,51 @@ fn kube_proxys_conntrack_settings() -> Result<()> {
     Ok(())
 }
 
+/// kube-proxy's configuration file (`--kube-proxy-config`, the
+/// `config.conf` of kubeadm's kube-proxy ConfigMap): its settings take
+/// effect as lb's flags of the same meaning would, a flag on the command
+/// line wins, and what lb does not use is named in the log.
+#[test]
+fn kube_proxys_configuration_file_sets_what_its_flags_would() -> Result<()> {
+    let mut c = Cluster::new(1)?;
+    let a = c.add_pod(1, "pod-a")?;
+    c.serve(&a, 8080)?;
+    let netns = c.nodes[0].netns.clone();
+    let sysctl = |c: &Cluster, name: &str| -> Result<u64> { Ok(c.in_netns(&netns, &["cat", &format!("/proc/sys/net/netfilter/{name}")])?.trim().parse()?) };
+    c.write_object("svc.yaml", &service_typed("np", &["10.96.0.10"], "NodePort", &[("http", 80, 8080, "TCP", 30080)], "", &[]))?;
+    c.write_object("slice.yaml", &slice("np", "np-1", &[("http", 8080, "TCP")], &[(&a.ip, "node-1", true)]))?;
+    // Beside the objects, not among them.
+    let conf = c.objects.parent().unwrap().join("kube-proxy.conf");
+    std::fs::write(
+        &conf,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: iptables\nclusterCIDR: 10.244.0.0/16\n\
+         healthzBindAddress: 0.0.0.0:10266\nmetricsBindAddress: 127.0.0.1:10259\n\
+         iptables:\n  localhostNodePorts: false\n  masqueradeAll: false\n  syncPeriod: 30s\n\
+         conntrack:\n  maxPerCore: 0\n  tcpEstablishedTimeout: 12h0m0s\n  tcpCloseWaitTimeout: 30m0s\n",
+    )?;
+    c.start_agent_with(1, &["--kube-proxy-config", conf.to_str().unwrap(), "--metrics-bind", "127.0.0.1:10249"])?;
+    c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&format!("{}:8080", a.ip)]))?;
+    assert_eq!(c.http(1, "127.0.0.1:10266", "/healthz")?.0, 200, "the file's healthzBindAddress");
+    assert!(c.http(1, "127.0.0.1:10256", "/healthz").is_err(), "not the default's");
+    assert_eq!(c.http(1, "127.0.0.1:10249", "/metrics")?.0, 200, "the command line's --metrics-bind wins");
+    assert!(c.http(1, "127.0.0.1:10259", "/metrics").is_err());
+    assert!(c.programmed(1, &c.nodes[0].ip.clone(), 30080, "TCP")?.is_some());
+    assert_eq!(c.programmed(1, "127.0.0.1", 30080, "TCP")?, None, "iptables.localhostNodePorts false");
+    c.wait_for("the file's conntrack timeouts", Duration::from_secs(5), || {
+        Ok(sysctl(&c, "nf_conntrack_tcp_timeout_established").ok() == Some(43200) && sysctl(&c, "nf_conntrack_tcp_timeout_close_wait")? == 1800)
+    })?;
+    let log = std::fs::read_to_string(c.agent_log(1))?;
+    assert!(log.contains("clusterCIDR 10.244.0.0/16 is not used") && log.contains("mode iptables"), "{log}");
+    assert!(!log.contains("only the machine's initial network namespace"), "maxPerCore 0 leaves the limit alone: {log}");
+    // A field kube-proxy does not have: the agent does not start, and says which.
+    c.kill_agent(1);
+    std::fs::write(&conf, "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nconntrack:\n  tcpEstablishedTimout: 1h\n")?;
+    let err = c.start_agent_with(1, &["--kube-proxy-config", conf.to_str().unwrap()]).expect_err("a misspelt field");
+    let log = std::fs::read_to_string(c.agent_log(1))?;
+    assert!(log.contains("--kube-proxy-config") && log.contains("tcpEstablishedTimout"), "{err:#}: {log}");
+    Ok(())
+}
+
 #[test]
 fn teardown_gives_back_the_reserved_nodeport_range() -> Result<()> {
     let mut c = Cluster::new(1)?;
