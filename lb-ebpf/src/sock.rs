@@ -109,6 +109,95 @@ fn tracked(ctx: &SockAddrContext) -> SockXlate {
     unsafe { core::ptr::read_volatile(p) }
 }
 
+/// A datagram sent with an address (sendto) on a socket connected to that
+/// same frontend (`asked`: its address as words, IPv4 in the first, and
+/// `port`) goes to the backend connect chose, while the frontend lives, so
+/// that the reply comes from the peer a connected socket accepts
+/// (kube-proxy: the datagram has the connected flow's tuple, and conntrack
+/// its endpoint). The backend's address goes to `out`; returns its port
+/// with bit 16 set, or 0 when the socket is not connected there.
+#[inline(always)]
+fn connected_backend(ctx: &SockAddrContext, family: u8, asked: &[u32; 4], port: u16, out: &mut [u32; 4]) -> u32 {
+    use core::ptr::{addr_of, read_volatile};
+    // SAFETY: ctx is this program's context.
+    let p = unsafe { LB_SOCK_XLATE.get_ptr_mut(ctx) };
+    if p.is_null() {
+        return 0;
+    }
+    // SAFETY: p points to this socket's storage, alive for this run; its
+    // addresses start at 4-byte aligned offsets (0 and 16).
+    let (fam, front_port, rev_nat_id, front) = unsafe {
+        (
+            read_volatile(addr_of!((*p).family)),
+            read_volatile(addr_of!((*p).front_port)),
+            read_volatile(addr_of!((*p).rev_nat_id)),
+            read_volatile(addr_of!((*p).front).cast::<[u32; 4]>()),
+        )
+    };
+    if fam != family || front_port != port {
+        return 0;
+    }
+    let alive = if family == FAMILY_V4 {
+        asked[0] == front[0] && lb::frontend_alive::<V4>(rev_nat_id, asked[0].to_ne_bytes(), port)
+    } else {
+        *asked == front && lb::frontend_alive::<V6>(rev_nat_id, bytes16(asked), port)
+    };
+    if !alive {
+        return 0;
+    }
+    // SAFETY: as above.
+    unsafe {
+        *out = read_volatile(addr_of!((*p).backend).cast::<[u32; 4]>());
+        read_volatile(addr_of!((*p).backend_port)) as u32 | 1 << 16
+    }
+}
+
+/// `connected_backend` for an AF_INET socket's datagram: the address
+/// rewritten when it applies. (Three functions of their own frames, each
+/// reading and writing the context at constant offsets: the sendmsg hooks'
+/// frames are near the limit, and a shared one with the offset chosen at
+/// run time is refused by the verifier.)
+#[inline(never)]
+fn sendto_connected4(ctx: &SockAddrContext) -> bool {
+    let mut b = [0u32; 4];
+    let found = connected_backend(ctx, FAMILY_V4, &[u32::from_ne_bytes(ip4(ctx)), 0, 0, 0], port(ctx), &mut b);
+    if found == 0 {
+        return false;
+    }
+    set_ip4(ctx, b[0].to_ne_bytes());
+    set_port(ctx, found as u16);
+    lb::event(stats::TRANSLATED);
+    true
+}
+
+/// The same for an AF_INET6 socket's datagram (to an IPv6 address, or to
+/// `::ffff:a.b.c.d`).
+#[inline(never)]
+fn sendto_connected6(ctx: &SockAddrContext) -> bool {
+    let mut b = [0u32; 4];
+    let words = ip6_words(ctx);
+    if v4_mapped(&words).is_some() {
+        let found = connected_backend(ctx, FAMILY_V4, &[words[3], 0, 0, 0], port(ctx), &mut b);
+        if found == 0 {
+            return false;
+        }
+        set_ip6_word(ctx, 3, b[0]);
+        set_port(ctx, found as u16);
+    } else {
+        let found = connected_backend(ctx, FAMILY_V6, &words, port(ctx), &mut b);
+        if found == 0 {
+            return false;
+        }
+        set_ip6_word(ctx, 0, b[0]);
+        set_ip6_word(ctx, 1, b[1]);
+        set_ip6_word(ctx, 2, b[2]);
+        set_ip6_word(ctx, 3, b[3]);
+        set_port(ctx, found as u16);
+    }
+    lb::event(stats::TRANSLATED);
+    true
+}
+
 #[inline(always)]
 fn wide4(a: [u8; 4]) -> [u8; 16] {
     let mut w = [0u8; 16];
@@ -738,9 +827,9 @@ fn xlate6(ctx: &SockAddrContext, stable: bool) -> i32 {
     if let Some(addr) = v4_mapped(&words) {
         return xlate4_to(ctx, stable, proto, addr, port, true);
     }
+    let addr = bytes16(&words);
     let cookie = if stable { cookie(ctx) } else { 0 };
     let hash = if stable { Some(lb::mix(cookie)) } else { None };
-    let addr = bytes16(&words);
     let mut front_flags = 0;
     match lb::select_with::<V6>(Client::Sock(ctx.sock_addr.cast::<c_void>()), addr, port, proto, hash, false, &mut front_flags) {
         Verdict::Pass => ALLOW,
@@ -842,6 +931,10 @@ pub fn lb_connect6(ctx: SockAddrContext) -> i32 {
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn lb_sendmsg4(ctx: SockAddrContext) -> i32 {
+    // sendto() on a socket connected to this frontend: its backend.
+    if sendto_connected4(&ctx) {
+        return ALLOW;
+    }
     // Unconnected UDP: every datagram of one socket goes to the same backend,
     // so that its replies come back from one place.
     xlate4(&ctx, true)
@@ -849,6 +942,9 @@ pub fn lb_sendmsg4(ctx: SockAddrContext) -> i32 {
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn lb_sendmsg6(ctx: SockAddrContext) -> i32 {
+    if sendto_connected6(&ctx) {
+        return ALLOW;
+    }
     xlate6(&ctx, true)
 }
 

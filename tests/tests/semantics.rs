@@ -224,6 +224,29 @@ fn itp_local() -> Result<(Cluster, [Pod; 2], [Pod; 2])> {
     Ok((c, [p1, p2], [c1, c2]))
 }
 
+/// sessionAffinity under a traffic policy that turns Local: a client
+/// whose affinity points at another node's endpoint gets a local one, as
+/// kube-proxy's Local chain, which holds only local endpoints, checks only
+/// their `recent` lists.
+#[test]
+fn affinity_never_sends_a_client_to_another_nodes_endpoint_under_a_local_policy() -> Result<()> {
+    let (mut c, [p1, p2], [c1, _c2]) = itp_local()?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, AFFINITY))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&[&p2])))?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p2.ip, 8080)])?;
+    assert_eq!(names(&tcp(&c, &c1, "10.96.0.10:80", 5)?), ["pod-2"].into(), "affinity to pod-2");
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&[&p1, &p2])))?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p1.ip, 8080), be(&p2.ip, 8080)])?;
+    assert_eq!(names(&tcp(&c, &c1, "10.96.0.10:80", 5)?), ["pod-2"].into(), "kept while the policy is Cluster");
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, &format!("  internalTrafficPolicy: Local\n{AFFINITY}")))?;
+    c.wait_for("itp-local", Duration::from_secs(5), || {
+        Ok(c.list(1)?["frontends"][0]["flags"].as_array().is_some_and(|f| f.iter().any(|f| f == "itp-local")))
+    })?;
+    assert_eq!(names(&tcp(&c, &c1, "10.96.0.10:80", 10)?), ["pod-1"].into(), "only the local endpoint now");
+    Ok(())
+}
+
 #[test]
 fn internal_traffic_policy_local_uses_only_this_nodes_endpoints() -> Result<()> {
     let (mut c, [p1, p2], [c1, c2]) = itp_local()?;
@@ -649,5 +672,54 @@ fn load_balancer_source_ranges_hold_for_pods_and_the_node() -> Result<()> {
     c.wait_for("the egress program attached", Duration::from_secs(5), egress)?;
     assert_eq!(short(&outside, "tcp", &format!("{lb4}:80"), &[])?.ok, 0);
     assert_eq!(tcp(&c, &inside, &format!("{lb4}:80"), 5)?.ok, 5);
+    Ok(())
+}
+
+/// One Service with more loadBalancerSourceRanges than their map holds
+/// (16,384 entries) is left out alone, with an error naming it; every
+/// other Service is programmed, and later changes too (before, every sync
+/// failed at its ranges, and nothing on the node was programmed again).
+#[test]
+fn a_service_with_more_source_ranges_than_the_map_holds_is_left_out_alone() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a", "pod-b"])?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&[&p[0]])))?;
+    let ranges: Vec<String> = (0..16385u32).map(|i| format!("\"10.{}.{}.0/24\"", i >> 8, i & 0xff)).collect();
+    let extra = format!("  loadBalancerSourceRanges: [{}]\n", ranges.join(", "));
+    c.write_object("big.yaml", &service_typed("big", &["10.96.0.40"], "LoadBalancer", &[("http", 80, 8080, "TCP", 30040)], &extra, &["10.100.0.40"]))?;
+    c.write_object("big-slice.yaml", &slice_of("big", "big-1", "IPv4", EP, &ready4(&[&p[1]])))?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[0].ip, 8080)])?;
+    assert_eq!(c.programmed(1, "10.96.0.40", 80, "TCP")?, None, "big is left out");
+    let log = std::fs::read_to_string(c.agent_log(1))?;
+    assert!(log.contains("default/big") && log.contains("not programmed"), "{log}");
+    let (_, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
+    assert!(m.lines().any(|l| l == "lb_services_not_programmed 1"), "{m}");
+    assert_eq!(names(&tcp(&c, &client, "10.96.0.10:80", 5)?), ["pod-a"].into());
+    // Later changes are programmed.
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&[&p[1]])))?;
+    wait(&c, "10.96.0.10", 80, "TCP", &[be(&p[1].ip, 8080)])?;
+    assert_eq!(names(&tcp(&c, &client, "10.96.0.10:80", 5)?), ["pod-b"].into());
+    Ok(())
+}
+
+/// A connected UDP socket that sends with sendto() to its Service's
+/// address all the same (the kernel runs the sendmsg hook for it) gets the
+/// backend its connect chose: a connected socket accepts replies from its
+/// peer alone (kube-proxy: the datagram has the connected flow's tuple,
+/// and conntrack its endpoint). Before, the datagram was balanced anew,
+/// and two times in three its reply was dropped.
+#[test]
+fn sendto_the_service_on_a_connected_udp_socket_keeps_its_backend() -> Result<()> {
+    let (mut c, p, client) = one_node(&["pod-a", "pod-b", "pod-c"])?;
+    c.write_object("svc.yaml", &service_ips("web", &["10.96.0.10"], SP, ""))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &ready4(&[&p[0], &p[1], &p[2]])))?;
+    c.start_agent(1)?;
+    wait(&c, "10.96.0.10", 53, "UDP", &[be(&p[0].ip, 8080), be(&p[1].ip, 8080), be(&p[2].ip, 8080)])?;
+    // A new socket each time: connect picks at random.
+    let s = udp(&c, &client, "10.96.0.10:53", 30, &["--connected", "--sendto", "--timeout-ms", "500"])?;
+    assert_eq!(s.ok, 30, "{s:?}");
+    assert!(names(&s).len() >= 2, "connects went to several pods: {s:?}");
+    assert_eq!(peers(&s), ["10.96.0.10:53"], "{s:?}");
     Ok(())
 }

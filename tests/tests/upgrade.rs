@@ -105,11 +105,22 @@ fn a_map_of_another_btf_layout_is_replaced_and_the_same_layout_is_kept() -> Resu
     w.c.start_agent_env(1, &objects, &[], &[])?;
     w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
     let replaced = lines_with(&w.c, "gets a new layout")?;
-    assert_eq!(replaced.len(), 3, "only the two maps are replaced, and the counters keyed by backend ids: {replaced:?}");
-    for (line, map) in replaced.iter().zip([lb_common::maps::BACKENDS4, lb_common::maps::AFFINITY]) {
-        assert!(line.contains(map) && line.contains("btf_changed=true"), "{replaced:?}");
+    let changed: Vec<&String> = replaced.iter().filter(|l| l.contains("btf_changed=true")).collect();
+    assert_eq!(changed.len(), 2, "{replaced:?}");
+    for (line, map) in changed.iter().zip([lb_common::maps::BACKENDS4, lb_common::maps::AFFINITY]) {
+        assert!(line.contains(map), "{replaced:?}");
     }
-    assert!(replaced[2].contains(lb_common::maps::SVC_STATS) && replaced[2].contains("renumbered"), "{replaced:?}");
+    // The maps that hold the backends' and frontends' ids go with them,
+    // so that the old programs read one numbering until they move; and
+    // the counters keyed by those ids.
+    use lb_common::maps as m;
+    let along: BTreeSet<&str> = [m::SERVICES4, m::SERVICES6, m::BACKENDS6, m::REVNAT4, m::REVNAT6, m::AFFINITY_MATCH, m::SRC_RANGE, m::MAGLEV4, m::MAGLEV6]
+        .into_iter()
+        .filter(|name| replaced.iter().any(|l| l.contains(&format!("map=\"{name}\"")) && l.contains("goes with the services maps")))
+        .collect();
+    assert_eq!(along.len(), 9, "{replaced:?}");
+    assert!(replaced.iter().any(|l| l.contains(m::SVC_STATS) && l.contains("renumbered")), "{replaced:?}");
+    assert_eq!(replaced.len(), 12, "nothing else: {replaced:?}");
     let refused = lines_with(&w.c, "not carried over")?;
     assert!(refused.len() == 1 && refused[0].contains(lb_common::maps::AFFINITY), "{refused:?}");
     let s = Cluster::finish(conns)?;
@@ -170,6 +181,60 @@ fn affinity_from_before_its_protocol_field_is_carried_with_each_entrys_protocol(
     assert_eq!(read(&pin)?, tcp_entries, "the entry in the new map");
     let after = tcp(&w.c, &client, "10.96.0.10:80", 10)?;
     assert_eq!(after.replies.keys().collect::<Vec<_>>(), before.replies.keys().collect::<Vec<_>>(), "the same pod: {after:?}");
+    Ok(())
+}
+
+/// An upgrade that replaces the backends map (a `--max-backends` change)
+/// replaces every map holding backend and frontend ids with it, and keeps
+/// every id: the old programs read one numbering until they move (before,
+/// the first sync wrote the new numbering's ids into the live services map,
+/// which the old programs resolved in the old backends map: a connect went
+/// to another Service's backend holding that id, or was refused), and the
+/// sockets, flows and affinity that name ids keep them. Ids here are not
+/// 1..n: a Service came and went before "late".
+#[test]
+fn an_upgrade_that_replaces_the_backends_map_keeps_every_id() -> Result<()> {
+    use lbtest::objects::{Endpoint as E, service_ips, slice_of};
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    w.c.serve_as(&w.p1, "gone-8081", 8081)?;
+    w.c.serve_as(&w.p1, "late-8082", 8082)?;
+    w.c.write_object("gone.yaml", &service_ips("gone", &["10.96.0.20"], &[("http", 80, 8081, "TCP")], ""))?;
+    w.c.write_object("gone-slice.yaml", &slice_of("gone", "gone-1", "IPv4", &[("http", 8081, "TCP")], &[E::ready(&w.p1.ip, "node-1")]))?;
+    wait_backends(&w.c, 1, "10.96.0.20", 80, 1)?;
+    w.c.remove_object("gone.yaml")?;
+    w.c.remove_object("gone-slice.yaml")?;
+    w.c.write_object("late.yaml", &service_ips("late", &["10.96.0.30"], &[("http", 80, 8082, "TCP")], ""))?;
+    w.c.write_object("late-slice.yaml", &slice_of("late", "late-1", "IPv4", &[("http", 8082, "TCP")], &[E::ready(&w.p1.ip, "node-1")]))?;
+    wait_backends(&w.c, 1, "10.96.0.30", 80, 1)?;
+    // Every frontend's rev_nat_id and its backends' ids.
+    let ids = |w: &World| -> Result<BTreeSet<String>> {
+        let l = w.c.list(1)?;
+        Ok(l["frontends"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|f| {
+                let b: Vec<String> = f["backends"].as_array().into_iter().flatten().map(|b| format!("{}={}", b["address"], b["id"])).collect();
+                format!("{}:{}/{} rev={} {b:?}", f["address"], f["port"], f["protocol"], f["rev_nat_id"])
+            })
+            .collect())
+    };
+    let before = ids(&w)?;
+    assert!(before.iter().any(|l| l.contains("10.96.0.30")), "{before:?}");
+    let late = w.c.probe_bg(&client, &["tcp", "--addr", "10.96.0.30:80", "--count", "1000000", "--interval-ms", "2", "--max-ms", "4000", "--timeout-ms", "1000"])?;
+    std::thread::sleep(Duration::from_millis(500));
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    w.c.start_agent_env(1, &objects, &["--max-backends", "70000"], &[])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    assert_eq!(max_entries(&w.c, lb_common::maps::BACKENDS4)?, 70000);
+    assert!(lines_with(&w.c, "goes with the services maps")?.iter().any(|l| l.contains(lb_common::maps::SERVICES4)));
+    assert_eq!(ids(&w)?, before, "every frontend and backend kept its id");
+    let s = Cluster::finish(late)?;
+    assert_eq!((s.failed(), keys(&s)), (0, ["late-8082"].into()), "only late's pod answered, throughout: {s:?}");
+    assert!(s.ok > 300, "{s:?}");
     Ok(())
 }
 
@@ -311,10 +376,10 @@ fn counters_from_before_the_source_range_counter_are_carried_over() -> Result<()
 }
 
 /// Per-frontend counters follow their frontend, not its id: an upgrade that
-/// replaces the services maps numbers the frontends afresh ("extra",
-/// numbered after "web"'s frontends, comes first by name); its counters
-/// come along to its new id, web's to theirs, and none lands on another
-/// frontend.
+/// cannot carry the frontends' ids (the rev-NAT map's layout changed)
+/// numbers them afresh ("extra", numbered after "web"'s frontends, comes
+/// second by address); its counters come along to its new id, web's to
+/// theirs, and none lands on another frontend.
 /// And a socket held across it, whose translation storage went with the
 /// old storage map, no longer counts in `lb_sockets_tracked`.
 #[test]
@@ -344,6 +409,20 @@ fn counters_follow_their_frontend_not_its_id_across_an_upgrade() -> Result<()> {
 
     let objects = w.c.objects.clone();
     w.c.kill_agent(1);
+    // The IPv4 rev-NAT map in another layout, holding the same bytes.
+    {
+        use aya::maps::{HashMap, Map, MapData};
+        let pin = w.c.nodes[0].bpffs.join(lb_common::maps::REVNAT4);
+        let entries: Vec<([u8; 2], [u8; 8])> = {
+            let m: HashMap<MapData, [u8; 2], [u8; 8]> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
+            m.iter().collect::<Result<_, _>>()?
+        };
+        lbtest::btfmap::replace_with_layout(&pin, &[("id", "u16")], &[("address", "[u8;4]"), ("port", "u16"), ("unused", "u16")])?;
+        let mut m: HashMap<MapData, [u8; 2], [u8; 8]> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
+        for (k, v) in &entries {
+            m.insert(k, v, 0)?;
+        }
+    }
     w.c.start_agent_env(1, &objects, &[], &[("LB_LAYOUT_VERSION", "99")])?;
     w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
     let after = id(&w)?;

@@ -51,16 +51,23 @@ fn release_free_memory() {
     }
 }
 
-/// Frontends whose affinity state must go: affinity switched off, or gone.
+/// Frontends whose affinity state must go: affinity switched off, the
+/// frontend gone, or a traffic policy turned Local (a client's affine
+/// backend may be on another node, where kube-proxy's Local chain, which
+/// holds only local endpoints, checks only their `recent` lists).
 fn affinity_gone<A: Addr>(before: &Table<A>, after: &Table<A>) -> BTreeSet<u16> {
-    let had = |t: &Table<A>| -> BTreeSet<u16> {
-        t.services
-            .iter()
-            .filter(|(k, v)| k.slot == 0 && v.flags & lb_common::svc_flags::AFFINITY != 0)
-            .map(|(_, v)| v.rev_nat_id)
-            .collect()
+    use lb_common::svc_flags::{AFFINITY, EXT_LOCAL, LOCAL_ONLY};
+    // Each frontend with affinity, and its Local policies (its TCP and
+    // UDP frontends share the id).
+    let had = |t: &Table<A>| -> std::collections::BTreeMap<u16, u16> {
+        let mut m = std::collections::BTreeMap::new();
+        for (_, v) in t.services.iter().filter(|(k, v)| k.slot == 0 && v.flags & AFFINITY != 0) {
+            *m.entry(v.rev_nat_id).or_insert(0) |= v.flags & (LOCAL_ONLY | EXT_LOCAL);
+        }
+        m
     };
-    had(before).difference(&had(after)).copied().collect()
+    let now = had(after);
+    had(before).into_iter().filter(|(id, local)| now.get(id).is_none_or(|l| l & !local != 0)).map(|(id, _)| id).collect()
 }
 
 /// Write `ops` to the kernel maps in order, stopping at the first failed
@@ -771,6 +778,12 @@ impl Reconciler {
     }
 }
 
+/// The frontend key (address, port, protocol) of rev_nat id `id` in `target`.
+fn by_revnat<A: Addr>(id: u16, target: &writer::Target<A>) -> Option<(A, u16, u8)> {
+    let r = target.table.revnat.get(&id)?;
+    target.owners.keys().find(|(a, p, _)| *a == r.addr && *p == r.port).copied()
+}
+
 /// The Service an op belongs to, for error messages.
 fn owner_of<A: Addr>(op: &Op<A>, target: &writer::Target<A>) -> Option<(model::ServiceRef, String)> {
     let key = match op {
@@ -782,6 +795,11 @@ fn owner_of<A: Addr>(op: &Op<A>, target: &writer::Target<A>) -> Option<(model::S
             .find(|(k, v)| k.slot != 0 && v.backend_id == *id)
             .map(|(k, _)| (k.addr, k.port, k.proto)),
         Op::PutRevNat(_, r) => target.owners.keys().find(|(a, p, _)| *a == r.addr && *p == r.port).copied(),
+        // The side maps keyed by a frontend's rev_nat id (its affinity
+        // pairs, its source ranges): that frontend's Service, so that one
+        // filling them (16,384 source ranges, say) is left out alone.
+        Op::PutMatch(m) => by_revnat(m.rev_nat_id, target),
+        Op::PutRange(id, ..) => by_revnat(*id, target),
         _ => None,
     }?;
     let svc = target.owners.get(&key)?;

@@ -24,7 +24,7 @@ use super::maps::Maps;
 pub use super::bpflog::{BpfLog, BpfLogSink};
 pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_root, memory_limit};
 pub use super::upgrade::{pin_path, staged_pin};
-use super::upgrade::{LAYOUT_MARKER, NEXT, Pass, carry_state, expected_layout, incompatible, layout_version, mark_layout};
+use super::upgrade::{LAYOUT_MARKER, NEXT, Pass, carry_ids, carry_state, expected_layout, incompatible, layout_version, mark_layout};
 
 /// The BPF object, built by build.rs.
 pub(super) static OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
@@ -269,6 +269,10 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     })?;
     for name in POD_PROGRAMS.iter().map(|(n, _)| *n).chain(L3_PROGRAMS.iter().map(|(n, _)| *n)).chain([XDP_PROGRAM]) {
         ebpf.program(name).with_context(|| format!("program {name} missing from the object"))?;
+    }
+    if !replaced.is_empty() {
+        let n = carry_ids(bpffs, &replaced);
+        tracing::info!(entries = n, "upgrade: frontend and backend ids carried into the staged maps");
     }
     let maps = Maps::open_pinned(bpffs)?;
     // The upgrade replaced any other layout of it (`list` alone reads those).

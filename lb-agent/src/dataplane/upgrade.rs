@@ -145,9 +145,24 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
             out.push(name);
         }
     }
-    // New services maps number frontends and backends afresh: the counters
-    // keyed by their ids move to a new map too, by what each id stands for
-    // (`copy_svc_stats`), even where their own layout is kept.
+    // The maps that hold frontend and backend ids, or are keyed by them, go
+    // together: until the programs move, the old ones must read only maps
+    // of one numbering. (A new backends map beside the live services map
+    // had the first sync write the new numbering's ids into the slots the
+    // old programs read, and resolve them in the old backends map: a
+    // connect went to whatever backend held that id there, another
+    // Service's, or was refused.)
+    if out.iter().any(|m| SERVICES_GROUP.contains(m)) {
+        for m in SERVICES_GROUP {
+            if !out.contains(&m) && dir.join(m).exists() {
+                tracing::info!(map = m, "pinned map gets a new layout: it goes with the services maps, whose ids it holds");
+                out.push(m);
+            }
+        }
+    }
+    // New services maps may number frontends and backends afresh: the
+    // counters keyed by their ids move to a new map too, by what each id
+    // stands for (`copy_svc_stats`), even where their own layout is kept.
     let ids = [maps::REVNAT4, maps::REVNAT6, maps::BACKENDS4, maps::BACKENDS6];
     if out.iter().any(|m| ids.contains(m)) && !out.contains(&maps::SVC_STATS) && dir.join(maps::SVC_STATS).exists() {
         tracing::info!(map = maps::SVC_STATS, "pinned map gets a new layout: its ids are renumbered with the services maps");
@@ -163,6 +178,88 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
     Ok(out)
 }
 
+/// The maps of the frontends and backends and those that hold their ids:
+/// replaced all together or not at all (`incompatible`).
+const SERVICES_GROUP: [&str; 10] = [
+    maps::SERVICES4,
+    maps::SERVICES6,
+    maps::BACKENDS4,
+    maps::BACKENDS6,
+    maps::REVNAT4,
+    maps::REVNAT6,
+    maps::AFFINITY_MATCH,
+    maps::SRC_RANGE,
+    maps::MAGLEV4,
+    maps::MAGLEV6,
+];
+
+/// Whether the staged map `new` reads the old one's entries as they are:
+/// the same type, key and value sizes, and BTF layout.
+fn same_layout(old: &Path, new: &Path, btf: &mut super::btf::BtfCache) -> bool {
+    let same_sizes = match (aya::maps::MapInfo::from_pin(old), aya::maps::MapInfo::from_pin(new)) {
+        (Ok(a), Ok(b)) => a.key_size() == b.key_size() && a.value_size() == b.value_size() && a.map_type().ok() == b.map_type().ok(),
+        _ => false,
+    };
+    // Same sizes but another BTF layout: the bytes mean something else.
+    let same_btf = match (super::btf::pinned_layout(old, btf), super::btf::pinned_layout(new, btf)) {
+        (Ok(Some(a)), Ok(Some(b))) => a == b,
+        (Ok(None), Ok(_)) | (Ok(_), Ok(None)) => true,
+        _ => false,
+    };
+    same_sizes && same_btf
+}
+
+/// Copy the entries of hash map `old` into `new` (`lru`: LRU hash maps),
+/// never over an entry already there. Returns how many were copied.
+fn copy<K: aya::Pod, V: aya::Pod>(old: &Path, new: &Path, lru: bool) -> Result<usize> {
+    use aya::maps::{HashMap, Map, MapData};
+    let wrap = |d: MapData| if lru { Map::LruHashMap(d) } else { Map::HashMap(d) };
+    let from: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(old)?))?;
+    let mut to: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(new)?))?;
+    let mut n = 0;
+    for (k, v) in from.iter().filter_map(|r| r.ok()) {
+        // BPF_NOEXIST: never overwrite what the new programs wrote.
+        if to.insert(k, v, 1).is_ok() {
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+/// Before the first sync reads the staged maps: the frontends' and
+/// backends' ids (the rev-NAT and backends maps) copied into the staged
+/// ones where their layout is kept and they fit, so that the first sync
+/// gives every frontend and backend the id it had. What keeps ids across
+/// the move: the sockets' translations, NAT flows, sessionAffinity and the
+/// counters name them. Returns how many were copied.
+pub(super) fn carry_ids(bpffs: &Path, replaced: &[&'static str]) -> usize {
+    let mut btf = super::btf::BtfCache::default();
+    let mut total = 0;
+    for name in [maps::REVNAT4, maps::REVNAT6, maps::BACKENDS4, maps::BACKENDS6] {
+        if !replaced.contains(&name) {
+            continue;
+        }
+        let (old, new) = (bpffs.join(name), bpffs.join(NEXT).join(name));
+        if !same_layout(&old, &new, &mut btf) {
+            tracing::warn!(map = name, "upgrade: another layout: frontends and backends are numbered afresh");
+            continue;
+        }
+        let r = match name {
+            maps::REVNAT4 => copy::<u16, RevNat4>(&old, &new, false),
+            maps::REVNAT6 => copy::<u16, RevNat6>(&old, &new, false),
+            maps::BACKENDS4 => copy::<u32, Backend4>(&old, &new, false),
+            _ => copy::<u32, Backend6>(&old, &new, false),
+        };
+        match r {
+            Ok(n) => total += n,
+            // A smaller map (a lower --max-*): what did not fit is
+            // numbered afresh.
+            Err(e) => tracing::warn!(map = name, "upgrade: carrying ids over: {e:#}"),
+        }
+    }
+    total
+}
+
 /// Copy the entries of the state maps the datapath writes (sessionAffinity,
 /// socket tracking, NAT, fragments, counters) from their old pins to the staged new maps, where
 /// key and value sizes and their BTF layouts agree (the new map may be
@@ -176,20 +273,6 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
 /// program counts into the old map any more.
 pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -> usize {
     let warn = pass == Pass::First;
-    fn copy<K: aya::Pod, V: aya::Pod>(old: &Path, new: &Path, lru: bool) -> Result<usize> {
-        use aya::maps::{HashMap, Map, MapData};
-        let wrap = |d: MapData| if lru { Map::LruHashMap(d) } else { Map::HashMap(d) };
-        let from: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(old)?))?;
-        let mut to: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(new)?))?;
-        let mut n = 0;
-        for (k, v) in from.iter().filter_map(|r| r.ok()) {
-            // BPF_NOEXIST: never overwrite what the new programs wrote.
-            if to.insert(k, v, 1).is_ok() {
-                n += 1;
-            }
-        }
-        Ok(n)
-    }
     let mut total = 0;
     let mut btf = super::btf::BtfCache::default();
     for name in replaced {

@@ -216,6 +216,10 @@ enum Cmd {
         /// connect() the socket and use send/recv.
         #[arg(long)]
         connected: bool,
+        /// With --connected: send with sendto() to ADDR all the same (the
+        /// kernel runs the sendmsg hooks for it).
+        #[arg(long)]
+        sendto: bool,
         /// Use one socket for every attempt (default: a new socket each time).
         #[arg(long)]
         one_socket: bool,
@@ -814,6 +818,7 @@ fn upload(addr: SocketAddr, bytes: u64, timeout: Duration, s: &mut Summary) {
 /// What the `udp` client sends, and how.
 struct UdpOpts {
     connected: bool,
+    sendto: bool,
     payload: Vec<u8>,
     recverr: bool,
 }
@@ -944,7 +949,11 @@ fn udp_once(sock: &UdpSocket, addr: SocketAddr, o: &UdpOpts, s: &mut Summary) {
         let mut buf = vec![0u8; 65536];
         if o.connected {
             sock.connect(addr)?;
-            sock.send(&o.payload)?;
+            if o.sendto {
+                sock.send_to(&o.payload, addr)?;
+            } else {
+                sock.send(&o.payload)?;
+            }
             let n = sock.recv(&mut buf)?;
             // What the socket believes it is connected to.
             let peer = sock.peer_addr()?.to_string();
@@ -1334,12 +1343,12 @@ fn main() -> anyhow::Result<()> {
                 std::thread::sleep(Duration::from_millis(interval_ms));
             }
         }
-        Cmd::Udp { addr, count, connected, one_socket, timeout_ms, interval_ms, size, echo, ttl, recverr, sport, ip_option, ip6_ext } => {
+        Cmd::Udp { addr, count, connected, sendto, one_socket, timeout_ms, interval_ms, size, echo, ttl, recverr, sport, ip_option, ip6_ext } => {
             let mut payload = udp_payload(size)?;
             if echo && size >= 5 {
                 payload = b"echo\n".iter().copied().chain((0..(size - 5) as u64).map(pattern)).collect();
             }
-            let o = UdpOpts { connected, payload, recverr };
+            let o = UdpOpts { connected, sendto, payload, recverr };
             let new_sock = || udp_socket(addr, Duration::from_millis(timeout_ms), ttl, recverr, sport, ip_option.as_deref(), ip6_ext.as_deref());
             let mut sock = new_sock()?;
             for i in 0..count {
