@@ -295,6 +295,30 @@ fn a_full_services_map_leaves_every_existing_service_intact_and_names_the_one_th
     Ok(())
 }
 
+/// A change whose end state fits the maps but whose plan does not (it adds
+/// the new backends before it deletes the old, and the backends map is
+/// full) leaves the Service out for a moment; it is programmed again at the
+/// next `--resync-period`, without any object changing (before, it stayed
+/// out until something changed).
+#[test]
+fn a_service_a_full_map_left_out_is_programmed_again_at_the_next_resync() -> Result<()> {
+    let (mut c, p, client) = Cluster::one_node(&["pod-a", "pod-b", "pod-c", "pod-d"])?;
+    c.write_object("svc.yaml", &service_ips("web", &[VIP], SP, ""))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::ready(&p[0].ip, "node-1"), E::ready(&p[1].ip, "node-1")]))?;
+    // Room for web's 4 backends (2 pods, TCP and UDP) and no more.
+    c.start_agent_with(1, &["--max-backends", "4", "--resync-period", "1s"])?;
+    c.wait_programmed(VIP, 80, "TCP", Some(&[&be(&p[0]), &be(&p[1])]))?;
+    // Two other pods: 4 backends again, but 8 while the plan runs.
+    set_endpoints(&c, &[&p[2], &p[3]])?;
+    let log = std::fs::read_to_string(c.agent_log(1))?;
+    assert!(log.contains("default/web") && log.contains("programming the Services left out again"), "it was left out, then tried again: {log}");
+    let s = c.probe(&client, &["tcp", "--addr", &format!("{VIP}:80"), "--count", "10"])?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    c.wait_for("lb_services_not_programmed 0", Duration::from_secs(5), || {
+        Ok(c.http(1, "127.0.0.1:10249", "/metrics")?.1.lines().any(|l| l == "lb_services_not_programmed 0"))
+    })
+}
+
 /// 1,000 idle translated sockets (500 TCP, 500 connected UDP) while the
 /// node makes more short connections and unconnected UDP sockets than the
 /// socket-tracking LRU holds: each held socket still reports its ClusterIP

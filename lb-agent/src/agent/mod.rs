@@ -587,34 +587,42 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 // Counters of freed ids (a NAT flow's last packets) go
                 // here, between full syncs.
                 rec.sweep_stats();
-                let started = Instant::now();
-                match rec.repair_drift() {
-                    Ok(0) => {
-                        // Every map checked against the model and found
-                        // right: a full sync that had nothing to write, as
-                        // kube-proxy's periodic one often has. It counts as
-                        // one (kubeproxy_sync_proxy_rules_last_timestamp_seconds
-                        // moves on a quiet cluster, as kube-proxy's does).
-                        if let Some(upd) = &last {
-                            health.synced(upd.since, &rec.ip_families);
+                if rec.not_programmed > 0 {
+                    // Services a full map left out are tried again every
+                    // period, with a full sync: the room a plan needs while
+                    // it adds before it deletes may be there now (kube-proxy
+                    // retries a failed sync likewise).
+                    tracing::info!(services = rec.not_programmed, "programming the Services left out again");
+                } else {
+                    let started = Instant::now();
+                    match rec.repair_drift() {
+                        Ok(0) => {
+                            // Every map checked against the model and found
+                            // right: a full sync that had nothing to write, as
+                            // kube-proxy's periodic one often has. It counts as
+                            // one (kubeproxy_sync_proxy_rules_last_timestamp_seconds
+                            // moves on a quiet cluster, as kube-proxy's does).
+                            if let Some(upd) = &last {
+                                health.synced(upd.since, &rec.ip_families);
+                            }
+                            let took = started.elapsed().as_secs_f64();
+                            let now = unix_seconds(std::time::SystemTime::now());
+                            for family in &rec.ip_families {
+                                let l = [("ip_family", *family)];
+                                metrics.kp_sync_duration.get_or_create(&l).observe(took);
+                                metrics.kp_sync_full_duration.get_or_create(&l).observe(took);
+                                metrics.kp_last_sync.get_or_create(&l).set(now);
+                            }
+                            continue;
                         }
-                        let took = started.elapsed().as_secs_f64();
-                        let now = unix_seconds(std::time::SystemTime::now());
-                        for family in &rec.ip_families {
-                            let l = [("ip_family", *family)];
-                            metrics.kp_sync_duration.get_or_create(&l).observe(took);
-                            metrics.kp_sync_full_duration.get_or_create(&l).observe(took);
-                            metrics.kp_last_sync.get_or_create(&l).set(now);
+                        Ok(n) => {
+                            metrics.drift_repaired.inc_by(n as u64);
+                            tracing::warn!(entries = n, "the maps differed from what this agent programmed (changed by hand?); writing them back");
                         }
-                        continue;
-                    }
-                    Ok(n) => {
-                        metrics.drift_repaired.inc_by(n as u64);
-                        tracing::warn!(entries = n, "the maps differed from what this agent programmed (changed by hand?); writing them back");
-                    }
-                    Err(e) => {
-                        tracing::error!("resync: {e:#}");
-                        continue;
+                        Err(e) => {
+                            tracing::error!("resync: {e:#}");
+                            continue;
+                        }
                     }
                 }
             }
