@@ -193,9 +193,10 @@ const SERVICES_GROUP: [&str; 10] = [
     maps::MAGLEV6,
 ];
 
-/// Whether the staged map `new` reads the old one's entries as they are:
-/// the same type, key and value sizes, and BTF layout.
-fn same_layout(old: &Path, new: &Path, btf: &mut super::btf::BtfCache) -> bool {
+/// Whether the staged map `new` has the old one's type, key and value
+/// sizes, and whether it has its BTF layout: (same sizes, same BTF).
+/// Entries carry over as they are only where both hold.
+fn layouts_agree(old: &Path, new: &Path, btf: &mut super::btf::BtfCache) -> (bool, bool) {
     let same_sizes = match (aya::maps::MapInfo::from_pin(old), aya::maps::MapInfo::from_pin(new)) {
         (Ok(a), Ok(b)) => a.key_size() == b.key_size() && a.value_size() == b.value_size() && a.map_type().ok() == b.map_type().ok(),
         _ => false,
@@ -206,7 +207,7 @@ fn same_layout(old: &Path, new: &Path, btf: &mut super::btf::BtfCache) -> bool {
         (Ok(None), Ok(_)) | (Ok(_), Ok(None)) => true,
         _ => false,
     };
-    same_sizes && same_btf
+    (same_sizes, same_btf)
 }
 
 /// Copy the entries of hash map `old` into `new` (`lru`: LRU hash maps),
@@ -240,7 +241,7 @@ pub(super) fn carry_ids(bpffs: &Path, replaced: &[&'static str]) -> usize {
             continue;
         }
         let (old, new) = (bpffs.join(name), bpffs.join(NEXT).join(name));
-        if !same_layout(&old, &new, &mut btf) {
+        if layouts_agree(&old, &new, &mut btf) != (true, true) {
             tracing::warn!(map = name, "upgrade: another layout: frontends and backends are numbered afresh");
             continue;
         }
@@ -277,16 +278,7 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -
     let mut btf = super::btf::BtfCache::default();
     for name in replaced {
         let (old, new) = (bpffs.join(name), bpffs.join(NEXT).join(name));
-        let same_sizes = match (aya::maps::MapInfo::from_pin(&old), aya::maps::MapInfo::from_pin(&new)) {
-            (Ok(a), Ok(b)) => a.key_size() == b.key_size() && a.value_size() == b.value_size() && a.map_type().ok() == b.map_type().ok(),
-            _ => false,
-        };
-        // Same sizes but another BTF layout: the bytes mean something else.
-        let same_btf = match (super::btf::pinned_layout(&old, &mut btf), super::btf::pinned_layout(&new, &mut btf)) {
-            (Ok(Some(a)), Ok(Some(b))) => a == b,
-            (Ok(None), Ok(_)) | (Ok(_), Ok(None)) => true,
-            _ => false,
-        };
+        let (same_sizes, same_btf) = layouts_agree(&old, &new, &mut btf);
         if *name == maps::STATS {
             // The datapath counters: the old ones, index by index (a new
             // counter starts at zero), so that none goes back.
