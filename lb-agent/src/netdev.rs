@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use anyhow::{Context as _, Result};
 use netlink_packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
 use netlink_packet_route::RouteNetlinkMessage;
-use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkLayerType, LinkMessage};
+use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkLayerType, LinkMessage, LinkXdp, XdpAttached};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
 use crate::dataplane::maps::RouteMtus;
@@ -87,6 +87,8 @@ pub struct Link {
     /// An L3 device: its packets start with the IP header, no link-layer
     /// header (WireGuard and TUN: ARPHRD_NONE; IPIP, ip6tnl, SIT, GRE, raw IP).
     pub l3: bool,
+    /// An XDP program runs on it in generic mode (after the skb is built).
+    pub xdp_generic: bool,
 }
 
 /// Every device of this network namespace.
@@ -215,11 +217,15 @@ fn link_of(l: &LinkMessage) -> Link {
                 | LinkLayerType::Ip6gre
                 | LinkLayerType::Rawip
         ),
+        xdp_generic: false,
     };
     for a in &l.attributes {
         match a {
             LinkAttribute::IfName(n) => link.name = n.clone(),
             LinkAttribute::Controller(_) => link.has_master = true,
+            LinkAttribute::Xdp(xdp) => {
+                link.xdp_generic = xdp.iter().any(|x| matches!(x, LinkXdp::Attached(XdpAttached::SocketBuffer) | LinkXdp::SkbProgId(_)));
+            }
             LinkAttribute::LinkInfo(infos) => {
                 for i in infos {
                     if let LinkInfo::Kind(k) = i {
@@ -307,7 +313,7 @@ mod tests {
 
     fn link(name: &str, kind: Option<&str>) -> Link {
         let l3 = matches!(kind, Some("ipip" | "wireguard" | "tun"));
-        Link { name: name.into(), kind: kind.map(Into::into), has_master: false, up: true, loopback: false, ifindex: 7, l3 }
+        Link { name: name.into(), kind: kind.map(Into::into), has_master: false, up: true, loopback: false, ifindex: 7, l3, xdp_generic: false }
     }
 
     fn route(family: netlink_packet_route::AddressFamily, table: u8, len: u8, attrs: Vec<netlink_packet_route::route::RouteAttribute>) -> netlink_packet_route::route::RouteMessage {

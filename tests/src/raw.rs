@@ -200,11 +200,34 @@ pub fn checksums_hold(f: &[u8]) -> Option<bool> {
 /// compute complete checksums (`Cluster::wire_checksums`): a partial one
 /// is broken on the wire by design.
 pub fn count_checksums<T>(netns: &str, f: impl FnOnce() -> Result<T>) -> Result<(T, u64, u64)> {
+    let (r, (ok, bad)) = capture(netns, (0, 0), |(ok, bad): &mut (u64, u64), frame| match checksums_hold(frame) {
+        Some(true) => *ok += 1,
+        Some(false) => *bad += 1,
+        None => {}
+    }, f)?;
+    Ok((r, ok, bad))
+}
+
+/// Run `f` while capturing what arrives at every device of `netns`: returns
+/// its result and the frames `keep` kept.
+pub fn capture_frames<T>(netns: &str, keep: impl Fn(&[u8]) -> bool + Send + 'static, f: impl FnOnce() -> Result<T>) -> Result<(T, Vec<Vec<u8>>)> {
+    capture(netns, Vec::new(), move |v: &mut Vec<Vec<u8>>, frame| {
+        if keep(frame) {
+            v.push(frame.to_vec());
+        }
+    }, f)
+}
+
+/// Run `f` while a thread in `netns` hands every frame arriving there (not
+/// those sent from it) to `on_frame` with `state`; returns `f`'s result
+/// and the state.
+fn capture<S: Send + 'static, T>(netns: &str, state: S, mut on_frame: impl FnMut(&mut S, &[u8]) + Send + 'static, f: impl FnOnce() -> Result<T>) -> Result<(T, S)> {
     use std::sync::atomic::{AtomicBool, Ordering};
     let stop = std::sync::Arc::new(AtomicBool::new(false));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let (netns_s, stop2) = (netns.to_string(), stop.clone());
-    let t = std::thread::spawn(move || -> Result<(u64, u64)> {
+    let t = std::thread::spawn(move || -> Result<S> {
+        let mut state = state;
         let file = std::fs::File::open(format!("/run/netns/{netns_s}"))?;
         nix::sched::setns(file, nix::sched::CloneFlags::CLONE_NEWNET)?;
         // SAFETY: plain syscalls with valid arguments; the socket is closed below.
@@ -216,7 +239,6 @@ pub fn count_checksums<T>(netns: &str, f: impl FnOnce() -> Result<T>) -> Result<
         // SAFETY: a valid fd and a timeval of the right size.
         unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&tv as *const libc::timeval).cast(), size_of::<libc::timeval>() as u32) };
         let _ = ready_tx.send(());
-        let (mut ok, mut bad) = (0, 0);
         let mut buf = vec![0u8; 65536];
         while !stop2.load(Ordering::SeqCst) {
             let mut from: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
@@ -226,19 +248,15 @@ pub fn count_checksums<T>(netns: &str, f: impl FnOnce() -> Result<T>) -> Result<
             if n <= 0 || from.sll_pkttype == libc::PACKET_OUTGOING {
                 continue;
             }
-            match checksums_hold(&buf[..n as usize]) {
-                Some(true) => ok += 1,
-                Some(false) => bad += 1,
-                None => {}
-            }
+            on_frame(&mut state, &buf[..n as usize]);
         }
         // SAFETY: our fd.
         unsafe { libc::close(fd) };
-        Ok((ok, bad))
+        Ok(state)
     });
     let _ = ready_rx.recv();
     let r = f();
     stop.store(true, Ordering::SeqCst);
-    let (ok, bad) = t.join().map_err(|_| anyhow::anyhow!("capture thread panicked"))??;
-    Ok((r?, ok, bad))
+    let state = t.join().map_err(|_| anyhow::anyhow!("capture thread panicked"))??;
+    Ok((r?, state))
 }

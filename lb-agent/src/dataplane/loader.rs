@@ -673,11 +673,13 @@ impl Tc {
 
     /// With `--nodeport-acceleration xdp`, put the XDP program on `iface`:
     /// in place of an earlier agent's (one atomic link update: no packet
-    /// misses it), else native (in the driver), else generic (after the
-    /// skb is built: correct, little faster than TC). Without, take an
-    /// earlier agent's off. Not on an L3 device (`l3`: the XDP program
-    /// parses Ethernet frames; TC carries its traffic). Returns how it runs
-    /// there.
+    /// misses it), else in the driver (native). Without, take an earlier
+    /// agent's off. Not on an L3 device (`l3`: the XDP program parses
+    /// Ethernet frames) and not where the driver has no native XDP: generic
+    /// XDP runs on the skb after GRO, whose merged TCP segments (and a
+    /// local sender's or a VM's packets) carry partial checksums that XDP
+    /// cannot see and would corrupt; TC carries such a device's traffic.
+    /// Returns how it runs there.
     fn attach_xdp(&mut self, iface: &str, safe: &str, l3: bool) -> Result<&'static str> {
         use aya::programs::links::PinnedLink;
         use aya::programs::xdp::XdpLink;
@@ -691,6 +693,12 @@ impl Tc {
                 tracing::info!(iface, "XDP acceleration off: the XDP program an earlier agent attached is detached");
             }
             return Ok("off");
+        }
+        // An earlier lb attached generic XDP where the driver had no native
+        // one: take it off (see above).
+        if pin.exists() && crate::netdev::links()?.iter().any(|l| l.name == iface && l.xdp_generic) {
+            fs::remove_file(&pin).with_context(|| format!("unpin {}", pin.display()))?;
+            tracing::warn!(iface, "{NO_NATIVE_XDP}; the generic XDP program an earlier agent attached is detached");
         }
         self.set_xdp_dev(iface)?;
         let prog: &mut Xdp = self.ebpf.program_mut(XDP_PROGRAM).context("XDP program")?.try_into()?;
@@ -715,17 +723,14 @@ impl Tc {
                 }
             }
         }
-        let (id, how) = match prog.attach(iface, XdpMode::Driver) {
-            Ok(id) => (id, "native"),
+        let id = match prog.attach(iface, XdpMode::Driver) {
+            Ok(id) => id,
             Err(e) => {
-                tracing::warn!(
-                    iface,
-                    "the driver has no native XDP ({e}); generic XDP instead, which runs after the kernel has built the skb \
-                     and saves little over TC"
-                );
-                (prog.attach(iface, XdpMode::Skb).with_context(|| format!("attach {XDP_PROGRAM} to {iface} (generic XDP)"))?, "generic")
+                tracing::warn!(iface, "{NO_NATIVE_XDP} ({e})");
+                return Ok("off (no native XDP)");
             }
         };
+        let how = "native";
         let link = FdLink::try_from(prog.take_link(id)?)
             .map_err(|_| anyhow::anyhow!("attach {XDP_PROGRAM} to {iface}: the kernel gave no bpf_link (XDP acceleration needs Linux 5.9+)"))?;
         pin_link(&self.bpffs, &format!("{XDP_PROGRAM}_{safe}"), link)?;
@@ -886,6 +891,11 @@ pub fn teardown(bpffs: &Path, wait: std::time::Duration) -> Result<()> {
     Ok(())
 }
 
+/// Why a device whose driver has no native XDP gets none.
+const NO_NATIVE_XDP: &str = "the driver has no native XDP: no XDP acceleration on this device, the TC programs carry its traffic \
+     (generic XDP would run after GRO, on packets whose partial checksums it cannot see and would corrupt: merged TCP \
+     segments, a local sender's or a VM's packets)";
+
 #[cfg(test)]
 mod tests {
     use super::lock_holder;
@@ -917,3 +927,4 @@ mod tests {
         assert_eq!(lock_holder("", 5678), None);
     }
 }
+

@@ -192,9 +192,10 @@ fn send<F: Net>(md: *mut xdp_md, pkt: Frame, e: *mut NatEntry<F::A>, proto: u8, 
     let addrs = addr_diff(src as *const u8, to_s, n) + addr_diff(dst as *const u8, to_d, n);
     let (to_sport, to_dport) = (entry.to_sport.to_be(), entry.to_dport.to_be());
     let ports_diff = word_diff(ports[0], to_sport) + word_diff(ports[1], to_dport);
-    // UDP over IPv4 may carry no checksum (0); it stays 0. A computed 0
-    // is sent as 0xffff (RFC 768).
-    if proto == PROTO_TCP || check != 0 || F::ID != FAMILY_V4 {
+    // A UDP datagram without a checksum (0: IPv4, and IPv6 tunnels, RFC
+    // 6935) keeps none, as the TC program's BPF_F_MARK_MANGLED_0 leaves
+    // it. A computed 0 is sent as 0xffff (RFC 768).
+    if proto == PROTO_TCP || check != 0 {
         let mut c = fix(check, addrs + ports_diff);
         if proto == PROTO_UDP && c == 0 {
             c = 0xffff;
