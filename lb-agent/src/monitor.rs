@@ -110,8 +110,44 @@ fn proto(p: u8) -> &'static str {
     }
 }
 
+/// The agent's frontends by name: each frontend's Service (and port name),
+/// and each address that belongs to one Service alone (its ClusterIPs,
+/// mostly: a node address or a shared LB IP belongs to many), which names
+/// an event at a port the Service does not have.
+#[derive(Debug, Default)]
+pub struct Names {
+    exact: HashMap<(IpAddr, u16, String), String>,
+    by_addr: HashMap<IpAddr, String>,
+}
+
+impl Names {
+    pub fn new(list: Vec<FrontendName>) -> Self {
+        let mut by_addr: HashMap<IpAddr, Option<String>> = HashMap::new();
+        let mut exact = HashMap::new();
+        for f in list {
+            by_addr
+                .entry(f.address)
+                .and_modify(|s| {
+                    if s.as_ref() != Some(&f.service) {
+                        *s = None;
+                    }
+                })
+                .or_insert_with(|| Some(f.service.clone()));
+            let name = if f.port_name.is_empty() { f.service } else { format!("{}:{}", f.service, f.port_name) };
+            exact.insert((f.address, f.port, f.protocol), name);
+        }
+        Names { exact, by_addr: by_addr.into_iter().filter_map(|(a, s)| Some((a, s?))).collect() }
+    }
+
+    /// The Service (with the port's name) of a frontend; else the Service
+    /// its address alone belongs to.
+    fn of(&self, addr: IpAddr, port: u16, protocol: &str) -> Option<String> {
+        self.exact.get(&(addr, port, protocol.to_string())).or_else(|| self.by_addr.get(&addr)).cloned()
+    }
+}
+
 /// An event as a line; `wall`: the wall-clock time of monotonic `mono`.
-pub fn line(ev: &MonitorEvent, names: &HashMap<(IpAddr, u16, String), String>, wall: SystemTime, mono: u64) -> Line {
+pub fn line(ev: &MonitorEvent, names: &Names, wall: SystemTime, mono: u64) -> Line {
     let x = &ev.x;
     let front = addr(x.family, &x.front);
     let at = wall - Duration::from_nanos(mono.saturating_sub(ev.ts_ns));
@@ -128,13 +164,16 @@ pub fn line(ev: &MonitorEvent, names: &HashMap<(IpAddr, u16, String), String>, w
         protocol,
         frontend: std::net::SocketAddr::new(front, x.front_port).to_string(),
         backend: translated.then(|| std::net::SocketAddr::new(addr(x.family, &x.backend), x.backend_port).to_string()),
+        // The TC and pod programs REJECT where the socket hooks refuse
+        // (the client sees ECONNREFUSED), and drop the rest.
         errno: match (translated, ev.errno) {
             (true, _) => None,
             (false, 0) => Some("dropped".to_string()),
+            (false, e) if matches!(ev.hook, monitor::HOOK_TC | monitor::HOOK_POD) && e as i32 != libc::ECONNREFUSED => Some("dropped".to_string()),
             (false, e) => Some(format!("{:?}", nix::errno::Errno::from_raw(e as i32))),
         },
         why: monitor::why_name(ev.why),
-        service: names.get(&(front, x.front_port, protocol.to_string())).cloned(),
+        service: names.of(front, x.front_port, protocol),
     }
 }
 
@@ -150,7 +189,7 @@ pub fn render(l: &Line) -> String {
 }
 
 /// The agent's frontend names, from its /frontends endpoint.
-async fn fetch_names(agent: &str) -> Result<HashMap<(IpAddr, u16, String), String>> {
+async fn fetch_names(agent: &str) -> Result<Names> {
     use http_body_util::{BodyExt as _, Empty};
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build_http::<Empty<bytes::Bytes>>();
     let uri: http::Uri = format!("http://{agent}/frontends").parse().with_context(|| format!("--agent {agent}"))?;
@@ -160,13 +199,7 @@ async fn fetch_names(agent: &str) -> Result<HashMap<(IpAddr, u16, String), Strin
     }
     let body = resp.into_body().collect().await?.to_bytes();
     let list: Vec<FrontendName> = serde_json::from_slice(&body).context("parse /frontends")?;
-    Ok(list
-        .into_iter()
-        .map(|f| {
-            let name = if f.port_name.is_empty() { f.service.clone() } else { format!("{}:{}", f.service, f.port_name) };
-            ((f.address, f.port, f.protocol), name)
-        })
-        .collect())
+    Ok(Names::new(list))
 }
 
 /// Claim a free slot: 1..=SLOTS.
@@ -197,9 +230,10 @@ pub async fn run(bpffs: &Path, service: Option<&str>, json: bool, agent: &str, m
         Err(e) if service.is_some() => bail!("--service needs the agent's frontend names from {agent}: {e:#}"),
         Err(e) => {
             tracing::warn!("no Service names (the agent at {agent}: {e:#}); frontends are shown by address");
-            HashMap::new()
+            Names::default()
         }
     };
+    let mut fetched = tokio::time::Instant::now();
     let want = service.map(|s| s.to_string());
     // Whatever a killed monitor left in this slot's ring is not ours.
     while ring.get_mut().next().is_some() {}
@@ -237,26 +271,50 @@ pub async fn run(bpffs: &Path, service: Option<&str>, json: bool, agent: &str, m
             _ = refresh.tick() => {
                 if let Ok(n) = fetch_names(agent).await {
                     names = n;
+                    fetched = tokio::time::Instant::now();
                 }
             }
             guard = ring.readable_mut() => {
-                let mut guard = guard?;
+                let mut guard = match guard {
+                    Ok(g) => g,
+                    Err(e) => break Err(e.into()),
+                };
                 let (wall, mono) = (SystemTime::now(), monotonic_ns());
+                let mut events = Vec::new();
                 while let Some(item) = guard.get_inner_mut().next() {
-                    let Some(bytes) = item.get(..size_of::<MonitorEvent>()) else { continue };
-                    let ev: MonitorEvent = bytemuck::pod_read_unaligned(bytes);
-                    let l = line(&ev, &names, wall, mono);
+                    if let Some(bytes) = item.get(..size_of::<MonitorEvent>()) {
+                        events.push(bytemuck::pod_read_unaligned::<MonitorEvent>(bytes));
+                    }
+                }
+                guard.clear_ready();
+                // A frontend newer than the names: fetch them again (at
+                // most once a second), so that it is named (and passes a
+                // --service filter) from its first event on.
+                let unnamed = events.iter().any(|ev| line(ev, &names, wall, mono).service.is_none());
+                if unnamed && fetched.elapsed() >= Duration::from_secs(1) {
+                    if let Ok(n) = fetch_names(agent).await {
+                        names = n;
+                    }
+                    fetched = tokio::time::Instant::now();
+                }
+                let mut reader_gone = false;
+                for ev in &events {
+                    let l = line(ev, &names, wall, mono);
                     if want.as_ref().is_some_and(|w| l.service.as_ref().is_none_or(|s| s != w && !s.starts_with(&format!("{w}:")))) {
                         continue;
                     }
                     use std::io::Write as _;
-                    let text = if json { serde_json::to_string(&l)? } else { render(&l) };
+                    let text = if json { serde_json::to_string(&l).unwrap_or_default() } else { render(&l) };
                     if writeln!(out, "{text}").and_then(|_| out.flush()).is_err() {
-                        // The reader went away (a closed pipe): stop.
+                        reader_gone = true;
                         break;
                     }
                 }
-                guard.clear_ready();
+                // The reader went away (a closed pipe: `| head`): stop, and
+                // switch this slot off below.
+                if reader_gone {
+                    break Ok(());
+                }
             }
         }
     };
@@ -326,6 +384,54 @@ mod tests {
             self.v[i as usize] = v;
             Ok(())
         }
+    }
+
+    fn name(service: &str, port_name: &str, address: &str, port: u16, protocol: &str) -> FrontendName {
+        FrontendName { service: service.into(), port_name: port_name.into(), address: address.parse().unwrap(), port, protocol: protocol.into() }
+    }
+
+    fn event(hook: u8, front: [u8; 4], port: u16, errno: u8, why: u8) -> MonitorEvent {
+        let mut ev: MonitorEvent = bytemuck::Zeroable::zeroed();
+        ev.hook = hook;
+        ev.proto = lb_common::PROTO_TCP;
+        ev.errno = errno;
+        ev.why = why;
+        ev.x.family = FAMILY_V4;
+        ev.x.front[..4].copy_from_slice(&front);
+        ev.x.front_port = port;
+        ev
+    }
+
+    #[test]
+    fn an_event_is_named_by_its_frontend_else_by_an_address_of_one_service_alone() {
+        let names = Names::new(vec![
+            name("default/web", "http", "10.96.0.10", 80, "TCP"),
+            name("default/web", "dns", "10.96.0.10", 53, "UDP"),
+            name("default/web", "http", "192.168.77.11", 30080, "TCP"),
+            name("default/other", "", "192.168.77.11", 30081, "TCP"),
+            name("default/other", "", "10.96.0.11", 80, "TCP"),
+        ]);
+        let named = |front: [u8; 4], port: u16| line(&event(monitor::HOOK_CONNECT, front, port, libc::ECONNREFUSED as u8, monitor::WHY_WRONG_PORT), &names, SystemTime::now(), 0).service;
+        assert_eq!(named([10, 96, 0, 10], 80).as_deref(), Some("default/web:http"));
+        // A port web does not have, on web's ClusterIP: web's refusal.
+        assert_eq!(named([10, 96, 0, 10], 81).as_deref(), Some("default/web"));
+        assert_eq!(named([10, 96, 0, 11], 80).as_deref(), Some("default/other"));
+        // The node's address belongs to both.
+        assert_eq!(named([192, 168, 77, 11], 30081).as_deref(), Some("default/other"));
+        assert_eq!(named([192, 168, 77, 11], 30082), None);
+        assert_eq!(named([10, 96, 0, 12], 80), None);
+    }
+
+    #[test]
+    fn the_tc_path_rejects_what_has_no_endpoints_and_drops_the_rest() {
+        let names = Names::default();
+        let errno = |hook, errno: i32, why| line(&event(hook, [192, 168, 77, 11], 30080, errno as u8, why), &names, SystemTime::now(), 0).errno;
+        assert_eq!(errno(monitor::HOOK_TC, libc::ECONNREFUSED, monitor::WHY_NO_ENDPOINTS).as_deref(), Some("ECONNREFUSED"));
+        assert_eq!(errno(monitor::HOOK_TC, libc::EHOSTUNREACH, monitor::WHY_NO_LOCAL_ENDPOINT).as_deref(), Some("dropped"));
+        assert_eq!(errno(monitor::HOOK_POD, libc::EHOSTUNREACH, monitor::WHY_NO_LOCAL_ENDPOINT).as_deref(), Some("dropped"));
+        assert_eq!(errno(monitor::HOOK_TC, 0, monitor::WHY_SOURCE_RANGE).as_deref(), Some("dropped"));
+        // A socket is told.
+        assert_eq!(errno(monitor::HOOK_CONNECT, libc::EHOSTUNREACH, monitor::WHY_NO_LOCAL_ENDPOINT).as_deref(), Some("EHOSTUNREACH"));
     }
 
     #[test]

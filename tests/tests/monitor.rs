@@ -88,10 +88,14 @@ fn the_monitor_shows_each_decision_with_its_reason_two_at_once_and_a_killed_one_
     let aff: Vec<&str> = find("10.96.0.13:80").iter().map(|l| l["why"].as_str().unwrap()).collect();
     assert_eq!(aff, ["translated", "affinity hit"], "{got:#?}");
 
-    // The second monitor saw the same decisions of its Service only.
+    // The second monitor saw the same decisions of its Service only, the
+    // refusal at a port web does not have included (named by web's
+    // ClusterIP).
     let only_web = lines(web)?;
-    assert_eq!(only_web.len(), 3, "{only_web:#?}");
-    assert!(only_web.iter().all(|l| l["service"] == "default/web:http"), "{only_web:#?}");
+    assert_eq!(only_web.len(), 4, "{only_web:#?}");
+    assert_eq!(only_web.iter().filter(|l| l["service"] == "default/web:http").count(), 3, "{only_web:#?}");
+    let l = &only_web[3];
+    assert_eq!((l["service"].as_str(), l["frontend"].as_str(), l["why"].as_str()), (Some("default/web"), Some("10.96.0.10:81"), Some("wrong port")), "{l}");
     // Both stopped: both switched themselves off.
     assert_eq!(heartbeats(&c)?, vec![0; 5]);
 
@@ -108,6 +112,41 @@ fn the_monitor_shows_each_decision_with_its_reason_two_at_once_and_a_killed_one_
     c.wait_for("the new monitor beating", Duration::from_secs(5), || Ok(heartbeats(&c)?[0] != 0))?;
     assert_eq!(tcp("10.96.0.10:80", 1)?.ok, 1);
     assert_eq!(lines(again)?.len(), 1);
+
+    // A monitor whose reader goes away (`lb-agent monitor | head -1`)
+    // stops at its next event and switches itself off.
+    let mut piped = monitor(&c, &[])?;
+    c.wait_for("the monitor beating", Duration::from_secs(5), || Ok(heartbeats(&c)?[0] != 0))?;
+    assert_eq!(tcp("10.96.0.10:80", 1)?.ok, 1);
+    let mut reader = std::io::BufReader::new(piped.stdout.take().unwrap());
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut reader, &mut first)?;
+    assert!(first.contains("TCP 10.96.0.10:80 -> "), "{first}");
+    drop(reader);
+    assert_eq!(tcp("10.96.0.10:80", 1)?.ok, 1);
+    c.wait_for("the monitor stopping once its reader is gone", Duration::from_secs(3), || Ok(piped.try_wait()?.is_some()))?;
+    assert!(piped.wait()?.success());
+    assert_eq!(heartbeats(&c)?, vec![0; 5]);
+    Ok(())
+}
+
+/// An outside client's flow to an externalTrafficPolicy Local NodePort on a
+/// node without a local endpoint is dropped, as kube-proxy drops it (the
+/// client is told nothing): the monitor says so, not an errno nobody got.
+#[test]
+fn the_monitor_shows_outside_flows_dropped_for_want_of_a_local_endpoint() -> Result<()> {
+    use lbtest::world::*;
+    let w = world_with(&web("NodePort", "  externalTrafficPolicy: Local\n", &[]), &[])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_backends(&w.c, 2, "192.168.77.12", 30080, 1)?;
+    let m = monitor(&w.c, &["--seconds", "3"])?;
+    w.c.wait_for("the monitor beating", Duration::from_secs(5), || Ok(heartbeats(&w.c)?[0] != 0))?;
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--count", "1", "--timeout-ms", "500"])?;
+    assert_eq!(s.ok, 0, "{s:?}");
+    let out = m.wait_with_output()?;
+    let text = String::from_utf8(out.stdout)?;
+    let tc: Vec<&str> = text.lines().filter(|l| l.contains(" tc ")).collect();
+    assert!(!tc.is_empty() && tc.iter().all(|l| l.contains(&format!("TCP {NODE1}:30080 -> dropped (no local endpoint) [default/web:http]"))), "{text}");
     Ok(())
 }
 
