@@ -84,6 +84,26 @@ pub fn ipv4(src: [u8; 4], dst: [u8; 4], proto: u8, ihl: u8, frag: u16, id: u16, 
     h
 }
 
+/// An IPv4 packet with `options` (padded to a multiple of 4 bytes) after
+/// the fixed header, and `payload`.
+pub fn ipv4_with_options(src: [u8; 4], dst: [u8; 4], proto: u8, options: &[u8], payload: &[u8]) -> Vec<u8> {
+    let mut opts = options.to_vec();
+    opts.resize(options.len().div_ceil(4) * 4, 0);
+    let ihl = 5 + opts.len() / 4;
+    let mut h = vec![0u8; 20];
+    h[0] = 0x40 | ihl as u8;
+    h[2..4].copy_from_slice(&((4 * ihl + payload.len()) as u16).to_be_bytes());
+    h[8] = 64;
+    h[9] = proto;
+    h[12..16].copy_from_slice(&src);
+    h[16..20].copy_from_slice(&dst);
+    h.extend_from_slice(&opts);
+    let c = csum(&h, 0);
+    h[10..12].copy_from_slice(&c.to_be_bytes());
+    h.extend_from_slice(payload);
+    h
+}
+
 /// An IPv6 packet with next header `next` and `payload`.
 pub fn ipv6(src: [u8; 16], dst: [u8; 16], next: u8, payload: &[u8]) -> Vec<u8> {
     let mut h = vec![0u8; 40];

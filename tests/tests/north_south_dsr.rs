@@ -134,6 +134,69 @@ fn an_option_naming_no_frontend_records_nothing() -> Result<()> {
     Ok(())
 }
 
+/// The tuple a forged option names is held by another flow: the reply side
+/// of a flow node-1 SNATed to pod-2 (node-1's address and SNAT port, to
+/// pod-2). The option never replaces that entry: the packet is dropped,
+/// and the SNATed connection goes on (before, the entry became a DSR one,
+/// and the connection's replies passed node-1 untranslated: one packet
+/// per SNAT port cut every such flow).
+#[test]
+fn a_forged_option_never_replaces_another_flows_entry() -> Result<()> {
+    use lbtest::raw::{ether, ipv4_with_options, mac, send, tcp_segment};
+    let w = world_with(&web("NodePort", "", &[]), &[])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "3000", "--interval-ms", "100"])?;
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    // node-1's SNAT port of the held flow.
+    let n1 = nat(&w, 1)?;
+    let flow = n1.lines().find(|l| l.contains(&format!("src={CLIENT} dst={NODE1}")) && l.contains(&format!("src={NODE1} dst={}", w.p2.ip))).unwrap_or_else(|| panic!("{n1}"));
+    let snat_port: u16 = flow.split(&format!("src={NODE1} dst={} sport=", w.p2.ip)).nth(1).and_then(|r| r.split(' ').next()).and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("{flow}"));
+    // From outside: node-1's address and SNAT port to pod-2, with an
+    // option naming 10.1.2.3 and the NodePort.
+    let (src, dst): (std::net::Ipv4Addr, std::net::Ipv4Addr) = (NODE1.parse()?, w.p2.ip.parse()?);
+    let opt = [0x9a, 8, 0x75, 0x80, 10, 1, 2, 3];
+    let seg = tcp_segment(&src.octets(), &dst.octets(), snat_port, 8080, 0x10);
+    let frame = ether(mac(&w.c, &w.c.nodes[0].netns, "eth0")?, mac(&w.c, &w.outside.netns, "eth0")?, 0x0800, &ipv4_with_options(src.octets(), dst.octets(), 6, &opt, &seg));
+    let dropped = datapath(&w.c, 1, "nat_dropped")?;
+    send(&w.outside.netns, "eth0", vec![frame])?;
+    let s = lbtest::Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the SNATed connection went on: {s:?}");
+    assert!(datapath(&w.c, 1, "nat_dropped")? > dropped, "the forged packet was dropped and counted");
+    let n1 = nat(&w, 1)?;
+    assert!(!n1.contains("[DSR]") && !n1.contains("10.1.2.3"), "{n1}");
+    Ok(())
+}
+
+/// A client port used again (the first connection closed with FINs both
+/// ways, within the closed timeout): node-2's entry starts anew with the
+/// new SYN. Before, it kept the old connection's FIN: `lb-agent nat`
+/// showed the live connection FIN_WAIT, and it expired after the closed
+/// timeout (10 s) of silence, after which the pod's first packet left
+/// node-2 from its own address.
+#[test]
+fn a_client_port_used_again_starts_a_fresh_flow_on_the_backends_node() -> Result<()> {
+    let w = world_with(&web("LoadBalancer", "", &[LB_IP]), &["--nodeport-mode", "dsr"])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, LB_IP, 80, &w.p2)?;
+    // The client may connect from a port in TIME_WAIT a second later.
+    w.c.in_netns(&w.outside.netns, &["sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"])?;
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(LB_IP, 80), "--count", "1", "--sport", "41777"])?;
+    assert_eq!(s.ok, 1, "{s:?}");
+    let tuple = format!("src={CLIENT} dst={LB_IP} sport=41777 dport=80");
+    let line = |n: &str| n.lines().find(|l| l.contains(&tuple)).map(str::to_string);
+    w.c.wait_for("node-2's entry of the first connection FIN_WAIT", std::time::Duration::from_secs(3), || Ok(line(&nat(&w, 2)?).is_some_and(|l| l.contains("FIN_WAIT"))))?;
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(LB_IP, 80), "--sport", "41777", "--hold-ms", "1500", "--interval-ms", "100"])?;
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    let n2 = nat(&w, 2)?;
+    let l = line(&n2).unwrap_or_else(|| panic!("{n2}"));
+    assert!(l.contains("ESTABLISHED") && l.contains("[DSR]"), "the second connection's entry: {l}");
+    let s = lbtest::Cluster::finish(held)?;
+    assert_eq!((s.ok > 0, s.failed()), (true, 0), "{s:?}");
+    Ok(())
+}
+
 /// A router between the backend's node and the client has a narrower link
 /// than the client's own (a VPN, PPPoE): the pod's full-size replies, sent
 /// straight from node-2 with the frontend as their source, draw

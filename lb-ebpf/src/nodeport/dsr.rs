@@ -23,12 +23,12 @@
 //! with hop-by-hop options (which must stay first) is dropped, counted as
 //! `nat_dropped`, as an IPv4 packet with options of its own is.
 use aya_ebpf::{
-    bindings::{__sk_buff, BPF_ANY, TC_ACT_OK},
+    bindings::{__sk_buff, BPF_EXIST, BPF_NOEXIST, TC_ACT_OK},
     programs::TcContext,
 };
-use lb_common::{NatEntry, NatKey, NodePortKey, SCOPE_ALL, SvcKey, nat_flags, stats, svc_flags};
+use lb_common::{NatEntry, NatKey, NodePortKey, PROTO_TCP, SCOPE_ALL, SvcKey, nat_flags, stats, svc_flags};
 
-use super::{A4, A6, ACT_TRANSLATED, Buf, Ip4, Ip6, IPV6_DSTOPTS, IPV6_HOPOPTS, Net, Pkt, csum_add, csum_fold, ld, load_exact, note, parse};
+use super::{A4, A6, ACT_TRANSLATED, Buf, Ip4, Ip6, IPV6_DSTOPTS, IPV6_HOPOPTS, Net, Pkt, TCP_ACK, TCP_SYN, csum_add, csum_fold, ld, load_exact, note, parse};
 use crate::lb;
 
 pub const OPT_TYPE: u8 = 0x9a;
@@ -145,36 +145,52 @@ fn known_frontend<F: Net>(addr: F::A, port: u16, proto: u8) -> bool {
 }
 
 /// Node B: record (or refresh) the reply translation of the DSR flow of
-/// packet `p`, whose frontend is `addr:port`. False: the table refused it.
+/// packet `p`, whose frontend is `addr:port`. Err: the counter to count
+/// the packet's drop under.
 #[inline(always)]
-fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> bool {
+fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
     // The reply tuple: backend -> client.
     let key = NatKey { saddr: p.daddr, daddr: p.saddr, sport: p.dport, dport: p.sport, proto: p.proto, _pad: [0; 3] };
-    match F::nat_get(&key) {
+    let syn = p.proto == PROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    let how = match F::nat_get(&key) {
+        // Another kind of flow holds the tuple (the reply side of a SNATed
+        // flow, a local backend's): an option never replaces it. No client
+        // collides with one (it would need this node's own address, or
+        // the backend's); a stranger forging the tuple would cut the flow.
         // SAFETY: a map value, alive for this program run; plain integers.
-        Some(e) if unsafe { (*e).to_saddr == addr && (*e).to_sport == port && (*e).flags & nat_flags::DSR != 0 } => {
+        Some(e) if unsafe { (*e).flags & nat_flags::DSR == 0 } => return Err(stats::NAT_DROPPED),
+        // SAFETY: as above.
+        Some(e) if !syn && unsafe { (*e).to_saddr == addr && (*e).to_sport == port } => {
             // The client's packet keeps the entry alive and notes its
             // FIN / RST; only the backend's own packets (on egress)
             // mark it SEEN, so spoofed options cannot keep entries long.
             note(e, p.tcp_flags, 0);
-            true
+            return Ok(());
         }
-        _ => {
-            // SAFETY: plain helper.
-            let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
-            let v = NatEntry {
-                to_saddr: addr,
-                to_daddr: p.saddr,
-                to_sport: port,
-                to_dport: p.sport,
-                flags: nat_flags::REPLY | nat_flags::DSR,
-                state: 0,
-                rev_nat_id: 0,
-                created_ns: now,
-                last_seen_ns: now,
-            };
-            F::nat_put(&key, &v, BPF_ANY as u64)
-        }
+        // A SYN starts a new connection on the tuple (a client port used
+        // again): a fresh entry, without the old connection's FIN or RST;
+        // or the tuple now goes to another frontend.
+        Some(_) => BPF_EXIST,
+        None => BPF_NOEXIST,
+    };
+    // SAFETY: plain helper.
+    let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
+    let v = NatEntry {
+        to_saddr: addr,
+        to_daddr: p.saddr,
+        to_sport: port,
+        to_dport: p.sport,
+        flags: nat_flags::REPLY | nat_flags::DSR,
+        state: 0,
+        rev_nat_id: 0,
+        created_ns: now,
+        last_seen_ns: now,
+    };
+    // A packet of the flow on another CPU may have made it meanwhile.
+    if F::nat_put(&key, &v, how as u64) || F::nat_get(&key).is_some() {
+        Ok(())
+    } else {
+        Err(stats::NAT_FAILED)
     }
 }
 
@@ -196,8 +212,13 @@ pub fn receive<const L: usize>(skb: *mut __sk_buff) -> i32 {
     if !known_frontend::<Ip4<L>>(addr, port, p.proto) {
         return TC_ACT_OK;
     }
-    if !p.later && !record::<Ip4<L>>(&p, addr, port) {
-        lb::event(stats::NAT_FAILED);
+    // A first fragment leaves its ports for the later ones (which carry
+    // the option too: stripped the same).
+    if let Some((id, true, true)) = Ip4::<L>::fragment(ctx) {
+        Ip4::<L>::frag_put(&p, id);
+    }
+    if !p.later && let Err(counter) = record::<Ip4<L>>(&p, addr, port) {
+        lb::event(counter);
         return aya_ebpf::bindings::TC_ACT_SHOT;
     }
     // Strip the option: the 8 bytes after the fixed header.
@@ -234,8 +255,8 @@ pub fn receive6<const L: usize>(skb: *mut __sk_buff) -> i32 {
     if let Some((id, true, true)) = Ip6::<L>::fragment(ctx) {
         Ip6::<L>::frag_put(&p, id);
     }
-    if !p.later && !record::<Ip6<L>>(&p, addr, port) {
-        lb::event(stats::NAT_FAILED);
+    if !p.later && let Err(counter) = record::<Ip6<L>>(&p, addr, port) {
+        lb::event(counter);
         return aya_ebpf::bindings::TC_ACT_SHOT;
     }
     // Strip the header: the 24 bytes after the fixed header.
