@@ -154,13 +154,19 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
     let syn = p.proto == PROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
     let how = match F::nat_get(&key) {
         // Another kind of flow holds the tuple (the reply side of a SNATed
-        // flow, a local backend's): an option never replaces it. No client
-        // collides with one (it would need this node's own address, or
-        // the backend's); a stranger forging the tuple would cut the flow.
+        // flow): an option never replaces it. No client collides with one
+        // (it would need this node's own address and SNAT port); a
+        // stranger forging the tuple would cut the flow. The one it may
+        // replace is the same flow's, moved here from this node by the
+        // router (Maglev): a local backend's reply entry that already
+        // translates to this frontend and this client.
         // SAFETY: a map value, alive for this program run; plain integers.
-        Some(e) if unsafe { (*e).flags & nat_flags::DSR == 0 } => return Err(stats::NAT_DROPPED),
+        Some(e) if unsafe {
+            (*e).flags & nat_flags::DSR == 0
+                && ((*e).to_saddr != addr || (*e).to_sport != port || (*e).to_daddr != p.saddr || (*e).to_dport != p.sport)
+        } => return Err(stats::NAT_DROPPED),
         // SAFETY: as above.
-        Some(e) if !syn && unsafe { (*e).to_saddr == addr && (*e).to_sport == port } => {
+        Some(e) if !syn && unsafe { (*e).flags & nat_flags::DSR != 0 && (*e).to_saddr == addr && (*e).to_sport == port } => {
             // The client's packet keeps the entry alive and notes its
             // FIN / RST; only the backend's own packets (on egress)
             // mark it SEEN, so spoofed options cannot keep entries long.
