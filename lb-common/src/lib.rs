@@ -710,12 +710,17 @@ pub mod capacity {
     pub const AFFINITY: u32 = 65536;
     pub const NAT: u32 = 262144;
     pub const SRC_RANGE: u32 = 16384;
-    pub const NODEPORTS: u32 = 8192;
+    /// Every port, TCP and UDP: a NodePort range of any size fits
+    /// (NO_PREALLOC: only the entries in use take memory).
+    pub const NODEPORTS: u32 = 2 * 65536;
     /// Per-frontend and per-backend counters: frontends plus backends.
     pub const SVC_STATS: u32 = REVNAT + BACKENDS;
-    /// Maglev tables (frontends with Maglev, per scope), per family. Each
-    /// table takes 4 bytes per entry (64 KiB at the default 16381).
-    pub const MAGLEV: u32 = 8192;
+    /// Maglev tables (frontends with Maglev, per scope), per family: one
+    /// key per rev-NAT id, protocol and scope, so every frontend fits
+    /// (the agent sizes it from `--max-services` as it does rev-NAT;
+    /// NO_PREALLOC). Each table takes 4 bytes per entry (64 KiB at the
+    /// default 16381); frontends with the same backends share one.
+    pub const MAGLEV: u32 = 4 * REVNAT;
     /// The inner map template's size; tables of other (prime) sizes are
     /// accepted too (BPF_F_INNER_MAP).
     pub const MAGLEV_TEMPLATE: u32 = 16381;

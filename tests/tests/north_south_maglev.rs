@@ -180,3 +180,32 @@ fn with_maglev_and_dsr_a_tcp_connection_moved_to_another_node_goes_on() -> Resul
     assert_eq!(pods.len(), 2, "both pods held some: {pods:?}");
     Ok(())
 }
+
+/// More Maglev frontends than the outer map held before 12-05 (8,192 keys
+/// per family; one per frontend and scope): 100 ports on 90 externalIPs.
+/// Every frontend gets its table and the agent's first sync completes
+/// (before, the overflow failed every full sync: a restarted agent never
+/// wrote its node config, and every SNATed outside flow was dropped).
+#[test]
+fn more_maglev_frontends_than_the_old_outer_map_held_all_get_their_table() -> Result<()> {
+    use lbtest::objects::{service_ips, slice_of};
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP]), &["--nodeport-algorithm", "maglev", "--maglev-table-size", "251"])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    let names: Vec<String> = (0..100).map(|i| format!("p{i}")).collect();
+    let ports: Vec<(&str, u16, u16, &str)> = names.iter().enumerate().map(|(i, n)| (n.as_str(), 1000 + i as u16, 8080, "TCP")).collect();
+    let ips: Vec<String> = (1..=90).map(|i| format!("\"10.201.0.{i}\"")).collect();
+    let extra = format!("  externalIPs: [{}]\n", ips.join(", "));
+    w.c.write_object("many.yaml", &service_ips("many", &["10.96.0.50"], &ports, &extra))?;
+    let ep_ports: Vec<(&str, u16, &str)> = names.iter().map(|n| (n.as_str(), 8080, "TCP")).collect();
+    w.c.write_object("many-s.yaml", &slice_of("many", "many-1", "IPv4", &ep_ports, &[E::ready(&w.p2.ip, "node-2")]))?;
+    // node-1 starts afresh with them.
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--nodeport-algorithm", "maglev", "--maglev-table-size", "251"])?;
+    w.c.wait_for("node-1's Maglev tables", std::time::Duration::from_secs(20), || Ok(maglev_tables(&w, 1)? > 9000))?;
+    w.c.in_netns(&w.outside.netns, &["ip", "route", "add", "10.201.0.0/24", "via", NODE1])?;
+    for addr in ["10.201.0.90:1099", "10.201.0.1:1000", &hostport(LB_IP, 80)] {
+        let s = tcp(&w.c, &w.outside, addr, 3)?;
+        assert_eq!(keys(&s), [format!("pod-2 {NODE1}").as_str()].into(), "{addr}: SNATed to pod-2: {s:?}");
+    }
+    Ok(())
+}

@@ -587,12 +587,13 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 // Counters of freed ids (a NAT flow's last packets) go
                 // here, between full syncs.
                 rec.sweep_stats();
-                if rec.not_programmed > 0 {
-                    // Services a full map left out are tried again every
-                    // period, with a full sync: the room a plan needs while
-                    // it adds before it deletes may be there now (kube-proxy
+                if rec.not_programmed > 0 || rec.maglev_failed() {
+                    // Services a full map left out (and Maglev tables that
+                    // could not be written) are tried again every period,
+                    // with a full sync: the room a plan needs while it adds
+                    // before it deletes may be there now (kube-proxy
                     // retries a failed sync likewise).
-                    tracing::info!(services = rec.not_programmed, "programming the Services left out again");
+                    tracing::info!(services = rec.not_programmed, maglev = rec.maglev_failed(), "programming the Services left out again");
                 } else {
                     let started = Instant::now();
                     match rec.repair_drift() {

@@ -479,7 +479,7 @@ impl Reconciler {
             None => {
                 self.full_needed = true;
                 let n = self.sync_full()?;
-                self.full_needed = self.not_programmed > 0;
+                self.full_needed = self.not_programmed > 0 || self.maglev_failed();
                 release_free_memory();
                 n
             }
@@ -634,6 +634,9 @@ impl Reconciler {
         if let Err(error) = tables {
             return Err(WriteFailed { service: None, error, too_many: Vec::new() });
         }
+        if self.maglev_failed() {
+            self.full_needed = true;
+        }
         let purged = self
             .maps
             .purge_affinity(lb_common::FAMILY_V4, &stale4)
@@ -765,6 +768,11 @@ impl Reconciler {
     /// (an entry deleted or changed by hand), take them as they are, so
     /// that the next sync plans the way back. Returns how many entries
     /// differ.
+    /// A Maglev table could not be written: a full sync tries again.
+    pub(super) fn maglev_failed(&self) -> bool {
+        self.maglev4.failed || self.maglev6.failed
+    }
+
     pub(super) fn repair_drift(&mut self) -> Result<usize> {
         let t4 = self.maps.v4.read_table(&self.maps.affinity_match, &self.maps.src_range)?;
         let t6 = self.maps.v6.read_table(&self.maps.affinity_match, &self.maps.src_range)?;

@@ -41,9 +41,14 @@ struct Want {
 /// One family's outer map and the tables written into it.
 pub struct MaglevTables<A: Addr> {
     outer: HashOfMaps<MapData, MaglevKey, MapData>,
+    /// The outer map again, for batch writes (aya's type has none).
+    raw: MapData,
     written: BTreeMap<Front<A>, Want>,
     /// Outer keys a full sync has not checked yet (an earlier agent's).
     unchecked: bool,
+    /// A table could not be written since the last full sync: the next
+    /// resync should be a full one.
+    pub failed: bool,
 }
 
 impl<A: Addr> MaglevTables<A> {
@@ -51,7 +56,8 @@ impl<A: Addr> MaglevTables<A> {
         let path = super::loader::pin_path(dir, name);
         let data = MapData::from_pin(&path).with_context(|| format!("open pinned map {}", path.display()))?;
         let outer = HashOfMaps::try_from(Map::HashOfMaps(data)).with_context(|| format!("map {name}"))?;
-        Ok(Self { outer, written: BTreeMap::new(), unchecked: true })
+        let raw = MapData::from_pin(&path).with_context(|| format!("open pinned map {}", path.display()))?;
+        Ok(Self { outer, raw, written: BTreeMap::new(), unchecked: true, failed: false })
     }
 
     /// Bring the tables of the frontends on `units` (address and port;
@@ -59,6 +65,9 @@ impl<A: Addr> MaglevTables<A> {
     /// written or removed.
     pub fn sync(&mut self, maglev: &Maglev, table: &Table<A>, units: Option<&BTreeSet<(A, u16)>>) -> Result<usize> {
         let in_units = |a: &A, p: &u16| units.is_none_or(|u| u.contains(&(*a, *p)));
+        if units.is_none() {
+            self.failed = false;
+        }
         let mut want: BTreeMap<Front<A>, Want> = BTreeMap::new();
         let fronts: Box<dyn Iterator<Item = (&SvcKey<A>, &lb_common::SvcValue)>> = match units {
             None => Box::new(table.services.iter().filter(|(k, _)| k.slot == 0 && k.scope == SCOPE_ALL)),
@@ -88,33 +97,41 @@ impl<A: Addr> MaglevTables<A> {
             }
         }
         let mut n = 0;
+        let wanted: std::collections::HashSet<MaglevKey> = want.values().map(|w| w.key).collect();
         // Removed first: a rev-NAT id freed here may be taken by a frontend
-        // written below.
+        // written below. Every write to a map of maps waits for the
+        // programs running on the old value (an RCU grace period, some
+        // milliseconds): one batch waits once, where a write per key made
+        // a sync of thousands of tables take minutes.
         let gone: Vec<Front<A>> =
             self.written.keys().filter(|f| in_units(&f.0, &f.1) && !want.contains_key(*f)).copied().collect();
+        let mut dead: BTreeSet<MaglevKey> = BTreeSet::new();
         for f in gone {
             let w = self.written.remove(&f).expect("listed above");
-            if !want.values().any(|x| x.key == w.key) {
-                remove(&mut self.outer, &w.key)?;
+            if !wanted.contains(&w.key) {
+                dead.insert(w.key);
             }
             n += 1;
         }
         if units.is_none() && std::mem::take(&mut self.unchecked) {
             // An earlier agent's tables that no frontend wants any more.
             let keys: Vec<MaglevKey> = self.outer.keys().filter_map(|k| k.ok()).collect();
-            for k in keys {
-                if !want.values().any(|w| w.key == k) {
-                    remove(&mut self.outer, &k)?;
-                    n += 1;
-                }
-            }
+            let before = dead.len();
+            dead.extend(keys.into_iter().filter(|k| !wanted.contains(k)));
+            n += dead.len() - before;
         }
+        self.remove_all(&dead.into_iter().collect::<Vec<_>>())?;
         // Frontends with the same backends (a Service port's NodePort on
         // every node address, its LoadBalancer IPs and externalIPs) share
         // one inner array: a table is never changed in place, only
         // swapped, so one can sit under several keys. `have`: a key whose
-        // table holds these backends now.
+        // table holds these backends now; `made`: a table this pass built
+        // or fetched (an index into `inners`, which keeps them open until
+        // the batch has put them in).
         let mut have: HashMap<Vec<(SocketAddr, u32)>, MaglevKey> = self.written.values().map(|w| (w.backends.clone(), w.key)).collect();
+        let mut made: HashMap<Vec<(SocketAddr, u32)>, usize> = HashMap::new();
+        let mut inners: Vec<MapData> = Vec::new();
+        let mut puts: Vec<(Front<A>, Want, usize)> = Vec::new();
         for (f, w) in want {
             let old = self.written.get(&f);
             if old == Some(&w) {
@@ -126,17 +143,73 @@ impl<A: Addr> MaglevTables<A> {
                 // Its table is about to be swapped.
                 have.remove(&old.backends);
             }
-            let shared = have.get(&w.backends).filter(|k| **k != w.key).and_then(|k| self.outer.get(k, 0).ok());
-            let inner = match shared {
-                Some(inner) => inner,
-                None => build(maglev, &w).with_context(|| format!("Maglev table of {}:{} (scope {})", f.0.to_ip(), f.1, f.3))?,
+            let at = match made.get(&w.backends) {
+                Some(at) => *at,
+                None => {
+                    let shared = have.get(&w.backends).filter(|k| **k != w.key).and_then(|k| self.outer.get(k, 0).ok());
+                    match shared.map_or_else(|| build(maglev, &w).context("build its table"), Ok) {
+                        Ok(inner) => {
+                            inners.push(inner);
+                            made.insert(w.backends.clone(), inners.len() - 1);
+                            inners.len() - 1
+                        }
+                        Err(e) => {
+                            self.not_written(&f, &e);
+                            continue;
+                        }
+                    }
+                }
             };
-            self.outer.insert(w.key, &inner, 0).with_context(|| format!("swap in the Maglev table of {}:{} (scope {})", f.0.to_ip(), f.1, f.3))?;
-            have.insert(w.backends.clone(), w.key);
-            self.written.insert(f, w);
-            n += 1;
+            puts.push((f, w, at));
+        }
+        let keys: Vec<MaglevKey> = puts.iter().map(|(_, w, _)| w.key).collect();
+        let fds: Vec<u32> = puts.iter().map(|(_, _, at)| inners[*at].fd().as_fd().as_raw_fd() as u32).collect();
+        let fd = self.raw.fd().as_fd().as_raw_fd();
+        let mut from = 0;
+        while from < keys.len() {
+            let (done, r) = super::maps::batch::<MaglevKey, u32>(fd, &keys[from..], Some(&fds[from..]));
+            for (f, w, _) in &puts[from..from + done] {
+                self.written.insert(*f, w.clone());
+                n += 1;
+            }
+            from += done;
+            // One frontend's table that cannot be put in (the kernel's
+            // memory) leaves that frontend alone on the slots (random);
+            // every other one, and the rest of the sync, goes on.
+            if let Err(e) = r {
+                self.not_written(&puts[from].0, &anyhow::Error::from(e).context("swap it in"));
+                from += 1;
+            }
         }
         Ok(n)
+    }
+
+    /// A frontend's table that could not be written: said, and tried again
+    /// at the next full sync.
+    fn not_written(&mut self, f: &Front<A>, e: &anyhow::Error) {
+        tracing::error!(
+            frontend = %SocketAddr::new(f.0.to_ip(), f.1),
+            protocol = f.2,
+            scope = f.3,
+            "Maglev table not written ({e:#}): this frontend's outside flows are balanced at random until a sync writes it"
+        );
+        self.failed = true;
+    }
+
+    /// Remove the tables under `keys` (those already gone too), in batches.
+    fn remove_all(&mut self, keys: &[MaglevKey]) -> Result<()> {
+        let fd = self.raw.fd().as_fd().as_raw_fd();
+        let mut from = 0;
+        while from < keys.len() {
+            let (done, r) = super::maps::batch::<MaglevKey, u32>(fd, &keys[from..], None);
+            from += done;
+            match r {
+                Ok(()) => break,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => from += 1,
+                Err(e) => return Err(e).with_context(|| format!("remove the Maglev table {:?}", keys[from])),
+            }
+        }
+        Ok(())
     }
 }
 
@@ -169,12 +242,4 @@ pub fn read_tables(dir: &Path, name: &str) -> Result<BTreeMap<MaglevKey, Vec<u32
         out.insert(k, entries.into_iter().map(|(_, id)| id).collect());
     }
     Ok(out)
-}
-
-fn remove(outer: &mut HashOfMaps<MapData, MaglevKey, MapData>, k: &MaglevKey) -> Result<()> {
-    match outer.remove(k) {
-        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => Ok(()),
-        Err(aya::maps::MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
-        Err(e) => Err(e).with_context(|| format!("remove the Maglev table {k:?}")),
-    }
 }
