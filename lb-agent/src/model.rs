@@ -17,6 +17,11 @@ pub use objects::{Endpoint, EndpointSlice, Service};
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 /// Services with this label belong to another proxy.
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// The EndpointSlice controller's label on a headless Service's slices.
+/// kube-proxy's informers leave out Services and slices with either label
+/// (the kube source asks the API server to; the model holds any source to
+/// it).
+pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 /// kube-proxy's default sessionAffinity timeout.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 
@@ -289,9 +294,26 @@ fn usable_ip(a: &IpAddr) -> bool {
     !a.is_unspecified() && !a.is_loopback() && !a.is_multicast()
 }
 
+/// kube-proxy's ParseIPSloppy: as Go's parser did before 1.17, an IPv4
+/// octet may have leading zeros, read as decimal (not octal). The API
+/// server took such values before its validation tightened, and old
+/// objects still hold them: a loadBalancerSourceRange "010.0.0.0/8"
+/// read strictly would be dropped, opening the LoadBalancer IP to all.
+pub(crate) fn parse_ip_sloppy(s: &str) -> Option<IpAddr> {
+    if let Ok(a) = s.parse() {
+        return Some(a);
+    }
+    let parts: Vec<&str> = s.split('.').collect();
+    if parts.len() != 4 || !parts.iter().all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())) {
+        return None;
+    }
+    let o: Vec<u8> = parts.iter().map(|p| p.trim_start_matches('0').parse::<u8>().or_else(|e| if p.bytes().all(|b| b == b'0') { Ok(0) } else { Err(e) }).ok()).collect::<Option<_>>()?;
+    Some(IpAddr::from([o[0], o[1], o[2], o[3]]))
+}
+
 fn parse_cidr(s: &str) -> Option<(IpAddr, u8)> {
     let (a, l) = s.split_once('/').unwrap_or((s, ""));
-    let addr: IpAddr = a.trim().parse().ok()?;
+    let addr: IpAddr = parse_ip_sloppy(a.trim())?;
     let max = if addr.is_ipv4() { 32 } else { 128 };
     let len: u8 = if l.is_empty() { max } else { l.trim().parse().ok()? };
     if len > max {
@@ -342,6 +364,9 @@ fn skip_reason(svc: &Service) -> Option<&'static str> {
     if svc.metadata.labels.proxy_name.is_some() {
         return Some("labelled service.kubernetes.io/service-proxy-name");
     }
+    if svc.metadata.labels.headless.is_some() {
+        return Some("labelled service.kubernetes.io/headless");
+    }
     match spec.cluster_ip.as_deref() {
         Some("None") => Some("headless"),
         None | Some("") if spec.cluster_ips.as_ref().is_none_or(|v| v.is_empty()) => {
@@ -367,7 +392,8 @@ pub fn compute(
 /// The Service an EndpointSlice belongs to: Err(warning) when it has no
 /// owner label, Ok(None) when it is ignored (FQDN).
 fn slice_group(slice: &EndpointSlice) -> Result<Option<ServiceRef>, String> {
-    if slice.address_type == "FQDN" {
+    let l = &slice.metadata.labels;
+    if slice.address_type == "FQDN" || l.proxy_name.is_some() || l.headless.is_some() {
         return Ok(None);
     }
     slice_owner(slice).map(Some).ok_or_else(|| {
@@ -380,8 +406,9 @@ fn slice_group(slice: &EndpointSlice) -> Result<Option<ServiceRef>, String> {
 }
 
 /// Compute the desired state. Pure: same input, same output, whatever the
-/// order of the inputs. Services are settled in order of reference: of two
-/// that claim one frontend, the first keeps it. The agent keeps the same
+/// order of the inputs. Of two Services that claim one frontend, the one
+/// whose claim ranks first (`Claim`: a ClusterIP, then a NodePort or an
+/// ingress IP, then an externalIP) keeps it, then the first by reference. The agent keeps the same
 /// result up to date with `Incremental`; this is the reference it is
 /// tested against.
 #[cfg(test)]
@@ -402,16 +429,13 @@ where
     for svc in services.iter().map(|s| s.borrow()) {
         groups.entry(service_ref(svc)).or_default().0.push(svc);
     }
+    // Every claim of each frontend; the lowest (kind, Service) keeps it.
+    let mut claims: BTreeMap<FrontendKey, Vec<(Claim, ServiceRef, Arc<Frontend>)>> = BTreeMap::new();
     for (sref, (defs, slices)) in &groups {
         let o = compute_service(sref, defs, slices, node, opts);
         out.warnings.extend(o.warnings);
-        for (key, f, external) in o.frontends {
-            match out.frontends.entry(key) {
-                std::collections::btree_map::Entry::Occupied(_) => out.warnings.push(lost_warning(sref, &key, external)),
-                std::collections::btree_map::Entry::Vacant(v) => {
-                    v.insert(f);
-                }
-            }
+        for (key, f, how) in o.frontends {
+            claims.entry(key).or_default().push((how, sref.clone(), f));
         }
         out.node_ports.extend(o.node_ports);
         if let Some((port, hc)) = o.health_check {
@@ -421,6 +445,13 @@ where
             out.vip_owners.insert(*v, sref.clone());
         }
         out.vips.extend(o.vips);
+    }
+    for (key, mut c) in claims {
+        c.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+        for (how, sref, _) in &c[1..] {
+            out.warnings.push(lost_warning(sref, &key, how.external()));
+        }
+        out.frontends.insert(key, c.swap_remove(0).2);
     }
     out
 }
@@ -432,7 +463,7 @@ mod no_local;
 mod service;
 pub use incremental::{Changes, Incremental, Pair};
 pub use no_local::{NoLocalEndpoints, ip_family};
-pub use service::{ServiceOut, compute_service};
+pub use service::{Claim, ServiceOut, compute_service};
 use service::lost_warning;
 
 #[cfg(test)]
@@ -710,6 +741,22 @@ mod tests {
         let d = compute(&[ext, headless, other, noip], &[], &node());
         assert!(d.frontends.is_empty(), "{:?}", d.frontends.keys());
         assert!(d.vips.is_empty());
+    }
+
+    /// kube-proxy's informers leave out slices (and Services) labelled
+    /// service-proxy-name or headless; so does the model, whatever source
+    /// fed it.
+    #[test]
+    fn slices_labelled_for_another_proxy_or_headless_are_left_out() {
+        let mut other = slice("web", "w-2", "IPv4", WEB_EP, &[ep("10.0.0.8")]);
+        other.metadata.labels.as_mut().unwrap().insert(LABEL_SERVICE_PROXY_NAME.into(), "x".into());
+        let mut headless = slice("web", "w-3", "IPv4", WEB_EP, &[ep("10.0.0.9")]);
+        headless.metadata.labels.as_mut().unwrap().insert(LABEL_HEADLESS.into(), String::new());
+        let d = compute(&[svc("web", "10.96.0.10", WEB)], &[slice("web", "w-1", "IPv4", WEB_EP, &[ep("10.0.0.7")]), other, headless], &node());
+        assert_eq!(addrs(&d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends), ["10.0.0.7:8080"]);
+        let mut s = svc("web", "10.96.0.10", WEB);
+        s.metadata.labels = Some([(LABEL_HEADLESS.to_string(), String::new())].into());
+        assert!(compute(&[s], &[], &node()).frontends.is_empty());
     }
 
     #[test]
@@ -1083,6 +1130,74 @@ mod tests {
         assert!(!d.frontends.contains_key(&fk("203.0.113.3", 80, Proto::Tcp)), "ipMode Proxy is not short-circuited");
         assert!(d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)].source_ranges.is_empty(), "ranges apply to LB IPs");
         assert!(d.warnings.iter().any(|w| w.contains("\"bad\"")), "{:?}", d.warnings);
+    }
+
+    /// An externalIP naming another Service's ClusterIP and port never
+    /// takes it, whatever the names' order (here the externalIP's Service
+    /// sorts first), nor with the externalIP socket switch off (which
+    /// would refuse every in-cluster connect to it: cluster DNS, here);
+    /// the loser is named in a warning. `Incremental` agrees.
+    #[test]
+    fn a_cluster_ip_port_is_never_taken_by_another_services_external_ip() {
+        let mut dns = svc("kube-dns", "10.96.0.10", &[(Some("dns"), 53, "UDP")]);
+        dns.metadata.namespace = Some("kube-system".into());
+        let mut x = svc("x", "10.96.0.99", &[(Some("dns"), 53, "UDP")]);
+        x.spec.as_mut().unwrap().external_ips = Some(vec!["10.96.0.10".into()]);
+        let mut dns_slice = slice("kube-dns", "kube-dns-1", "IPv4", &[(Some("dns"), 53, "UDP")], &[ep("10.244.1.2")]);
+        dns_slice.metadata.namespace = Some("kube-system".into());
+        for socket in [true, false] {
+            let opts = Options { external_ip_socket: socket, ..Options::default() };
+            let services = [Arc::new(objects::Service::from(&x)), Arc::new(objects::Service::from(&dns))];
+            let slices = [Arc::new(objects::EndpointSlice::from(&dns_slice))];
+            let d = compute_with(&services, &slices, &node(), &opts);
+            let f = &d.frontends[&fk("10.96.0.10", 53, Proto::Udp)];
+            assert_eq!((f.service.to_string().as_str(), f.external, f.no_socket), ("kube-system/kube-dns", false, false));
+            assert_eq!(addrs(&f.backends), ["10.244.1.2:53"]);
+            assert!(d.warnings.iter().any(|w| w.contains("default/x") && w.contains("10.96.0.10")), "{:?}", d.warnings);
+            let mut inc = Incremental::new();
+            inc.update(&services, &slices, &node(), &opts);
+            assert_eq!(inc.desired(), &d, "external_ip_socket {socket}");
+        }
+    }
+
+    /// One endpoint in two slices, a copy on another node first (by slice
+    /// name) and one on this node, both ready: the local copy is the one
+    /// (outside clients of an externalTrafficPolicy Local Service reach
+    /// it, as the health check, which counts it, promises).
+    #[test]
+    fn of_two_copies_of_an_endpoint_as_usable_the_local_one_counts() {
+        let mut s = external_svc("LoadBalancer");
+        let spec = s.spec.as_mut().unwrap();
+        spec.external_traffic_policy = Some("Local".into());
+        spec.health_check_node_port = Some(32000);
+        let remote = slice("web", "a", "IPv4", WEB_EP, &[ep("10.0.0.5")]);
+        let local = slice("web", "b", "IPv4", WEB_EP, &[Ep { node: "node-a", ..ep("10.0.0.5") }]);
+        let d = compute(&[s], &[remote, local], &node());
+        let f = &d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)];
+        assert_eq!(addrs(&f.local_backends), ["10.0.0.5:8080"]);
+        assert!(f.backends[0].local);
+        assert_eq!(d.health_checks[&32000].local_v4, 1);
+    }
+
+    /// Old objects may hold IPv4 addresses with leading zeros, which
+    /// kube-proxy reads as decimal (ParseIPSloppy): so does lb, for a
+    /// Service's clusterIPs, externalIPs, ingress IPs and source ranges.
+    #[test]
+    fn addresses_with_leading_zeros_are_read_as_kube_proxy_reads_them() {
+        assert_eq!(parse_ip_sloppy("010.001.000.255"), Some("10.1.0.255".parse().unwrap()));
+        assert_eq!(parse_ip_sloppy("10.0.0.256"), None);
+        assert_eq!(parse_ip_sloppy("1.2.3"), None);
+        assert_eq!(parse_ip_sloppy("0x1.2.3.4"), None);
+        assert_eq!(parse_cidr("010.0.0.0/8"), Some(("10.0.0.0".parse().unwrap(), 8)));
+        let mut s = external_svc("LoadBalancer");
+        s.spec.as_mut().unwrap().external_ips = Some(vec!["010.1.2.3".into()]);
+        s.spec.as_mut().unwrap().load_balancer_source_ranges = Some(vec!["010.0.0.0/8".into()]);
+        lb_status(&mut s, &[("203.0.113.001", None)]);
+        let d = compute(&[s], &[local_and_remote()], &node());
+        assert!(d.frontends.contains_key(&fk("10.1.2.3", 80, Proto::Tcp)), "{:?}", d.warnings);
+        let lb = &d.frontends[&fk("203.0.113.1", 80, Proto::Tcp)];
+        assert_eq!(lb.source_ranges, [("10.0.0.0".parse().unwrap(), 8)]);
+        assert!(d.warnings.is_empty(), "{:?}", d.warnings);
     }
 
     #[test]

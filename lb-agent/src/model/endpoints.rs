@@ -170,13 +170,16 @@ fn usable(candidates: &[(Backend, Conditions)], hint: Option<Hint<'_>>) -> Vec<B
 }
 
 /// Deduplicate by address and port: the same endpoint listed twice (in two
-/// slices, say) is one backend. Where copies disagree, the more usable wins.
+/// slices, say) is one backend. Where copies disagree, the more usable wins,
+/// and of two as usable the one on this node (kube-proxy's cache prefers
+/// the local copy; the health check counts it ready and local, so the
+/// node's outside traffic must find it in the local set).
 fn dedup(v: Vec<(Backend, Conditions)>) -> Vec<(Backend, Conditions)> {
     let mut by_addr: BTreeMap<(IpAddr, u16), (Backend, Conditions)> = BTreeMap::new();
     for (b, c) in v {
-        let rank = |c: &Conditions| (c.ready, c.serving, !c.terminating);
+        let rank = |b: &Backend, c: &Conditions| (c.ready, c.serving, !c.terminating, b.local);
         match by_addr.get(&(b.addr, b.port)) {
-            Some((_, old)) if rank(old) >= rank(&c) => {}
+            Some((old_b, old)) if rank(old_b, old) >= rank(&b, &c) => {}
             _ => {
                 by_addr.insert((b.addr, b.port), (b, c));
             }

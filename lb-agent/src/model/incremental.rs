@@ -8,7 +8,8 @@
 //! changed one is found by pointer, without looking inside.
 //!
 //! Conflicts between Services are settled as `compute_with` settles them:
-//! of the Services that claim a frontend, the first by reference keeps it;
+//! of the Services that claim a frontend, the first by how it claims it
+//! (`Claim`) and then by reference keeps it;
 //! a ClusterIP and a health check port belong to the last.
 use std::collections::BTreeSet;
 
@@ -17,7 +18,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use super::{
-    Desired, EndpointSlice, Frontend, Service, FrontendKey, NodeInfo, Options, Proto, ServiceOut, ServiceRef, compute_service, lost_warning, service_ref,
+    Claim, Desired, EndpointSlice, Frontend, Service, FrontendKey, NodeInfo, Options, Proto, ServiceOut, ServiceRef, compute_service, lost_warning, service_ref,
     slice_group,
 };
 
@@ -102,8 +103,9 @@ pub struct Incremental {
     groups: HashMap<ServiceRef, Box<Group>>,
     /// EndpointSlices without an owner label, with their warning.
     unowned: Vec<(Arc<EndpointSlice>, String)>,
-    /// The Services that claim each frontend, sorted; the first has it.
-    claims: HashMap<FrontendKey, Claims>,
+    /// The Services that claim each frontend, sorted by how they claim it
+    /// (`Claim`) and reference; the first has it.
+    claims: HashMap<FrontendKey, FrontClaims>,
     /// Frontends claimed by more than one Service.
     contested: BTreeSet<FrontendKey>,
     /// The Services that serve each ClusterIP, sorted; the last owns it.
@@ -128,6 +130,20 @@ fn unclaim(c: &mut Claims, r: &ServiceRef) {
     if let Ok(i) = c.binary_search(r) {
         c.remove(i);
     }
+}
+
+/// The claims of one frontend, sorted: nearly always one.
+type FrontClaims = smallvec::SmallVec<[(Claim, ServiceRef); 1]>;
+
+fn claim_front(c: &mut FrontClaims, how: Claim, r: &ServiceRef) {
+    let x = (how, r.clone());
+    if let Err(i) = c.binary_search(&x) {
+        c.insert(i, x);
+    }
+}
+
+fn unclaim_front(c: &mut FrontClaims, r: &ServiceRef) {
+    c.retain(|(_, x)| x != r);
 }
 
 /// The objects of `old` that are not in `new`, and those of `new` that are
@@ -361,12 +377,12 @@ impl Incremental {
             let new = &g.out;
             for (k, _, _) in &old.frontends {
                 if let Some(c) = self.claims.get_mut(k) {
-                    unclaim(c, r);
+                    unclaim_front(c, r);
                 }
                 keys.insert(*k);
             }
-            for (k, _, _) in &new.frontends {
-                claim(self.claims.entry(*k).or_default(), r);
+            for (k, _, how) in &new.frontends {
+                claim_front(self.claims.entry(*k).or_default(), *how, r);
                 keys.insert(*k);
             }
             for v in &old.vips {
@@ -427,7 +443,7 @@ impl Incremental {
         let mut left = Vec::new();
         for k in keys {
             let claimants = self.claims.get(&k);
-            let winner = claimants.and_then(|c| c.first());
+            let winner = claimants.and_then(|c| c.first()).map(|(_, r)| r);
             let now = winner.map(|r| {
                 let f = self.groups[r].out.frontends.iter().find(|(x, _, _)| *x == k).expect("the claimant has it");
                 f.1.clone()
@@ -519,9 +535,8 @@ impl Incremental {
             w.extend(self.groups[r].out.warnings.iter().cloned());
         }
         for k in &self.contested {
-            for r in self.claims[k].iter().skip(1) {
-                let external = self.groups[r].out.frontends.iter().find(|(x, _, _)| x == k).is_some_and(|f| f.2);
-                w.push(lost_warning(r, k, external));
+            for (how, r) in self.claims[k].iter().skip(1) {
+                w.push(lost_warning(r, k, how.external()));
             }
         }
         w

@@ -65,7 +65,7 @@ impl Annotations {
     }
 }
 
-/// The two labels the model reads; the others are dropped.
+/// The labels the model reads; the others are dropped.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Labels {
     /// `kubernetes.io/service-name`: the Service an EndpointSlice belongs to.
@@ -74,6 +74,10 @@ pub struct Labels {
     /// `service.kubernetes.io/service-proxy-name`: another proxy serves it.
     #[serde(rename = "service.kubernetes.io/service-proxy-name", default, skip_serializing_if = "Option::is_none")]
     pub proxy_name: Option<String>,
+    /// `service.kubernetes.io/headless`: the EndpointSlice controller's mark
+    /// on a headless Service's slices.
+    #[serde(rename = "service.kubernetes.io/headless", default, skip_serializing_if = "Option::is_none")]
+    pub headless: Option<String>,
 }
 
 fn null_as_default<'de, D: Deserializer<'de>, T: Deserialize<'de> + Default>(d: D) -> Result<T, D::Error> {
@@ -87,7 +91,11 @@ impl From<&k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta> for Meta 
         Meta {
             name: m.name.clone(),
             namespace: m.namespace.clone(),
-            labels: Labels { service_name: label(LABEL_SERVICE_NAME), proxy_name: label(LABEL_SERVICE_PROXY_NAME) },
+            labels: Labels {
+                service_name: label(LABEL_SERVICE_NAME),
+                proxy_name: label(LABEL_SERVICE_PROXY_NAME),
+                headless: label(super::LABEL_HEADLESS),
+            },
             annotations: Annotations {
                 nodeport_algorithm: annotation(super::ANNOTATION_NODEPORT_ALGORITHM).map(Into::into),
                 nodeport_mode: annotation(super::ANNOTATION_NODEPORT_MODE).map(Into::into),
@@ -270,7 +278,7 @@ mod tests {
                                                      {"addresses": ["not-an-ip", "10.0.0.3"]}]}"#,
         )
         .unwrap();
-        assert_eq!(e.metadata.labels, Labels { service_name: Some("web".into()), proxy_name: None });
+        assert_eq!(e.metadata.labels, Labels { service_name: Some("web".into()), proxy_name: None, headless: None });
         assert_eq!(e.endpoints[0].addresses.as_slice(), ["10.0.0.1".parse::<IpAddr>().unwrap()]);
         assert!(e.endpoints[1].addresses.is_empty(), "the first address only");
         let e: EndpointSlice = serde_json::from_str(r#"{"metadata": {"name": "s"}, "addressType": "IPv4", "endpoints": null}"#).unwrap();

@@ -12,16 +12,36 @@ use super::endpoints::{PortEndpoints, Sets, conditions};
 use super::objects::ServiceSpec;
 use super::{
     ANNOTATION_NODEPORT_ALGORITHM, ANNOTATION_NODEPORT_MODE, Algorithm, DEFAULT_AFFINITY_TIMEOUT, Mode, EndpointSlice, Frontend, FrontendKey, HealthCheck, NodeInfo, Options, Proto, Service, ServiceRef,
-    parse_cidr, parse_proto, skip_reason, usable_ip, valid_port,
+    parse_cidr, parse_ip_sloppy, parse_proto, skip_reason, usable_ip, valid_port,
 };
+
+/// How a Service claims a frontend. Of two Services that claim one, the
+/// lower kind keeps it (then the first by reference): a ClusterIP (which
+/// the API server allocated to it alone) is never taken by another
+/// Service's externalIP or LoadBalancer IP naming the same address and
+/// port, and an externalIP (anyone who may edit a Service can set one:
+/// CVE-2020-8554) never takes a NodePort or an ingress IP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Claim {
+    ClusterIp,
+    /// A NodePort on a node address, or a LoadBalancer ingress IP.
+    NodeOrIngress,
+    ExternalIp,
+}
+
+impl Claim {
+    pub fn external(self) -> bool {
+        self != Claim::ClusterIp
+    }
+}
 
 /// What one Service contributes to the desired state, before conflicts
 /// with other Services are settled.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ServiceOut {
     /// Frontends in the order the Service claims them, each key once, and
-    /// whether the claim is external (NodePort, LB IP, externalIP).
-    pub frontends: Vec<(FrontendKey, Arc<Frontend>, bool)>,
+    /// how it claims each.
+    pub frontends: Vec<(FrontendKey, Arc<Frontend>, Claim)>,
     /// The ClusterIPs it serves (empty: the Service is not served).
     pub vips: Vec<IpAddr>,
     pub node_ports: BTreeSet<(u16, Proto)>,
@@ -31,11 +51,11 @@ pub struct ServiceOut {
 
 impl ServiceOut {
     /// Claim `key` for `front` unless this Service has it already.
-    fn claim(&mut self, claimed: &mut BTreeSet<FrontendKey>, sref: &ServiceRef, key: FrontendKey, front: Frontend, external: bool) {
+    fn claim(&mut self, claimed: &mut BTreeSet<FrontendKey>, sref: &ServiceRef, key: FrontendKey, front: Frontend, how: Claim) {
         if claimed.insert(key) {
-            self.frontends.push((key, Arc::new(front), external));
+            self.frontends.push((key, Arc::new(front), how));
         } else {
-            self.warnings.push(lost_warning(sref, &key, external));
+            self.warnings.push(lost_warning(sref, &key, how.external()));
         }
     }
 }
@@ -132,11 +152,11 @@ fn cluster_ips(sref: &ServiceRef, spec: &ServiceSpec, warnings: &mut Vec<String>
         None => spec.cluster_ip.iter().collect(),
     };
     for ip in raw {
-        match ip.parse::<IpAddr>() {
+        match parse_ip_sloppy(ip).ok_or(()) {
             Ok(a) if !usable_ip(&a) => warnings.push(format!("Service {sref}: clusterIP {ip:?} is not usable, ignored")),
             Ok(a) if !vips.contains(&a) => vips.push(a),
             Ok(_) => {}
-            Err(_) => warnings.push(format!("Service {sref}: invalid clusterIP {ip:?}, ignored")),
+            Err(()) => warnings.push(format!("Service {sref}: invalid clusterIP {ip:?}, ignored")),
         }
     }
     vips
@@ -200,7 +220,7 @@ fn cluster_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>, 
     for vip in vips {
         let Sets { cluster, topology, local, extra } = p.eps.sets(vip.is_ipv4(), !local_only);
         let front = Frontend { backends: cluster, local_only, local_backends: local, topology, extra_serving: extra, ..p.base.clone() };
-        out.claim(claimed, p.sref, FrontendKey { addr: *vip, port: p.port, proto: p.proto }, front, false);
+        out.claim(claimed, p.sref, FrontendKey { addr: *vip, port: p.port, proto: p.proto }, front, Claim::ClusterIp);
     }
 }
 
@@ -216,6 +236,8 @@ struct External {
     /// 127.0.0.1 (`NodeFacts::localhost_nodeports`): for the node's own
     /// sockets only.
     host_only: bool,
+    /// From `spec.externalIPs`.
+    external_ip: bool,
 }
 
 /// The NodePort on every node address, the LoadBalancer ingress IPs (not
@@ -231,7 +253,7 @@ fn external_addresses(out: &mut ServiceOut, p: &Port<'_>) -> Vec<External> {
                 out.node_ports.insert((np, proto));
                 // 127.0.0.1 among them: kube-proxy's localhost NodePorts,
                 // for the node's own sockets only.
-                external.extend(node.addresses.iter().map(|a| External { addr: *a, port: np, no_socket: false, lb_ip: false, host_only: a.is_loopback() }));
+                external.extend(node.addresses.iter().map(|a| External { addr: *a, port: np, no_socket: false, lb_ip: false, host_only: a.is_loopback(), external_ip: false }));
             }
             None => out.warnings.push(format!("Service {sref}: invalid nodePort {np}, ignored")),
         }
@@ -244,16 +266,16 @@ fn external_addresses(out: &mut ServiceOut, p: &Port<'_>) -> Vec<External> {
             if ing.ip_mode.as_deref() == Some("Proxy") {
                 continue;
             }
-            match ing.ip.as_deref().map(str::parse::<IpAddr>) {
-                Some(Ok(a)) if usable_ip(&a) => external.push(External { addr: a, port, no_socket: false, lb_ip: true, host_only: false }),
+            match ing.ip.as_deref().map(|ip| parse_ip_sloppy(ip).ok_or(())) {
+                Some(Ok(a)) if usable_ip(&a) => external.push(External { addr: a, port, no_socket: false, lb_ip: true, host_only: false, external_ip: false }),
                 Some(_) => out.warnings.push(format!("Service {sref}: invalid load balancer ingress IP {:?}", ing.ip)),
                 None => {}
             }
         }
     }
     for ip in spec.external_ips.iter().flatten() {
-        match ip.parse::<IpAddr>() {
-            Ok(a) if usable_ip(&a) => external.push(External { addr: a, port, no_socket: !opts.external_ip_socket, lb_ip: false, host_only: false }),
+        match parse_ip_sloppy(ip) {
+            Some(a) if usable_ip(&a) => external.push(External { addr: a, port, no_socket: !opts.external_ip_socket, lb_ip: false, host_only: false, external_ip: true }),
             _ => out.warnings.push(format!("Service {sref}: invalid externalIP {ip:?}, ignored")),
         }
     }
@@ -309,7 +331,8 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
             dsr: p.dsr && !ext_local && !e.host_only,
             ..p.base.clone()
         };
-        out.claim(claimed, p.sref, FrontendKey { addr: e.addr, port: e.port, proto: p.proto }, front, true);
+        let how = if e.external_ip { Claim::ExternalIp } else { Claim::NodeOrIngress };
+        out.claim(claimed, p.sref, FrontendKey { addr: e.addr, port: e.port, proto: p.proto }, front, how);
     }
 }
 
