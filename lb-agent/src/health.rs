@@ -200,6 +200,8 @@ pub fn tracked_sockets(stats: &[(&'static str, u64)]) -> Option<u64> {
 pub struct ServiceCounters {
     pub frontend: bool,
     pub addr: String,
+    /// A backend's protocol (a pod's port 53 is a TCP and a UDP backend).
+    pub protocol: Option<&'static str>,
     pub counters: lb_common::SvcStats,
 }
 
@@ -265,11 +267,14 @@ impl Collector for DatapathCollector {
                 let (_, _, _, reason, pick) = families[i];
                 for s in per.iter().filter(|s| s.frontend == frontend) {
                     let key = if frontend { "frontend" } else { "backend" };
-                    if reason.is_empty() {
-                        ConstCounter::new(pick(&s.counters)).encode(m.encode_family(&[(key, s.addr.as_str())])?)?;
-                    } else {
-                        ConstCounter::new(pick(&s.counters)).encode(m.encode_family(&[(key, s.addr.as_str()), ("reason", reason)])?)?;
+                    let mut labels = vec![(key, s.addr.as_str())];
+                    if let Some(p) = s.protocol {
+                        labels.push(("protocol", p));
                     }
+                    if !reason.is_empty() {
+                        labels.push(("reason", reason));
+                    }
+                    ConstCounter::new(pick(&s.counters)).encode(m.encode_family(&labels)?)?;
                 }
                 i += 1;
             }
@@ -314,6 +319,8 @@ pub struct Metrics {
     pub cgroup_invisible: Gauge,
     /// kube-proxy's rules found on the node, per mode (1: there).
     pub kube_proxy_rules: Family<[(&'static str, &'static str); 1], Gauge>,
+    /// Other owners' BPF programs on lb's socket hooks, by hook.
+    pub foreign_programs: Family<[(&'static str, &'static str); 1], Gauge>,
     /// `--bpf-forward` only: NetworkPolicy engines enforcing in netfilter
     /// (crate::policy_engines), whose policy the flag bypasses.
     pub bpf_forward_policy_bypassed: Family<[(&'static str, &'static str); 1], Gauge>,
@@ -358,6 +365,7 @@ impl Metrics {
             drift_repaired: Counter::default(),
             cgroup_invisible: Gauge::default(),
             kube_proxy_rules: Family::default(),
+            foreign_programs: Family::default(),
             bpf_forward_policy_bypassed: Family::default(),
             netfilter_written: Family::default(),
             netfilter_problems: Gauge::default(),
@@ -458,6 +466,11 @@ impl Metrics {
                 "lb_kube_proxy_rules",
                 "kube-proxy's rules found on the node, by mode (iptables-legacy, iptables-nft, nftables, ipvs): 1 while there (kube-proxy running, or its rules left behind)",
                 m.kube_proxy_rules.clone(),
+            );
+            r.register(
+                "lb_foreign_programs",
+                "BPF programs of other owners on the cgroup hooks lb's socket programs use (connect4/6, sendmsg4/6, recvmsg4/6, getpeername4/6), for lb's cgroup and its ancestors, by hook: another proxy's (Cilium's socket LB, Calico's eBPF mode) acts on Service addresses before lb",
+                m.foreign_programs.clone(),
             );
             r.register(
                 "lb_bpf_forward_policy_bypassed",

@@ -465,11 +465,27 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             bpf_log,
         } => {
             loader::check_root()?;
+            loader::check_kernel()?;
             loader::check_caps()?;
             let source: source::SourceSpec = source.parse().map_err(|e| anyhow::anyhow!("--source: {e}"))?;
             let cgroup = match cgroup {
                 Some(c) => c,
-                None => loader::cgroup2_root()?,
+                None => {
+                    let root = loader::cgroup2_root()?;
+                    // Only a cgroup below the hierarchy's root has
+                    // cgroup.type: in a container with a cgroup namespace of
+                    // its own, the mount is the container's cgroup, and lb
+                    // would balance only the processes in it.
+                    if root.join("cgroup.type").exists() {
+                        tracing::warn!(
+                            cgroup = %root.display(),
+                            "--cgroup not given and the cgroup v2 mount here is not the hierarchy's root (a container's cgroup \
+                             namespace?): only processes in it are balanced. For the whole node pass --cgroup with the host's \
+                             cgroup v2 root (the DaemonSet mounts it at /run/lb/cgroupv2)"
+                        );
+                    }
+                    root
+                }
             };
             let bind = |flag: &str, v: &str| -> anyhow::Result<Option<std::net::SocketAddr>> {
                 if v.is_empty() {
@@ -617,7 +633,16 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Teardown { bpffs, wait_seconds } => {
             loader::check_root()?;
-            loader::teardown(&bpffs, std::time::Duration::from_secs(wait_seconds))?;
+            if !loader::teardown(&bpffs, std::time::Duration::from_secs(wait_seconds))? {
+                // A second teardown, or a typo: the netfilter rules (one set
+                // per network namespace) may be another agent's, running
+                // with another --bpffs.
+                eprintln!(
+                    "nothing is pinned under {}: nothing removed (lb's netfilter rules stay: they belong to whichever agent runs here)",
+                    bpffs.display()
+                );
+                return Ok(());
+            }
             let mut errors = firewall::remove();
             errors.extend(firewall::remove_table());
             anyhow::ensure!(errors.is_empty(), "remove lb's netfilter rules: {}", errors.join("; "));

@@ -28,6 +28,7 @@ pub fn yaml_docs(text: &str) -> std::result::Result<Vec<serde_json::Value>, serd
     serde_saphyr::from_multiple_with_options(text, o)
 }
 
+pub mod bpfprog;
 pub mod btfmap;
 pub mod objects;
 pub mod podspec;

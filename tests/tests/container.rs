@@ -477,7 +477,7 @@ fn the_containerized_agent_destroys_a_held_connection_to_a_removed_endpoint() ->
 
 /// Uninstalling: the agent's pod goes (as `kubectl delete -k deploy/`), its
 /// programs keep serving from the pins; then the pod spec of
-/// deploy/uninstall.yaml runs on the node and leaves it clean: no pins, no
+/// deploy/uninstall/ runs on the node and leaves it clean: no pins, no
 /// programs on the cgroup, the reserved NodePort range given back.
 #[test]
 fn the_uninstall_daemon_set_leaves_the_node_clean() -> Result<()> {
@@ -493,7 +493,7 @@ fn the_uninstall_daemon_set_leaves_the_node_clean() -> Result<()> {
     let s = tcp(&w.c, &w.client, 10)?;
     assert_eq!(s.ok, 10, "the pinned programs serve without an agent: {s:?}");
 
-    let un = podspec::daemonset_from_yaml(&std::fs::read_to_string(root().join("deploy/uninstall.yaml"))?)?;
+    let un = podspec::daemonset_from_yaml(&std::fs::read_to_string(root().join("deploy/uninstall/daemonset.yaml"))?)?;
     let pod = podspec::pod_runs(&un, &w.pod_context(&format!("{}-cleanup", w.c.id))?)?;
     for r in &pod.runs {
         w.ctrs.add(&r.name);

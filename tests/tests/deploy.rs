@@ -143,7 +143,11 @@ fn the_daemon_set_runs_on_every_node_with_pinned_state_and_health() {
 
 #[test]
 fn the_uninstall_daemon_set_tears_down_in_the_nodes_network_namespace() {
-    let ds: DaemonSet = typed(&docs("uninstall.yaml")[0]);
+    let ds: DaemonSet = typed(&docs("uninstall/daemonset.yaml")[0]);
+    // Applied with -k: the agent's image, as the agent's kustomization sets it.
+    let k = &docs("uninstall/kustomization.yaml")[0];
+    assert_eq!(k["resources"], serde_json::json!(["daemonset.yaml"]));
+    assert_eq!(k["images"], docs("kustomization.yaml")[0]["images"], "the same image as the agent's");
     let pod = ds.spec.unwrap().template.spec.unwrap();
     assert_eq!(pod.host_network, Some(true), "TC filters and the reserved ports are per network namespace");
     assert_eq!(pod.node_selector.as_ref().and_then(|s| s.get("kubernetes.io/os")).map(String::as_str), Some("linux"), "where the agent ran");

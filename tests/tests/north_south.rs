@@ -1032,6 +1032,18 @@ fn snated_flows_skip_conntrack_where_it_runs_so_invalid_drops_pass_them() -> Res
     w.c.wait_for("table inet lb again", Duration::from_secs(10), || table(&w))?;
     let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 5)?;
     assert_eq!(s.ok, 5, "{s:?}");
+    // A teardown of a directory nothing is pinned under (a typo) removes
+    // nothing, not the running agent's netfilter rules either.
+    let typo = format!("{}-typo", w.c.nodes[0].bpffs.display());
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{n1}"))
+        .arg("--")
+        .arg(lbtest::bin("lb-agent"))
+        .args(["teardown", "--bpffs", &typo])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains(&format!("nothing is pinned under {typo}: nothing removed")), "{err}");
+    assert!(table(&w)?, "the running agent's table stays");
     w.c.kill_agent(1);
     lbtest::teardown_in(&n1, &w.c.nodes[0].bpffs)?;
     assert!(!table(&w)?, "teardown removes table inet lb");

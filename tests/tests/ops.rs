@@ -408,6 +408,19 @@ fn per_frontend_and_backend_counters_like_ipvsadm_stats() -> Result<()> {
     assert!(bytes >= packets * 54, "{np}");
     assert_eq!(cip["stats"]["packets"], 0, "socket-LB connections have no per-packet path: {cip}");
 
+    // Backends by address, port and protocol: each pod's 8080 serves the
+    // Service's TCP and UDP ports, one series each (before 12-05 both were
+    // labelled only "ip:8080": repeated series, which Prometheus refuses).
+    assert_eq!(w.c.probe(&client, &["udp", "--addr", "10.96.0.10:80", "--count", "4", "--connected"])?.ok, 4);
+    let (_, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
+    let series: Vec<&str> = m.lines().filter(|l| l.starts_with("lb_backend_connections_total{")).filter_map(|l| l.rsplit_once(' ').map(|x| x.0)).collect();
+    let distinct: std::collections::BTreeSet<&str> = series.iter().copied().collect();
+    assert_eq!(distinct.len(), series.len(), "one series per backend: {m}");
+    let sum = |proto: &str| -> f64 {
+        [&w.p1, &w.p2].iter().map(|p| metric(&m, &format!("lb_backend_connections_total{{backend=\"{}:8080\",protocol=\"{proto}\"}}", p.ip)).unwrap_or(0.0)).sum()
+    };
+    assert_eq!((sum("TCP"), sum("UDP")), (14.0, 4.0), "{m}");
+
     // No endpoints: refusals are counted by reason.
     set_endpoints(&w, &[])?;
     wait_backends(&w.c, 1, "10.96.0.10", 80, 0)?;
@@ -415,12 +428,14 @@ fn per_frontend_and_backend_counters_like_ipvsadm_stats() -> Result<()> {
     assert_eq!(s.errors.get("ECONNREFUSED"), Some(&3), "{s:?}");
     let l = w.c.list_with(1, &["--stats"])?;
     let cip = l["frontends"].as_array().unwrap().iter().find(|f| f["address"] == "10.96.0.10" && f["port"] == 80 && f["protocol"] == "TCP").unwrap().clone();
-    assert_eq!((cip["stats"]["conns"].as_u64(), cip["stats"]["refused"].as_u64()), (Some(10), Some(3)), "{cip}");
+    // 10 TCP and 4 UDP connects: the TCP and UDP port of one address and
+    // port number share the frontend's counters (one rev-NAT id).
+    assert_eq!((cip["stats"]["conns"].as_u64(), cip["stats"]["refused"].as_u64()), (Some(14), Some(3)), "{cip}");
     let text = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["list", "--stats", "--bpffs", w.c.nodes[0].bpffs.to_str().unwrap()])?;
-    assert!(text.contains("conns=10 refused=3 unreachable=0"), "{text}");
+    assert!(text.contains("conns=14 refused=3 unreachable=0"), "{text}");
 
     let (_, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
-    assert_eq!(metric(&m, "lb_frontend_connections_total{frontend=\"10.96.0.10:80\"}"), Some(10.0), "{m}");
+    assert_eq!(metric(&m, "lb_frontend_connections_total{frontend=\"10.96.0.10:80\"}"), Some(14.0), "{m}");
     assert_eq!(metric(&m, "lb_frontend_refused_total{frontend=\"10.96.0.10:80\",reason=\"no_endpoints\"}"), Some(3.0), "{m}");
     assert_eq!(metric(&m, &format!("lb_frontend_connections_total{{frontend=\"{NODE1}:30080\"}}")), Some(4.0), "{m}");
     assert!(metric(&m, &format!("lb_frontend_packets_total{{frontend=\"{NODE1}:30080\"}}")).unwrap() >= 24.0, "{m}");
@@ -516,6 +531,34 @@ fn an_id_handed_out_again_starts_its_counters_from_zero() -> Result<()> {
     w.c.wait_for("the periodic resync to delete the stale counters", std::time::Duration::from_secs(10), || Ok(stale_left(&w)? == 0))?;
     let (stats, backends) = w.c.frontend_stats(1, "10.96.0.30", 80, "TCP")?;
     assert_eq!((stats["conns"].as_u64(), backends), (Some(3), 3), "the counters of ids in use stay: {stats}");
+    Ok(())
+}
+
+/// Another proxy's socket program left on the cgroup lb attaches to (as
+/// Cilium's socket LB stays after a move from Cilium) runs on every
+/// connect before lb's: named in a warning and in
+/// `lb_foreign_programs{hook}`. node-2, with none, says nothing.
+#[test]
+fn another_proxys_socket_program_on_lbs_cgroup_is_named_in_a_warning_and_a_metric() -> Result<()> {
+    let mut c = Cluster::new(2)?;
+    let _prog = lbtest::bpfprog::attach_connect4(&c.nodes[0].cgroup, "cil_sock4_conn")?;
+    for node in [1, 2] {
+        c.start_agent_with(node, &["--kube-proxy-check-period", "1s"])?;
+    }
+    let log1 = c.agent_log(1);
+    c.wait_for("node-1's warning", Duration::from_secs(10), || {
+        Ok(std::fs::read_to_string(&log1)?.contains("other BPF programs run on the socket hooks lb uses"))
+    })?;
+    let text = std::fs::read_to_string(&log1)?;
+    assert!(text.contains("cil_sock4_conn on connect4 (id "), "{text}");
+    let gauge = |node: usize, hook: &str| -> Result<Option<f64>> {
+        Ok(metric(&c.http(node, "127.0.0.1:10249", "/metrics")?.1, &format!("lb_foreign_programs{{hook=\"{hook}\"}}")))
+    };
+    assert_eq!((gauge(1, "connect4")?, gauge(1, "sendmsg4")?, gauge(1, "connect6")?), (Some(1.0), Some(0.0), Some(0.0)));
+    c.wait_for("node-2's metric", Duration::from_secs(10), || Ok(gauge(2, "connect4")?.is_some()))?;
+    assert_eq!(gauge(2, "connect4")?, Some(0.0));
+    let text2 = std::fs::read_to_string(c.agent_log(2))?;
+    assert!(!text2.contains("other BPF programs"), "{text2}");
     Ok(())
 }
 

@@ -249,8 +249,19 @@ fn teardown_detaches_and_unpins_everything() -> Result<()> {
     assert!(bpffs.join(lb_common::maps::SERVICES4).exists());
     assert_eq!(tcp(&w.c, &w.client, "10.96.0.10:80", 3)?.ok, 3, "still translated");
     w.c.kill_agent(1);
+    // A pin this version does not know (an agent of a newer version made
+    // it; the uninstall image lags): lb's directory goes all the same.
+    let future = bpffs.join("LB_FROM_A_NEWER_LB");
+    lbtest::run("bpftool", &["map", "create", future.to_str().unwrap(), "type", "array", "key", "4", "value", "4", "entries", "1", "name", "lb_future"])?;
     lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["teardown", "--bpffs", bpffs.to_str().unwrap()])?;
     assert!(!bpffs.exists());
+    // Again, or on a node where nothing is pinned and no bpffs is mounted
+    // (a reboot since): nothing to do, said, and no error.
+    for dir in [bpffs.clone(), std::path::PathBuf::from("/tmp/lb-never-pinned-here")] {
+        let out = std::process::Command::new(lbtest::bin("lb-agent")).args(["teardown", "--bpffs", dir.to_str().unwrap()]).output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && err.contains("nothing is pinned under"), "{}: {err}", dir.display());
+    }
     let progs = lbtest::run("bpftool", &["cgroup", "show", w.c.nodes[0].cgroup.to_str().unwrap()])?;
     assert!(!progs.contains("lb_connect4"), "{progs}");
     let s = tcp(&w.c, &w.client, "10.96.0.10:80", 1)?;

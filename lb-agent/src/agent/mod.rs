@@ -231,8 +231,10 @@ impl crate::health::StatsSource for PinnedStats {
                 return Vec::new();
             }
         };
-        let mut out = Vec::new();
-        let name = |key: &lb_common::SvcStatsKey| -> Option<(bool, String)> {
+        // A frontend is named by its address and port (its rev-NAT id,
+        // which its TCP and UDP ports share); a backend by its address,
+        // port and protocol, summed over the ids it has (one per flags).
+        let name = |key: &lb_common::SvcStatsKey| -> Option<(bool, String, Option<&'static str>)> {
             let v4 = key.family == lb_common::FAMILY_V4;
             if key.kind == lb_common::STATS_FRONTEND {
                 let id = u16::try_from(key.id).ok()?;
@@ -241,22 +243,34 @@ impl crate::health::StatsSource for PinnedStats {
                 } else {
                     maps.v6.revnat.get(&id, 0).ok().map(|r| (r.addr.to_ip(), r.port))?
                 };
-                Some((true, std::net::SocketAddr::new(addr, port).to_string()))
+                Some((true, std::net::SocketAddr::new(addr, port).to_string(), None))
             } else {
-                let (addr, port) = if v4 {
-                    maps.v4.backends.get(&key.id, 0).ok().map(|b| (b.addr.to_ip(), b.port))?
+                let (addr, port, proto) = if v4 {
+                    maps.v4.backends.get(&key.id, 0).ok().map(|b| (b.addr.to_ip(), b.port, b.proto))?
                 } else {
-                    maps.v6.backends.get(&key.id, 0).ok().map(|b| (b.addr.to_ip(), b.port))?
+                    maps.v6.backends.get(&key.id, 0).ok().map(|b| (b.addr.to_ip(), b.port, b.proto))?
                 };
-                Some((false, std::net::SocketAddr::new(addr, port).to_string()))
+                let protocol = if proto == lb_common::PROTO_UDP { "UDP" } else { "TCP" };
+                Some((false, std::net::SocketAddr::new(addr, port).to_string(), Some(protocol)))
             }
         };
+        let mut summed: std::collections::BTreeMap<(bool, String, Option<&'static str>), lb_common::SvcStats> = Default::default();
         for (key, c) in &counters {
             // Ids deleted meanwhile have no name: left out.
-            if let Some((frontend, addr)) = name(key) {
-                out.push(crate::health::ServiceCounters { frontend, addr, counters: *c });
+            if let Some(series) = name(key) {
+                let t = summed.entry(series).or_default();
+                t.conns += c.conns;
+                t.refused += c.refused;
+                t.unreachable += c.unreachable;
+                t.packets += c.packets;
+                t.bytes += c.bytes;
+                t.source_range += c.source_range;
             }
         }
+        let out: Vec<_> = summed
+            .into_iter()
+            .map(|((frontend, addr, protocol), counters)| crate::health::ServiceCounters { frontend, addr, protocol, counters })
+            .collect();
         out
     }
 }
@@ -426,6 +440,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     if !cfg.kube_proxy_check_period.is_zero() {
         let m = metrics.clone();
         every(cfg.kube_proxy_check_period, None, "looking for kube-proxy's rules", move |last| crate::kube_proxy::check(&m.kube_proxy_rules, last));
+        // Another proxy's BPF programs on the socket hooks.
+        let (m, cgroup) = (metrics.clone(), cfg.cgroup.clone());
+        every(cfg.kube_proxy_check_period, None, "looking for other programs on the socket hooks", move |last| {
+            crate::dataplane::foreign::check(&cgroup, &m.foreign_programs, last)
+        });
         // NetworkPolicy in netfilter, which forwarding in BPF bypasses.
         if cfg.node_flags & lb_common::node_flags::BPF_FORWARD != 0 {
             let m = metrics.clone();

@@ -33,6 +33,33 @@ pub fn check_root() -> Result<()> {
     Ok(())
 }
 
+/// The oldest kernel lb runs on: its cgroup hooks refuse a connect with
+/// the errno kube-proxy's REJECT gives through `bpf_set_retval` (5.18).
+pub const MIN_KERNEL: (u32, u32) = (5, 18);
+
+/// One line when the kernel `release` (as `uname -r` prints it) is older
+/// than `MIN_KERNEL`; an unreadable one is let through (the loader's
+/// verifier then says what it lacks).
+pub fn check_kernel_release(release: &str) -> Result<()> {
+    let mut nums = release.split(|c: char| !c.is_ascii_digit()).filter(|s| !s.is_empty()).map(|s| s.parse::<u32>().unwrap_or(0));
+    let (Some(major), Some(minor)) = (nums.next(), nums.next()) else { return Ok(()) };
+    if (major, minor) < MIN_KERNEL {
+        bail!(
+            "this node runs Linux {release}; lb needs {}.{} or later (its cgroup hooks refuse connects with bpf_set_retval): \
+             keep kube-proxy on this node",
+            MIN_KERNEL.0,
+            MIN_KERNEL.1
+        );
+    }
+    Ok(())
+}
+
+/// `check_kernel_release` of this node's kernel.
+pub fn check_kernel() -> Result<()> {
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease").context("read /proc/sys/kernel/osrelease")?;
+    check_kernel_release(release.trim())
+}
+
 /// The capabilities the agent needs, with what each is for.
 const CAPS: [(caps::Capability, &str); 3] = [
     (caps::Capability::CAP_BPF, "load programs and create maps"),
@@ -137,6 +164,16 @@ pub fn memory_limit_in(cgroup: &str, read: impl Fn(&Path) -> Option<String>) -> 
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_kernel_older_than_lb_needs_is_one_clear_line() {
+        let e = check_kernel_release("5.15.0-91-generic").unwrap_err().to_string();
+        assert!(e.contains("this node runs Linux 5.15.0-91-generic; lb needs 5.18 or later") && e.contains("keep kube-proxy"), "{e}");
+        assert!(check_kernel_release("4.19.0").is_err());
+        for ok in ["5.18.0", "6.1.0-13-amd64", "6.18.44-fc-v1252", "10.0", "weird"] {
+            assert!(check_kernel_release(ok).is_ok(), "{ok}");
+        }
+    }
     use super::*;
     use std::collections::HashMap;
 

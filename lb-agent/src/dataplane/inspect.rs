@@ -15,8 +15,9 @@ pub struct BackendView {
     pub address: String,
     pub port: u16,
     pub local: bool,
-    /// "active", or "terminating" (serving while terminating: used only
-    /// because no endpoint is ready).
+    /// "active", "terminating" (serving while terminating: used only
+    /// because no endpoint is ready), or "missing" (a slot, or the backend
+    /// its id names, is not in the maps: drift the agent repairs).
     pub state: &'static str,
     /// `--stats`: connections translated to it.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -61,7 +62,9 @@ pub struct FrontendView {
     pub flags: Vec<&'static str>,
     pub affinity_timeout: Option<u32>,
     pub backends: Vec<BackendView>,
-    /// Only for internalTrafficPolicy Local: the node-local backends used.
+    /// For internalTrafficPolicy Local (the node's own connections) and
+    /// externalTrafficPolicy Local (outside clients): the node-local
+    /// backends used.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub local_backends: Option<Vec<BackendView>>,
     /// `--stats`: its counters.
@@ -113,19 +116,25 @@ fn proto_name(p: u8) -> &'static str {
     }
 }
 
+/// The backends of a frontend's `count` slots in `scope`. A slot that is
+/// missing, or names a backend id the backends map does not hold, is
+/// shown as "missing" (id 0 for a missing slot): the programs pick it
+/// and try again, and a connect can be refused; the agent repairs such
+/// drift at its next resync.
 fn backends<A: Addr>(t: &Table<A>, k: &SvcKey<A>, scope: u8, count: u16, svc: Option<&SvcCounters>) -> Vec<BackendView> {
     (1..=count)
-        .filter_map(|slot| {
-            let s = t.services.get(&SvcKey::new(k.addr, k.port, k.proto, scope, slot))?;
-            let b = t.backends.get(&s.backend_id)?;
-            Some(BackendView {
+        .map(|slot| {
+            let missing = |id: u32| BackendView { id, address: "?".into(), port: 0, local: false, state: "missing", stats: None };
+            let Some(s) = t.services.get(&SvcKey::new(k.addr, k.port, k.proto, scope, slot)) else { return missing(0) };
+            let Some(b) = t.backends.get(&s.backend_id) else { return missing(s.backend_id) };
+            BackendView {
                 id: s.backend_id,
                 address: b.addr.to_ip().to_string(),
                 port: b.port,
                 local: b.flags & backend_flags::LOCAL != 0,
                 state: if b.flags & backend_flags::TERMINATING != 0 { "terminating" } else { "active" },
                 stats: counters(svc, STATS_BACKEND, A::FAMILY, s.backend_id),
-            })
+            }
         })
         .collect()
 }
@@ -233,10 +242,25 @@ pub fn render_text(v: &ListView) -> String {
             let _ = writeln!(s, "  ({why})");
         }
         for b in shown {
-            let addr = if f.family == "IPv6" { format!("[{}]:{}", b.address, b.port) } else { format!("{}:{}", b.address, b.port) };
+            let addr = match (b.state, f.family) {
+                ("missing", _) if b.id == 0 => "(a slot missing)".to_string(),
+                ("missing", _) => "(its backend missing)".to_string(),
+                (_, "IPv6") => format!("[{}]:{}", b.address, b.port),
+                _ => format!("{}:{}", b.address, b.port),
+            };
             let local = if b.local { " local" } else { "" };
             let counted = b.stats.map_or(String::new(), |c| format!("  conns={}", c.conns));
             let _ = writeln!(s, "  -> {:<33} id={:<6} {}{local}{counted}", addr, b.id, b.state);
+        }
+        // externalTrafficPolicy Local: outside clients reach the local
+        // endpoints only (the list above serves the cluster's own traffic).
+        if let Some(local) = f.local_backends.as_ref().filter(|_| f.flags.contains(&"etp-local") && !f.flags.contains(&"itp-local")) {
+            if local.is_empty() {
+                let _ = writeln!(s, "  (outside clients: no local endpoint: their packets are dropped)");
+            } else {
+                let ids: Vec<String> = local.iter().map(|b| b.id.to_string()).collect();
+                let _ = writeln!(s, "  (outside clients: the local endpoints only: id={})", ids.join(","));
+            }
         }
     }
     let stats: Vec<String> = v.stats.iter().map(|(k, n)| format!("{k}={n}")).collect();
@@ -376,4 +400,57 @@ pub fn render_nat(flows: &[NatFlow]) -> String {
     }
     let _ = writeln!(s, "{} flows", flows.len());
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lb_common::{Backend, SvcValue};
+
+    fn put(t: &mut Table<[u8; 4]>, port: u16, scope: u8, slot: u16, v: SvcValue) {
+        t.services.insert(SvcKey::new([192, 168, 77, 11], port, PROTO_TCP, scope, slot), v);
+    }
+
+    fn slot(backend_id: u32) -> SvcValue {
+        SvcValue { backend_id, ..Default::default() }
+    }
+
+    #[test]
+    fn list_shows_what_outside_clients_of_an_etp_local_frontend_reach_and_missing_slots() {
+        let mut t = Table::<[u8; 4]>::default();
+        t.backends.insert(1, Backend { addr: [10, 244, 1, 10], port: 8080, proto: PROTO_TCP, flags: backend_flags::LOCAL });
+        t.backends.insert(2, Backend { addr: [10, 244, 2, 10], port: 8080, proto: PROTO_TCP, flags: 0 });
+        let ext_local = svc_flags::EXTERNAL | svc_flags::EXT_LOCAL;
+        // 30080: two endpoints, the local one for outside clients.
+        put(&mut t, 30080, SCOPE_ALL, 0, SvcValue { count: 2, rev_nat_id: 1, flags: ext_local, ..Default::default() });
+        put(&mut t, 30080, SCOPE_ALL, 1, slot(1));
+        put(&mut t, 30080, SCOPE_ALL, 2, slot(2));
+        put(&mut t, 30080, SCOPE_LOCAL, 0, SvcValue { count: 1, rev_nat_id: 1, flags: ext_local, ..Default::default() });
+        put(&mut t, 30080, SCOPE_LOCAL, 1, slot(1));
+        // 30081: no local endpoint; 30082: three slots, one missing and one
+        // naming a backend the map does not hold.
+        put(&mut t, 30081, SCOPE_ALL, 0, SvcValue { count: 1, rev_nat_id: 2, flags: ext_local, ..Default::default() });
+        put(&mut t, 30081, SCOPE_ALL, 1, slot(2));
+        put(&mut t, 30082, SCOPE_ALL, 0, SvcValue { count: 3, rev_nat_id: 3, flags: svc_flags::EXTERNAL, ..Default::default() });
+        put(&mut t, 30082, SCOPE_ALL, 1, slot(2));
+        put(&mut t, 30082, SCOPE_ALL, 3, slot(9));
+        let text = render_text(&view(&t, &Table::default(), Vec::new(), None));
+        let block = |port: u16| -> String {
+            let from = text.find(&format!("192.168.77.11:{port}")).unwrap_or_else(|| panic!("{text}"));
+            let rest = &text[from..];
+            let end = rest[1..].find("\nip4").map_or(rest.len(), |e| e + 1);
+            rest[..end].to_string()
+        };
+        let b = block(30080);
+        assert!(b.contains("10.244.1.10:8080") && b.contains("10.244.2.10:8080"), "{b}");
+        assert!(b.contains("(outside clients: the local endpoints only: id=1)"), "{b}");
+        let b = block(30081);
+        assert!(b.contains("(outside clients: no local endpoint: their packets are dropped)"), "{b}");
+        let b = block(30082);
+        assert!(b.contains(" 3 ") && b.contains("(a slot missing)") && b.contains("(its backend missing)") && b.contains("id=9"), "{b}");
+        assert_eq!(b.matches("missing").count(), 4, "{b}");
+        let json = serde_json::to_value(view(&t, &Table::default(), Vec::new(), None)).unwrap();
+        let states: Vec<&str> = json["frontends"][2]["backends"].as_array().unwrap().iter().map(|b| b["state"].as_str().unwrap()).collect();
+        assert_eq!(states, ["active", "missing", "missing"], "{json}");
+    }
 }

@@ -22,7 +22,7 @@ use lb_common::maps;
 
 use super::maps::Maps;
 pub use super::bpflog::{BpfLog, BpfLogSink};
-pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_root, memory_limit};
+pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_kernel, check_root, memory_limit};
 pub use super::upgrade::{pin_path, staged_pin};
 use super::upgrade::{LAYOUT_MARKER, NEXT, Pass, carry_ids, carry_state, expected_layout, incompatible, layout_version, mark_layout};
 
@@ -839,11 +839,14 @@ fn attach_netlink(prog: &mut SchedClassifier, iface: &str, ty: TcAttachType) -> 
 /// running there (its pod terminating) is waited for, up to `wait`: it
 /// would put back what this removes (its firewall rules) and keep
 /// programming the maps. Past that, nothing is removed: an error.
-pub fn teardown(bpffs: &Path, wait: std::time::Duration) -> Result<()> {
-    check_bpffs(bpffs)?;
+/// Returns whether anything was pinned there.
+pub fn teardown(bpffs: &Path, wait: std::time::Duration) -> Result<bool> {
+    // Nothing there (a node rebooted since, where nothing mounts a bpffs):
+    // nothing to do, whatever file system holds the path.
     if !bpffs.exists() {
-        return Ok(());
+        return Ok(false);
     }
+    check_bpffs(bpffs)?;
     let _lock = lock_waiting(
         bpffs,
         wait,
@@ -887,8 +890,15 @@ pub fn teardown(bpffs: &Path, wait: std::time::Duration) -> Result<()> {
             fs::remove_file(&p).with_context(|| format!("unpin {}", p.display()))?;
         }
     }
+    // Pins this version does not know (an agent of another version made
+    // them: the uninstall image lags or leads): lb's directory, so gone too.
+    for e in fs::read_dir(bpffs)?.flatten() {
+        let p = e.path();
+        tracing::info!(pin = %p.display(), "unpinned, though this version of lb does not know it");
+        if p.is_dir() { fs::remove_dir_all(&p) } else { fs::remove_file(&p) }.with_context(|| format!("unpin {}", p.display()))?;
+    }
     fs::remove_dir(bpffs).with_context(|| format!("remove {} (not empty?)", bpffs.display()))?;
-    Ok(())
+    Ok(true)
 }
 
 /// Why a device whose driver has no native XDP gets none.

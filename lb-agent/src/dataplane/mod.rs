@@ -4,6 +4,7 @@ pub mod bpflog;
 pub mod btf;
 pub mod build;
 pub mod checks;
+pub mod foreign;
 pub mod inspect;
 pub mod loader;
 pub mod maglev;
