@@ -364,6 +364,23 @@ fn port_range(flag: &str, s: &str) -> anyhow::Result<(u16, u16)> {
     Ok((a, b))
 }
 
+/// A warning when the SNAT ports overlap the kernel's ephemeral ports
+/// (`ip_local_port_range`'s contents): a connection of the node's own to
+/// a backend from such a port can have the tuple of a SNATed flow, and
+/// lose its replies to it.
+fn snat_overlaps_ephemeral(snat: (u16, u16), range: &str) -> Option<String> {
+    let mut it = range.split_whitespace().map(|p| p.parse::<u16>().ok());
+    let (lo, hi) = (it.next()??, it.next()??);
+    (snat.0 <= hi && lo <= snat.1).then(|| {
+        format!(
+            "--snat-ports {}-{} overlaps the kernel's ephemeral ports (net.ipv4.ip_local_port_range {lo} {hi}): a connection \
+             the node makes to a backend from one of those ports can have the tuple of a SNATed flow and lose its replies to \
+             it; narrow --snat-ports or the sysctl so that they are apart",
+            snat.0, snat.1
+        )
+    })
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default()
 }
@@ -504,6 +521,10 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 );
             }
             anyhow::ensure!(!forward_accept_period.is_zero(), "--forward-accept-period: must be more than 0 (--forward-accept none turns lb's FORWARD rules off)");
+            let snat_range = port_range("--snat-ports", &snat_ports)?;
+            if let Some(w) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok().and_then(|r| snat_overlaps_ephemeral(snat_range, &r)) {
+                tracing::warn!("{w}");
+            }
             let cfg = agent::RunConfig {
                 source,
                 kubeconfig,
@@ -533,7 +554,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 },
                 xdp: nodeport_acceleration == "xdp",
                 nodeport_range: port_range("--nodeport-range", &nodeport_range)?,
-                snat_ports: port_range("--snat-ports", &snat_ports)?,
+                snat_ports: snat_range,
                 node_flags: if bpf_forward { lb_common::node_flags::BPF_FORWARD } else { 0 }
                     | if external_cluster_ip { lb_common::node_flags::EXTERNAL_CLUSTER_IP } else { 0 }
                     | if per_packet_lb { lb_common::node_flags::POD_PACKET_LB } else { 0 }
@@ -657,6 +678,15 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn snat_ports_in_the_ephemeral_range_are_warned_about() {
+        assert_eq!(super::snat_overlaps_ephemeral((1024, 29999), "32768\t60999\n"), None);
+        let w = super::snat_overlaps_ephemeral((1024, 29999), "20000 60999").unwrap();
+        assert!(w.contains("--snat-ports 1024-29999 overlaps") && w.contains("ip_local_port_range 20000 60999"), "{w}");
+        assert!(super::snat_overlaps_ephemeral((40000, 50000), "1024 65535").is_some());
+        assert_eq!(super::snat_overlaps_ephemeral((1024, 29999), "garbage"), None);
+    }
+
     /// kube-proxy's GetHostname: trimmed, lowercased; blank is an error.
     #[test]
     fn node_names_are_taken_as_kubelet_names_nodes() {

@@ -35,6 +35,17 @@ fn heartbeats(bpffs: &Path) -> Result<Array<MapData, u64>> {
     Ok(Array::try_from(Map::Array(data))?)
 }
 
+/// The events slot `slot`'s ring buffer lost so far (summed over CPUs);
+/// None where the pins have no such counter (an agent from before it).
+fn lost(stats: &aya::maps::PerCpuArray<MapData, u64>, slot: u32) -> Option<u64> {
+    stats.get(&(lb_common::stats::MONITOR_LOST + slot - 1), 0).ok().map(|v| v.iter().sum())
+}
+
+fn open_stats(bpffs: &Path) -> Option<aya::maps::PerCpuArray<MapData, u64>> {
+    let path = crate::dataplane::loader::pin_path(bpffs, maps::STATS);
+    aya::maps::PerCpuArray::try_from(Map::PerCpuArray(MapData::from_pin(path).ok()?)).ok()
+}
+
 /// Zero the heartbeats of monitors that are gone; index 0 follows the
 /// freshest remaining one. Returns how many slots were cleared.
 pub fn clear_stale(hb: &mut Array<MapData, u64>, now: u64) -> Result<usize> {
@@ -246,6 +257,9 @@ pub async fn run(bpffs: &Path, service: Option<&str>, json: bool, agent: &str, m
     };
     beat(&mut hb)?;
     eprintln!("lb-agent monitor: slot {slot}; Ctrl-C to stop");
+    // Events lost to a full ring buffer: counted by the programs, said here.
+    let stats = open_stats(bpffs);
+    let mut lost_seen = stats.as_ref().and_then(|s| lost(s, slot)).unwrap_or(0);
     let mut ticker = tokio::time::interval(BEAT);
     let mut refresh = tokio::time::interval(Duration::from_secs(5));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -266,6 +280,16 @@ pub async fn run(bpffs: &Path, service: Option<&str>, json: bool, agent: &str, m
             _ = ticker.tick() => {
                 if let Err(e) = beat(&mut hb) {
                     break Err(e);
+                }
+                if let Some(now) = stats.as_ref().and_then(|s| lost(s, slot))
+                    && now > lost_seen
+                {
+                    eprintln!(
+                        "lb-agent monitor: {} events lost (this monitor's ring buffer was full: the output is read too slowly; \
+                         --service narrows it, a file takes it faster than a terminal)",
+                        now - lost_seen
+                    );
+                    lost_seen = now;
                 }
             }
             _ = refresh.tick() => {

@@ -613,7 +613,11 @@ pub mod stats {
     pub const SOCK_TRACKED: u32 = 24;
     /// sock_release: a socket with such storage closed.
     pub const SOCK_UNTRACKED: u32 = 25;
-    pub const COUNT: u32 = 26;
+    /// `lb-agent monitor`: events lost because a monitor's ring buffer was
+    /// full (its reader too slow), one counter per monitor slot (1..=4:
+    /// `MONITOR_LOST + slot - 1`).
+    pub const MONITOR_LOST: u32 = 26;
+    pub const COUNT: u32 = 30;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -641,6 +645,10 @@ pub mod stats {
         "source_range_dropped",
         "sock_tracked",
         "sock_untracked",
+        "monitor_lost_1",
+        "monitor_lost_2",
+        "monitor_lost_3",
+        "monitor_lost_4",
     ];
 }
 

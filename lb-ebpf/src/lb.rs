@@ -170,18 +170,19 @@ pub fn emit(ev: *mut MonitorEvent) {
             hb != 0 && now.wrapping_sub(hb) < monitor::HEARTBEAT_NS
         })
     };
-    // A full ring buffer loses the event (the monitor counts gaps by time).
-    if fresh(1) {
-        let _ = LB_EVENTS0.output(ev, 0);
+    // A full ring buffer loses the event: counted for that monitor, which
+    // says so.
+    if fresh(1) && LB_EVENTS0.output(ev, 0).is_err() {
+        event(stats::MONITOR_LOST);
     }
-    if fresh(2) {
-        let _ = LB_EVENTS1.output(ev, 0);
+    if fresh(2) && LB_EVENTS1.output(ev, 0).is_err() {
+        event(stats::MONITOR_LOST + 1);
     }
-    if fresh(3) {
-        let _ = LB_EVENTS2.output(ev, 0);
+    if fresh(3) && LB_EVENTS2.output(ev, 0).is_err() {
+        event(stats::MONITOR_LOST + 2);
     }
-    if fresh(4) {
-        let _ = LB_EVENTS3.output(ev, 0);
+    if fresh(4) && LB_EVENTS3.output(ev, 0).is_err() {
+        event(stats::MONITOR_LOST + 3);
     }
     if logging() {
         log_event(ev);

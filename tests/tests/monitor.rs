@@ -334,3 +334,44 @@ fn the_monitor_shows_source_range_drops_with_the_client_address() -> Result<()> 
     assert!(node(NODE1) || node("10.244.1.1"), "{text}");
     Ok(())
 }
+
+/// A monitor whose reader falls behind loses events once its ring buffer
+/// (256 KiB, about 2,700 events) is full: the programs count them for
+/// that monitor and the monitor says how many, on stderr. Here it is
+/// stopped (SIGSTOP) while a burst of connects runs: its heartbeat stays
+/// fresh for up to a second, so the programs go on sending to it.
+#[test]
+fn a_monitor_says_how_many_events_its_full_ring_buffer_lost() -> Result<()> {
+    use nix::sys::signal::{Signal, kill};
+    let (mut c, p, client) = Cluster::one_node(&["pod-a"])?;
+    c.serve_tiny(&p[0], 9000, 1)?;
+    c.write_object("tiny.yaml", &service_ips("tiny", &["10.96.0.20"], &[("t", 80, 9000, "TCP")], ""))?;
+    c.write_object("tiny-s.yaml", &slice_of("tiny", "tiny-1", "IPv4", &[("t", 9000, "TCP")], &[E::ready(&p[0].ip, "node-1")]))?;
+    c.start_agent(1)?;
+    c.wait_programmed("10.96.0.20", 80, "TCP", Some(&[&format!("{}:9000", p[0].ip)]))?;
+    let mut m = monitor(&c, &[])?;
+    c.wait_for("the monitor beating", Duration::from_secs(5), || Ok(heartbeats(&c)?[0] != 0))?;
+    // Its output read as it comes (else the pipe, not the ring, would fill).
+    let mut out = m.stdout.take().unwrap();
+    let drain = std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+    let pid = nix::unistd::Pid::from_raw(m.id() as i32);
+    kill(pid, Signal::SIGSTOP)?;
+    let burst = c.probe_cmd(&client).args(["rate", "--addr", "10.96.0.20:80", "--secs", "0.7", "--cpu", "0"]).output();
+    kill(pid, Signal::SIGCONT)?;
+    let v: serde_json::Value = serde_json::from_slice(&burst?.stdout)?;
+    let made = v["ok"].as_u64().unwrap_or(0);
+    assert!(made > 3000, "a burst larger than the ring buffer: {v}");
+    std::thread::sleep(Duration::from_millis(1500));
+    kill(pid, Signal::SIGTERM)?;
+    let out = m.wait_with_output()?;
+    let _ = drain.join();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lost: u64 = err
+        .lines()
+        .find_map(|l| l.strip_prefix("lb-agent monitor: ")?.split_once(" events lost")?.0.parse().ok())
+        .unwrap_or_else(|| panic!("no lost events said: {err}"));
+    assert!(lost > 0 && lost < made, "{lost} of {made}: {err}");
+    let (_, metrics) = c.http(1, "127.0.0.1:10249", "/metrics")?;
+    assert!(metrics.contains("lb_datapath_events_total{result=\"monitor_lost_1\"}"), "{metrics}");
+    Ok(())
+}

@@ -536,21 +536,34 @@ fn an_id_handed_out_again_starts_its_counters_from_zero() -> Result<()> {
 
 /// Another proxy's socket program left on the cgroup lb attaches to (as
 /// Cilium's socket LB stays after a move from Cilium) runs on every
-/// connect before lb's: named in a warning and in
-/// `lb_foreign_programs{hook}`. node-2, with none, says nothing.
+/// connect before lb's, and its TC program ahead of lb's on a device:
+/// named in warnings and in `lb_foreign_programs{hook}`. node-2, with
+/// none, says nothing.
 #[test]
 fn another_proxys_socket_program_on_lbs_cgroup_is_named_in_a_warning_and_a_metric() -> Result<()> {
     let mut c = Cluster::new(2)?;
     let _prog = lbtest::bpfprog::attach_connect4(&c.nodes[0].cgroup, "cil_sock4_conn")?;
+    // And a TC program on node-1's eth0, which lb's comes after.
+    lbtest::bpfprog::attach_tcx_ingress(&c.nodes[0].netns, "eth0", "cil_from_netdev")?;
+    // The TC programs on eth0 from the start (not only once a Service
+    // takes outside traffic).
     for node in [1, 2] {
-        c.start_agent_with(node, &["--kube-proxy-check-period", "1s"])?;
+        c.start_agent_with(node, &["--kube-proxy-check-period", "1s", "--nodeport-interface", "eth0"])?;
     }
     let log1 = c.agent_log(1);
     c.wait_for("node-1's warning", Duration::from_secs(10), || {
         Ok(std::fs::read_to_string(&log1)?.contains("other BPF programs run on the socket hooks lb uses"))
     })?;
+    c.wait_for("node-1's TC warning", Duration::from_secs(10), || {
+        Ok(std::fs::read_to_string(&log1)?.contains("other BPF programs run ahead of lb's on the TC hooks of its devices"))
+    })?;
     let text = std::fs::read_to_string(&log1)?;
     assert!(text.contains("cil_sock4_conn on connect4 (id "), "{text}");
+    assert!(text.contains("cil_from_netdev on tcx_ingress of eth0 (id "), "{text}");
+    assert_eq!(
+        metric(&c.http(1, "127.0.0.1:10249", "/metrics")?.1, "lb_foreign_programs{hook=\"tcx_ingress\"}"),
+        Some(1.0)
+    );
     let gauge = |node: usize, hook: &str| -> Result<Option<f64>> {
         Ok(metric(&c.http(node, "127.0.0.1:10249", "/metrics")?.1, &format!("lb_foreign_programs{{hook=\"{hook}\"}}")))
     };

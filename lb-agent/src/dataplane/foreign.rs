@@ -5,8 +5,10 @@
 //! the root cgroup: every program of a hook runs, in order, each on the
 //! address the one before left, so a stale one translates a Service
 //! address from its own, older maps before lb sees it (or refuses it), and
-//! nothing in lb's own state says so. kube-proxy's rules get the same look
-//! (`kube_proxy`).
+//! nothing in lb's own state says so. On a device, a TCX program ahead of
+//! lb's that ends the chain (another proxy's NodePort program, Cilium's
+//! `cil_from_netdev`) keeps outside traffic from lb's. kube-proxy's rules
+//! get the same look (`kube_proxy`).
 use std::collections::HashMap;
 use std::os::fd::AsRawFd as _;
 use std::path::Path;
@@ -26,12 +28,34 @@ pub const HOOKS: [(T, &str); 8] = [
     (T::BPF_CGROUP_INET6_GETPEERNAME, "getpeername6"),
 ];
 
-/// A program of another owner on one of `HOOKS`.
+/// A program of another owner on one of `HOOKS`, or ahead of lb's on a
+/// device's TCX hook (`device`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Foreign {
     pub hook: &'static str,
     pub id: u32,
     pub name: String,
+    pub device: Option<String>,
+}
+
+/// The TCX hooks, by name.
+const TCX_HOOKS: [(aya::programs::tc::TcAttachType, &str); 2] =
+    [(aya::programs::tc::TcAttachType::Ingress, "tcx_ingress"), (aya::programs::tc::TcAttachType::Egress, "tcx_egress")];
+
+/// The programs of other owners that run ahead of lb's on the TCX hooks of
+/// this network namespace's devices (devices lb is not on are not looked
+/// at; clsact filters, `--tc-attach netlink`, neither).
+pub fn tcx_programs() -> Vec<Foreign> {
+    let mut out = Vec::new();
+    for link in crate::netdev::links().unwrap_or_default() {
+        for (ty, hook) in TCX_HOOKS {
+            let Ok((_, progs)) = aya::programs::tc::SchedClassifier::query_tcx(&link.name, ty) else { continue };
+            let names: Vec<(u32, String)> = progs.iter().map(|p| (p.id(), p.name_as_str().unwrap_or("").to_string())).collect();
+            let Some(first_ours) = names.iter().position(|(_, n)| ours(n)) else { continue };
+            out.extend(names[..first_ours].iter().map(|(id, name)| Foreign { hook, id: *id, name: name.clone(), device: Some(link.name.clone()) }));
+        }
+    }
+    out
 }
 
 /// bpf(2)'s BPF_PROG_QUERY attributes.
@@ -99,7 +123,7 @@ pub fn cgroup_programs(cgroup: &Path) -> Result<Vec<Foreign>> {
         for id in ids {
             let prog = names.get(&id).cloned().unwrap_or_default();
             if !ours(&prog) {
-                out.push(Foreign { hook: name, id, name: prog });
+                out.push(Foreign { hook: name, id, name: prog, device: None });
             }
         }
     }
@@ -112,14 +136,15 @@ pub fn check(
     metric: &prometheus_client::metrics::family::Family<[(&'static str, &'static str); 1], prometheus_client::metrics::gauge::Gauge>,
     last: &mut Option<Vec<Foreign>>,
 ) {
-    let now = match cgroup_programs(cgroup) {
+    let mut now = match cgroup_programs(cgroup) {
         Ok(v) => v,
         Err(e) => {
             tracing::warn!("cannot list the other BPF programs on lb's socket hooks: {e:#}");
             return;
         }
     };
-    for (_, hook) in HOOKS {
+    now.extend(tcx_programs());
+    for hook in HOOKS.iter().map(|h| h.1).chain(TCX_HOOKS.iter().map(|h| h.1)) {
         metric.get_or_create(&[("hook", hook)]).set(now.iter().filter(|f| f.hook == hook).count() as i64);
     }
     if last.as_ref() == Some(&now) {
@@ -130,15 +155,30 @@ pub fn check(
             tracing::info!("no other BPF program is left on lb's socket hooks");
         }
     } else {
-        let what: Vec<String> = now.iter().map(|f| format!("{} on {} (id {})", if f.name.is_empty() { "?" } else { &f.name }, f.hook, f.id)).collect();
-        tracing::warn!(
-            cgroup = %cgroup.display(),
-            "other BPF programs run on the socket hooks lb uses, for the sockets lb balances: {}. Each program of a hook runs on \
-             the address the one before left: another proxy's (Cilium's socket LB, cil_sock*; Calico's eBPF mode) translates or \
-             refuses Service addresses from its own, maybe stale, maps. Turn that proxy's socket LB off (Cilium: \
-             kubeProxyReplacement=false, socketLB.enabled=false) or detach it (`bpftool cgroup detach CGROUP HOOK id ID`)",
-            what.join(", ")
-        );
+        let name = |f: &Foreign| if f.name.is_empty() { "?".to_string() } else { f.name.clone() };
+        let socket: Vec<String> = now.iter().filter(|f| f.device.is_none()).map(|f| format!("{} on {} (id {})", name(f), f.hook, f.id)).collect();
+        let tc: Vec<String> = now
+            .iter()
+            .filter_map(|f| Some(format!("{} on {} of {} (id {})", name(f), f.hook, f.device.as_deref()?, f.id)))
+            .collect();
+        if !socket.is_empty() {
+            tracing::warn!(
+                cgroup = %cgroup.display(),
+                "other BPF programs run on the socket hooks lb uses, for the sockets lb balances: {}. Each program of a hook runs on \
+                 the address the one before left: another proxy's (Cilium's socket LB, cil_sock*; Calico's eBPF mode) translates or \
+                 refuses Service addresses from its own, maybe stale, maps. Turn that proxy's socket LB off (Cilium: \
+                 kubeProxyReplacement=false, socketLB.enabled=false) or detach it (`bpftool cgroup detach CGROUP HOOK id ID`)",
+                socket.join(", ")
+            );
+        }
+        if !tc.is_empty() {
+            tracing::warn!(
+                "other BPF programs run ahead of lb's on the TC hooks of its devices: {}. One that ends the chain (another \
+                 proxy's NodePort program) keeps outside traffic from lb's; remove it with its owner's tools (`bpftool net \
+                 show` lists them; `bpftool link detach id ID` for a link)",
+                tc.join(", ")
+            );
+        }
     }
     *last = Some(now);
 }
