@@ -381,6 +381,24 @@ fn snat_overlaps_ephemeral(snat: (u16, u16), range: &str) -> Option<String> {
     })
 }
 
+/// Raise the soft open-file limit to the hard one, as Go's runtime does
+/// for kube-proxy and Cilium: a container's soft limit is often 1,024
+/// (containerd 2 no longer raises it), and a sync of thousands of Maglev
+/// tables, or many pinned maps and sockets, holds more descriptors.
+fn raise_open_files() {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain system calls on a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            let soft = lim.rlim_cur;
+            lim.rlim_cur = lim.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                tracing::warn!("cannot raise the open-file limit from {soft} to {}: {}", lim.rlim_max, std::io::Error::last_os_error());
+            }
+        }
+    }
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default()
 }
@@ -521,6 +539,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 );
             }
             anyhow::ensure!(!forward_accept_period.is_zero(), "--forward-accept-period: must be more than 0 (--forward-accept none turns lb's FORWARD rules off)");
+            raise_open_files();
             let snat_range = port_range("--snat-ports", &snat_ports)?;
             if let Some(w) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok().and_then(|r| snat_overlaps_ephemeral(snat_range, &r)) {
                 tracing::warn!("{w}");

@@ -287,6 +287,8 @@ struct AgentLaunch {
     ready: Option<&'static str>,
     /// Start the agent in this memory cgroup (its directory).
     memory_cgroup: Option<PathBuf>,
+    /// Start the agent with this open-file limit (soft and hard).
+    nofile: Option<u64>,
 }
 
 /// Run `f` on a thread inside netns `netns` (None: this one): sockets it
@@ -900,6 +902,13 @@ impl Cluster {
         self.launch_agent(node, launch, extra)
     }
 
+    /// `start_agent_with`, the agent limited to `nofile` open files (soft
+    /// and hard: it cannot raise it).
+    pub fn start_agent_nofile(&mut self, node: usize, nofile: u64, extra: &[&str]) -> Result<()> {
+        let launch = AgentLaunch { source: format!("dir:{}", self.objects.display()), nofile: Some(nofile), ..Default::default() };
+        self.launch_agent(node, launch, extra)
+    }
+
     /// `start_agent_from` with extra environment variables for the agent.
     pub fn start_agent_env(&mut self, node: usize, dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Result<()> {
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
@@ -979,6 +988,9 @@ impl Cluster {
                      ln -s \"$0\" /var/run/secrets/kubernetes.io/serviceaccount && exec \"$@\"",
                 )
                 .arg(sa);
+        }
+        if let Some(n) = launch.nofile {
+            cmd.args(["prlimit", &format!("--nofile={n}:{n}"), "--"]);
         }
         cmd.arg(bin("lb-agent"))
             .arg("run")

@@ -4,7 +4,7 @@
 //! to a LoadBalancer IP that the outside router moves from node-1 to
 //! node-2 keeps its pod. The control: the same move with `random`
 //! reshuffles flows when the backend set changed.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use anyhow::Result;
 use lbtest::objects::Endpoint as E;
@@ -207,5 +207,33 @@ fn more_maglev_frontends_than_the_old_outer_map_held_all_get_their_table() -> Re
         let s = tcp(&w.c, &w.outside, addr, 3)?;
         assert_eq!(keys(&s), [format!("pod-2 {NODE1}").as_str()].into(), "{addr}: SNATed to pod-2: {s:?}");
     }
+    Ok(())
+}
+
+/// Hundreds of distinct tables (each port of a Service its own backend)
+/// on an agent whose open-file limit it cannot raise (512, soft and
+/// hard): a table is an inner array held open until a batch puts it in,
+/// so they go in a few hundred at a time. All are written (before, a sync
+/// held one descriptor per table: past the limit every further table
+/// failed, and its frontend picked at random).
+#[test]
+fn more_distinct_maglev_tables_than_the_open_file_limit_are_all_written() -> Result<()> {
+    use lbtest::objects::{service_ips, slice_of};
+    let flags = ["--nodeport-algorithm", "maglev", "--maglev-table-size", "251"];
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP]), &flags)?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    let names: Vec<String> = (0..600).map(|i| format!("p{i}")).collect();
+    let ports: Vec<(&str, u16, u16, &str)> = names.iter().enumerate().map(|(i, n)| (n.as_str(), 1000 + i as u16, 8080, "TCP")).collect();
+    w.c.write_object("many.yaml", &service_ips("many", &["10.96.0.50"], &ports, "  externalIPs: [\"10.201.0.1\"]\n"))?;
+    let ep_ports: Vec<(&str, u16, &str)> = names.iter().enumerate().map(|(i, n)| (n.as_str(), 10000 + i as u16, "TCP")).collect();
+    w.c.write_object("many-s.yaml", &slice_of("many", "many-1", "IPv4", &ep_ports, &[E::ready(&w.p2.ip, "node-2")]))?;
+    w.c.kill_agent(1);
+    w.c.start_agent_nofile(1, 512, &flags)?;
+    let distinct = || -> Result<usize> { Ok(inner_ids(&w, 1)?.into_iter().collect::<BTreeSet<_>>().len()) };
+    w.c.wait_for("node-1's Maglev tables", std::time::Duration::from_secs(20), || Ok(distinct()? > 600))?;
+    let log = std::fs::read_to_string(w.c.agent_log(1))?;
+    assert!(!log.contains("Maglev table not written"), "{log}");
+    let s = tcp(&w.c, &w.outside, &hostport(LB_IP, 80), 3)?;
+    assert_eq!(keys(&s), [format!("pod-2 {NODE1}").as_str()].into(), "{s:?}");
     Ok(())
 }

@@ -26,6 +26,47 @@ use crate::model::maglev::Maglev;
 /// BPF_F_INNER_MAP: an inner array whose size may differ from the template's.
 const BPF_F_INNER_MAP: u32 = 1 << 12;
 const BPF_MAP_TYPE_ARRAY: u32 = 2;
+/// The kernel's ENOTSUPP: no batch operations for maps of maps (before
+/// Linux 5.19).
+const ENOTSUPP: i32 = 524;
+/// Tables built and held open (a file descriptor each) before a batch puts
+/// them in: a sync of thousands of tables stays far below a container's
+/// usual limit of 1,024 open files.
+const FLUSH_TABLES: usize = 256;
+
+/// A removal that found no such key.
+fn gone(e: &aya::maps::MapError) -> bool {
+    match e {
+        aya::maps::MapError::KeyNotFound => true,
+        aya::maps::MapError::SyscallError(s) => s.io_error.raw_os_error() == Some(libc::ENOENT),
+        _ => false,
+    }
+}
+
+/// Run a batch operation over `n` items: `op(from)` works on items
+/// `from..n` in order and returns how many it did before a failure, and
+/// the failure. An item that fails is skipped and the rest go on. Returns
+/// the items that failed, with their errors.
+fn run_batches(n: usize, mut op: impl FnMut(usize) -> (usize, std::io::Result<()>)) -> Vec<(usize, std::io::Error)> {
+    let mut failed = Vec::new();
+    let mut from = 0;
+    while from < n {
+        let (done, r) = op(from);
+        from += done.min(n - from);
+        match r {
+            // Done (a batch), or one more (one at a time).
+            Ok(()) if done == 0 => break,
+            Ok(()) => {}
+            Err(e) => {
+                if from < n {
+                    failed.push((from, e));
+                }
+                from += 1;
+            }
+        }
+    }
+    failed
+}
 
 /// A frontend and scope: (address, port, protocol, scope).
 type Front<A> = (A, u16, u8, u8);
@@ -49,6 +90,9 @@ pub struct MaglevTables<A: Addr> {
     /// A table could not be written since the last full sync: the next
     /// resync should be a full one.
     pub failed: bool,
+    /// The kernel takes batch writes to the outer map (5.19+); else one
+    /// write per key.
+    batches: bool,
 }
 
 impl<A: Addr> MaglevTables<A> {
@@ -57,7 +101,7 @@ impl<A: Addr> MaglevTables<A> {
         let data = MapData::from_pin(&path).with_context(|| format!("open pinned map {}", path.display()))?;
         let outer = HashOfMaps::try_from(Map::HashOfMaps(data)).with_context(|| format!("map {name}"))?;
         let raw = MapData::from_pin(&path).with_context(|| format!("open pinned map {}", path.display()))?;
-        Ok(Self { outer, raw, written: BTreeMap::new(), unchecked: true, failed: false })
+        Ok(Self { outer, raw, written: BTreeMap::new(), unchecked: true, failed: false, batches: true })
     }
 
     /// Bring the tables of the frontends on `units` (address and port;
@@ -154,39 +198,82 @@ impl<A: Addr> MaglevTables<A> {
                             inners.len() - 1
                         }
                         Err(e) => {
-                            self.not_written(&f, &e);
+                            self.not_written(&f, w.key, &e);
                             continue;
                         }
                     }
                 }
             };
             puts.push((f, w, at));
-        }
-        let keys: Vec<MaglevKey> = puts.iter().map(|(_, w, _)| w.key).collect();
-        let fds: Vec<u32> = puts.iter().map(|(_, _, at)| inners[*at].fd().as_fd().as_raw_fd() as u32).collect();
-        let fd = self.raw.fd().as_fd().as_raw_fd();
-        let mut from = 0;
-        while from < keys.len() {
-            let (done, r) = super::maps::batch::<MaglevKey, u32>(fd, &keys[from..], Some(&fds[from..]));
-            for (f, w, _) in &puts[from..from + done] {
-                self.written.insert(*f, w.clone());
-                n += 1;
-            }
-            from += done;
-            // One frontend's table that cannot be put in (the kernel's
-            // memory) leaves that frontend alone on the slots (random);
-            // every other one, and the rest of the sync, goes on.
-            if let Err(e) = r {
-                self.not_written(&puts[from].0, &anyhow::Error::from(e).context("swap it in"));
-                from += 1;
+            if inners.len() >= FLUSH_TABLES {
+                // Put these in and let their descriptors go; tables put in
+                // are shared from the outer map from here on.
+                for w in self.put_all(std::mem::take(&mut puts), &inners) {
+                    n += 1;
+                    have.insert(w.backends, w.key);
+                }
+                inners.clear();
+                made.clear();
             }
         }
+        n += self.put_all(puts, &inners).len();
         Ok(n)
     }
 
-    /// A frontend's table that could not be written: said, and tried again
-    /// at the next full sync.
-    fn not_written(&mut self, f: &Front<A>, e: &anyhow::Error) {
+    /// Put `puts` (frontend, table, index of its inner array in `inners`)
+    /// in the outer map, in batches; a table that cannot be put in is said
+    /// and its frontend left on the slots. Returns the tables put in.
+    fn put_all(&mut self, puts: Vec<(Front<A>, Want, usize)>, inners: &[MapData]) -> Vec<Want> {
+        let keys: Vec<MaglevKey> = puts.iter().map(|(_, w, _)| w.key).collect();
+        let fds: Vec<u32> = puts.iter().map(|(_, _, at)| inners[*at].fd().as_fd().as_raw_fd() as u32).collect();
+        let fd = self.raw.fd().as_fd().as_raw_fd();
+        let failed = run_batches(keys.len(), |from| {
+            if self.batches {
+                let (done, r) = super::maps::batch::<MaglevKey, u32>(fd, &keys[from..], Some(&fds[from..]));
+                match r {
+                    Err(e) if done == 0 && e.raw_os_error() == Some(ENOTSUPP) => {
+                        tracing::info!("the kernel has no batch writes for maps of maps (Linux 5.19+): Maglev tables are put in one by one");
+                        self.batches = false;
+                    }
+                    r => return (done, r),
+                }
+            }
+            match self.outer.insert(keys[from], &inners[puts[from].2], 0) {
+                Ok(()) => (1, Ok(())),
+                Err(e) => (0, Err(std::io::Error::other(e))),
+            }
+        });
+        let failed: BTreeMap<usize, std::io::Error> = failed.into_iter().collect();
+        let mut out = Vec::new();
+        for (i, (f, w, _)) in puts.into_iter().enumerate() {
+            match failed.get(&i) {
+                // One frontend's table that cannot be put in (the kernel's
+                // memory) leaves that frontend alone on the slots (random);
+                // every other one, and the rest of the sync, goes on.
+                Some(e) => self.not_written(&f, w.key, &anyhow::anyhow!("{e}").context("swap it in")),
+                None => {
+                    self.written.insert(f, w.clone());
+                    out.push(w);
+                }
+            }
+        }
+        out
+    }
+
+    /// A frontend's table that could not be written: said, its old table
+    /// (under `key`) taken out so that its flows pick from the slots (an
+    /// old table would keep a scaled Service's new pods out of them, or,
+    /// under a rev-NAT id given to another frontend, send them to its
+    /// backends), and tried again at the next full sync.
+    fn not_written(&mut self, f: &Front<A>, key: MaglevKey, e: &anyhow::Error) {
+        // (Also when the frontend is new here: its rev-NAT id may have been
+        // another frontend's, freed in this sync, whose table is still in.)
+        self.written.remove(f);
+        if let Err(err) = self.outer.remove(&key)
+            && !gone(&err)
+        {
+            tracing::error!(frontend = %SocketAddr::new(f.0.to_ip(), f.1), "cannot take out its old Maglev table: {err}");
+        }
         tracing::error!(
             frontend = %SocketAddr::new(f.0.to_ip(), f.1),
             protocol = f.2,
@@ -199,17 +286,24 @@ impl<A: Addr> MaglevTables<A> {
     /// Remove the tables under `keys` (those already gone too), in batches.
     fn remove_all(&mut self, keys: &[MaglevKey]) -> Result<()> {
         let fd = self.raw.fd().as_fd().as_raw_fd();
-        let mut from = 0;
-        while from < keys.len() {
-            let (done, r) = super::maps::batch::<MaglevKey, u32>(fd, &keys[from..], None);
-            from += done;
-            match r {
-                Ok(()) => break,
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => from += 1,
-                Err(e) => return Err(e).with_context(|| format!("remove the Maglev table {:?}", keys[from])),
+        let failed = run_batches(keys.len(), |from| {
+            if self.batches {
+                let (done, r) = super::maps::batch::<MaglevKey, u32>(fd, &keys[from..], None);
+                match r {
+                    Err(e) if done == 0 && e.raw_os_error() == Some(ENOTSUPP) => self.batches = false,
+                    r => return (done, r),
+                }
             }
+            match self.outer.remove(&keys[from]) {
+                Ok(()) => (1, Ok(())),
+                Err(e) if gone(&e) => (0, Err(std::io::Error::from_raw_os_error(libc::ENOENT))),
+                Err(e) => (0, Err(std::io::Error::other(e))),
+            }
+        });
+        match failed.into_iter().find(|(_, e)| e.raw_os_error() != Some(libc::ENOENT)) {
+            Some((i, e)) => Err(e).with_context(|| format!("remove the Maglev table {:?}", keys[i])),
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -242,4 +336,41 @@ pub fn read_tables(dir: &Path, name: &str) -> Result<BTreeMap<MaglevKey, Vec<u32
         out.insert(k, entries.into_iter().map(|(_, id)| id).collect());
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::run_batches;
+
+    fn err(code: i32) -> std::io::Error {
+        std::io::Error::from_raw_os_error(code)
+    }
+
+    /// A batch that fails part-way skips the failing item and goes on;
+    /// what the kernel reports done is never taken past the end.
+    #[test]
+    fn batches_skip_a_failing_item_and_never_run_past_the_end() {
+        // All at once.
+        assert!(run_batches(5, |from| (5 - from, Ok(()))).is_empty());
+        // Items 2 and 4 fail: the batch stops at each and resumes after it.
+        let bad = [2usize, 4];
+        let mut calls = Vec::new();
+        let failed = run_batches(6, |from| {
+            calls.push(from);
+            match bad.iter().find(|b| **b >= from) {
+                Some(b) => (b - from, Err(err(libc::ENOMEM))),
+                None => (6 - from, Ok(())),
+            }
+        });
+        assert_eq!(failed.iter().map(|f| f.0).collect::<Vec<_>>(), [2, 4]);
+        assert_eq!(calls, [0, 3, 5]);
+        // A kernel that refused the call before writing its count (it still
+        // says all of them): a count past the end is clamped, no panic, and
+        // nothing is reported failed past the end.
+        let failed = run_batches(3, |from| (3 - from, Err(err(524))));
+        assert!(failed.is_empty());
+        // One item at a time (no batch operations): each failing one is named.
+        let failed = run_batches(4, |from| if from % 2 == 0 { (1, Ok(())) } else { (0, Err(err(libc::E2BIG))) });
+        assert_eq!(failed.iter().map(|f| f.0).collect::<Vec<_>>(), [1, 3]);
+    }
 }

@@ -61,8 +61,11 @@ pub(super) fn batch<K: Pod, V: Pod>(map_fd: std::os::fd::RawFd, keys: &[K], valu
     // which live until the call returns.
     let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, &mut attr as *mut BatchAttr, std::mem::size_of::<BatchAttr>()) };
     if r < 0 {
-        // The kernel reports how far it got in `count`.
-        (attr.count as usize, Err(std::io::Error::last_os_error()))
+        // The kernel reports how far it got in `count`; a call it refused
+        // before the first entry (no batch operations for this map type,
+        // no memory) leaves `count` as it was: none done.
+        let done = attr.count as usize;
+        (if done >= keys.len() { 0 } else { done }, Err(std::io::Error::last_os_error()))
     } else {
         (keys.len(), Ok(()))
     }
