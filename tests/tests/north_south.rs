@@ -1165,3 +1165,80 @@ fn pods_the_socket_hooks_cannot_see_reach_services_per_packet() -> Result<()> {
     assert_eq!(s.ok, 0, "{s:?}");
     Ok(())
 }
+
+/// A frame for another host's MAC (a switch flooding an unknown unicast,
+/// a device in promiscuous mode), or for a broadcast or multicast MAC, is
+/// not the node's to forward: the stack drops it (ip_rcv, ip_forward), so
+/// kube-proxy never translates it. Here the outside client's neighbour
+/// entries for node-1 name such a MAC, so the fabric's bridge floods its
+/// frames to every node: neither translates them (no flow on either,
+/// `nat_new` unchanged) and nothing is answered, as under kube-proxy;
+/// with the right MAC again they are served.
+#[test]
+fn a_frame_for_another_hosts_mac_is_left_to_the_stack_as_kube_proxy_leaves_it() -> Result<()> {
+    let w = world(&web("LoadBalancer", "", &[LB_IP, LB_IP6]))?;
+    wait_backends(&w.c, 1, LB_IP, 80, 2)?;
+    wait_backends(&w.c, 2, LB_IP, 80, 2)?;
+    let addrs = [hostport(LB_IP, 80), hostport(LB_IP6, 80), hostport(NODE1, 30080), hostport(NODE1_6, 30080)];
+    for addr in &addrs {
+        let s = tcp(&w.c, &w.outside, addr, 2)?;
+        assert_eq!(s.ok, 2, "{addr}: {s:?}");
+    }
+    let new = |node| datapath(&w.c, node, "nat_new");
+    let before = (new(1)?, new(2)?);
+    // Another host's, broadcast, multicast (IPv4's and IPv6's).
+    for (mac4, mac6) in [("02:00:00:00:00:99", "02:00:00:00:00:99"), ("ff:ff:ff:ff:ff:ff", "ff:ff:ff:ff:ff:ff"), ("01:00:5e:00:00:01", "33:33:00:00:00:01")] {
+        for (node, mac) in [(NODE1, mac4), (NODE1_6, mac6)] {
+            w.c.in_netns(&w.outside.netns, &["ip", "neigh", "replace", node, "lladdr", mac, "dev", "eth0", "nud", "permanent"])?;
+        }
+        for addr in &addrs {
+            let s = tcp(&w.c, &w.outside, addr, 1)?;
+            assert_eq!(s.ok, 0, "{mac4}, {addr}: {s:?}");
+            let s = w.c.probe(&w.outside, &["udp", "--addr", addr, "--count", "1", "--timeout-ms", "300"])?;
+            assert_eq!(s.ok, 0, "{mac4}, {addr}: {s:?}");
+        }
+        assert_eq!((new(1)?, new(2)?), before, "{mac4}: no node made a flow of these frames");
+    }
+    for node in [NODE1, NODE1_6] {
+        w.c.in_netns(&w.outside.netns, &["ip", "neigh", "del", node, "dev", "eth0"])?;
+    }
+    for addr in &addrs {
+        let s = tcp(&w.c, &w.outside, addr, 2)?;
+        assert_eq!(s.ok, 2, "{addr} with the right MAC: {s:?}");
+    }
+    Ok(())
+}
+
+/// A frame of a VLAN (802.1Q, id 100) on node-1's eth0, which has no VLAN
+/// device for it: the kernel takes the tag off before TC, then drops the
+/// frame as another host's. lb's program on eth0 leaves it, makes no flow
+/// of it: a VLAN's traffic is its VLAN device's to translate (lb attaches
+/// there; from eth0 a `--bpf-forward` redirect sent it on with the VLAN's
+/// tag). A priority-tagged frame (VLAN 0) and an untagged one are eth0's
+/// and make flows. (This kernel has no 802.1Q devices: the frames are
+/// sent raw.)
+#[test]
+fn a_frame_of_a_vlan_is_left_to_the_vlan_device() -> Result<()> {
+    use lbtest::raw::{ether, ipv4, mac, send, tcp_syn};
+    let w = world(&web("LoadBalancer", "", &[LB_IP]))?;
+    wait_backends(&w.c, 1, LB_IP, 80, 2)?;
+    let (src, dst): (std::net::Ipv4Addr, std::net::Ipv4Addr) = (CLIENT.parse()?, LB_IP.parse()?);
+    let packet = |sport| ipv4(src.octets(), dst.octets(), 6, 5, 0, 1, &tcp_syn(&src.octets(), &dst.octets(), sport, 80));
+    let (to, from) = (mac(&w.c, &w.c.nodes[0].netns, "eth0")?, mac(&w.c, &w.outside.netns, "eth0")?);
+    let tagged = |sport, vid: u16| {
+        let mut p = vid.to_be_bytes().to_vec();
+        p.extend(0x0800u16.to_be_bytes());
+        p.extend(packet(sport));
+        ether(to, from, 0x8100, &p)
+    };
+    let new = || datapath(&w.c, 1, "nat_new");
+    let before = new()?;
+    send(&w.outside.netns, "eth0", vec![tagged(40001, 100)])?;
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(new()?, before, "no flow of VLAN 100's frame on eth0");
+    send(&w.outside.netns, "eth0", vec![tagged(40002, 0)])?;
+    w.c.wait_for("a flow of the priority-tagged frame", Duration::from_secs(3), || Ok(new()? == before + 1))?;
+    send(&w.outside.netns, "eth0", vec![ether(to, from, 0x0800, &packet(40003))])?;
+    w.c.wait_for("a flow of the untagged frame", Duration::from_secs(3), || Ok(new()? == before + 2))?;
+    Ok(())
+}

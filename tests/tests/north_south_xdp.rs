@@ -200,3 +200,45 @@ fn udp_without_a_checksum_still_has_none_after_xdp() -> Result<()> {
     }
     Ok(())
 }
+
+/// An established flow's frames for another host's MAC (flooded by a
+/// switch, seen in promiscuous mode) are not sent on at XDP: they go up
+/// to TC and the stack, which leave them, as kube-proxy's node would. A
+/// UDP stream to the LB IP (pod-2 only: XDP carries both directions on
+/// node-1) is answered until the client's neighbour entry for node-1
+/// names a MAC no one has, then never.
+#[test]
+fn an_established_flows_frames_for_another_hosts_mac_are_not_sent_on_at_xdp() -> Result<()> {
+    #[derive(serde::Deserialize)]
+    struct Attempt {
+        t_ms: u64,
+        reply: Option<String>,
+    }
+    let w = world_wired(&web("LoadBalancer", "", &[LB_IP]), &["--nodeport-acceleration", "xdp"])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, LB_IP, 80, &w.p2)?;
+    let trace = std::env::temp_dir().join(format!("{}-mac-stream.jsonl", w.c.id));
+    let lb = hostport(LB_IP, 80);
+    let bg = w.c.probe_bg(
+        &w.outside,
+        &["udp-stream", "--addr", &lb, "--interval-ms", "50", "--max-ms", "3000", "--keep-on-timeout", "--trace-file", trace.to_str().unwrap()],
+    )?;
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+    let xdp_before = datapath(&w.c, 1, "forwarded_xdp")?;
+    let switched = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as u64;
+    w.c.in_netns(&w.outside.netns, &["ip", "neigh", "replace", NODE1, "lladdr", "02:00:00:00:00:99", "dev", "eth0", "nud", "permanent"])?;
+    let s = lbtest::Cluster::finish(bg)?;
+    let text = std::fs::read_to_string(&trace);
+    let _ = std::fs::remove_file(&trace);
+    let attempts: Vec<Attempt> = text?.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
+    let answered = |f: &dyn Fn(u64) -> bool| attempts.iter().filter(|a| f(a.t_ms) && a.reply.is_some()).count();
+    assert!(answered(&|t| t < switched) >= 10, "answered (at XDP) before: {s:?}");
+    assert!(datapath(&w.c, 1, "forwarded_xdp")? > 0, "the stream was carried at XDP");
+    assert_eq!(answered(&|t| t > switched + 20), 0, "no frame for another MAC answered: {s:?}");
+    assert!(datapath(&w.c, 1, "forwarded_xdp")? - xdp_before <= 2, "none sent on at XDP after the switch");
+    // With the right MAC again, served.
+    w.c.in_netns(&w.outside.netns, &["ip", "neigh", "del", NODE1, "dev", "eth0"])?;
+    let s = w.c.probe(&w.outside, &["udp", "--addr", &lb, "--count", "5"])?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}

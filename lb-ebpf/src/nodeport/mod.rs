@@ -117,6 +117,8 @@ static LB_ROUTE_MTU: LpmTrie<RouteKey, RouteMtu, { capacity::ROUTE_MTU as usize 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
+/// `skb->pkt_type` of a frame for this host's own MAC.
+const PACKET_HOST: u32 = 0;
 const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
@@ -1715,6 +1717,19 @@ fn egress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
 
 #[classifier]
 pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
+    // A frame for another host's MAC (flooded by a switch or a bridge,
+    // seen by a device in promiscuous mode: tcpdump, a VM's vSwitch), or
+    // for a broadcast or multicast MAC, is not this node's to forward: the
+    // stack drops it (ip_rcv, ip_forward), so kube-proxy never translates
+    // it. Translated here, a LoadBalancer IP's traffic would be answered
+    // by every node that sees it. A frame of a VLAN (its tag taken off
+    // before TC) is the VLAN device's: lb's programs there translate it
+    // (here, a redirect would send it on with the tag of the VLAN it came
+    // from).
+    // SAFETY: the context's own fields.
+    if unsafe { (*ctx.skb.skb).pkt_type != PACKET_HOST || ((*ctx.skb.skb).vlan_present != 0 && (*ctx.skb.skb).vlan_tci & 0x0fff != 0) } {
+        return TC_ACT_OK;
+    }
     pull_headers(&ctx);
     let proto = ethertype(&ctx);
     ingress_on::<ETH_HLEN>(&ctx, proto)

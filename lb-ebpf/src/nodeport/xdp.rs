@@ -9,6 +9,7 @@
 //!   flows aside, ICMP, fragments, IPv4 options, IPv6 extension headers;
 //! - flows to backends on this node, DSR flows;
 //! - a flow whose backend left (STALE: TC ends it);
+//! - a frame for another host's MAC (the stack drops it);
 //! - a packet whose TTL runs out here, or that the route lookup does not
 //!   send back out of the same device with a known neighbour (another
 //!   device, local delivery, too big for the MTU or for a route's MTU the
@@ -177,6 +178,12 @@ fn send<F: Net>(md: *mut xdp_md, pkt: Frame, e: *mut NatEntry<F::A>, proto: u8, 
     // SAFETY: our own context and a stack value of the right size.
     let rc = unsafe { fib_lookup(md.cast(), &mut f, size_of::<bpf_fib_lookup>() as i32, 0) } as u32;
     if rc != BPF_FIB_LKUP_RET_SUCCESS || f.ifindex != ifindex {
+        return XDP_PASS;
+    }
+    // A frame for another host's MAC (flooded, seen in promiscuous mode)
+    // is not this node's: up to TC and the stack, which leave it (the
+    // lookup's source MAC is the device's own: it sends back out there).
+    if pkt.get::<[u8; 6]>(0) != Some(f.smac) {
         return XDP_PASS;
     }
     // Too big for a route's MTU the lookup does not see: TC answers it.
