@@ -134,53 +134,18 @@ fn an_option_naming_no_frontend_records_nothing() -> Result<()> {
     Ok(())
 }
 
-/// Where the Service is not DSR, an option naming another address at its
-/// NodePort is ignored too: pod-2 answers from its own address, and
-/// node-2 records nothing (before, any NodePort's port made node-2 record
-/// the option, and pod-2's replies left from 10.1.2.3:30080: a stranger
-/// reaching a pod picked its reply source, on nodes without DSR at all).
-#[test]
-fn an_option_naming_a_nodeport_of_a_service_without_dsr_records_nothing() -> Result<()> {
-    let w = world(&web("NodePort", "", &[]))?;
-    set_endpoints(&w, &[(&w.p2, E::ready)])?;
-    wait_only(&w.c, NODE1, 30080, &w.p2)?;
-    w.c.in_netns(&w.outside.netns, &["ip", "route", "add", "10.244.2.0/24", "via", "192.168.77.12"])?;
-    // 10.1.2.3 at port 30080 (0x7580).
-    let pod2 = format!("{}:8080", w.p2.ip);
-    let s = w.c.probe(&w.outside, &["udp", "--addr", &pod2, "--count", "3", "--ip-option", "9a08 7580 0a010203"])?;
-    assert_eq!(s.ok, 3, "delivered as it is: {s:?}");
-    assert_eq!(s.peers.keys().collect::<Vec<_>>(), [&pod2], "answered from pod-2's own address: {s:?}");
-    w.c.in_netns(&w.outside.netns, &["ip", "-6", "route", "add", "fd00:244:2::/64", "via", "fd00:77::12"])?;
-    let pod2_6 = format!("[{}]:8080", w.p2.ip6);
-    let hdr = "dst:00021b12 7580 fd000001000000000000000000000001 0100";
-    let s = w.c.probe(&w.outside, &["udp", "--addr", &pod2_6, "--count", "3", "--ip6-ext", hdr])?;
-    assert_eq!(s.ok, 3, "delivered as it is: {s:?}");
-    assert_eq!(s.peers.keys().collect::<Vec<_>>(), [&pod2_6], "{s:?}");
-    assert_eq!(datapath(&w.c, 2, "dsr_received")?, 0);
-    let n2 = nat(&w, 2)?;
-    assert!(!n2.contains("[DSR]"), "{n2}");
-    Ok(())
-}
-
 /// The tuple a forged option names is held by another flow: the reply side
 /// of a flow node-1 SNATed to pod-2 (node-1's address and SNAT port, to
-/// pod-2). The option (naming the NodePort of another Service, a DSR one)
-/// never replaces that entry: the packet is dropped, and the SNATed
-/// connection goes on (before, the entry became a DSR one, and the
-/// connection's replies passed node-1 untranslated: one packet per SNAT
-/// port cut every such flow).
+/// pod-2). The option never replaces that entry: the packet is dropped,
+/// and the SNATed connection goes on (before, the entry became a DSR one,
+/// and the connection's replies passed node-1 untranslated: one packet
+/// per SNAT port cut every such flow).
 #[test]
 fn a_forged_option_never_replaces_another_flows_entry() -> Result<()> {
-    use lbtest::objects::{service_typed, slice_of};
     use lbtest::raw::{ether, ipv4_with_options, mac, send, tcp_segment};
     let w = world_with(&web("NodePort", "", &[]), &[])?;
     set_endpoints(&w, &[(&w.p2, E::ready)])?;
-    let dsr = service_typed("dsr", &["10.96.0.11"], "NodePort", &[("http", 80, 8080, "TCP", 30081)], "", &[])
-        .replacen("metadata:\n", "metadata:\n  annotations:\n    lb.dev/nodeport-mode: dsr\n", 1);
-    w.c.write_object("dsr.yaml", &dsr)?;
-    w.c.write_object("dsr-s.yaml", &slice_of("dsr", "dsr-1", "IPv4", &[("http", 8080, "TCP")], &[E::ready(&w.p2.ip, "node-2")]))?;
     wait_only(&w.c, NODE1, 30080, &w.p2)?;
-    wait_backends(&w.c, 2, "192.168.77.12", 30081, 1)?;
     let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "3000", "--interval-ms", "100"])?;
     std::thread::sleep(std::time::Duration::from_millis(500));
     // node-1's SNAT port of the held flow.
@@ -188,9 +153,9 @@ fn a_forged_option_never_replaces_another_flows_entry() -> Result<()> {
     let flow = n1.lines().find(|l| l.contains(&format!("src={CLIENT} dst={NODE1}")) && l.contains(&format!("src={NODE1} dst={}", w.p2.ip))).unwrap_or_else(|| panic!("{n1}"));
     let snat_port: u16 = flow.split(&format!("src={NODE1} dst={} sport=", w.p2.ip)).nth(1).and_then(|r| r.split(' ').next()).and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("{flow}"));
     // From outside: node-1's address and SNAT port to pod-2, with an
-    // option naming 10.1.2.3 and the DSR Service's NodePort (30081).
+    // option naming 10.1.2.3 and the NodePort.
     let (src, dst): (std::net::Ipv4Addr, std::net::Ipv4Addr) = (NODE1.parse()?, w.p2.ip.parse()?);
-    let opt = [0x9a, 8, 0x75, 0x81, 10, 1, 2, 3];
+    let opt = [0x9a, 8, 0x75, 0x80, 10, 1, 2, 3];
     let seg = tcp_segment(&src.octets(), &dst.octets(), snat_port, 8080, 0x10);
     let frame = ether(mac(&w.c, &w.c.nodes[0].netns, "eth0")?, mac(&w.c, &w.outside.netns, "eth0")?, 0x0800, &ipv4_with_options(src.octets(), dst.octets(), 6, &opt, &seg));
     let dropped = datapath(&w.c, 1, "nat_dropped")?;

@@ -133,21 +133,15 @@ pub fn add_option6<const L: usize>(skb: *mut __sk_buff, addr: A6, port: u16) -> 
     ACT_TRANSLATED
 }
 
-/// Whether `addr:port` is a DSR frontend outside traffic may use here: an
-/// external frontend of a DSR Service, or a NodePort of one (of another
-/// node's address: the option names the address the client used; this
-/// node's own NodePort on that port, at its SNAT address, says whether its
-/// Service is DSR). An option naming anything else is ignored, as the
-/// stack ignores it: where no Service is DSR, no stranger's option makes a
-/// pod answer from an address of its choosing.
+/// Whether `addr:port` is a frontend outside traffic may use here: an
+/// external frontend, or a NodePort (of another node's address: the
+/// option names the address the client used).
 #[inline(always)]
 fn known_frontend<F: Net>(addr: F::A, port: u16, proto: u8) -> bool {
-    const WANT: u16 = svc_flags::EXTERNAL | svc_flags::DSR;
-    let dsr = |a: F::A| F::svc(&SvcKey::new(a, port, proto, SCOPE_ALL, 0)).is_some_and(|f| f.flags & WANT == WANT);
-    if dsr(addr) {
+    if F::svc(&SvcKey::new(addr, port, proto, SCOPE_ALL, 0)).is_some_and(|f| f.flags & svc_flags::EXTERNAL != 0) {
         return true;
     }
-    crate::sock::LB_NODEPORTS.get_ptr(&NodePortKey { port, proto, _pad: 0 }).is_some() && lb::node_config().is_some_and(|cfg| dsr(F::snat_addr(&cfg)))
+    crate::sock::LB_NODEPORTS.get_ptr(&NodePortKey { port, proto, _pad: 0 }).is_some()
 }
 
 /// Node B: record (or refresh) the reply translation of the DSR flow of
