@@ -617,7 +617,10 @@ pub mod stats {
     /// full (its reader too slow), one counter per monitor slot (1..=4:
     /// `MONITOR_LOST + slot - 1`).
     pub const MONITOR_LOST: u32 = 26;
-    pub const COUNT: u32 = 30;
+    /// TC: an ICMP error (port unreachable, time exceeded) not sent: over
+    /// the kernel's default rate (1,000 a second, bursts of 50), per CPU.
+    pub const ICMP_LIMITED: u32 = 30;
+    pub const COUNT: u32 = 31;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -649,6 +652,7 @@ pub mod stats {
         "monitor_lost_2",
         "monitor_lost_3",
         "monitor_lost_4",
+        "icmp_limited",
     ];
 }
 

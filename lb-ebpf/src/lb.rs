@@ -253,6 +253,15 @@ pub fn node_config() -> Option<NodeConfig> {
     LB_NODE_CONFIG.get_ptr(0).map(copy).filter(|c| c.netns_cookie != 0)
 }
 
+/// This node's configuration in place (no copy on the stack); zero until
+/// the agent has written it.
+#[inline(always)]
+pub fn node_config_ref() -> Option<&'static NodeConfig> {
+    // SAFETY: a map value, alive for this program run (an array's values
+    // are never freed).
+    LB_NODE_CONFIG.get_ptr(0).map(|c| unsafe { &*c })
+}
+
 /// `NodeConfig::flags` alone (0 until the agent has written them), read
 /// in place: no copy of the whole value on the stack.
 #[inline(always)]

@@ -1242,3 +1242,74 @@ fn a_frame_of_a_vlan_is_left_to_the_vlan_device() -> Result<()> {
     w.c.wait_for("a flow of the untagged frame", Duration::from_secs(3), || Ok(new()? == before + 2))?;
     Ok(())
 }
+
+/// Packets from sources the stack never forwards from (loopback,
+/// unspecified, multicast, broadcast; IPv6 link-local and IPv4-mapped)
+/// make no flow: kube-proxy's DNATed packet meets the route lookup's
+/// martian check, and the stack drops these. One from node-1's own
+/// address is dropped and counted (`nat_dropped`): lb sets accept_local
+/// on its devices for its SNATed packets, so the stack would take it. A
+/// SYN from the client makes a flow.
+#[test]
+fn packets_from_martian_sources_make_no_flow() -> Result<()> {
+    use lbtest::raw::{ether, ipv4, ipv6, mac, send, tcp_syn};
+    let w = world(&web("LoadBalancer", "", &[LB_IP, LB_IP6]))?;
+    wait_backends(&w.c, 1, LB_IP, 80, 2)?;
+    let (to, from) = (mac(&w.c, &w.c.nodes[0].netns, "eth0")?, mac(&w.c, &w.outside.netns, "eth0")?);
+    let syn4 = |src: &str, sport| -> Result<Vec<u8>> {
+        let (s, d): (std::net::Ipv4Addr, std::net::Ipv4Addr) = (src.parse()?, LB_IP.parse()?);
+        Ok(ether(to, from, 0x0800, &ipv4(s.octets(), d.octets(), 6, 5, 0, 1, &tcp_syn(&s.octets(), &d.octets(), sport, 80))))
+    };
+    let syn6 = |src: &str, sport| -> Result<Vec<u8>> {
+        let (s, d): (std::net::Ipv6Addr, std::net::Ipv6Addr) = (src.parse()?, LB_IP6.parse()?);
+        Ok(ether(to, from, 0x86dd, &ipv6(s.octets(), d.octets(), 6, &tcp_syn(&s.octets(), &d.octets(), sport, 80))))
+    };
+    let new = || datapath(&w.c, 1, "nat_new");
+    let (before, dropped) = (new()?, datapath(&w.c, 1, "nat_dropped")?);
+    let mut frames = Vec::new();
+    for (i, src) in ["127.0.0.1", "0.0.0.1", "224.0.0.9", "255.255.255.255", NODE1].into_iter().enumerate() {
+        frames.push(syn4(src, 41000 + i as u16)?);
+    }
+    for (i, src) in ["::1", "::", "ff02::1", "fe80::1", "::ffff:1.2.3.4", NODE1_6].into_iter().enumerate() {
+        frames.push(syn6(src, 42000 + i as u16)?);
+    }
+    send(&w.outside.netns, "eth0", frames)?;
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(new()?, before, "no flow from a martian source");
+    assert_eq!(datapath(&w.c, 1, "nat_dropped")? - dropped, 2, "node-1's own addresses, dropped");
+    send(&w.outside.netns, "eth0", vec![syn4(CLIENT, 43000)?, syn6(CLIENT6, 43001)?])?;
+    w.c.wait_for("the client's flows", Duration::from_secs(3), || Ok(new()? == before + 2))?;
+    Ok(())
+}
+
+/// The ICMP port unreachables answering a Service without endpoints are
+/// limited as the kernel limits its own (its defaults: 1,000 a second,
+/// bursts of 50; per CPU): a burst of 300 datagrams, which spoofed
+/// sources would have reflected one for one, gets about 50 answers, the
+/// rest counted as `icmp_limited`. A moment later the next datagram is
+/// refused again. (TCP gets RSTs, which the kernel does not limit either.)
+#[test]
+fn icmp_errors_are_rate_limited_as_the_kernels_are() -> Result<()> {
+    use lbtest::raw::{capture_frames, ether, ipv4, mac, send, udp_datagram};
+    let w = world(&web("NodePort", "", &[]))?;
+    set_endpoints(&w, &[])?;
+    w.c.wait_for("no backends", Duration::from_secs(5), || Ok(w.c.programmed(1, NODE1, 30080, "UDP")?.is_some_and(|b| b.is_empty())))?;
+    let (to, from) = (mac(&w.c, &w.c.nodes[0].netns, "eth0")?, mac(&w.c, &w.outside.netns, "eth0")?);
+    let (src, dst): (std::net::Ipv4Addr, std::net::Ipv4Addr) = (CLIENT.parse()?, NODE1.parse()?);
+    let frames: Vec<Vec<u8>> = (0..300u16)
+        .map(|i| ether(to, from, 0x0800, &ipv4(src.octets(), dst.octets(), 17, 5, 0, i, &udp_datagram(&src.octets(), &dst.octets(), 50000 + i, 30080, b"hi"))))
+        .collect();
+    let limited = datapath(&w.c, 1, "icmp_limited")?;
+    let unreachable = |f: &[u8]| f.len() > 35 && f[12..14] == [0x08, 0x00] && f[23] == 1 && f[34] == 3 && f[35] == 3;
+    let (_, got) = capture_frames(&w.outside.netns, unreachable, || {
+        send(&w.outside.netns, "eth0", frames)?;
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(())
+    })?;
+    assert!((20..=120).contains(&got.len()), "port unreachables for 300 datagrams: {}", got.len());
+    assert!(datapath(&w.c, 1, "icmp_limited")? - limited >= 150, "the rest counted");
+    std::thread::sleep(Duration::from_millis(100));
+    let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "2", "--connected", "--timeout-ms", "2000"])?;
+    assert_eq!(s.errors.get("ECONNREFUSED"), Some(&2), "refused again: {s:?}");
+    Ok(())
+}

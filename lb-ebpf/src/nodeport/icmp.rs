@@ -305,6 +305,9 @@ pub fn time_exceeded<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
     lb::event(stats::NAT_DROPPED);
     let Some((l4, _)) = F::l4(ctx) else { return TC_ACT_SHOT };
+    if !super::icmp_allowed() {
+        return TC_ACT_SHOT;
+    }
     match F::icmp_reply(ctx, F::TIME_EXCEEDED, 0, l4) {
         Ok(()) => bounce(ctx),
         Err(_) => TC_ACT_SHOT,

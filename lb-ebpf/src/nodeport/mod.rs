@@ -325,6 +325,10 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     fn scratch() -> Option<*mut Scratch<Self::A>>;
     /// The node address SNATed flows leave from (zero: none).
     fn snat_addr(cfg: &NodeConfig) -> Self::A;
+    /// Whether a packet from `a` is one the stack never forwards (a
+    /// martian source: unspecified, loopback, multicast, broadcast; IPv6
+    /// link-local and IPv4-mapped too).
+    fn martian(a: Self::A) -> bool;
     /// The address in 16 bytes (IPv4 in the first 4).
     fn wide(a: Self::A) -> [u8; 16];
     /// Replace the address at `off`, fixing the L4 checksum at `csum` (when
@@ -488,6 +492,10 @@ impl<const L: usize> Net for Ip4<L> {
     #[inline(always)]
     fn snat_addr(cfg: &NodeConfig) -> A4 {
         cfg.snat_addr
+    }
+    #[inline(always)]
+    fn martian(a: A4) -> bool {
+        a[0] == 0 || a[0] == 127 || a[0] >= 224
     }
     #[inline(always)]
     fn wide(a: A4) -> [u8; 16] {
@@ -672,6 +680,13 @@ impl<const L: usize> Net for Ip6<L> {
     #[inline(always)]
     fn snat_addr(cfg: &NodeConfig) -> A6 {
         cfg.snat_addr6
+    }
+    #[inline(always)]
+    fn martian(a: A6) -> bool {
+        let hi = u64::from_be_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]);
+        let lo = u64::from_be_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]);
+        // ::, ::1, ::ffff:0:0/96; ff00::/8; fe80::/10.
+        (hi == 0 && (lo <= 1 || lo >> 32 == 0xffff)) || a[0] == 0xff || (a[0] == 0xfe && a[1] & 0xc0 == 0x80)
     }
     #[inline(always)]
     fn wide(a: A6) -> [u8; 16] {
@@ -1116,10 +1131,54 @@ fn reject<F: Net>(skb: *mut __sk_buff) -> i32 {
     if proto == PROTO_TCP {
         return send_reset::<F>(ctx);
     }
+    if !icmp_allowed() {
+        return TC_ACT_SHOT;
+    }
     match F::icmp_reply(ctx, F::PORT_UNREACHABLE, 0, l4) {
         Ok(()) => bounce(ctx),
         Err(_) => TC_ACT_SHOT,
     }
+}
+
+/// The ICMP errors lb sends in the stack's place (port unreachable, time
+/// exceeded; not "fragmentation needed" / "packet too big", which path
+/// MTU discovery needs) are limited as the kernel limits its own, with
+/// its defaults (net.ipv4.icmp_msgs_per_sec 1000, icmp_msgs_burst 50),
+/// per CPU: a flood to a Service without endpoints, from spoofed sources,
+/// is not reflected one for one. What goes over is dropped, counted as
+/// `icmp_limited`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct IcmpCredit {
+    /// When the credit was last taken from (ns, bpf_ktime_get_ns).
+    last: u64,
+    /// Nanoseconds of credit, a message costing `ICMP_COST_NS`.
+    credit: u64,
+}
+
+#[btf_map]
+static LB_ICMP_CREDIT: PerCpuArray<IcmpCredit, 1> = PerCpuArray::new();
+
+const ICMP_COST_NS: u64 = 1_000_000;
+const ICMP_BURST_NS: u64 = 50 * ICMP_COST_NS;
+
+#[inline(always)]
+fn icmp_allowed() -> bool {
+    let Some(c) = LB_ICMP_CREDIT.get_ptr_mut(0) else { return false };
+    // SAFETY: plain helper.
+    let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
+    // SAFETY: this CPU's map value, alive for this program run.
+    unsafe {
+        let credit = (*c).credit.saturating_add(now.wrapping_sub((*c).last)).min(ICMP_BURST_NS);
+        (*c).last = now;
+        if credit < ICMP_COST_NS {
+            (*c).credit = credit;
+            lb::event(stats::ICMP_LIMITED);
+            return false;
+        }
+        (*c).credit = credit - ICMP_COST_NS;
+    }
+    true
 }
 
 /// End a TCP flow whose backend left: a RST to the client, as the backend
@@ -1747,9 +1806,47 @@ pub fn lb_l3_ingress(ctx: TcContext) -> i32 {
     ingress_on::<0>(&ctx, proto)
 }
 
+/// `source_check`: the packet goes on to be translated.
+const ACT_GO_ON: i32 = -113;
+
+/// A packet from a source the stack never forwards from (kube-proxy's
+/// DNATed packet meets the route lookup's martian check) is left to the
+/// stack, which drops it: no flow. One from this node's own SNAT address
+/// is dropped here, as the stack would without the accept_local lb sets
+/// on these devices (for its SNATed packets, which re-enter the stack
+/// from them). Its own BPF function, off the deep call chain.
+/// ICMP errors are left to their own path (translated like the flow they
+/// are about, as conntrack relates them).
+#[inline(never)]
+fn source_check<F: Net>(skb: *mut __sk_buff) -> i32 {
+    // Loaded by helper (the context stays this function's argument).
+    let ctx = &TcContext::new(skb);
+    let Ok(proto) = ctx.load::<u8>(F::L2 + F::PROTO_OFF) else { return ACT_GO_ON };
+    if proto == F::ICMP {
+        return ACT_GO_ON;
+    }
+    let Ok(saddr) = ctx.load::<F::A>(F::SRC) else { return ACT_GO_ON };
+    if F::martian(saddr) {
+        return TC_ACT_OK;
+    }
+    if lb::node_config_ref().is_some_and(|cfg| F::snat_addr(cfg) == saddr) {
+        lb::event(stats::NAT_DROPPED);
+        return TC_ACT_SHOT;
+    }
+    ACT_GO_ON
+}
+
 #[inline(always)]
 fn ingress_on<const L: usize>(ctx: &TcContext, proto: u16) -> i32 {
     let skb = ctx.skb.skb;
+    let checked = match proto {
+        ETH_P_IP => source_check::<Ip4<L>>(skb),
+        ETH_P_IPV6 => source_check::<Ip6<L>>(skb),
+        _ => TC_ACT_OK,
+    };
+    if checked != ACT_GO_ON {
+        return checked;
+    }
     match proto {
         // A DSR flow's packet for a backend on this node.
         ETH_P_IP if dsr::carries_option::<L>(ctx) => match dsr::receive::<L>(skb) {
