@@ -1244,12 +1244,13 @@ fn a_frame_of_a_vlan_is_left_to_the_vlan_device() -> Result<()> {
 }
 
 /// Packets from sources the stack never forwards from (loopback,
-/// unspecified, multicast, broadcast; IPv6 link-local and IPv4-mapped)
+/// unspecified, multicast, the limited broadcast; IPv6 link-local and
+/// IPv4-mapped)
 /// make no flow: kube-proxy's DNATed packet meets the route lookup's
 /// martian check, and the stack drops these. One from node-1's own
 /// address is dropped and counted (`nat_dropped`): lb sets accept_local
 /// on its devices for its SNATed packets, so the stack would take it. A
-/// SYN from the client makes a flow.
+/// SYN from the client makes a flow, and one from class E (240/4).
 #[test]
 fn packets_from_martian_sources_make_no_flow() -> Result<()> {
     use lbtest::raw::{ether, ipv4, ipv6, mac, send, tcp_syn};
@@ -1277,8 +1278,9 @@ fn packets_from_martian_sources_make_no_flow() -> Result<()> {
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(new()?, before, "no flow from a martian source");
     assert_eq!(datapath(&w.c, 1, "nat_dropped")? - dropped, 2, "node-1's own addresses, dropped");
-    send(&w.outside.netns, "eth0", vec![syn4(CLIENT, 43000)?, syn6(CLIENT6, 43001)?])?;
-    w.c.wait_for("the client's flows", Duration::from_secs(3), || Ok(new()? == before + 2))?;
+    // The client, and class E (240/4), which Linux routes.
+    send(&w.outside.netns, "eth0", vec![syn4(CLIENT, 43000)?, syn6(CLIENT6, 43001)?, syn4("240.0.0.1", 43002)?])?;
+    w.c.wait_for("the client's flows", Duration::from_secs(3), || Ok(new()? == before + 3))?;
     Ok(())
 }
 

@@ -235,6 +235,9 @@ impl<A: Addr> MaglevTables<A> {
                         tracing::info!("the kernel has no batch writes for maps of maps (Linux 5.19+): Maglev tables are put in one by one");
                         self.batches = false;
                     }
+                    // Refused whole (before its first entry): this one
+                    // alone, so that only a table that fails itself fails.
+                    Err(_) if done == 0 => {}
                     r => return (done, r),
                 }
             }
@@ -290,7 +293,10 @@ impl<A: Addr> MaglevTables<A> {
             if self.batches {
                 let (done, r) = super::maps::batch::<MaglevKey, u32>(fd, &keys[from..], None);
                 match r {
-                    Err(e) if done == 0 && e.raw_os_error() == Some(ENOTSUPP) => self.batches = false,
+                    Err(e) if done == 0 && e.raw_os_error() == Some(ENOTSUPP) => {
+                        tracing::info!("the kernel has no batch writes for maps of maps (Linux 5.19+): Maglev tables are removed one by one");
+                        self.batches = false;
+                    }
                     r => return (done, r),
                 }
             }

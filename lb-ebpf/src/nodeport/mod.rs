@@ -495,7 +495,9 @@ impl<const L: usize> Net for Ip4<L> {
     }
     #[inline(always)]
     fn martian(a: A4) -> bool {
-        a[0] == 0 || a[0] == 127 || a[0] >= 224
+        // 0/8, 127/8, multicast (224/4), the limited broadcast; not class
+        // E (240/4), which Linux routes (pod ranges use it).
+        a[0] == 0 || a[0] == 127 || (a[0] >= 224 && a[0] < 240) || a == [255; 4]
     }
     #[inline(always)]
     fn wide(a: A4) -> [u8; 16] {
