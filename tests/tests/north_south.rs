@@ -987,8 +987,9 @@ fn snated_flows_skip_conntrack_where_it_runs_so_invalid_drops_pass_them() -> Res
     w.c.wait_for("table inet lb", Duration::from_secs(5), || table(&w))?;
     let rules = w.c.in_netns(&n1, &["nft", "list", "table", "inet", "lb"])?;
     assert!(rules.contains("hook prerouting priority raw") && rules.contains("notrack"), "{rules}");
-    let log = std::fs::read_to_string(w.c.agent_log(1))?;
-    assert!(log.contains("lb's SNATed and DSR flows skip it"), "the agent says so: {log}");
+    // Said once the table is written (the table can be seen first).
+    let log = w.c.agent_log(1);
+    w.c.wait_for("the agent saying so", Duration::from_secs(5), || Ok(std::fs::read_to_string(&log)?.contains("lb's SNATed and DSR flows skip it")))?;
     let count = |w: &World| -> Result<u64> { Ok(w.c.in_netns(&n1, &["cat", "/proc/sys/net/netfilter/nf_conntrack_count"])?.trim().parse()?) };
     let before = count(&w)?;
     for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080), hostport(LB_IP, 80), hostport(LB_IP6, 80)] {
