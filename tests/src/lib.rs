@@ -525,6 +525,15 @@ impl Cluster {
         ip(&["-n", &fab, "link", "set", "lo", "up"])?;
         ip(&["-n", &fab, "link", "add", "br0", "type", "bridge"])?;
         ip(&["-n", &fab, "link", "set", "br0", "up"])?;
+        // The physical network is a switch: it forwards frames, whatever
+        // their IP headers. br_netfilter, where loaded, runs the bridge's
+        // IPv4 and IPv6 frames through the stack's header checks first
+        // (and drops a bad header before any node saw it) unless the
+        // fabric's own namespace turns it off.
+        for family in ["iptables", "ip6tables", "arptables"] {
+            let knob = format!("/proc/sys/net/bridge/bridge-nf-call-{family}");
+            self.in_netns(&fab, &["sh", "-c", &format!("[ ! -e {knob} ] || echo 0 > {knob}")])?;
+        }
         let root = cgroup2_root()?;
         for i in 1..=n {
             let netns = format!("{}-n{i}", self.id);

@@ -268,3 +268,98 @@ fn an_ack_arriving_after_the_clients_rst_leaves_the_flow_closed() -> Result<()> 
     assert_eq!(s.peers.keys().collect::<Vec<_>>(), [pod.as_str()], "the pod answers as itself: {s:?}");
     Ok(())
 }
+
+/// The stack's counters of IP headers it discarded, in `netns`:
+/// (InHdrErrors, InTruncatedPkts, InCsumErrors), IPv4 and IPv6 summed.
+fn header_errors(c: &Cluster, netns: &str) -> Result<(u64, u64, u64)> {
+    let mut v = (0, 0, 0);
+    for file in ["/proc/net/snmp", "/proc/net/netstat", "/proc/net/snmp6"] {
+        let text = c.in_netns(netns, &["cat", file])?;
+        let lines: Vec<&str> = text.lines().collect();
+        let mut named: Vec<(String, u64)> = Vec::new();
+        // snmp / netstat: a line of names, then a line of values, per group.
+        for pair in lines.chunks(2) {
+            if let [names, values] = pair
+                && let (Some((g, n)), Some((_, vals))) = (names.split_once(':'), values.split_once(':'))
+            {
+                for (name, val) in n.split_whitespace().zip(vals.split_whitespace()) {
+                    named.push((format!("{g}{name}"), val.parse().unwrap_or(0)));
+                }
+            }
+        }
+        // snmp6: "Name value" lines.
+        for l in &lines {
+            if let [name, val] = l.split_whitespace().collect::<Vec<_>>()[..] {
+                named.push((name.to_string(), val.parse().unwrap_or(0)));
+            }
+        }
+        for (name, val) in named {
+            match name.as_str() {
+                "IpInHdrErrors" | "Ip6InHdrErrors" => v.0 += val,
+                "IpExtInTruncatedPkts" | "Ip6InTruncatedPkts" => v.1 += val,
+                "IpExtInCsumErrors" => v.2 += val,
+                _ => {}
+            }
+        }
+    }
+    Ok(v)
+}
+
+/// IP headers the stack discards before any netfilter hook (`ip_rcv_core`,
+/// `ipv6_rcv`), so that kube-proxy's rules never see them: a wrong header
+/// checksum, a length in the header beyond the packet, a version that is
+/// not the frame's. lb leaves them to the stack (which counts them) and
+/// makes no flow of them; before 12-05 it made flows of them, and a DSR
+/// node rebuilt such a header with a valid checksum. Good headers around
+/// them still make flows: with options (summed into the checksum too), and
+/// with bytes after the IP length (Ethernet padding, which the stack trims).
+#[test]
+fn headers_the_stack_discards_make_no_flow() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let wire = Wire::new(&w.c, &w.outside)?;
+    let recheck = |p: &mut Vec<u8>| {
+        let ihl = (p[0] & 0x0f) as usize * 4;
+        p[10..12].copy_from_slice(&[0, 0]);
+        let c = raw::csum(&p[..ihl], 0);
+        p[10..12].copy_from_slice(&c.to_be_bytes());
+    };
+    let syn = |sport| ipv4(BAD, NODE1_B, 6, 5, 0x4000, sport, &tcp_syn(&BAD, &NODE1_B, sport, 30080));
+    let mut bad_csum = syn(41001);
+    bad_csum[10] ^= 0x5a;
+    let mut truncated = syn(41002);
+    truncated[2..4].copy_from_slice(&48u16.to_be_bytes());
+    recheck(&mut truncated);
+    let mut version = syn(41003);
+    version[0] = 0x65;
+    recheck(&mut version);
+    let mut zero_len = syn(41004);
+    zero_len[2..4].copy_from_slice(&0u16.to_be_bytes());
+    recheck(&mut zero_len);
+    let (bad6, node6) = (v6(BAD6), v6(NODE1_6));
+    let mut truncated6 = ipv6(bad6, node6, 6, &tcp_syn(&bad6, &node6, 41005, 30080));
+    truncated6[4..6].copy_from_slice(&28u16.to_be_bytes());
+    let errors = header_errors(&w.c, &w.c.nodes[0].netns)?;
+    wire.send4(vec![bad_csum, truncated, version, zero_len])?;
+    wire.send6(vec![truncated6])?;
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(flows_from(&w.c, "192.168.77.202")?, Vec::<String>::new());
+    assert_eq!(flows_from(&w.c, BAD6)?, Vec::<String>::new());
+    // They reached the stack, which discarded and counted them (a bad
+    // checksum is a header error too).
+    let after = header_errors(&w.c, &w.c.nodes[0].netns)?;
+    assert_eq!((after.0 - errors.0, after.1 - errors.1, after.2 - errors.2), (3, 2, 1), "header, truncated, checksum errors");
+
+    // A record-route option (7, length 7, pointer 4, one empty slot) and a
+    // padded SYN make flows.
+    let opts = [7u8, 7, 4, 0, 0, 0, 0];
+    let with_options = raw::ipv4_with_options(BAD, NODE1_B, 6, &opts, &tcp_syn(&BAD, &NODE1_B, 41006, 30080));
+    let mut padded = syn(41007);
+    padded.extend_from_slice(&[0u8; 6]);
+    wire.send4(vec![with_options, padded])?;
+    w.c.wait_for("the good headers' flows", Duration::from_secs(3), || {
+        let f = flows_from(&w.c, "192.168.77.202")?;
+        Ok(f.iter().any(|l| l.contains("sport=41006 ")) && f.iter().any(|l| l.contains("sport=41007 ")))
+    })?;
+    Ok(())
+}

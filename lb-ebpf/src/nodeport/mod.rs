@@ -297,6 +297,14 @@ fn csum_fold(s: u32) -> u16 {
     !(c as u16)
 }
 
+/// Whether the packet is a GSO one (segments to be cut later: GRO merged
+/// it, or a local sender's offload made it).
+#[inline(always)]
+fn gso(ctx: &TcContext) -> bool {
+    // SAFETY: the context's own field.
+    unsafe { (*ctx.skb.skb).gso_size != 0 }
+}
+
 /// One address family's packet layout and NAT table.
 trait Net: Family<A: Copy + PartialEq + Default> {
     /// Length of the link-layer header before the IP header: 14 on
@@ -329,6 +337,13 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     /// martian source: unspecified, loopback, multicast, broadcast; IPv6
     /// link-local and IPv4-mapped too).
     fn martian(a: Self::A) -> bool;
+    /// The IP header's protocol (IPv6: next header) and source address;
+    /// None when the stack would discard the header before any netfilter
+    /// hook (`ip_rcv_core`, `ipv6_rcv`): a wrong version, an IPv4 header
+    /// length under 20 bytes, a length in the header beyond the packet
+    /// (truncated), an IPv4 header checksum that does not add up; or when
+    /// the packet is too short to hold one.
+    fn head(ctx: &TcContext) -> Option<(u8, Self::A)>;
     /// The address in 16 bytes (IPv4 in the first 4).
     fn wide(a: Self::A) -> [u8; 16];
     /// Replace the address at `off`, fixing the L4 checksum at `csum` (when
@@ -498,6 +513,47 @@ impl<const L: usize> Net for Ip4<L> {
         // 0/8, 127/8, multicast (224/4), the limited broadcast; not class
         // E (240/4), which Linux routes (pod ranges use it).
         a[0] == 0 || a[0] == 127 || (a[0] >= 224 && a[0] < 240) || a == [255; 4]
+    }
+    #[inline(always)]
+    fn head(ctx: &TcContext) -> Option<(u8, A4)> {
+        // One load of the fixed header (by helper: the caller's frame has
+        // no packet pointers), summed as 16-bit words in registers.
+        let h: [u32; 5] = ctx.load(L).ok()?;
+        let b0 = h[0].to_ne_bytes();
+        let ihl = (b0[0] & 0x0f) as usize;
+        if b0[0] >> 4 != 4 || ihl < 5 {
+            return None;
+        }
+        // 0 is a GSO packet's past 64 KiB (BIG TCP): its length is the
+        // skb's; on any other packet, a header error.
+        let tot = u16::from_be_bytes([b0[2], b0[3]]) as usize;
+        let bad = if tot == 0 { !gso(ctx) } else { tot < ihl * 4 || tot > (ctx.len() as usize).saturating_sub(L) };
+        if bad {
+            return None;
+        }
+        let mut sum: u64 = 0;
+        for w in h {
+            sum += (w & 0xffff) as u64 + (w >> 16) as u64;
+        }
+        // Options (a DSR option among them): word by word, rare.
+        let mut i = 5;
+        while i < 15 {
+            if i >= ihl {
+                break;
+            }
+            let w: u32 = ctx.load(L + i * 4).ok()?;
+            sum += (w & 0xffff) as u64 + (w >> 16) as u64;
+            i += 1;
+        }
+        // At most 30 halves: two folds carry everything (no loop the
+        // verifier would have to walk per value).
+        sum = (sum & 0xffff) + (sum >> 16);
+        sum = (sum & 0xffff) + (sum >> 16);
+        if sum != 0xffff {
+            return None;
+        }
+        let b2 = h[2].to_ne_bytes();
+        Some((b2[1], h[3].to_ne_bytes()))
     }
     #[inline(always)]
     fn wide(a: A4) -> [u8; 16] {
@@ -689,6 +745,23 @@ impl<const L: usize> Net for Ip6<L> {
         let lo = u64::from_be_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]);
         // ::, ::1, ::ffff:0:0/96; ff00::/8; fe80::/10.
         (hi == 0 && (lo <= 1 || lo >> 32 == 0xffff)) || a[0] == 0xff || (a[0] == 0xfe && a[1] & 0xc0 == 0x80)
+    }
+    #[inline(always)]
+    fn head(ctx: &TcContext) -> Option<(u8, A6)> {
+        let h: [u8; 24] = ctx.load(L).ok()?;
+        if h[0] >> 4 != 6 {
+            return None;
+        }
+        // 0 is a GSO packet's past 64 KiB (BIG TCP), or a jumbogram's
+        // (left to the stack, as lb does not read its hop-by-hop option).
+        let payload = u16::from_be_bytes([h[4], h[5]]) as usize;
+        let bad = if payload == 0 { !gso(ctx) } else { payload + 40 > (ctx.len() as usize).saturating_sub(L) };
+        if bad {
+            return None;
+        }
+        let mut a = [0u8; 16];
+        a.copy_from_slice(&h[8..24]);
+        Some((h[6], a))
     }
     #[inline(always)]
     fn wide(a: A6) -> [u8; 16] {
@@ -1818,16 +1891,20 @@ const ACT_GO_ON: i32 = -113;
 /// on these devices (for its SNATed packets, which re-enter the stack
 /// from them). Its own BPF function, off the deep call chain.
 /// ICMP errors are left to their own path (translated like the flow they
-/// are about, as conntrack relates them).
+/// are about, as conntrack relates them). A header the stack would
+/// discard before netfilter (`Net::head`) is left to it first: kube-proxy's
+/// rules never see such a packet, and lb made flows of them (before 12-05:
+/// a DSR node rebuilt a corrupted header with a valid checksum).
 #[inline(never)]
 fn source_check<F: Net>(skb: *mut __sk_buff) -> i32 {
     // Loaded by helper (the context stays this function's argument).
     let ctx = &TcContext::new(skb);
-    let Ok(proto) = ctx.load::<u8>(F::L2 + F::PROTO_OFF) else { return ACT_GO_ON };
+    // A header the stack discards is the stack's to discard (and count:
+    // InHdrErrors, InCsumErrors, InTruncatedPkts), not a flow's packet.
+    let Some((proto, saddr)) = F::head(ctx) else { return TC_ACT_OK };
     if proto == F::ICMP {
         return ACT_GO_ON;
     }
-    let Ok(saddr) = ctx.load::<F::A>(F::SRC) else { return ACT_GO_ON };
     if F::martian(saddr) {
         return TC_ACT_OK;
     }
