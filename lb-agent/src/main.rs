@@ -365,17 +365,35 @@ fn port_range(flag: &str, s: &str) -> anyhow::Result<(u16, u16)> {
 }
 
 /// A warning when the SNAT ports overlap the kernel's ephemeral ports
-/// (`ip_local_port_range`'s contents): a connection of the node's own to
-/// a backend from such a port can have the tuple of a SNATed flow, and
-/// lose its replies to it.
-fn snat_overlaps_ephemeral(snat: (u16, u16), range: &str) -> Option<String> {
+/// (`ip_local_port_range`'s contents) outside the ports reserved from them
+/// (`ip_local_reserved_ports`'s: "8080,9000-9100", or empty): a
+/// connection of the node's own to a backend from such a port can have the
+/// tuple of a SNATed flow, and lose its replies to it. Reserving the SNAT
+/// range there is the other cure, so a range the reserved ports cover is
+/// no overlap.
+fn snat_overlaps_ephemeral(snat: (u16, u16), range: &str, reserved: &str) -> Option<String> {
     let mut it = range.split_whitespace().map(|p| p.parse::<u16>().ok());
     let (lo, hi) = (it.next()??, it.next()??);
-    (snat.0 <= hi && lo <= snat.1).then(|| {
+    let (from, to) = (snat.0.max(lo), snat.1.min(hi));
+    if from > to {
+        return None;
+    }
+    let reserved: Vec<(u16, u16)> = reserved
+        .trim()
+        .split(',')
+        .filter_map(|r| {
+            let r = r.trim();
+            let (a, b) = r.split_once('-').unwrap_or((r, r));
+            Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
+        })
+        .collect();
+    let open = (from..=to).filter(|p| !reserved.iter().any(|(a, b)| (a..=b).contains(&p))).count();
+    (open > 0).then(|| {
         format!(
-            "--snat-ports {}-{} overlaps the kernel's ephemeral ports (net.ipv4.ip_local_port_range {lo} {hi}): a connection \
-             the node makes to a backend from one of those ports can have the tuple of a SNATed flow and lose its replies to \
-             it; narrow --snat-ports or the sysctl so that they are apart",
+            "--snat-ports {}-{} overlaps the kernel's ephemeral ports (net.ipv4.ip_local_port_range {lo} {hi}) in {open} \
+             port(s) not in net.ipv4.ip_local_reserved_ports: a connection the node makes to a backend from one of those \
+             ports can have the tuple of a SNATed flow and lose its replies to it; narrow --snat-ports or the range so that \
+             they are apart, or reserve --snat-ports in ip_local_reserved_ports",
             snat.0, snat.1
         )
     })
@@ -541,7 +559,9 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             anyhow::ensure!(!forward_accept_period.is_zero(), "--forward-accept-period: must be more than 0 (--forward-accept none turns lb's FORWARD rules off)");
             raise_open_files();
             let snat_range = port_range("--snat-ports", &snat_ports)?;
-            if let Some(w) = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok().and_then(|r| snat_overlaps_ephemeral(snat_range, &r)) {
+            let sysctl = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/{name}")).ok();
+            let reserved = sysctl("ip_local_reserved_ports").unwrap_or_default();
+            if let Some(w) = sysctl("ip_local_port_range").and_then(|r| snat_overlaps_ephemeral(snat_range, &r, &reserved)) {
                 tracing::warn!("{w}");
             }
             let cfg = agent::RunConfig {
@@ -699,11 +719,20 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
 mod tests {
     #[test]
     fn snat_ports_in_the_ephemeral_range_are_warned_about() {
-        assert_eq!(super::snat_overlaps_ephemeral((1024, 29999), "32768\t60999\n"), None);
-        let w = super::snat_overlaps_ephemeral((1024, 29999), "20000 60999").unwrap();
-        assert!(w.contains("--snat-ports 1024-29999 overlaps") && w.contains("ip_local_port_range 20000 60999"), "{w}");
-        assert!(super::snat_overlaps_ephemeral((40000, 50000), "1024 65535").is_some());
-        assert_eq!(super::snat_overlaps_ephemeral((1024, 29999), "garbage"), None);
+        use super::snat_overlaps_ephemeral as w;
+        assert_eq!(w((1024, 29999), "32768\t60999\n", "\n"), None);
+        let m = w((1024, 29999), "20000 60999", "").unwrap();
+        assert!(m.contains("--snat-ports 1024-29999 overlaps") && m.contains("ip_local_port_range 20000 60999) in 10000 port(s)"), "{m}");
+        assert!(w((40000, 50000), "1024 65535", "").is_some());
+        assert_eq!(w((1024, 29999), "garbage", ""), None);
+        // Reserved ports are no ephemeral ports: covered whole, no warning;
+        // covered in part, the rest is named.
+        assert_eq!(w((1024, 29999), "20000 60999", "20000-29999\n"), None);
+        assert_eq!(w((1024, 29999), "20000 60999", "80,8080,19000-25000,25001-30000"), None);
+        let m = w((1024, 29999), "20000 60999", "20000-29990,443").unwrap();
+        assert!(m.contains("in 9 port(s) not in net.ipv4.ip_local_reserved_ports"), "{m}");
+        assert_eq!(w((30000, 30000), "1024 65535", "30000"), None);
+        assert!(w((30000, 30001), "1024 65535", "garbage,30000").is_some());
     }
 
     /// kube-proxy's GetHostname: trimmed, lowercased; blank is an error.
