@@ -518,3 +518,71 @@ fn metrics_read_the_live_counters_while_an_upgrade_waits_for_its_first_sync() ->
     assert_eq!(scrape(&w)?.0, before + 10);
     Ok(())
 }
+
+/// Endpoints that leave while no agent runs, and the next agent upgrades
+/// the maps: the first sync's sweep judged the staged maps, still empty,
+/// so the sweep runs again once the upgrade brought the old programs'
+/// flows and sockets along. An outside NodePort flow to pod-1 is reset
+/// (before, it went on to the pod that left, and a UDP flow would have,
+/// for as long as its client kept sending), and a pod's connected UDP
+/// socket to pod-1 is told (its entry in `LB_SOCK_UDP`, by which the
+/// destroyer finds it, now comes along too).
+#[test]
+fn flows_and_sockets_to_endpoints_that_left_before_an_upgrade_are_ended_after_it() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    set_endpoints(&w, &[(&w.p1, lbtest::objects::Endpoint::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "6000", "--interval-ms", "20", "--timeout-ms", "1000"])?;
+    let udp = w.c.probe_bg(&client, &["udp-stream", "--addr", "10.96.0.10:80", "--keep-on-timeout", "--interval-ms", "20", "--max-ms", "6000"])?;
+    std::thread::sleep(Duration::from_millis(700));
+    // No agent: pod-1 leaves the Service (it still answers); the next
+    // agent upgrades every map.
+    w.c.kill_agent(1);
+    set_endpoints(&w, &[(&w.p2, lbtest::objects::Endpoint::ready)])?;
+    let objects = w.c.objects.clone();
+    w.c.start_agent_env(1, &objects, &[], &[("LB_LAYOUT_VERSION", "99")])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let s = Cluster::finish(held)?;
+    assert!(!s.replies.is_empty() && s.replies.keys().all(|r| r.starts_with("pod-1")), "{s:?}");
+    assert_eq!(s.errors.keys().collect::<Vec<_>>(), ["ECONNRESET"], "the flow to pod-1 was reset after the upgrade: {s:?}");
+    let u = Cluster::finish(udp)?;
+    assert!(u.replies.iter().any(|(r, n)| r.starts_with("pod-2") && *n > 10), "the client connected again, to pod-2: {u:?}");
+    assert!(u.errors.contains_key("ECONNABORTED") || u.errors.contains_key("EDESTADDRREQ"), "told by an error: {u:?}");
+    Ok(())
+}
+
+/// Entries in the pinned map `name` of node-1 (the one the running
+/// programs use, not a staged one).
+fn live_entries(c: &Cluster, name: &str) -> Result<usize> {
+    let out = lbtest::run("bpftool", &["-j", "map", "dump", "pinned", c.nodes[0].bpffs.join(name).to_str().unwrap()])?;
+    Ok(serde_json::from_str::<Vec<serde_json::Value>>(&out)?.len())
+}
+
+/// While an upgrade waits for its first sync (an API server failing every
+/// request here), the old programs still make flows in the old NAT
+/// tables: the new agent expires them there too (before, only the staged
+/// tables were, so the live ones only grew until new flows were refused).
+#[test]
+fn the_live_nat_tables_are_expired_while_an_upgrade_waits_for_its_first_sync() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let api = w.c.start_apiserver(1, false)?;
+    let flags = ["--nat-udp-timeout", "2", "--nat-gc-interval", "1"];
+    w.c.kill_agent(1);
+    w.c.start_agent_kube(1, &api.kubeconfig, &flags)?;
+    api.control("/lbtest/fail?code=500&count=1000000")?;
+    w.c.kill_agent(1);
+    w.c.start_agent_kube_unsynced(1, &api.kubeconfig, &flags, &[("LB_LAYOUT_VERSION", "99")])?;
+    assert!(w.c.nodes[0].bpffs.join("next").join(lb_common::maps::NAT4).exists(), "staged, not finished");
+    let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3"])?;
+    assert_eq!(s.ok, 3, "the old programs serve: {s:?}");
+    assert!(live_entries(&w.c, lb_common::maps::NAT4)? >= 3, "their flows are in the old table");
+    w.c.wait_for("the old table's idle flows to expire", Duration::from_secs(8), || Ok(live_entries(&w.c, lb_common::maps::NAT4)? == 0))?;
+    assert!(w.c.nodes[0].bpffs.join("next").exists(), "still waiting for the first sync");
+    api.control("/lbtest/fail?code=500&count=0")?;
+    w.c.wait_for("the upgrade", Duration::from_secs(30), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3"])?;
+    assert_eq!(s.ok, 3, "{s:?}");
+    Ok(())
+}

@@ -96,10 +96,30 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
     // Counters staged by an upgrade: the old agent's are added on when it
     // finishes, which is no new refusal.
     let mut staged = loader::staged_pin(&cfg.bpffs, lb_common::maps::STATS);
-    let masqueraded = Arc::new(BpfMasqueraded {
-        started: Default::default(),
-        last: std::sync::Mutex::new((0, crate::nodeport::count_bpf_masqueraded(&nat4) + crate::nodeport::count_bpf_masqueraded(&nat6))),
-    });
+    // At start, the flows the running programs hold: during an upgrade
+    // the old maps' (the staged ones fill only when the programs move).
+    let live = |name: &str| MapData::from_pin(loader::live_pin(&cfg.bpffs, name)).with_context(|| format!("open pinned {name}"));
+    let at_start = {
+        let live4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(live(lb_common::maps::NAT4)?))?;
+        let live6: HashMap<MapData, lb_common::Nat6Key, lb_common::Nat6Entry> = HashMap::try_from(Map::HashMap(live(lb_common::maps::NAT6)?))?;
+        crate::nodeport::count_bpf_masqueraded(&live4) + crate::nodeport::count_bpf_masqueraded(&live6)
+    };
+    let masqueraded = Arc::new(BpfMasqueraded { started: Default::default(), last: std::sync::Mutex::new((0, at_start)) });
+    // During an upgrade the old programs make and use the flows of the old
+    // tables until they move: those are expired and ended here too (else
+    // they only grow while the first sync waits, an API server down, say,
+    // until new flows are refused), where their layout is this agent's.
+    let staged_nat = loader::staged_pin(&cfg.bpffs, lb_common::maps::NAT4);
+    let mut old_nat = match &staged_nat {
+        Some(staged) if loader::live_pin(&cfg.bpffs, lb_common::maps::NAT4) != *staged
+            && loader::staged_pin(&cfg.bpffs, lb_common::maps::NAT6).is_some_and(|s| loader::live_pin(&cfg.bpffs, lb_common::maps::NAT6) != s) =>
+        {
+            let o4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(live(lb_common::maps::NAT4)?))?;
+            let o6: HashMap<MapData, lb_common::Nat6Key, lb_common::Nat6Entry> = HashMap::try_from(Map::HashMap(live(lb_common::maps::NAT6)?))?;
+            Some((o4, o6))
+        }
+        _ => None,
+    };
     let count = masqueraded.clone();
     std::thread::Builder::new().name("nat".into()).spawn(move || {
         let mut seen_failed = failed();
@@ -116,8 +136,18 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
             let pass = count.started.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
             let p4 = crate::nodeport::nat_pass(&mut nat4, &timeouts, &left);
             let p6 = crate::nodeport::nat_pass(&mut nat6, &timeouts, &left);
-            let (expired, flushed, marked) = (p4.expired + p6.expired, p4.flushed + p6.flushed, p4.marked + p6.marked);
-            *count.last.lock().unwrap_or_else(|e| e.into_inner()) = (pass, p4.bpf_masqueraded + p6.bpf_masqueraded);
+            let (mut expired, mut flushed, mut marked) = (p4.expired + p6.expired, p4.flushed + p6.flushed, p4.marked + p6.marked);
+            let mut masq = p4.bpf_masqueraded + p6.bpf_masqueraded;
+            // Until the programs move (the staged pin goes when they have).
+            if old_nat.is_some() && !staged_nat.as_ref().is_some_and(|p| p.exists()) {
+                old_nat = None;
+            }
+            if let Some((o4, o6)) = &mut old_nat {
+                let (q4, q6) = (crate::nodeport::nat_pass(o4, &timeouts, &left), crate::nodeport::nat_pass(o6, &timeouts, &left));
+                (expired, flushed, marked) = (expired + q4.expired + q6.expired, flushed + q4.flushed + q6.flushed, marked + q4.marked + q6.marked);
+                masq = q4.bpf_masqueraded + q6.bpf_masqueraded;
+            }
+            *count.last.lock().unwrap_or_else(|e| e.into_inner()) = (pass, masq);
             if expired > 0 {
                 tracing::debug!(flows = expired, "NAT entries expired");
             }
@@ -310,7 +340,19 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     tc.pod_egress = per_packet;
     // The flags an earlier agent left (they hold until this one's first
     // full sync writes its own).
-    let earlier_flags = maps.node_config.get(&0, 0).map(|c| c.flags).unwrap_or(0);
+    // During an upgrade: the live node config, not the staged one (empty
+    // until the first sync).
+    let earlier_flags = match loader::staged_pin(&cfg.bpffs, lb_common::maps::NODE_CONFIG) {
+        None => maps.node_config.get(&0, 0).map(|c| c.flags).unwrap_or(0),
+        Some(_) => {
+            let path = loader::live_pin(&cfg.bpffs, lb_common::maps::NODE_CONFIG);
+            aya::maps::MapData::from_pin(&path)
+                .ok()
+                .and_then(|d| aya::maps::Array::<_, lb_common::NodeConfig>::try_from(aya::maps::Map::Array(d)).ok())
+                .and_then(|a| a.get(&0, 0).ok())
+                .map_or(0, |c| c.flags)
+        }
+    };
     let (nat_left, bpf_masqueraded) = spawn_nat_gc(&cfg)?;
     // Flows an agent with --bpf-forward masqueraded in BPF: the pod
     // programs translate their replies, so they stay (and are brought up
@@ -714,10 +756,29 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         // An upgrade: the staged maps hold the first full sync now; move the
         // programs to them (the old ones served from the old maps meanwhile).
         if !dirty && let Some(replaced) = upgrade.take() {
-            tc.finish_upgrade(&replaced)?;
+            // Every device this agent serves moves before the second copy
+            // (those of netlink filters are known only so).
+            let nodeport = if !cfg.nodeport_interfaces.is_empty() {
+                cfg.nodeport_interfaces.clone()
+            } else if rec.has_external {
+                crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses)
+            } else {
+                Vec::new()
+            };
+            let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods(&masq_watch);
+            let pod_devices = match crate::netdev::links() {
+                Ok(links) if pods => crate::netdev::pod_devices(&links, &nodeport),
+                _ => Vec::new(),
+            };
+            tc.finish_upgrade(&replaced, &nodeport, &pod_devices)?;
             for iface in &cfg.nodeport_interfaces {
                 tc.attach_tc(iface)?;
             }
+            // The first sync's sweep judged the staged maps, which held no
+            // flow and no socket's UDP entry yet: the old programs' ones
+            // came along just now, those to endpoints that left while no
+            // agent ran too.
+            rec.sweep();
         }
         // loadBalancerSourceRanges for the sockets the hooks translate: the
         // egress program is attached while some frontend has them (before

@@ -560,14 +560,10 @@ impl Reconciler {
         // stopped serving can go, in the background. After a full sync the
         // destroyer also looks for sockets to pairs that went while no
         // agent watched.
-        if full && let Some(d) = &self.destroyer {
-            d.sweep(desired.frontends.iter().map(|(k, f)| (k.addr, k.port, f.clone())).collect());
-        }
         // And the NAT tables' flows (outside clients', and pods' under
         // --per-packet-lb) to backends that went meanwhile.
         if full {
-            let fronts = desired.frontends.keys().map(|k| (k.addr, k.port)).collect();
-            let _ = self.nat_left.send(crate::nodeport::Ending::Sweep { fronts, alive: desired.alive_pairs() });
+            self.sweep();
         }
         // After a full sync the sweep judges by the whole state.
         let joined = if full { BTreeSet::new() } else { std::mem::take(&mut self.pending_joined) };
@@ -595,6 +591,19 @@ impl Reconciler {
             d.untranslated_udp(served);
         }
         Ok(())
+    }
+
+    /// Judge every translated socket and NAT flow by the whole state (after
+    /// a full sync, and after an upgrade moved the programs to maps that
+    /// the old ones filled until then): those to a backend no frontend
+    /// serves any more are ended.
+    pub(super) fn sweep(&self) {
+        let desired = self.model.desired();
+        if let Some(d) = &self.destroyer {
+            d.sweep(desired.frontends.iter().map(|(k, f)| (k.addr, k.port, f.clone())).collect());
+        }
+        let fronts = desired.frontends.keys().map(|k| (k.addr, k.port)).collect();
+        let _ = self.nat_left.send(crate::nodeport::Ending::Sweep { fronts, alive: desired.alive_pairs() });
     }
 
     /// Log each warning once, for as long as it holds.

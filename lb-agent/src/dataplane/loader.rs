@@ -23,7 +23,7 @@ use lb_common::maps;
 use super::maps::Maps;
 pub use super::bpflog::{BpfLog, BpfLogSink};
 pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_kernel, check_root, memory_limit};
-pub use super::upgrade::{pin_path, staged_pin};
+pub use super::upgrade::{live_pin, pin_path, staged_pin};
 use super::upgrade::{LAYOUT_MARKER, NEXT, Pass, carry_ids, carry_state, expected_layout, incompatible, layout_version, mark_layout};
 
 /// The BPF object, built by build.rs.
@@ -430,7 +430,13 @@ impl Tc {
     /// without a gap, TC ones on every device an earlier agent used), put
     /// the new maps' pins in place of the old ones, and drop links of
     /// programs this agent does not have.
-    pub fn finish_upgrade(&mut self, replaced: &[&'static str]) -> Result<()> {
+    ///
+    /// `serving` and `serving_pods` are the NodePort and pod devices this agent
+    /// puts its programs on now: moved here too, before the second copy,
+    /// whatever an earlier agent pinned (netlink filters, which are not
+    /// links, are found only so; a program still on the old maps after
+    /// the second copy makes flows no copy carries).
+    pub fn finish_upgrade(&mut self, replaced: &[&'static str], serving: &[String], serving_pods: &[(String, u32)]) -> Result<()> {
         let copied = carry_state(&self.bpffs, replaced, Pass::First);
         self.attach_cgroup()?;
         let links = self.bpffs.join("links");
@@ -465,6 +471,16 @@ impl Tc {
         for safe in pods {
             let Some((iface, ifindex)) = device(&safe) else { continue };
             if let Err(e) = self.attach_pod(&iface, ifindex) {
+                tracing::warn!(iface, "upgrade: {e:#}");
+            }
+        }
+        for iface in serving {
+            if let Err(e) = self.attach_tc(iface) {
+                tracing::warn!(iface, "upgrade: {e:#}");
+            }
+        }
+        for (iface, ifindex) in serving_pods {
+            if let Err(e) = self.attach_pod(iface, *ifindex) {
                 tracing::warn!(iface, "upgrade: {e:#}");
             }
         }

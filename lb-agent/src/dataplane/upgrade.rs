@@ -27,6 +27,19 @@ pub fn pin_path(bpffs: &Path, name: &str) -> PathBuf {
     staged_pin(bpffs, name).unwrap_or_else(|| bpffs.join(name))
 }
 
+/// The pin of the map `name` the running programs use (until an upgrade
+/// finishes: the old one, not the staged one), where the staged one has
+/// its layout (its entries read the same); else the staged one. For what
+/// an earlier agent left that this one must know before its programs
+/// move (its node flags, its flows masqueraded in BPF).
+pub fn live_pin(bpffs: &Path, name: &str) -> PathBuf {
+    match staged_pin(bpffs, name) {
+        Some(staged) if layouts_agree(&bpffs.join(name), &staged, &mut super::btf::BtfCache::default()) == (true, true) => bpffs.join(name),
+        Some(staged) => staged,
+        None => bpffs.join(name),
+    }
+}
+
 /// The pin of map `name` staged by an upgrade this agent has not finished
 /// (until then the programs use the one in `bpffs`), if any.
 pub fn staged_pin(bpffs: &Path, name: &str) -> Option<PathBuf> {
@@ -41,23 +54,39 @@ pub(super) fn layout_version() -> String {
 
 /// The layout version the pins in `dir` carry ("1": pinned by an agent from
 /// before versions were recorded).
+/// Two markers are left by an agent killed inside `mark_layout`: the one
+/// it was writing is made only once the pins have that layout, so it is
+/// the pins' layout where it is this agent's.
 pub(super) fn pinned_layout_version(dir: &Path) -> String {
-    fs::read_dir(dir)
+    let marks: Vec<String> = fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
-        .find_map(|e| e.file_name().to_string_lossy().strip_prefix(LAYOUT_MARKER).map(String::from))
-        .unwrap_or_else(|| "1".into())
+        .filter_map(|e| e.file_name().to_string_lossy().strip_prefix(LAYOUT_MARKER).map(String::from))
+        .collect();
+    let ours = layout_version();
+    if marks.contains(&ours) {
+        return ours;
+    }
+    marks.into_iter().next().unwrap_or_else(|| "1".into())
 }
 
-/// Record `version` as the layout of the pins in `dir`.
+/// Record `version` as the layout of the pins in `dir`: the new marker
+/// first, then the others go, so that an agent killed in between leaves
+/// the new one (with a marker too many, which `pinned_layout_version`
+/// reads as another version only if it finds that one first: the next
+/// start then replaces the maps once more, a slow start, not a wrong one),
+/// never none (read as layout "1": every map replaced).
 pub(super) fn mark_layout(dir: &Path, version: &str) -> Result<()> {
+    let mark = format!("{LAYOUT_MARKER}{version}");
+    fs::create_dir_all(dir.join(&mark)).context("record the layout version")?;
     for e in fs::read_dir(dir)?.flatten() {
-        if e.file_name().to_string_lossy().starts_with(LAYOUT_MARKER) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(LAYOUT_MARKER) && name != mark {
             fs::remove_dir(e.path())?;
         }
     }
-    fs::create_dir_all(dir.join(format!("{LAYOUT_MARKER}{version}"))).context("record the layout version")
+    Ok(())
 }
 
 /// Every map with the type, key size, value size and max_entries this agent
@@ -212,13 +241,29 @@ fn layouts_agree(old: &Path, new: &Path, btf: &mut super::btf::BtfCache) -> (boo
 
 /// Copy the entries of hash map `old` into `new` (`lru`: LRU hash maps),
 /// never over an entry already there. Returns how many were copied.
-fn copy<K: aya::Pod, V: aya::Pod>(old: &Path, new: &Path, lru: bool) -> Result<usize> {
+///
+/// Both maps are read in batches (a few thousand entries per system call),
+/// and only the entries `new` lacks are written, one by one (BPF_NOEXIST,
+/// which batch writes do not take): the second pass runs while the new
+/// programs already read the new maps, and a flow the old programs made
+/// after the first pass has no entry there until this copies it (read
+/// and written entry by entry, a full NAT table took about a second, and
+/// such a connection's packets meanwhile met no flow and were reset); now
+/// it writes only what the old programs added since the first pass.
+fn copy<K: aya::Pod + Default, V: aya::Pod + Default>(old: &Path, new: &Path, lru: bool) -> Result<usize> {
     use aya::maps::{HashMap, Map, MapData};
+    let (from, to) = (MapData::from_pin(old)?, MapData::from_pin(new)?);
+    let entries = super::maps::lookup_all::<K, V>(&from).with_context(|| format!("read {}", old.display()))?;
+    let bytes = |k: &K| -> Vec<u8> {
+        // SAFETY: K is Pod: plain bytes, every one initialised.
+        unsafe { std::slice::from_raw_parts((k as *const K).cast::<u8>(), size_of::<K>()) }.to_vec()
+    };
+    let present: std::collections::HashSet<Vec<u8>> =
+        super::maps::lookup_all::<K, V>(&to).with_context(|| format!("read {}", new.display()))?.iter().map(|(k, _)| bytes(k)).collect();
     let wrap = |d: MapData| if lru { Map::LruHashMap(d) } else { Map::HashMap(d) };
-    let from: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(old)?))?;
-    let mut to: HashMap<MapData, K, V> = HashMap::try_from(wrap(MapData::from_pin(new)?))?;
+    let mut to: HashMap<MapData, K, V> = HashMap::try_from(wrap(to))?;
     let mut n = 0;
-    for (k, v) in from.iter().filter_map(|r| r.ok()) {
+    for (k, v) in entries.into_iter().filter(|(k, _)| !present.contains(&bytes(k))) {
         // BPF_NOEXIST: never overwrite what the new programs wrote.
         if to.insert(k, v, 1).is_ok() {
             n += 1;
@@ -309,7 +354,7 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -
             continue;
         }
         if !same_sizes || !same_btf {
-            if warn && [maps::AFFINITY, maps::SOCK_REVNAT4, maps::SOCK_REVNAT6, maps::NAT4, maps::NAT6].contains(name) {
+            if warn && [maps::AFFINITY, maps::SOCK_REVNAT4, maps::SOCK_REVNAT6, maps::NAT4, maps::NAT6, maps::SOCK_UDP].contains(name) {
                 tracing::warn!(map = name, "upgrade: its entries have another layout and are not carried over");
             }
             continue;
@@ -322,6 +367,10 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -
             maps::NAT6 => copy::<Nat6Key, Nat6Entry>(&old, &new, false),
             maps::FRAG4 => copy::<lb_common::FragKey, lb_common::FragPorts>(&old, &new, true),
             maps::FRAG6 => copy::<lb_common::Frag6Key, lb_common::FragPorts>(&old, &new, true),
+            // Connected UDP sockets by cookie: how the stale-socket
+            // destroyer finds them (sock_diag returns no storage with UDP
+            // sockets); their release hook removes them from the new map.
+            maps::SOCK_UDP => copy::<u64, lb_common::SockXlate>(&old, &new, false),
             _ => Ok(0),
         };
         match r {
@@ -496,4 +545,33 @@ fn copy_counters(old: &Path, new: &Path, xlate_replaced: bool) -> Result<usize> 
         to.set(i, PerCpuValues::try_from(sum)?, 0)?;
     }
     Ok(n as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn marks(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    }
+
+    /// The marker of the new layout is written before the old one goes; a
+    /// kill in between leaves both, read as this agent's where one is;
+    /// none at all reads as "1" (pins from before markers).
+    #[test]
+    fn the_layout_marker_is_never_missing() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(pinned_layout_version(d.path()), "1");
+        mark_layout(d.path(), "older").unwrap();
+        assert_eq!(marks(d.path()), ["layout-older"]);
+        mark_layout(d.path(), &layout_version()).unwrap();
+        assert_eq!(marks(d.path()), [format!("layout-{}", layout_version())]);
+        // Killed between the two steps of an upgrade's marking.
+        fs::create_dir(d.path().join("layout-older")).unwrap();
+        assert_eq!(pinned_layout_version(d.path()), layout_version(), "ours is the pins' layout");
+        fs::remove_dir(d.path().join(format!("layout-{}", layout_version()))).unwrap();
+        assert_eq!(pinned_layout_version(d.path()), "older");
+    }
 }
