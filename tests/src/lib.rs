@@ -924,6 +924,12 @@ impl Cluster {
         self.launch_agent(node, AgentLaunch { source: format!("dir:{}", dir.display()), env, ..Default::default() }, extra)
     }
 
+    /// `start_agent_env`, returning once the agent has logged `ready`.
+    pub fn start_agent_env_until(&mut self, node: usize, dir: &Path, extra: &[&str], env: &[(&str, &str)], ready: &'static str) -> Result<()> {
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        self.launch_agent(node, AgentLaunch { source: format!("dir:{}", dir.display()), env, ready: Some(ready), ..Default::default() }, extra)
+    }
+
     /// `start_agent_with`, with `--source kube --kubeconfig KUBECONFIG`:
     /// the agent lists and watches an API server (see `start_apiserver`).
     pub fn start_agent_kube(&mut self, node: usize, kubeconfig: &Path, extra: &[&str]) -> Result<()> {

@@ -586,3 +586,32 @@ fn the_live_nat_tables_are_expired_while_an_upgrade_waits_for_its_first_sync() -
     assert_eq!(s.ok, 3, "{s:?}");
     Ok(())
 }
+
+/// Connections the old programs make just before they move to new NAT
+/// tables (after the first copy) have no flow there until the second
+/// copy: the new programs take such a flow from the old table on its
+/// first packet (`node_flags::UPGRADING`, `LB4_NAT_PREV`), so that the
+/// connection goes on (before, its packets went to the stack, which reset
+/// it). `LB_UPGRADE_PAUSE_MS` holds the upgrade in those moments (a few
+/// milliseconds otherwise) for the connections to be made in them.
+#[test]
+fn connections_made_just_before_the_programs_move_keep_their_flows() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    let env = [("LB_LAYOUT_VERSION", "99"), ("LB_UPGRADE_PAUSE_MS", "1500")];
+    w.c.start_agent_env_until(1, &objects, &[], &env, "paused before the programs move")?;
+    // Made by the old programs, after the first copy: in the old table only.
+    let held: Vec<_> = (0..4)
+        .map(|_| w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "4000", "--interval-ms", "20", "--timeout-ms", "1000"]))
+        .collect::<Result<_>>()?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    for h in held {
+        let s = Cluster::finish(h)?;
+        assert_eq!(s.failed(), 0, "the connection kept going across the move: {s:?}");
+        assert!(s.ok > 100, "{s:?}");
+    }
+    assert!(datapath(&w.c, 1, "nat_adopted")? >= 4, "the new programs took their flows from the old table");
+    Ok(())
+}

@@ -24,7 +24,7 @@ use super::maps::Maps;
 pub use super::bpflog::{BpfLog, BpfLogSink};
 pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_kernel, check_root, memory_limit};
 pub use super::upgrade::{live_pin, pin_path, staged_pin};
-use super::upgrade::{LAYOUT_MARKER, NEXT, Pass, carry_ids, carry_state, expected_layout, incompatible, layout_version, mark_layout};
+use super::upgrade::{LAYOUT_MARKER, NEXT, Pass, carry_ids, carry_state, expected_layout, incompatible, layout_version, mark_layout, readable_as_ours};
 
 /// The BPF object, built by build.rs.
 pub(super) static OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
@@ -148,6 +148,8 @@ pub struct Tc {
     pods: std::collections::BTreeMap<String, u32>,
     /// `--per-packet-lb`: `POD_EGRESS_PROGRAM` goes on the pod devices too.
     pub pod_egress: bool,
+    /// This upgrade's new programs see the old NAT tables (`NAT4_PREV`).
+    adopt: bool,
     /// Held for the agent's lifetime: one agent per --bpffs.
     _lock: fs::File,
 }
@@ -240,6 +242,21 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     for (name, _, _, _, max) in expected_layout(&cap) {
         loader.map_max_entries(name, max);
     }
+    // The old NAT tables, for the new programs to take flows from while
+    // they move (`node_flags::UPGRADING`), where the upgrade replaces them
+    // and they read as this agent's; otherwise an unpinned table of one
+    // entry each, never looked at.
+    let adopt = [maps::NAT4, maps::NAT6].iter().all(|name| replaced.contains(name) && readable_as_ours(bpffs, name, &cap));
+    for (name, prev) in [(maps::NAT4, NAT4_PREV), (maps::NAT6, NAT6_PREV)] {
+        if adopt {
+            loader.map_pin_path(prev, bpffs.join(name));
+        } else {
+            loader.map_max_entries(prev, 1);
+        }
+    }
+    if adopt {
+        tracing::info!("upgrade: the new programs take flows missing from the new NAT tables from the old ones until the second copy");
+    }
     let level = bpf_log.level();
     loader.override_global(aya_log::LEVEL, &level, true);
     let mut ebpf = loader.load(OBJ).context("load the BPF object")?;
@@ -287,6 +304,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         attached: Default::default(),
         pods: Default::default(),
         pod_egress: false,
+        adopt,
         _lock: lock,
     };
     let upgrade = if replaced.is_empty() {
@@ -438,6 +456,13 @@ impl Tc {
     /// the second copy makes flows no copy carries).
     pub fn finish_upgrade(&mut self, replaced: &[&'static str], serving: &[String], serving_pods: &[(String, u32)]) -> Result<()> {
         let copied = carry_state(&self.bpffs, replaced, Pass::First);
+        if self.adopt {
+            self.set_upgrading(true)?;
+        }
+        if let Some(pause) = upgrade_pause() {
+            tracing::info!(ms = pause.as_millis() as u64, "upgrade: paused before the programs move (LB_UPGRADE_PAUSE_MS)");
+            std::thread::sleep(pause);
+        }
         self.attach_cgroup()?;
         let links = self.bpffs.join("links");
         // Pins name devices as `pin_safe` spells them ("eth0.100" ->
@@ -484,8 +509,24 @@ impl Tc {
                 tracing::warn!(iface, "upgrade: {e:#}");
             }
         }
+        if let Some(pause) = upgrade_pause() {
+            tracing::info!(ms = pause.as_millis() as u64, "upgrade: paused before the second copy (LB_UPGRADE_PAUSE_MS)");
+            std::thread::sleep(pause);
+        }
         // What the old programs added between the copy and the switch.
         let late = carry_state(&self.bpffs, replaced, Pass::Late);
+        if self.adopt {
+            self.set_upgrading(false)?;
+            self.adopt = false;
+            // Nothing reads the old tables any more: their entries go,
+            // and their memory with them (the programs hold the maps
+            // themselves until the next agent replaces the programs).
+            for name in [NAT4_PREV, NAT6_PREV] {
+                if let Err(e) = self.empty_prev(name) {
+                    tracing::warn!(map = name, "upgrade: emptying the old NAT table: {e:#}");
+                }
+            }
+        }
         for name in replaced {
             let staged = self.bpffs.join(NEXT).join(name);
             fs::rename(&staged, self.bpffs.join(name)).with_context(|| format!("move {} in place", staged.display()))?;
@@ -502,6 +543,38 @@ impl Tc {
         }
         mark_layout(&self.bpffs, &layout_version())?;
         tracing::info!(maps = ?replaced, entries_carried = copied + late, "upgrade finished: programs moved to the new maps");
+        Ok(())
+    }
+
+    /// Set or clear `node_flags::UPGRADING` in the node config the new
+    /// programs read (the first sync wrote the rest).
+    fn set_upgrading(&self, on: bool) -> Result<()> {
+        let path = pin_path(&self.bpffs, maps::NODE_CONFIG);
+        let data = aya::maps::MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
+        let mut config: aya::maps::Array<_, lb_common::NodeConfig> = aya::maps::Array::try_from(aya::maps::Map::Array(data))?;
+        let mut c = config.get(&0, 0).context("read the node config")?;
+        let bit = lb_common::node_flags::UPGRADING;
+        c.flags = if on { c.flags | bit } else { c.flags & !bit };
+        config.set(0, c, 0).context("write the node config")
+    }
+
+    /// Delete every entry of the programs' old NAT table `name`.
+    fn empty_prev(&mut self, name: &str) -> Result<()> {
+        use std::os::fd::{AsFd as _, AsRawFd as _};
+        let map = self.ebpf.map(name).with_context(|| format!("map {name}"))?;
+        let data = match map {
+            aya::maps::Map::HashMap(d) => d,
+            _ => anyhow::bail!("{name} is no hash map"),
+        };
+        let fd = data.fd().as_fd().as_raw_fd();
+        let n = if name == NAT4_PREV {
+            let keys: Vec<lb_common::Nat4Key> = super::maps::lookup_all::<lb_common::Nat4Key, lb_common::Nat4Entry>(data)?.into_iter().map(|(k, _)| k).collect();
+            super::maps::batch::<_, lb_common::Nat4Entry>(fd, &keys, None).1.map(|()| keys.len())?
+        } else {
+            let keys: Vec<lb_common::Nat6Key> = super::maps::lookup_all::<lb_common::Nat6Key, lb_common::Nat6Entry>(data)?.into_iter().map(|(k, _)| k).collect();
+            super::maps::batch::<_, lb_common::Nat6Entry>(fd, &keys, None).1.map(|()| keys.len())?
+        };
+        tracing::debug!(map = name, entries = n, "upgrade: old NAT table emptied");
         Ok(())
     }
 
@@ -823,6 +896,18 @@ fn xdp_send_errors(iface: &str) -> u64 {
         n.ends_with("xdp_tx_errors") || n.ends_with("xdp_xmit_errors") || (n.starts_with("rx_queue_") && n.ends_with("_drops") && !n.ends_with("xdp_drops"))
     };
     crate::netdev::driver_stats(iface).map(|s| s.iter().filter(|(n, _)| counts(n)).map(|(_, v)| v).sum()).unwrap_or(0)
+}
+
+/// The programs' view of an upgrade's old NAT tables (see `load`).
+const NAT4_PREV: &str = "LB4_NAT_PREV";
+const NAT6_PREV: &str = "LB6_NAT_PREV";
+
+/// How long `finish_upgrade` waits before the programs move and again
+/// before its second copy (`LB_UPGRADE_PAUSE_MS`; 0: not at all). For the
+/// upgrade test only, which makes flows in those moments.
+fn upgrade_pause() -> Option<std::time::Duration> {
+    let ms: u64 = std::env::var("LB_UPGRADE_PAUSE_MS").ok()?.parse().ok()?;
+    (ms > 0).then(|| std::time::Duration::from_millis(ms))
 }
 
 /// The netlink filters' place: one priority and handle for lb, so that a

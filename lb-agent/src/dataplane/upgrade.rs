@@ -207,6 +207,26 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
     Ok(out)
 }
 
+/// Whether the pinned map `name` in `dir` has the type, key and value
+/// sizes and the BTF layout of this agent's (its max_entries aside): the
+/// new programs can read its entries as they are. For the old NAT tables
+/// during an upgrade (`LB4_NAT_PREV`).
+pub(super) fn readable_as_ours(dir: &Path, name: &str, cap: &Capacity) -> bool {
+    let Some((_, ty, k, v, _)) = expected_layout(cap).into_iter().find(|(n, ..)| *n == name) else { return false };
+    let Ok(info) = aya::maps::MapInfo::from_pin(dir.join(name)) else { return false };
+    if info.map_type().ok() != Some(ty) || info.key_size() as usize != k || info.value_size() as usize != v {
+        return false;
+    }
+    let Ok(ours) = super::btf::object_layouts(OBJ) else { return false };
+    match (super::btf::pinned_layout(&dir.join(name), &mut super::btf::BtfCache::default()), ours.get(name)) {
+        (Ok(Some(pinned)), Some(want)) => pinned == *want,
+        // Pinned without BTF: the sizes and the layout version say; a new
+        // version may read the same bytes otherwise.
+        (Ok(None), _) => pinned_layout_version(dir) == layout_version(),
+        _ => false,
+    }
+}
+
 /// The maps of the frontends and backends and those that hold their ids:
 /// replaced all together or not at all (`incompatible`).
 const SERVICES_GROUP: [&str; 10] = [

@@ -96,6 +96,38 @@ static LB4_NAT: HashMap<NatKey<A4>, NatEntry<A4>, { capacity::NAT as usize }, NO
 #[btf_map]
 static LB6_NAT: HashMap<NatKey<A6>, NatEntry<A6>, { capacity::NAT as usize }, NO_PREALLOC> = HashMap::new();
 
+/// During an upgrade that replaces the NAT tables with ones of the same
+/// layout, the old tables (the agent points these at their pins when it
+/// loads; otherwise they are empty, unpinned and of one entry): while
+/// `node_flags::UPGRADING` is set, a flow missing from the new table is
+/// looked up here and copied over (`adopt`), so that a
+/// connection the old programs made just before the switch keeps its flow
+/// before the agent's second copy reaches it.
+#[btf_map]
+static LB4_NAT_PREV: HashMap<NatKey<A4>, NatEntry<A4>, { capacity::NAT as usize }, NO_PREALLOC> = HashMap::new();
+#[btf_map]
+static LB6_NAT_PREV: HashMap<NatKey<A6>, NatEntry<A6>, { capacity::NAT as usize }, NO_PREALLOC> = HashMap::new();
+
+/// Copy flow `k` from the old table into the new one (an entry already
+/// there wins); whether the new table has it now. (Its own BPF function:
+/// the many lookups that call it stay small.)
+#[inline(never)]
+fn adopt<F: Net>(k: &NatKey<F::A>) -> bool {
+    let Some(e) = F::nat_prev(k) else { return false };
+    // SAFETY: a map value, alive for this program run (RCU); handed to the
+    // helper as it is (no copy on this frame, which the deepest call
+    // chains add to theirs).
+    F::nat_put(k, unsafe { &*e }, BPF_NOEXIST as u64);
+    lb::event(stats::NAT_ADOPTED);
+    true
+}
+
+/// An upgrade is moving the programs to new NAT tables (see LB4_NAT_PREV).
+#[inline(always)]
+fn upgrading() -> bool {
+    lb::node_flags() & node_flags::UPGRADING != 0
+}
+
 /// The ports of fragmented IPv4 datagrams, from their first fragment, so
 /// that the later ones (which carry no L4 header) follow the same flow.
 /// Pinned: a datagram whose fragments straddle an agent restart arrives.
@@ -328,6 +360,8 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     /// us (another IP version, a malformed header).
     fn l4(ctx: &TcContext) -> Option<(usize, u8)>;
     fn nat_get(k: &NatKey<Self::A>) -> Option<*mut NatEntry<Self::A>>;
+    /// The flow in an upgrade's old table (`LB4_NAT_PREV`).
+    fn nat_prev(k: &NatKey<Self::A>) -> Option<*const NatEntry<Self::A>>;
     fn nat_put(k: &NatKey<Self::A>, v: &NatEntry<Self::A>, flags: u64) -> bool;
     fn nat_del(k: &NatKey<Self::A>);
     fn scratch() -> Option<*mut Scratch<Self::A>>;
@@ -490,7 +524,14 @@ impl<const L: usize> Net for Ip4<L> {
     }
     #[inline(always)]
     fn nat_get(k: &NatKey<A4>) -> Option<*mut NatEntry<A4>> {
-        LB4_NAT.get_ptr_mut(k)
+        match LB4_NAT.get_ptr_mut(k) {
+            None if upgrading() && adopt::<Self>(k) => LB4_NAT.get_ptr_mut(k),
+            e => e,
+        }
+    }
+    #[inline(always)]
+    fn nat_prev(k: &NatKey<A4>) -> Option<*const NatEntry<A4>> {
+        LB4_NAT_PREV.get_ptr(k)
     }
     #[inline(always)]
     fn nat_put(k: &NatKey<A4>, v: &NatEntry<A4>, flags: u64) -> bool {
@@ -721,7 +762,14 @@ impl<const L: usize> Net for Ip6<L> {
     }
     #[inline(always)]
     fn nat_get(k: &NatKey<A6>) -> Option<*mut NatEntry<A6>> {
-        LB6_NAT.get_ptr_mut(k)
+        match LB6_NAT.get_ptr_mut(k) {
+            None if upgrading() && adopt::<Self>(k) => LB6_NAT.get_ptr_mut(k),
+            e => e,
+        }
+    }
+    #[inline(always)]
+    fn nat_prev(k: &NatKey<A6>) -> Option<*const NatEntry<A6>> {
+        LB6_NAT_PREV.get_ptr(k)
     }
     #[inline(always)]
     fn nat_put(k: &NatKey<A6>, v: &NatEntry<A6>, flags: u64) -> bool {
