@@ -622,7 +622,7 @@ pub mod stats {
     pub const ICMP_LIMITED: u32 = 30;
     /// TC/XDP: a flow an upgrade's old NAT table held, missing from the new
     /// one (made just before the programs moved), copied over on its first
-    /// packet (`node_flags::UPGRADING`).
+    /// packet (`LB_ADOPT`).
     pub const NAT_ADOPTED: u32 = 31;
     pub const COUNT: u32 = 32;
     pub const NAMES: [&str; COUNT as usize] = [
@@ -852,12 +852,6 @@ pub mod node_flags {
     /// (`--per-packet-lb` alone). Set this way round so that the flags of
     /// an agent that does not know it (never set) keep the lookup.
     pub const NO_BPF_MASQUERADED: u32 = 1 << 4;
-    /// An upgrade is moving the programs to new NAT tables of the layout
-    /// of the old ones, which the new programs also see (`LB4_NAT_PREV`,
-    /// `LB6_NAT_PREV`): a flow missing from the new table is looked up in
-    /// the old one and copied over. Set from before the programs move
-    /// until the agent's second copy is done.
-    pub const UPGRADING: u32 = 1 << 5;
     /// Bits 8-13: the skb mark bit the TC programs set on what they
     /// translate and hand to the stack to forward, plus one (0: none), so
     /// that the agent's iptables rule (`LB-FORWARD`) accepts it in a

@@ -134,16 +134,18 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
             };
             let pass = count.started.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            // The old tables first (until the programs move: the staged pin
+            // goes when they have), so that what a pass ends there is not
+            // taken back into the new ones by the new programs meanwhile.
+            if old_nat.is_some() && !staged_nat.as_ref().is_some_and(|p| p.exists()) {
+                old_nat = None;
+            }
+            let old_pass = old_nat.as_mut().map(|(o4, o6)| (crate::nodeport::nat_pass(o4, &timeouts, &left), crate::nodeport::nat_pass(o6, &timeouts, &left)));
             let p4 = crate::nodeport::nat_pass(&mut nat4, &timeouts, &left);
             let p6 = crate::nodeport::nat_pass(&mut nat6, &timeouts, &left);
             let (mut expired, mut flushed, mut marked) = (p4.expired + p6.expired, p4.flushed + p6.flushed, p4.marked + p6.marked);
             let mut masq = p4.bpf_masqueraded + p6.bpf_masqueraded;
-            // Until the programs move (the staged pin goes when they have).
-            if old_nat.is_some() && !staged_nat.as_ref().is_some_and(|p| p.exists()) {
-                old_nat = None;
-            }
-            if let Some((o4, o6)) = &mut old_nat {
-                let (q4, q6) = (crate::nodeport::nat_pass(o4, &timeouts, &left), crate::nodeport::nat_pass(o6, &timeouts, &left));
+            if let Some((q4, q6)) = old_pass {
                 (expired, flushed, marked) = (expired + q4.expired + q6.expired, flushed + q4.flushed + q6.flushed, marked + q4.marked + q6.marked);
                 masq = q4.bpf_masqueraded + q6.bpf_masqueraded;
             }

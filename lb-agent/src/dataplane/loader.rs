@@ -243,7 +243,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         loader.map_max_entries(name, max);
     }
     // The old NAT tables, for the new programs to take flows from while
-    // they move (`node_flags::UPGRADING`), where the upgrade replaces them
+    // they move (`LB_ADOPT`), where the upgrade replaces them
     // and they read as this agent's; otherwise an unpinned table of one
     // entry each, never looked at.
     let adopt = [maps::NAT4, maps::NAT6].iter().all(|name| replaced.contains(name) && readable_as_ours(bpffs, name, &cap));
@@ -464,6 +464,9 @@ impl Tc {
             std::thread::sleep(pause);
         }
         self.attach_cgroup()?;
+        // Whether every earlier program moved: the old NAT tables are
+        // emptied at the end only then (one left on them still uses them).
+        let mut moved_all = true;
         let links = self.bpffs.join("links");
         // Pins name devices as `pin_safe` spells them ("eth0.100" ->
         // "eth0_100"): find each one's device again by that spelling.
@@ -481,10 +484,12 @@ impl Tc {
         for safe in ifaces {
             let Some((iface, _)) = device(&safe) else {
                 tracing::warn!(iface = safe, "upgrade: no such device any more; its programs stay on the old maps until the device goes");
+                moved_all = false;
                 continue;
             };
             if let Err(e) = self.attach_tc(&iface) {
                 tracing::warn!(iface, "upgrade: {e:#}");
+                moved_all = false;
             }
         }
         // The pod devices an earlier agent forwarded from.
@@ -497,11 +502,13 @@ impl Tc {
             let Some((iface, ifindex)) = device(&safe) else { continue };
             if let Err(e) = self.attach_pod(&iface, ifindex) {
                 tracing::warn!(iface, "upgrade: {e:#}");
+                moved_all = false;
             }
         }
         for iface in serving {
             if let Err(e) = self.attach_tc(iface) {
                 tracing::warn!(iface, "upgrade: {e:#}");
+                moved_all = false;
             }
         }
         for (iface, ifindex) in serving_pods {
@@ -515,17 +522,10 @@ impl Tc {
         }
         // What the old programs added between the copy and the switch.
         let late = carry_state(&self.bpffs, replaced, Pass::Late);
+        let adopted = self.adopt;
         if self.adopt {
             self.set_upgrading(false)?;
             self.adopt = false;
-            // Nothing reads the old tables any more: their entries go,
-            // and their memory with them (the programs hold the maps
-            // themselves until the next agent replaces the programs).
-            for name in [NAT4_PREV, NAT6_PREV] {
-                if let Err(e) = self.empty_prev(name) {
-                    tracing::warn!(map = name, "upgrade: emptying the old NAT table: {e:#}");
-                }
-            }
         }
         for name in replaced {
             let staged = self.bpffs.join(NEXT).join(name);
@@ -543,36 +543,45 @@ impl Tc {
         }
         mark_layout(&self.bpffs, &layout_version())?;
         tracing::info!(maps = ?replaced, entries_carried = copied + late, "upgrade finished: programs moved to the new maps");
+        // The upgrade is done (an agent killed before here starts it over
+        // from the old tables): once no program uses the old NAT tables,
+        // their entries go (the programs hold the maps until the next
+        // agent replaces them; their hash buckets stay allocated till then).
+        if adopted && moved_all {
+            for name in [NAT4_PREV, NAT6_PREV] {
+                if let Err(e) = self.empty_prev(name) {
+                    tracing::warn!(map = name, "upgrade: emptying the old NAT table: {e:#}");
+                }
+            }
+        } else if adopted {
+            tracing::warn!("upgrade: programs of the earlier agent still run on some device: the old NAT tables keep their flows");
+        }
         Ok(())
     }
 
-    /// Set or clear `node_flags::UPGRADING` in the node config the new
-    /// programs read (the first sync wrote the rest).
-    fn set_upgrading(&self, on: bool) -> Result<()> {
-        let path = pin_path(&self.bpffs, maps::NODE_CONFIG);
-        let data = aya::maps::MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
-        let mut config: aya::maps::Array<_, lb_common::NodeConfig> = aya::maps::Array::try_from(aya::maps::Map::Array(data))?;
-        let mut c = config.get(&0, 0).context("read the node config")?;
-        let bit = lb_common::node_flags::UPGRADING;
-        c.flags = if on { c.flags | bit } else { c.flags & !bit };
-        config.set(0, c, 0).context("write the node config")
+    /// Set or clear this load's `LB_ADOPT` (only its own programs read it).
+    fn set_upgrading(&mut self, on: bool) -> Result<()> {
+        let map = self.ebpf.map_mut(ADOPT).with_context(|| format!("map {ADOPT}"))?;
+        let mut adopt: aya::maps::Array<_, u32> = aya::maps::Array::try_from(map)?;
+        adopt.set(0, on as u32, 0).with_context(|| format!("write {ADOPT}"))
     }
 
-    /// Delete every entry of the programs' old NAT table `name`.
+    /// Delete every entry of the programs' old NAT table `name`, in
+    /// batches; an entry gone meanwhile (the NAT thread expiring it) is
+    /// stepped over.
     fn empty_prev(&mut self, name: &str) -> Result<()> {
         use std::os::fd::{AsFd as _, AsRawFd as _};
-        let map = self.ebpf.map(name).with_context(|| format!("map {name}"))?;
-        let data = match map {
+        let data = match self.ebpf.map(name).with_context(|| format!("map {name}"))? {
             aya::maps::Map::HashMap(d) => d,
             _ => anyhow::bail!("{name} is no hash map"),
         };
         let fd = data.fd().as_fd().as_raw_fd();
         let n = if name == NAT4_PREV {
-            let keys: Vec<lb_common::Nat4Key> = super::maps::lookup_all::<lb_common::Nat4Key, lb_common::Nat4Entry>(data)?.into_iter().map(|(k, _)| k).collect();
-            super::maps::batch::<_, lb_common::Nat4Entry>(fd, &keys, None).1.map(|()| keys.len())?
+            let keys: Vec<lb_common::Nat4Key> = super::maps::lookup_all::<_, lb_common::Nat4Entry>(data)?.into_iter().map(|(k, _)| k).collect();
+            delete_all::<_, lb_common::Nat4Entry>(fd, &keys)?
         } else {
-            let keys: Vec<lb_common::Nat6Key> = super::maps::lookup_all::<lb_common::Nat6Key, lb_common::Nat6Entry>(data)?.into_iter().map(|(k, _)| k).collect();
-            super::maps::batch::<_, lb_common::Nat6Entry>(fd, &keys, None).1.map(|()| keys.len())?
+            let keys: Vec<lb_common::Nat6Key> = super::maps::lookup_all::<_, lb_common::Nat6Entry>(data)?.into_iter().map(|(k, _)| k).collect();
+            delete_all::<_, lb_common::Nat6Entry>(fd, &keys)?
         };
         tracing::debug!(map = name, entries = n, "upgrade: old NAT table emptied");
         Ok(())
@@ -898,9 +907,27 @@ fn xdp_send_errors(iface: &str) -> u64 {
     crate::netdev::driver_stats(iface).map(|s| s.iter().filter(|(n, _)| counts(n)).map(|(_, v)| v).sum()).unwrap_or(0)
 }
 
-/// The programs' view of an upgrade's old NAT tables (see `load`).
+/// The programs' view of an upgrade's old NAT tables (see `load`), and
+/// the switch that has them look there.
 const NAT4_PREV: &str = "LB4_NAT_PREV";
 const NAT6_PREV: &str = "LB6_NAT_PREV";
+const ADOPT: &str = "LB_ADOPT";
+
+/// Delete `keys` from the hash map `fd` in batches, stepping over a key
+/// not there (a batch stops at it). Returns how many were deleted.
+fn delete_all<K: aya::Pod, V: aya::Pod>(fd: std::os::fd::RawFd, keys: &[K]) -> Result<usize> {
+    let (mut at, mut n) = (0, 0);
+    while at < keys.len() {
+        let (done, r) = super::maps::batch::<K, V>(fd, &keys[at..], None);
+        n += done;
+        match r {
+            Ok(()) => break,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => at += done + 1,
+            Err(e) => return Err(e).context("delete in a batch"),
+        }
+    }
+    Ok(n)
+}
 
 /// How long `finish_upgrade` waits before the programs move and again
 /// before its second copy (`LB_UPGRADE_PAUSE_MS`; 0: not at all). For the

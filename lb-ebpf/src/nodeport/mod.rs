@@ -99,10 +99,10 @@ static LB6_NAT: HashMap<NatKey<A6>, NatEntry<A6>, { capacity::NAT as usize }, NO
 /// During an upgrade that replaces the NAT tables with ones of the same
 /// layout, the old tables (the agent points these at their pins when it
 /// loads; otherwise they are empty, unpinned and of one entry): while
-/// `node_flags::UPGRADING` is set, a flow missing from the new table is
-/// looked up here and copied over (`adopt`), so that a
-/// connection the old programs made just before the switch keeps its flow
-/// before the agent's second copy reaches it.
+/// `LB_ADOPT` is set, a flow missing from the new table is looked up here
+/// and copied over (`adopt`), so that a connection the old programs made
+/// just before the switch keeps its flow before the agent's second copy
+/// reaches it.
 #[btf_map]
 static LB4_NAT_PREV: HashMap<NatKey<A4>, NatEntry<A4>, { capacity::NAT as usize }, NO_PREALLOC> = HashMap::new();
 #[btf_map]
@@ -117,15 +117,37 @@ fn adopt<F: Net>(k: &NatKey<F::A>) -> bool {
     // SAFETY: a map value, alive for this program run (RCU); handed to the
     // helper as it is (no copy on this frame, which the deepest call
     // chains add to theirs).
-    F::nat_put(k, unsafe { &*e }, BPF_NOEXIST as u64);
-    lb::event(stats::NAT_ADOPTED);
+    if F::nat_put(k, unsafe { &*e }, BPF_NOEXIST as u64) {
+        lb::event(stats::NAT_ADOPTED);
+    }
     true
 }
+
+/// Set (to 1) by the agent that loaded these programs while it moves them
+/// to new NAT tables and until its second copy is done (see
+/// LB4_NAT_PREV). Unpinned: each load has its own, so that no other
+/// agent's programs (an earlier one's, on a device not moved yet) look at
+/// their own old tables because of it.
+#[btf_map]
+static LB_ADOPT: aya_ebpf::btf_maps::Array<u32, 1> = aya_ebpf::btf_maps::Array::new();
 
 /// An upgrade is moving the programs to new NAT tables (see LB4_NAT_PREV).
 #[inline(always)]
 fn upgrading() -> bool {
-    lb::node_flags() & node_flags::UPGRADING != 0
+    LB_ADOPT.get(0).is_some_and(|v| *v != 0)
+}
+
+/// Claim `k` in the NAT table for a new flow (BPF_NOEXIST: atomic against
+/// other CPUs). During an upgrade a key the old table holds is taken too
+/// (and comes over): a reply tuple is looked up only once its flow's
+/// replies come, and a new flow must not take the SNAT port of one the
+/// old programs made just before the move.
+#[inline(always)]
+fn nat_claim<F: Net>(k: &NatKey<F::A>, v: &NatEntry<F::A>) -> bool {
+    if upgrading() && adopt::<F>(k) {
+        return false;
+    }
+    F::nat_put(k, v, BPF_NOEXIST as u64)
 }
 
 /// The ports of fragmented IPv4 datagrams, from their first fragment, so
@@ -540,6 +562,10 @@ impl<const L: usize> Net for Ip4<L> {
     #[inline(always)]
     fn nat_del(k: &NatKey<A4>) {
         let _ = LB4_NAT.remove(k);
+        // Else its next packet would take the old copy back.
+        if upgrading() {
+            let _ = LB4_NAT_PREV.remove(k);
+        }
     }
     #[inline(always)]
     fn scratch() -> Option<*mut Scratch<A4>> {
@@ -778,6 +804,9 @@ impl<const L: usize> Net for Ip6<L> {
     #[inline(always)]
     fn nat_del(k: &NatKey<A6>) {
         let _ = LB6_NAT.remove(k);
+        if upgrading() {
+            let _ = LB6_NAT_PREV.remove(k);
+        }
     }
     #[inline(always)]
     fn scratch() -> Option<*mut Scratch<A6>> {
@@ -1682,7 +1711,7 @@ fn claim_port<F: Net>(rkey: &mut NatKey<F::A>, reply: &NatEntry<F::A>, h: u32, m
     while i < SNAT_TRIES {
         let port = min + ((h.wrapping_add(i.wrapping_mul(stride))) % range) as u16;
         rkey.dport = port;
-        if F::nat_put(rkey, reply, BPF_NOEXIST as u64) {
+        if nat_claim::<F>(rkey, reply) {
             return port;
         }
         i += 1;
@@ -1695,7 +1724,7 @@ fn claim_port<F: Net>(rkey: &mut NatKey<F::A>, reply: &NatEntry<F::A>, h: u32, m
 /// moves the client's port).
 #[inline(always)]
 fn take_tuple<F: Net>(rkey: &NatKey<F::A>, reply: &NatEntry<F::A>) -> bool {
-    if F::nat_put(rkey, reply, BPF_NOEXIST as u64) {
+    if nat_claim::<F>(rkey, reply) {
         return true;
     }
     if !drop_if_closed::<F>(rkey) {
