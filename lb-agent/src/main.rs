@@ -680,10 +680,17 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             if !bpffs.join(lb_common::maps::NAT4).exists() {
                 anyhow::bail!("nothing is pinned under {}: is an agent running with --bpffs {0}?", bpffs.display());
             }
-            let maps = Maps::open_pinned(&bpffs)?;
+            // The tables the programs use: while an upgrade waits for its
+            // first sync, the old ones (where they read as this agent's),
+            // not the staged ones, empty until then.
+            fn table<K: aya::Pod, V: aya::Pod>(bpffs: &std::path::Path, name: &str) -> anyhow::Result<aya::maps::HashMap<aya::maps::MapData, K, V>> {
+                let path = loader::live_pin(bpffs, name);
+                let data = anyhow::Context::with_context(aya::maps::MapData::from_pin(&path), || format!("open pinned map {}", path.display()))?;
+                Ok(aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data))?)
+            }
             let now = nodeport::monotonic_ns();
-            let mut flows = inspect::nat_flows(&maps.nat4, now);
-            flows.extend(inspect::nat_flows(&maps.nat6, now));
+            let mut flows = inspect::nat_flows(&table::<lb_common::Nat4Key, lb_common::Nat4Entry>(&bpffs, lb_common::maps::NAT4)?, now);
+            flows.extend(inspect::nat_flows(&table::<lb_common::Nat6Key, lb_common::Nat6Entry>(&bpffs, lb_common::maps::NAT6)?, now));
             if json {
                 println!("{}", serde_json::to_string_pretty(&flows)?);
             } else {

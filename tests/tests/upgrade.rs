@@ -578,6 +578,9 @@ fn the_live_nat_tables_are_expired_while_an_upgrade_waits_for_its_first_sync() -
     let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3"])?;
     assert_eq!(s.ok, 3, "the old programs serve: {s:?}");
     assert!(live_entries(&w.c, lb_common::maps::NAT4)? >= 3, "their flows are in the old table");
+    // ... which `lb-agent nat` shows (before 12-05: the staged one, empty).
+    let outside = w.outside.ip.clone();
+    assert_eq!(flows_from(&w.c, &outside)?.len(), 3, "{:?}", flows_from(&w.c, &outside)?);
     w.c.wait_for("the old table's idle flows to expire", Duration::from_secs(8), || Ok(live_entries(&w.c, lb_common::maps::NAT4)? == 0))?;
     assert!(w.c.nodes[0].bpffs.join("next").exists(), "still waiting for the first sync");
     api.control("/lbtest/fail?code=500&count=0")?;

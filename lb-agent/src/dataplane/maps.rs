@@ -6,7 +6,7 @@ use aya::Pod;
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use lb_common::{
-    AffinityKey, AffinityMatchKey, AffinityValue, Backend, Nat4Entry, Nat4Key, Nat6Entry, Nat6Key, NodeConfig, NodePortKey, RevNat, RouteKey, RouteMtu, SrcRange,
+    AffinityKey, AffinityMatchKey, AffinityValue, Backend, NodeConfig, NodePortKey, RevNat, RouteKey, RouteMtu, SrcRange,
     SvcKey, SvcStats, SvcStatsKey, SvcValue, maps, stats,
 };
 
@@ -231,8 +231,6 @@ pub struct Maps {
     pub src_range: LpmTrie<MapData, SrcRange, u8>,
     pub nodeports: HashMap<MapData, NodePortKey, u8>,
     pub node_config: Array<MapData, NodeConfig>,
-    pub nat4: HashMap<MapData, Nat4Key, Nat4Entry>,
-    pub nat6: HashMap<MapData, Nat6Key, Nat6Entry>,
     pub stats: PerCpuArray<MapData, u64>,
     /// None under an older agent's pins (`list`): none, or the narrower
     /// one from before 12-05 (`read_svc_stats_pin` reads it). An agent
@@ -442,8 +440,6 @@ impl Maps {
             src_range: LpmTrie::try_from(Map::LpmTrie(open_pinned(dir, maps::SRC_RANGE)?))?,
             nodeports: hash(dir, maps::NODEPORTS)?,
             node_config: Array::try_from(Map::Array(open_pinned(dir, maps::NODE_CONFIG)?))?,
-            nat4: hash(dir, maps::NAT4)?,
-            nat6: hash(dir, maps::NAT6)?,
             stats: PerCpuArray::try_from(Map::PerCpuArray(open_pinned(dir, maps::STATS)?))?,
             svc_stats: match aya::maps::MapInfo::from_pin(super::loader::pin_path(dir, maps::SVC_STATS)) {
                 Ok(info) if info.value_size() as usize == size_of::<SvcStats>() => Some(hash(dir, maps::SVC_STATS)?),
