@@ -618,3 +618,43 @@ fn connections_made_just_before_the_programs_move_keep_their_flows() -> Result<(
     assert!(datapath(&w.c, 1, "nat_adopted")? >= 4, "the new programs took their flows from the old table");
     Ok(())
 }
+
+/// An agent killed after its programs moved to the staged maps, before it
+/// put them in place: those maps are the live ones, holding the flows its
+/// programs made since. The next agent finishes that upgrade (the staged
+/// maps put in place) rather than starting it over from the old maps,
+/// which lack those flows (before 12-05's second half the staged maps were
+/// dropped, and connections made after the move were reset once the next
+/// agent's programs moved).
+#[test]
+fn an_upgrade_killed_after_its_programs_moved_is_finished_by_the_next_agent() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    let env = [("LB_LAYOUT_VERSION", "99"), ("LB_UPGRADE_PAUSE_MS", "2500")];
+    w.c.start_agent_env_until(1, &objects, &[], &env, "paused before the second copy")?;
+    // Made by the new programs, after the move: in the staged tables only.
+    let held: Vec<_> = (0..4)
+        .map(|_| w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "6000", "--interval-ms", "20", "--timeout-ms", "1000"]))
+        .collect::<Result<_>>()?;
+    std::thread::sleep(Duration::from_millis(600));
+    w.c.kill_agent(1);
+    let next = w.c.nodes[0].bpffs.join("next");
+    assert!(next.join(lb_common::maps::NAT4).exists(), "killed before the staged maps were put in place");
+    w.c.start_agent_env(1, &objects, &[], &[("LB_LAYOUT_VERSION", "99")])?;
+    for h in held {
+        let s = Cluster::finish(h)?;
+        assert_eq!(s.failed(), 0, "the connection kept going across the kill and the next agent's start: {s:?}");
+        assert!(s.ok > 100, "{s:?}");
+    }
+    let log = std::fs::read_to_string(w.c.agent_log(1))?;
+    assert!(log.contains("an earlier upgrade stopped after its programs had moved"), "{log}");
+    assert_eq!(lines_with(&w.c, "new maps are staged")?.len(), 1, "not staged again: the finished maps have this agent's layout");
+    assert!(!next.exists());
+    let got = pins(&w.c)?;
+    assert!(got.contains("layout-99") && !got.iter().any(|p| p.starts_with("layout-") && p != "layout-99"), "{got:?}");
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--count", "5"])?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}

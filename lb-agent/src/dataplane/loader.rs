@@ -24,7 +24,10 @@ use super::maps::Maps;
 pub use super::bpflog::{BpfLog, BpfLogSink};
 pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_kernel, check_root, memory_limit};
 pub use super::upgrade::{live_pin, pin_path, staged_pin};
-use super::upgrade::{LAYOUT_MARKER, NEXT, Pass, carry_ids, carry_state, expected_layout, incompatible, layout_version, mark_layout, readable_as_ours};
+use super::upgrade::{
+    LATE_DONE, LAYOUT_MARKER, NEXT, Pass, carry_ids, carry_state, expected_layout, finish_moved, incompatible, layout_version, mark_layout,
+    readable_as_ours, remove_next, staged_in_use,
+};
 
 /// The BPF object, built by build.rs.
 pub(super) static OBJ: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
@@ -217,11 +220,17 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     // staged maps were never used; start over.
     let next = bpffs.join(NEXT);
     if next.exists() {
-        tracing::warn!("an earlier upgrade did not finish; its staged maps are dropped and it starts over");
-        for e in fs::read_dir(&next)?.flatten() {
-            fs::remove_file(e.path()).with_context(|| format!("unpin {}", e.path().display()))?;
+        if staged_in_use(bpffs)? {
+            // Killed after its programs moved: the staged maps are live.
+            let copied = finish_moved(bpffs)?;
+            tracing::warn!(
+                entries_carried = copied,
+                "an earlier upgrade stopped after its programs had moved to its staged maps: it is finished (those maps put in place, not dropped)"
+            );
+        } else {
+            tracing::warn!("an earlier upgrade did not finish; its staged maps are dropped and it starts over");
+            remove_next(&next)?;
         }
-        fs::remove_dir(&next)?;
     }
     // The loader reads the kernel's BTF (about 0.1 s) while the pinned
     // maps' layouts are compared.
@@ -230,6 +239,9 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     let replaced = if adopted { incompatible(bpffs, &cap)? } else { Vec::new() };
     if !replaced.is_empty() {
         fs::create_dir_all(&next).with_context(|| format!("create {}", next.display()))?;
+        // The staged maps' layout, for an agent that finishes this upgrade
+        // should this one be killed after its programs moved.
+        mark_layout(&next, &layout_version())?;
         tracing::info!(maps = ?replaced, "upgrade: new maps are staged and filled before the programs move to them");
     }
 
@@ -522,6 +534,7 @@ impl Tc {
         }
         // What the old programs added between the copy and the switch.
         let late = carry_state(&self.bpffs, replaced, Pass::Late);
+        fs::create_dir(self.bpffs.join(NEXT).join(LATE_DONE)).context("record the second copy")?;
         let adopted = self.adopt;
         if self.adopt {
             self.set_upgrading(false)?;
@@ -531,7 +544,7 @@ impl Tc {
             let staged = self.bpffs.join(NEXT).join(name);
             fs::rename(&staged, self.bpffs.join(name)).with_context(|| format!("move {} in place", staged.display()))?;
         }
-        fs::remove_dir(self.bpffs.join(NEXT))?;
+        remove_next(&self.bpffs.join(NEXT))?;
         let known: BTreeSet<&str> = PROGRAMS.iter().chain(SOCK_PROGRAMS.iter()).chain([&EGRESS_PROGRAM]).copied().collect();
         for e in fs::read_dir(&links)?.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
@@ -1002,10 +1015,7 @@ pub fn teardown(bpffs: &Path, wait: std::time::Duration) -> Result<bool> {
     }
     let next = bpffs.join(NEXT);
     if next.exists() {
-        for e in fs::read_dir(&next)?.flatten() {
-            fs::remove_file(e.path()).with_context(|| format!("unpin {}", e.path().display()))?;
-        }
-        fs::remove_dir(&next)?;
+        remove_next(&next)?;
     }
     for e in fs::read_dir(bpffs)?.flatten() {
         if e.file_name().to_string_lossy().starts_with(LAYOUT_MARKER) {

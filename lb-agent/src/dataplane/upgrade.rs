@@ -18,8 +18,85 @@ use super::loader::{Capacity, OBJ};
 /// the agent has filled them and swaps them in.
 pub(super) const NEXT: &str = "next";
 
-/// The pin-dir entry that records the layout version of the pins.
+/// The pin-dir entry that records the layout version of the pins (in
+/// `next/` too: the layout of the staged maps).
 pub(super) const LAYOUT_MARKER: &str = "layout-";
+
+/// The `next/` entry that says the second copy (`Pass::Late`) is done:
+/// an agent that finishes a killed one's upgrade (`finish_moved`) does
+/// not add the old counters twice.
+pub(super) const LATE_DONE: &str = "late-copy-done";
+
+/// Remove `next/` and what it holds: staged maps' pins and the markers.
+pub(super) fn remove_next(next: &Path) -> Result<()> {
+    for e in fs::read_dir(next)?.flatten() {
+        let p = e.path();
+        if p.is_dir() { fs::remove_dir(&p) } else { fs::remove_file(&p) }.with_context(|| format!("unpin {}", p.display()))?;
+    }
+    fs::remove_dir(next).with_context(|| format!("remove {}", next.display()))
+}
+
+/// Whether the maps staged in `next/` are in use: a program behind one of
+/// the pinned links reads one of them. So an earlier agent's upgrade had
+/// begun to move its programs (the cgroup links move first, all pinned)
+/// when it stopped, before it put the staged maps in place: they are the
+/// live ones now, holding what its programs wrote since (new flows,
+/// sockets), and the upgrade is finished (`finish_moved`), not started
+/// over from the old maps (which lack all that: before 12-05's second
+/// half, a connection made in that time was reset by the next agent).
+pub(super) fn staged_in_use(bpffs: &Path) -> Result<bool> {
+    use aya::programs::links::{FdLink, PinnedLink};
+    let next = bpffs.join(NEXT);
+    let staged: std::collections::BTreeSet<u32> =
+        maps::ALL.iter().filter_map(|m| aya::maps::MapInfo::from_pin(next.join(m)).ok()).map(|i| i.id()).collect();
+    if staged.is_empty() {
+        return Ok(false);
+    }
+    let mut progs = std::collections::BTreeSet::new();
+    for e in fs::read_dir(bpffs.join("links")).into_iter().flatten().flatten() {
+        // Dropping the handle leaves the link: the pin holds it.
+        if let Ok(info) = PinnedLink::from_pin(e.path()).map(FdLink::from).and_then(|l| l.info()) {
+            progs.insert(info.program_id());
+        }
+    }
+    for p in aya::programs::loaded_programs().filter_map(|p| p.ok()).filter(|p| progs.contains(&p.id())) {
+        let ids = p.map_ids().context("the maps of an attached program")?.unwrap_or_default();
+        if ids.iter().any(|id| staged.contains(id)) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Finish the upgrade of an agent killed after its programs began to use
+/// the staged maps (`staged_in_use`), as it would have: the second copy
+/// (what its old programs added to the old maps since its first copy),
+/// unless it was done, then the staged maps in place of the old ones, and
+/// the staged layout's version recorded ("unknown" where an agent from
+/// before `next/` carried it staged them: the next `incompatible` then
+/// replaces every map once more, carrying their state; slower, not wrong).
+/// Programs still on the old maps (devices it had not moved yet) keep
+/// them until this agent moves them. Returns how many entries were copied.
+pub(super) fn finish_moved(bpffs: &Path) -> Result<usize> {
+    let next = bpffs.join(NEXT);
+    let staged: Vec<&'static str> = maps::ALL.iter().copied().filter(|m| next.join(m).exists() && bpffs.join(m).exists()).collect();
+    let copied = if next.join(LATE_DONE).exists() { 0 } else { carry_state(bpffs, &staged, Pass::Late) };
+    let marks: Vec<String> = fs::read_dir(&next)?
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().strip_prefix(LAYOUT_MARKER).map(String::from))
+        .collect();
+    let version = marks.into_iter().next().unwrap_or_else(|| "unknown".into());
+    // Every map pin, also one of a map this agent does not know (the
+    // killed agent's programs use it).
+    for e in fs::read_dir(&next)?.flatten() {
+        if !e.path().is_dir() {
+            fs::rename(e.path(), bpffs.join(e.file_name())).with_context(|| format!("move {} in place", e.path().display()))?;
+        }
+    }
+    remove_next(&next)?;
+    mark_layout(bpffs, &version)?;
+    Ok(copied)
+}
 
 /// Where the pin of map `name` is now: staged in `next/` during an upgrade
 /// that replaces it, else in `bpffs`.
