@@ -658,3 +658,38 @@ fn an_upgrade_killed_after_its_programs_moved_is_finished_by_the_next_agent() ->
     assert_eq!(s.ok, 5, "{s:?}");
     Ok(())
 }
+
+/// The programs of node-1's cgroup attached for `attach_type` (bpftool's
+/// name: "cgroup_inet4_connect").
+fn cgroup_programs(c: &Cluster, attach_type: &str) -> Result<usize> {
+    let out = lbtest::run("bpftool", &["-j", "cgroup", "show", c.nodes[0].cgroup.to_str().unwrap()])?;
+    Ok(serde_json::from_str::<Vec<serde_json::Value>>(&out)?.iter().filter(|p| p["attach_type"] == attach_type).count())
+}
+
+/// A pinned link of a program this agent does not have (an earlier
+/// version's, renamed or gone; here `lb_connect4`'s link pinned again as
+/// `lb_connect4_v0`) keeps that program attached. A plain restart unpins
+/// it, so the cgroup runs this agent's connect4 program alone (before
+/// 12-05's second half only an upgrade did, and the earlier program ran
+/// beside it on every connect, on the maps it was loaded with).
+#[test]
+fn a_restart_detaches_programs_whose_links_it_does_not_know() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    assert_eq!(cgroup_programs(&w.c, "cgroup_inet4_connect")?, 1);
+    let links = w.c.nodes[0].bpffs.join("links");
+    let out = lbtest::run("bpftool", &["-j", "link", "show", "pinned", links.join("lb_connect4").to_str().unwrap()])?;
+    let id = serde_json::from_str::<serde_json::Value>(&out)?["id"].to_string();
+    let unknown = links.join("lb_connect4_v0");
+    lbtest::run("bpftool", &["link", "pin", "id", &id, unknown.to_str().unwrap()])?;
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    w.c.start_agent_env(1, &objects, &[], &[])?;
+    assert_eq!(cgroup_programs(&w.c, "cgroup_inet4_connect")?, 1, "the earlier agent's program is detached");
+    assert!(!unknown.exists());
+    assert!(lines_with(&w.c, "lb_connect4_v0")?.iter().any(|l| l.contains("does not have")));
+    let s = w.c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "5"])?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}

@@ -96,19 +96,11 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
     // Counters staged by an upgrade: the old agent's are added on when it
     // finishes, which is no new refusal.
     let mut staged = loader::staged_pin(&cfg.bpffs, lb_common::maps::STATS);
-    // At start, the flows the running programs hold: during an upgrade
-    // the old maps' (the staged ones fill only when the programs move).
-    let live = |name: &str| MapData::from_pin(loader::live_pin(&cfg.bpffs, name)).with_context(|| format!("open pinned {name}"));
-    let at_start = {
-        let live4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(live(lb_common::maps::NAT4)?))?;
-        let live6: HashMap<MapData, lb_common::Nat6Key, lb_common::Nat6Entry> = HashMap::try_from(Map::HashMap(live(lb_common::maps::NAT6)?))?;
-        crate::nodeport::count_bpf_masqueraded(&live4) + crate::nodeport::count_bpf_masqueraded(&live6)
-    };
-    let masqueraded = Arc::new(BpfMasqueraded { started: Default::default(), last: std::sync::Mutex::new((0, at_start)) });
     // During an upgrade the old programs make and use the flows of the old
     // tables until they move: those are expired and ended here too (else
     // they only grow while the first sync waits, an API server down, say,
     // until new flows are refused), where their layout is this agent's.
+    let live = |name: &str| MapData::from_pin(loader::live_pin(&cfg.bpffs, name)).with_context(|| format!("open pinned {name}"));
     let staged_nat = loader::staged_pin(&cfg.bpffs, lb_common::maps::NAT4);
     let mut old_nat = match &staged_nat {
         Some(staged) if loader::live_pin(&cfg.bpffs, lb_common::maps::NAT4) != *staged
@@ -120,6 +112,13 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
         }
         _ => None,
     };
+    // At start, the flows the running programs hold: during an upgrade
+    // the old tables' (the staged ones fill only when the programs move).
+    let at_start = match &old_nat {
+        Some((o4, o6)) => crate::nodeport::count_bpf_masqueraded(o4) + crate::nodeport::count_bpf_masqueraded(o6),
+        None => crate::nodeport::count_bpf_masqueraded(&nat4) + crate::nodeport::count_bpf_masqueraded(&nat6),
+    };
+    let masqueraded = Arc::new(BpfMasqueraded { started: Default::default(), last: std::sync::Mutex::new((0, at_start)) });
     let count = masqueraded.clone();
     std::thread::Builder::new().name("nat".into()).spawn(move || {
         let mut seen_failed = failed();
@@ -344,17 +343,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // full sync writes its own).
     // During an upgrade: the live node config, not the staged one (empty
     // until the first sync).
-    let earlier_flags = match loader::staged_pin(&cfg.bpffs, lb_common::maps::NODE_CONFIG) {
-        None => maps.node_config.get(&0, 0).map(|c| c.flags).unwrap_or(0),
-        Some(_) => {
-            let path = loader::live_pin(&cfg.bpffs, lb_common::maps::NODE_CONFIG);
-            aya::maps::MapData::from_pin(&path)
-                .ok()
-                .and_then(|d| aya::maps::Array::<_, lb_common::NodeConfig>::try_from(aya::maps::Map::Array(d)).ok())
-                .and_then(|a| a.get(&0, 0).ok())
-                .map_or(0, |c| c.flags)
-        }
-    };
+    let earlier_flags = aya::maps::MapData::from_pin(loader::live_pin(&cfg.bpffs, lb_common::maps::NODE_CONFIG))
+        .ok()
+        .and_then(|d| aya::maps::Array::<_, lb_common::NodeConfig>::try_from(aya::maps::Map::Array(d)).ok())
+        .and_then(|a| a.get(&0, 0).ok())
+        .map_or(0, |c| c.flags);
     let (nat_left, bpf_masqueraded) = spawn_nat_gc(&cfg)?;
     // Flows an agent with --bpf-forward masqueraded in BPF: the pod
     // programs translate their replies, so they stay (and are brought up

@@ -321,6 +321,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     };
     let upgrade = if replaced.is_empty() {
         tc.attach_cgroup()?;
+        tc.unpin_unknown_links()?;
         mark_layout(bpffs, &layout_version())?;
         None
     } else {
@@ -545,15 +546,7 @@ impl Tc {
             fs::rename(&staged, self.bpffs.join(name)).with_context(|| format!("move {} in place", staged.display()))?;
         }
         remove_next(&self.bpffs.join(NEXT))?;
-        let known: BTreeSet<&str> = PROGRAMS.iter().chain(SOCK_PROGRAMS.iter()).chain([&EGRESS_PROGRAM]).copied().collect();
-        for e in fs::read_dir(&links)?.flatten() {
-            let n = e.file_name().to_string_lossy().into_owned();
-            let tc = device_programs().chain(POD_PROGRAMS.map(|(p, _)| p)).any(|p| n.starts_with(&format!("{p}_")));
-            if !known.contains(n.as_str()) && !tc {
-                tracing::info!(link = n, "upgrade: unpinning the link of a program this agent does not have");
-                fs::remove_file(e.path())?;
-            }
-        }
+        self.unpin_unknown_links()?;
         mark_layout(&self.bpffs, &layout_version())?;
         tracing::info!(maps = ?replaced, entries_carried = copied + late, "upgrade finished: programs moved to the new maps");
         // The upgrade is done (an agent killed before here starts it over
@@ -568,6 +561,25 @@ impl Tc {
             }
         } else if adopted {
             tracing::warn!("upgrade: programs of the earlier agent still run on some device: the old NAT tables keep their flows");
+        }
+        Ok(())
+    }
+
+    /// Unpin the links of programs this agent does not have, which keep
+    /// them attached: an earlier agent's of another version (a program
+    /// renamed or gone), which ran beside this one's on every connect, on
+    /// whatever maps it was loaded with. After the cgroup programs are
+    /// attached, at every start and upgrade (before 12-05's second half,
+    /// at upgrades only: a restart that kept the maps kept such programs).
+    fn unpin_unknown_links(&self) -> Result<()> {
+        let known: BTreeSet<&str> = PROGRAMS.iter().chain(SOCK_PROGRAMS.iter()).chain([&EGRESS_PROGRAM]).copied().collect();
+        for e in fs::read_dir(self.bpffs.join("links"))?.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            let tc = device_programs().chain(POD_PROGRAMS.map(|(p, _)| p)).any(|p| n.starts_with(&format!("{p}_")));
+            if !known.contains(n.as_str()) && !tc {
+                tracing::info!(link = n, "unpinning the link of a program this agent does not have (it is detached)");
+                fs::remove_file(e.path()).with_context(|| format!("unpin {}", e.path().display()))?;
+            }
         }
         Ok(())
     }
