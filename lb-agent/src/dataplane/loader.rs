@@ -25,8 +25,8 @@ pub use super::bpflog::{BpfLog, BpfLogSink};
 pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_kernel, check_root, memory_limit};
 pub use super::upgrade::{live_pin, pin_path, staged_pin};
 use super::upgrade::{
-    LATE_DONE, LAYOUT_MARKER, NEXT, Pass, carry_ids, carry_state, expected_layout, finish_moved, incompatible, layout_version, mark_layout,
-    readable_as_ours, remove_next, staged_in_use,
+    LATE_DONE, LAYOUT_MARKER, MOVING, NEXT, Pass, Unfinished, carry_ids, carry_state, expected_layout, finish_moved, incompatible, layout_version,
+    mark_layout, mark_next, readable_as_ours, remove_next, unfinished,
 };
 
 /// The BPF object, built by build.rs.
@@ -219,29 +219,41 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     // An upgrade an earlier agent did not finish (killed in the middle): its
     // staged maps were never used; start over.
     let next = bpffs.join(NEXT);
+    let mut resumed = None;
     if next.exists() {
-        if staged_in_use(bpffs)? {
-            // Killed after its programs moved: the staged maps are live.
-            let copied = finish_moved(bpffs)?;
-            tracing::warn!(
-                entries_carried = copied,
-                "an earlier upgrade stopped after its programs had moved to its staged maps: it is finished (those maps put in place, not dropped)"
-            );
-        } else {
-            tracing::warn!("an earlier upgrade did not finish; its staged maps are dropped and it starts over");
-            remove_next(&next)?;
+        match unfinished(bpffs, &cap)? {
+            Unfinished::Resume(staged) => {
+                tracing::warn!(maps = ?staged, "an earlier upgrade to this layout did not finish; this agent resumes it on its staged maps");
+                resumed = Some(staged);
+            }
+            Unfinished::Finish => {
+                // Its programs began to move: the staged maps are live.
+                let copied = finish_moved(bpffs)?;
+                tracing::warn!(
+                    entries_carried = copied,
+                    "an earlier upgrade stopped after its programs had begun to move to its staged maps: it is finished (those maps put in place, not dropped)"
+                );
+            }
+            Unfinished::Drop => {
+                tracing::warn!("an earlier upgrade did not finish; its staged maps are dropped and it starts over");
+                remove_next(&next)?;
+            }
         }
     }
     // The loader reads the kernel's BTF (about 0.1 s) while the pinned
     // maps' layouts are compared.
     let new_loader = std::thread::spawn(EbpfLoader::new);
     let adopted = bpffs.join(maps::SERVICES4).exists();
-    let replaced = if adopted { incompatible(bpffs, &cap)? } else { Vec::new() };
-    if !replaced.is_empty() {
+    let replaced = match resumed {
+        Some(staged) => staged,
+        None if adopted => incompatible(bpffs, &cap)?,
+        None => Vec::new(),
+    };
+    if !replaced.is_empty() && !next.exists() {
         fs::create_dir_all(&next).with_context(|| format!("create {}", next.display()))?;
-        // The staged maps' layout, for an agent that finishes this upgrade
-        // should this one be killed after its programs moved.
-        mark_layout(&next, &layout_version())?;
+        // The staged maps' layout, for an agent that resumes or finishes
+        // this upgrade should this one be killed.
+        mark_next(bpffs, &format!("{LAYOUT_MARKER}{}", layout_version()))?;
         tracing::info!(maps = ?replaced, "upgrade: new maps are staged and filled before the programs move to them");
     }
 
@@ -321,7 +333,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     };
     let upgrade = if replaced.is_empty() {
         tc.attach_cgroup()?;
-        tc.unpin_unknown_links()?;
+        tc.unpin_unknown_links(true);
         mark_layout(bpffs, &layout_version())?;
         None
     } else {
@@ -381,6 +393,35 @@ fn ifindex_of(iface: &str) -> u32 {
     let Ok(c) = std::ffi::CString::new(iface) else { return 0 };
     // SAFETY: a NUL-terminated name.
     unsafe { libc::if_nametoindex(c.as_ptr()) }
+}
+
+/// Attach `prog` (`name`) to `iface` as a TCX link pinned as `pin`, ahead
+/// of the link pinned there now (an earlier agent's), which goes when the
+/// pin is replaced (`pin_link`). The kernel releases that one a moment
+/// later (after an RCU grace period, seen taking hundreds of
+/// milliseconds on a busy node), and meanwhile both run, the earlier one
+/// first if this one were appended: a packet it does not know (a reply of
+/// a flow the new programs made in new NAT tables) it passed on with
+/// TC_ACT_OK, which ends a TCX chain, so the new program never saw it
+/// (before 12-05's second half, an upgrade's first connections to a
+/// local backend lost their replies so). Ahead of it, the new program
+/// sees every packet first, also the earlier program's flows (the same
+/// maps, or its old NAT tables through `LB4_NAT_PREV` during an
+/// upgrade); and other owners' programs keep their place relative to
+/// lb's. With no earlier link (or one whose device went), last.
+fn attach_tcx(prog: &mut SchedClassifier, name: &str, iface: &str, ty: TcAttachType, bpffs: &Path, pin: &str) -> Result<()> {
+    use aya::programs::LinkOrder;
+    use aya::programs::links::PinnedLink;
+    use aya::programs::tc::{SchedClassifierLink, TcAttachOptions};
+    let earlier = PinnedLink::from_pin(bpffs.join("links").join(pin)).ok().and_then(|l| SchedClassifierLink::try_from(FdLink::from(l)).ok());
+    let ahead = earlier.as_ref().and_then(|l| LinkOrder::before_link(l).ok());
+    let id = match ahead.map(|order| prog.attach_with_options(iface, ty, TcAttachOptions::TcxOrder(order))) {
+        Some(Ok(id)) => id,
+        // No earlier link, or one the kernel no longer has on this device.
+        _ => prog.attach_with_options(iface, ty, TcAttachOptions::TcxOrder(LinkOrder::default())).with_context(|| format!("attach {name} to {iface} (tcx)"))?,
+    };
+    let fd = FdLink::try_from(prog.take_link(id)?).map_err(|_| anyhow::anyhow!("attach {name} to {iface}: not a TCX link"))?;
+    pin_link(bpffs, pin, fd)
 }
 
 /// Pin a new link beside the old one, then rename it over the old one: the
@@ -476,6 +517,9 @@ impl Tc {
             tracing::info!(ms = pause.as_millis() as u64, "upgrade: paused before the programs move (LB_UPGRADE_PAUSE_MS)");
             std::thread::sleep(pause);
         }
+        // From here the staged maps are live: an agent killed from here on
+        // leaves an upgrade the next one can only finish.
+        mark_next(&self.bpffs, MOVING)?;
         self.attach_cgroup()?;
         // Whether every earlier program moved: the old NAT tables are
         // emptied at the end only then (one left on them still uses them).
@@ -534,8 +578,12 @@ impl Tc {
             std::thread::sleep(pause);
         }
         // What the old programs added between the copy and the switch.
-        let late = carry_state(&self.bpffs, replaced, Pass::Late);
-        fs::create_dir(self.bpffs.join(NEXT).join(LATE_DONE)).context("record the second copy")?;
+        // An upgrade resumed from an agent killed after its second copy
+        // adds the old counters no second time.
+        let done = self.bpffs.join(NEXT).join(LATE_DONE).exists();
+        let names: Vec<&'static str> = replaced.iter().copied().filter(|n| !(done && *n == maps::STATS)).collect();
+        let late = carry_state(&self.bpffs, &names, Pass::Late);
+        mark_next(&self.bpffs, LATE_DONE)?;
         let adopted = self.adopt;
         if self.adopt {
             self.set_upgrading(false)?;
@@ -545,9 +593,9 @@ impl Tc {
             let staged = self.bpffs.join(NEXT).join(name);
             fs::rename(&staged, self.bpffs.join(name)).with_context(|| format!("move {} in place", staged.display()))?;
         }
-        remove_next(&self.bpffs.join(NEXT))?;
-        self.unpin_unknown_links()?;
         mark_layout(&self.bpffs, &layout_version())?;
+        remove_next(&self.bpffs.join(NEXT))?;
+        self.unpin_unknown_links(false);
         tracing::info!(maps = ?replaced, entries_carried = copied + late, "upgrade finished: programs moved to the new maps");
         // The upgrade is done (an agent killed before here starts it over
         // from the old tables): once no program uses the old NAT tables,
@@ -567,21 +615,34 @@ impl Tc {
 
     /// Unpin the links of programs this agent does not have, which keep
     /// them attached: an earlier agent's of another version (a program
-    /// renamed or gone), which ran beside this one's on every connect, on
-    /// whatever maps it was loaded with. After the cgroup programs are
-    /// attached, at every start and upgrade (before 12-05's second half,
-    /// at upgrades only: a restart that kept the maps kept such programs).
-    fn unpin_unknown_links(&self) -> Result<()> {
+    /// renamed or gone), which ran beside this one's, on whatever maps it
+    /// was loaded with. At an upgrade's end, every such link; at a plain
+    /// start (`cgroup_only`, once this agent's cgroup programs are
+    /// attached) the cgroup ones, which ran on every connect (before
+    /// 12-05's second half, at upgrades only): a device's link waits for
+    /// the next upgrade, since this agent attaches its own to the devices
+    /// only after its first sync, and a device would have none meanwhile.
+    /// A link that cannot be unpinned is a warning, not a failed start.
+    fn unpin_unknown_links(&self, cgroup_only: bool) {
+        use aya::programs::links::{FdLink, LinkType, PinnedLink};
         let known: BTreeSet<&str> = PROGRAMS.iter().chain(SOCK_PROGRAMS.iter()).chain([&EGRESS_PROGRAM]).copied().collect();
-        for e in fs::read_dir(self.bpffs.join("links"))?.flatten() {
+        for e in fs::read_dir(self.bpffs.join("links")).into_iter().flatten().flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
             let tc = device_programs().chain(POD_PROGRAMS.map(|(p, _)| p)).any(|p| n.starts_with(&format!("{p}_")));
-            if !known.contains(n.as_str()) && !tc {
-                tracing::info!(link = n, "unpinning the link of a program this agent does not have (it is detached)");
-                fs::remove_file(e.path()).with_context(|| format!("unpin {}", e.path().display()))?;
+            if known.contains(n.as_str()) || tc {
+                continue;
+            }
+            let cgroup = || {
+                PinnedLink::from_pin(e.path()).map(FdLink::from).and_then(|l| l.info()).is_ok_and(|i| matches!(i.link_type(), Ok(LinkType::Cgroup)))
+            };
+            if cgroup_only && !cgroup() {
+                continue;
+            }
+            match fs::remove_file(e.path()) {
+                Ok(()) => tracing::info!(link = n, "unpinned the link of a program this agent does not have (it is detached)"),
+                Err(err) => tracing::warn!(link = n, "a program this agent does not have stays attached: unpin {}: {err}", e.path().display()),
             }
         }
-        Ok(())
     }
 
     /// Set or clear this load's `LB_ADOPT` (only its own programs read it).
@@ -643,11 +704,7 @@ impl Tc {
                 attach_netlink(prog, iface, ty).with_context(|| format!("attach {name} to {iface} (netlink)"))?;
                 continue;
             }
-            let opts = aya::programs::tc::TcAttachOptions::TcxOrder(Default::default());
-            let id = prog.attach_with_options(iface, ty, opts).with_context(|| format!("attach {name} to {iface} (tcx)"))?;
-            let link = prog.take_link(id)?;
-            let fd = FdLink::try_from(link).map_err(|_| anyhow::anyhow!("attach {name} to {iface}: not a TCX link"))?;
-            pin_link(&self.bpffs, &format!("{place}_{safe}"), fd)?;
+            attach_tcx(prog, name, iface, ty, &self.bpffs, &format!("{place}_{safe}"))?;
         }
         let xdp = self.attach_xdp(iface, &safe, l3)?;
         // A SNATed flow's packets re-enter the stack with this node's own
@@ -709,10 +766,7 @@ impl Tc {
                 verify(name, || prog.load())?;
             }
             if tcx {
-                let opts = aya::programs::tc::TcAttachOptions::TcxOrder(Default::default());
-                let id = prog.attach_with_options(iface, *ty, opts).with_context(|| format!("attach {name} to {iface} (tcx)"))?;
-                let fd = FdLink::try_from(prog.take_link(id)?).map_err(|_| anyhow::anyhow!("attach {name} to {iface}: not a TCX link"))?;
-                pin_link(&self.bpffs, &format!("{name}_{}", pin_safe(iface)), fd)?;
+                attach_tcx(prog, name, iface, *ty, &self.bpffs, &format!("{name}_{}", pin_safe(iface)))?;
             } else {
                 if let Err(e) = aya::programs::tc::qdisc_add_clsact(iface) {
                     tracing::debug!(iface, "clsact qdisc: {e}");

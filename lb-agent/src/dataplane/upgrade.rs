@@ -22,29 +22,109 @@ pub(super) const NEXT: &str = "next";
 /// `next/` too: the layout of the staged maps).
 pub(super) const LAYOUT_MARKER: &str = "layout-";
 
-/// The `next/` entry that says the second copy (`Pass::Late`) is done:
-/// an agent that finishes a killed one's upgrade (`finish_moved`) does
-/// not add the old counters twice.
+/// The `next/` entry that says the programs began to move to the staged
+/// maps: from then on they are live, and the upgrade can only be finished,
+/// not started over.
+pub(super) const MOVING: &str = "moving";
+
+/// The `next/` entry that says the second copy (`Pass::Late`) is done: the
+/// datapath counters, which it adds up, are not added twice.
 pub(super) const LATE_DONE: &str = "late-copy-done";
 
-/// Remove `next/` and what it holds: staged maps' pins and the markers.
+/// Mark `next/` with `name`: a symlink (an agent from before these markers
+/// removes every entry of `next/` with unlink, which a directory fails).
+pub(super) fn mark_next(bpffs: &Path, name: &str) -> Result<()> {
+    match std::os::unix::fs::symlink(name, bpffs.join(NEXT).join(name)) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => Err(e).with_context(|| format!("mark {NEXT}/{name}")),
+        _ => Ok(()),
+    }
+}
+
+fn is_marker(name: &str) -> bool {
+    name.starts_with(LAYOUT_MARKER) || name == LATE_DONE || name == MOVING
+}
+
+/// The layout version the maps in `next/` were staged with (none: staged
+/// by an agent from before `next/` carried it).
+fn staged_version(next: &Path) -> Option<String> {
+    fs::read_dir(next).ok()?.flatten().find_map(|e| e.file_name().to_string_lossy().strip_prefix(LAYOUT_MARKER).map(String::from))
+}
+
+/// The maps staged in `next/` that this agent knows.
+fn staged_names(bpffs: &Path) -> Vec<&'static str> {
+    maps::ALL.iter().copied().filter(|m| bpffs.join(NEXT).join(m).exists()).collect()
+}
+
+/// Remove `next/` and what it holds: staged maps' pins, then the markers,
+/// `MOVING` last (an agent killed in here leaves it while anything is left).
 pub(super) fn remove_next(next: &Path) -> Result<()> {
-    for e in fs::read_dir(next)?.flatten() {
-        let p = e.path();
-        if p.is_dir() { fs::remove_dir(&p) } else { fs::remove_file(&p) }.with_context(|| format!("unpin {}", p.display()))?;
+    let mut entries: Vec<(bool, bool, PathBuf)> = fs::read_dir(next)?
+        .flatten()
+        .map(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            (is_marker(&n), n == MOVING, e.path())
+        })
+        .collect();
+    entries.sort();
+    for (_, _, p) in entries {
+        let dir = fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir());
+        if dir { fs::remove_dir(&p) } else { fs::remove_file(&p) }.with_context(|| format!("unpin {}", p.display()))?;
     }
     fs::remove_dir(next).with_context(|| format!("remove {}", next.display()))
 }
 
+/// What an earlier agent's unfinished upgrade (`next/` there) means for
+/// this one.
+pub(super) enum Unfinished {
+    /// Staged by this agent's version, as this agent would stage them
+    /// (the same maps, each with its type, sizes, max_entries and BTF
+    /// layout): this agent takes them as its own staging and finishes the
+    /// upgrade from its first sync, moving every program (also those the
+    /// earlier agent had moved: they are on these maps already).
+    Resume(Vec<&'static str>),
+    /// Another version's or another staging (a flag changed too), whose
+    /// programs began to move: the staged maps are live; finish that
+    /// upgrade as it would have (`finish_moved`), then judge the pins.
+    Finish,
+    /// Nothing moved: the staged maps were never used; drop them.
+    Drop,
+}
+
+/// Judge `next/` (see `Unfinished`).
+pub(super) fn unfinished(bpffs: &Path, cap: &Capacity) -> Result<Unfinished> {
+    let next = bpffs.join(NEXT);
+    let staged = staged_names(bpffs);
+    if !staged.is_empty() && staged_version(&next).as_deref() == Some(layout_version().as_str()) {
+        let ours = super::btf::object_layouts(OBJ).context("read the BTF of this agent's maps")?;
+        let mut btf = super::btf::BtfCache::default();
+        let as_ours = expected_layout(cap).into_iter().filter(|(n, ..)| staged.contains(n)).all(|(name, ty, k, v, max)| {
+            let path = next.join(name);
+            let same = aya::maps::MapInfo::from_pin(&path)
+                .is_ok_and(|i| i.map_type().ok() == Some(ty) && i.key_size() as usize == k && i.value_size() as usize == v && i.max_entries() == max);
+            same && match (super::btf::pinned_layout(&path, &mut btf), ours.get(name)) {
+                (Ok(Some(pinned)), Some(want)) => pinned == *want,
+                (Ok(None), _) => true,
+                _ => false,
+            }
+        });
+        let mut want = incompatible(bpffs, cap)?;
+        want.sort_unstable();
+        let mut have = staged.clone();
+        have.sort_unstable();
+        if as_ours && want == have {
+            return Ok(Unfinished::Resume(staged));
+        }
+    }
+    Ok(if next.join(MOVING).exists() || staged_in_use(bpffs)? { Unfinished::Finish } else { Unfinished::Drop })
+}
+
 /// Whether the maps staged in `next/` are in use: a program behind one of
-/// the pinned links reads one of them. So an earlier agent's upgrade had
-/// begun to move its programs (the cgroup links move first, all pinned)
-/// when it stopped, before it put the staged maps in place: they are the
-/// live ones now, holding what its programs wrote since (new flows,
-/// sockets), and the upgrade is finished (`finish_moved`), not started
-/// over from the old maps (which lack all that: before 12-05's second
-/// half, a connection made in that time was reset by the next agent).
-pub(super) fn staged_in_use(bpffs: &Path) -> Result<bool> {
+/// the pinned links reads one of them. For a `next/` staged by an agent
+/// from before `MOVING` (which says so for later ones, also where programs
+/// attach as netlink filters, which are not links): its upgrade had begun
+/// to move its programs (the cgroup links move first, all pinned) when it
+/// stopped.
+fn staged_in_use(bpffs: &Path) -> Result<bool> {
     use aya::programs::links::{FdLink, PinnedLink};
     let next = bpffs.join(NEXT);
     let staged: std::collections::BTreeSet<u32> =
@@ -69,32 +149,30 @@ pub(super) fn staged_in_use(bpffs: &Path) -> Result<bool> {
 }
 
 /// Finish the upgrade of an agent killed after its programs began to use
-/// the staged maps (`staged_in_use`), as it would have: the second copy
-/// (what its old programs added to the old maps since its first copy),
-/// unless it was done, then the staged maps in place of the old ones, and
-/// the staged layout's version recorded ("unknown" where an agent from
-/// before `next/` carried it staged them: the next `incompatible` then
-/// replaces every map once more, carrying their state; slower, not wrong).
-/// Programs still on the old maps (devices it had not moved yet) keep
-/// them until this agent moves them. Returns how many entries were copied.
+/// the staged maps (`Unfinished::Finish`), as it would have: the second
+/// copy (what its old programs added to the old maps since its first
+/// copy) unless it was made, then the staged maps in place of the old
+/// ones, and the staged layout's version recorded ("unknown" where an
+/// agent from before `next/` carried it staged them: the next
+/// `incompatible` then replaces every map once more, carrying their state;
+/// slower, not wrong). Programs still on the old maps (devices it had not
+/// moved yet) keep them until this agent moves them. Safe to repeat (an
+/// agent killed in here too). Returns how many entries were copied.
 pub(super) fn finish_moved(bpffs: &Path) -> Result<usize> {
     let next = bpffs.join(NEXT);
-    let staged: Vec<&'static str> = maps::ALL.iter().copied().filter(|m| next.join(m).exists() && bpffs.join(m).exists()).collect();
+    let staged: Vec<&'static str> = staged_names(bpffs).into_iter().filter(|m| bpffs.join(m).exists()).collect();
     let copied = if next.join(LATE_DONE).exists() { 0 } else { carry_state(bpffs, &staged, Pass::Late) };
-    let marks: Vec<String> = fs::read_dir(&next)?
-        .flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().strip_prefix(LAYOUT_MARKER).map(String::from))
-        .collect();
-    let version = marks.into_iter().next().unwrap_or_else(|| "unknown".into());
+    mark_next(bpffs, LATE_DONE)?;
+    let version = staged_version(&next).unwrap_or_else(|| "unknown".into());
     // Every map pin, also one of a map this agent does not know (the
     // killed agent's programs use it).
     for e in fs::read_dir(&next)?.flatten() {
-        if !e.path().is_dir() {
+        if !is_marker(&e.file_name().to_string_lossy()) {
             fs::rename(e.path(), bpffs.join(e.file_name())).with_context(|| format!("move {} in place", e.path().display()))?;
         }
     }
-    remove_next(&next)?;
     mark_layout(bpffs, &version)?;
+    remove_next(&next)?;
     Ok(copied)
 }
 
@@ -418,7 +496,10 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -
     let warn = pass == Pass::First;
     let mut total = 0;
     let mut btf = super::btf::BtfCache::default();
-    for name in replaced {
+    // The datapath counters last: their copy adds up, and `LATE_DONE`,
+    // which keeps it from being made twice, is marked right after.
+    let ordered = replaced.iter().filter(|n| **n != maps::STATS).chain(replaced.iter().filter(|n| **n == maps::STATS));
+    for name in ordered {
         let (old, new) = (bpffs.join(name), bpffs.join(NEXT).join(name));
         let (same_sizes, same_btf) = layouts_agree(&old, &new, &mut btf);
         if *name == maps::STATS {
