@@ -51,13 +51,20 @@ fn load(prog_type: u32, expected_attach_type: u32, ret: i32, name: &str) -> Resu
 /// (TCX_NEXT), attached first on `dev`'s TCX ingress in `netns` (before
 /// lb's, when it comes after).
 pub fn attach_tcx_ingress(netns: &str, dev: &str, name: &str) -> Result<()> {
+    attach_tcx_ingress_returning(netns, dev, name, -1)
+}
+
+/// A TC program named `name` that returns `ret` for every packet (-1
+/// TCX_NEXT, 2 TC_ACT_SHOT: a firewall that drops everything), appended
+/// to `dev`'s TCX ingress in `netns` (behind lb's, once lb's are there).
+pub fn attach_tcx_ingress_returning(netns: &str, dev: &str, name: &str, ret: i32) -> Result<()> {
     const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
     const BPF_TCX_INGRESS: u32 = 46;
     let (netns, dev, name) = (netns.to_string(), dev.to_string(), name.to_string());
     std::thread::spawn(move || -> Result<()> {
         let f = std::fs::File::open(format!("/run/netns/{netns}"))?;
         nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET)?;
-        let prog = load(BPF_PROG_TYPE_SCHED_CLS, 0, -1, &name)?;
+        let prog = load(BPF_PROG_TYPE_SCHED_CLS, 0, ret, &name)?;
         let c = std::ffi::CString::new(dev.clone())?;
         // SAFETY: a valid C string.
         let ifindex = unsafe { libc::if_nametoindex(c.as_ptr()) };

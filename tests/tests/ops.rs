@@ -575,6 +575,33 @@ fn another_proxys_socket_program_on_lbs_cgroup_is_named_in_a_warning_and_a_metri
     Ok(())
 }
 
+/// A program another owner puts behind lb's on a NodePort device (a host
+/// firewall's, an observability tool's) sees the packets lb passes on, as
+/// it would without lb: here one that drops every packet, appended to
+/// node-1's eth0 TCX ingress after lb's. A connection to a port of node-1
+/// itself and one to a NodePort are both dropped by it (time out), where
+/// before 12-05's second half lb's programs ended the chain with
+/// TC_ACT_OK: the first was refused by node-1 and the second served, the
+/// firewall never asked.
+#[test]
+fn a_program_behind_lbs_on_a_device_sees_the_packets_lb_passes_on() -> Result<()> {
+    use lbtest::world::*;
+    let w = world(&web("NodePort", "", &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let np = hostport(NODE1, 30080);
+    let closed = hostport(NODE1, 9);
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", &np, "--count", "3"])?;
+    assert_eq!(s.ok, 3, "served before: {s:?}");
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", &closed, "--count", "1", "--timeout-ms", "700"])?;
+    assert!(s.errors.contains_key("ECONNREFUSED"), "node-1 refuses a closed port: {s:?}");
+    lbtest::bpfprog::attach_tcx_ingress_returning(&w.c.nodes[0].netns, "eth0", "fw_drop_all", 2)?;
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", &closed, "--count", "1", "--timeout-ms", "700"])?;
+    assert_eq!(s.errors.keys().collect::<Vec<_>>(), ["ETIMEDOUT"], "dropped by the program behind lb's: {s:?}");
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", &np, "--count", "3", "--timeout-ms", "700"])?;
+    assert_eq!((s.ok, s.errors.keys().map(String::as_str).collect::<Vec<_>>()), (0, vec!["ETIMEDOUT"]), "the NodePort's packets too: {s:?}");
+    Ok(())
+}
+
 /// kube-proxy's rules on a node (kube-proxy still running, or its rules
 /// left behind when its DaemonSet was deleted) are named in a warning and
 /// in `lb_kube_proxy_rules{mode}`, in each mode kube-proxy has: iptables

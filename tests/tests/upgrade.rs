@@ -726,27 +726,28 @@ fn a_restart_detaches_programs_whose_links_it_does_not_know() -> Result<()> {
     Ok(())
 }
 
-/// When a link's pin is replaced, the kernel releases the earlier link a
-/// moment later (after an RCU grace period; on this machine sometimes
-/// hundreds of milliseconds): until then both programs run on the device.
-/// Here the earlier agent's egress links on node-1 are held (pinned again)
-/// across an upgrade to new NAT tables, as the kernel holds them for that
-/// moment. The new programs attach ahead of them, so the replies of local
-/// backends to flows the new programs made (in the new tables) are
-/// translated (before 12-05's second half the new ones were appended: the
-/// earlier egress program, first, found no flow in its old table and
-/// passed the reply with TC_ACT_OK, ending the TCX chain; it left
-/// untranslated, and about one upgrade in ten lost its first connections
-/// to pod-1 in the upgrade tests).
+/// When a TCX link's pin is replaced, the kernel releases the earlier
+/// link a moment later (after an RCU grace period; on this machine
+/// sometimes hundreds of milliseconds), and until then both programs run.
+/// Here the earlier agent's links on node-1's devices are held (pinned
+/// again) across an upgrade to new NAT tables, as the kernel holds a
+/// replaced one for that moment: an upgrade replaces the program inside
+/// each link (one atomic update), so the held links run the new programs
+/// and every connection, to the local pod-1 and to pod-2 on node-2 (SNAT),
+/// is served. Before 12-05's second half a new link was appended behind
+/// the earlier one, whose egress program passed the replies of local
+/// backends to flows in the new tables untranslated and ended the chain
+/// (every connection to pod-1 timed out here; about one upgrade in ten
+/// lost its first ones so in the upgrade tests).
 #[test]
-fn the_earlier_programs_still_attached_for_a_moment_do_not_hide_packets_from_the_new_ones() -> Result<()> {
+fn an_upgrade_replaces_the_programs_inside_their_tcx_links() -> Result<()> {
     let mut w = world(&web("NodePort", "", &[]))?;
     wait_backends(&w.c, 1, NODE1, 30080, 2)?;
     let bpffs = w.c.nodes[0].bpffs.clone();
     let mut held = Vec::new();
     for e in std::fs::read_dir(bpffs.join("links"))?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with("lb_nodeport_egress_") {
+        if name.starts_with("lb_nodeport_egress_") || name.starts_with("lb_nodeport_ingress_") {
             let out = lbtest::run("bpftool", &["-j", "link", "show", "pinned", e.path().to_str().unwrap()])?;
             let id = serde_json::from_str::<serde_json::Value>(&out)?["id"].to_string();
             let pin = bpffs.join(format!("held_{name}"));
@@ -754,7 +755,7 @@ fn the_earlier_programs_still_attached_for_a_moment_do_not_hide_packets_from_the
             held.push(pin);
         }
     }
-    assert!(!held.is_empty(), "node-1 has NodePort devices");
+    assert!(held.len() >= 2, "node-1 has NodePort devices: {held:?}");
     let objects = w.c.objects.clone();
     w.c.kill_agent(1);
     w.c.start_agent_env(1, &objects, &[], &[("LB_LAYOUT_VERSION", "99")])?;
@@ -764,6 +765,44 @@ fn the_earlier_programs_still_attached_for_a_moment_do_not_hide_packets_from_the
         std::fs::remove_file(p)?;
     }
     assert_eq!(s.failed(), 0, "{s:?}");
-    assert!(s.replies.keys().any(|r| r.starts_with("pod-1")), "some reached the local backend: {s:?}");
+    assert!(s.replies.keys().any(|r| r.starts_with("pod-1")) && s.replies.keys().any(|r| r.starts_with("pod-2")), "both backends: {s:?}");
+    Ok(())
+}
+
+/// lb's programs of the other attach mode go when lb attaches to a
+/// device: an agent with `--tc-attach netlink`, then one with TCX, then
+/// netlink again, on node-1. Each time node-1's eth0 has lb's programs of
+/// one mode only (TCX programs run before clsact filters, and lb's pass on
+/// what they do not take: a leftover would see every packet the other
+/// rewrote), and NodePort connections are served throughout.
+#[test]
+fn switching_the_attach_mode_leaves_lbs_programs_of_one_mode_on_a_device() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let objects = w.c.objects.clone();
+    let ns = w.c.nodes[0].netns.clone();
+    let links = w.c.nodes[0].bpffs.join("links");
+    let filters = |w: &World| -> Result<usize> {
+        let mut n = 0;
+        for dir in ["ingress", "egress"] {
+            let out = w.c.in_netns(&ns, &["tc", "filter", "show", "dev", "eth0", dir])?;
+            n += out.lines().filter(|l| l.contains("lb_nodeport")).count();
+        }
+        Ok(n)
+    };
+    let tcx_pins = || -> Result<usize> {
+        Ok(std::fs::read_dir(&links)?.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("lb_nodeport_") && e.file_name().to_string_lossy().ends_with("_eth0") && !e.file_name().to_string_lossy().contains("xdp")).count())
+    };
+    for (mode, want_filters, want_pins) in [("netlink", 2, 0), ("tcx", 0, 2), ("netlink", 2, 0)] {
+        let on_eth0 = |w: &World| -> Result<usize> { Ok(lines_with(&w.c, "NodePort programs attached")?.iter().filter(|l| l.contains("eth0")).count()) };
+        let before = on_eth0(&w)?;
+        w.c.kill_agent(1);
+        w.c.start_agent_env(1, &objects, &["--tc-attach", mode], &[])?;
+        w.c.wait_for("the NodePort programs on eth0", Duration::from_secs(10), || Ok(on_eth0(&w)? > before))?;
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!((filters(&w)?, tcx_pins()?), (want_filters, want_pins), "after an agent with {mode}");
+        let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--count", "10", "--timeout-ms", "1000"])?;
+        assert_eq!(s.failed(), 0, "{mode}: {s:?}");
+    }
     Ok(())
 }

@@ -26,7 +26,7 @@ pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check
 pub use super::upgrade::{live_pin, pin_path, staged_pin};
 use super::upgrade::{
     LATE_DONE, LAYOUT_MARKER, MOVING, NEXT, Pass, Unfinished, carry_ids, carry_state, expected_layout, finish_moved, incompatible, layout_version,
-    mark_layout, mark_next, readable_as_ours, remove_next, unfinished,
+    mark_layout, mark_next, marked, readable_as_ours, remove_next, unfinished,
 };
 
 /// The BPF object, built by build.rs.
@@ -311,7 +311,10 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     for name in POD_PROGRAMS.iter().map(|(n, _)| *n).chain(L3_PROGRAMS.iter().map(|(n, _)| *n)).chain([XDP_PROGRAM]) {
         ebpf.program(name).with_context(|| format!("program {name} missing from the object"))?;
     }
-    if !replaced.is_empty() {
+    // A resumed upgrade whose programs had begun to move: the staged maps
+    // are live and hold the ids (and the state, below) the killed agent
+    // carried; what its programs deleted since must not come back.
+    if !replaced.is_empty() && !marked(bpffs, MOVING) {
         let n = carry_ids(bpffs, &replaced);
         tracing::info!(entries = n, "upgrade: frontend and backend ids carried into the staged maps");
     }
@@ -395,33 +398,65 @@ fn ifindex_of(iface: &str) -> u32 {
     unsafe { libc::if_nametoindex(c.as_ptr()) }
 }
 
-/// Attach `prog` (`name`) to `iface` as a TCX link pinned as `pin`, ahead
-/// of the link pinned there now (an earlier agent's), which goes when the
-/// pin is replaced (`pin_link`). The kernel releases that one a moment
-/// later (after an RCU grace period, seen taking hundreds of
-/// milliseconds on a busy node), and meanwhile both run, the earlier one
-/// first if this one were appended: a packet it does not know (a reply of
-/// a flow the new programs made in new NAT tables) it passed on with
-/// TC_ACT_OK, which ends a TCX chain, so the new program never saw it
-/// (before 12-05's second half, an upgrade's first connections to a
-/// local backend lost their replies so). Ahead of it, the new program
-/// sees every packet first, also the earlier program's flows (the same
-/// maps, or its old NAT tables through `LB4_NAT_PREV` during an
-/// upgrade); and other owners' programs keep their place relative to
-/// lb's. With no earlier link (or one whose device went), last.
+/// Attach `prog` (`name`) to `iface` as a TCX link pinned as `pin`. Where
+/// the link pinned there now (an earlier agent's) is on this device's
+/// hook, its program is replaced in place (one atomic link update, as
+/// for XDP): no packet meets both. Else a new link, pinned over the old
+/// pin (`pin_link`).
+///
+/// Before 12-05's second half a new link was appended and the earlier
+/// one released when its pin went, which the kernel does a moment later
+/// (after an RCU grace period, seen taking hundreds of milliseconds on a
+/// busy node); meanwhile both ran, the earlier first. Its egress program
+/// passed the reply of a flow the new programs had made in new NAT tables
+/// (an upgrade's) untranslated and ended the chain, and the first
+/// connections of an upgrade to a local backend timed out. (Ahead of it,
+/// the earlier program would see what the new one passes on, rewritten:
+/// a SNATed packet, with this node's address as its source, it drops.)
 fn attach_tcx(prog: &mut SchedClassifier, name: &str, iface: &str, ty: TcAttachType, bpffs: &Path, pin: &str) -> Result<()> {
-    use aya::programs::LinkOrder;
     use aya::programs::links::PinnedLink;
     use aya::programs::tc::{SchedClassifierLink, TcAttachOptions};
-    let earlier = PinnedLink::from_pin(bpffs.join("links").join(pin)).ok().and_then(|l| SchedClassifierLink::try_from(FdLink::from(l)).ok());
-    let ahead = earlier.as_ref().and_then(|l| LinkOrder::before_link(l).ok());
-    let id = match ahead.map(|order| prog.attach_with_options(iface, ty, TcAttachOptions::TcxOrder(order))) {
-        Some(Ok(id)) => id,
-        // No earlier link, or one the kernel no longer has on this device.
-        _ => prog.attach_with_options(iface, ty, TcAttachOptions::TcxOrder(LinkOrder::default())).with_context(|| format!("attach {name} to {iface} (tcx)"))?,
-    };
+    if let Ok(earlier) = PinnedLink::from_pin(bpffs.join("links").join(pin)).map(FdLink::from) {
+        // On this device's hook (not a device renamed since, whose name
+        // another took): its program is attached there.
+        let prog_id = earlier.info().map(|i| i.program_id()).ok();
+        let here = SchedClassifier::query_tcx(iface, ty).is_ok_and(|(_, progs)| progs.iter().any(|p| Some(p.id()) == prog_id));
+        if here {
+            let updated = SchedClassifierLink::try_from(earlier).map_err(anyhow::Error::from).and_then(|l| prog.attach_to_link(l).map_err(anyhow::Error::from));
+            match updated {
+                Ok(id) => {
+                    // The pin keeps it attached; this agent's handle is only an fd.
+                    drop(prog.take_link(id)?);
+                    return Ok(());
+                }
+                Err(e) => tracing::debug!(iface, program = name, "the earlier link cannot take the program ({e:#}); a new link"),
+            }
+        }
+    }
+    let opts = TcAttachOptions::TcxOrder(Default::default());
+    let id = prog.attach_with_options(iface, ty, opts).with_context(|| format!("attach {name} to {iface} (tcx)"))?;
     let fd = FdLink::try_from(prog.take_link(id)?).map_err(|_| anyhow::anyhow!("attach {name} to {iface}: not a TCX link"))?;
     pin_link(bpffs, pin, fd)
+}
+
+/// Take lb's program of the other attach mode off `iface`'s hook `ty`,
+/// once this one's is on: after TCX, clsact filters of the programs
+/// `names` (an agent with `--tc-attach netlink` put them there); after a
+/// netlink filter, the TCX link pinned as `pin`. TCX programs run before
+/// clsact filters, and lb's pass what they do not take on to the next
+/// (TC_ACT_UNSPEC): the leftover would see every packet this one
+/// rewrote (a SNATed one, with this node's address as its source, it
+/// drops). Nothing there is no error.
+fn drop_other_mode(iface: &str, ty: TcAttachType, tcx: bool, bpffs: &Path, pin: &str, names: &[&str]) {
+    if tcx {
+        for name in names {
+            if aya::programs::tc::qdisc_detach_program(iface, ty, name).is_ok() {
+                tracing::info!(iface, program = name, "the clsact filter an agent with --tc-attach netlink left is detached");
+            }
+        }
+    } else if fs::remove_file(bpffs.join("links").join(pin)).is_ok() {
+        tracing::info!(iface, link = pin, "the TCX link an agent with TCX left is detached");
+    }
 }
 
 /// Pin a new link beside the old one, then rename it over the old one: the
@@ -509,7 +544,9 @@ impl Tc {
     /// links, are found only so; a program still on the old maps after
     /// the second copy makes flows no copy carries).
     pub fn finish_upgrade(&mut self, replaced: &[&'static str], serving: &[String], serving_pods: &[(String, u32)]) -> Result<()> {
-        let copied = carry_state(&self.bpffs, replaced, Pass::First);
+        // The first copy was made before the programs began to move (an
+        // upgrade resumed from an agent killed after: not again, see `load`).
+        let copied = if marked(&self.bpffs, MOVING) { 0 } else { carry_state(&self.bpffs, replaced, Pass::First) };
         if self.adopt {
             self.set_upgrading(true)?;
         }
@@ -580,7 +617,7 @@ impl Tc {
         // What the old programs added between the copy and the switch.
         // An upgrade resumed from an agent killed after its second copy
         // adds the old counters no second time.
-        let done = self.bpffs.join(NEXT).join(LATE_DONE).exists();
+        let done = marked(&self.bpffs, LATE_DONE);
         let names: Vec<&'static str> = replaced.iter().copied().filter(|n| !(done && *n == maps::STATS)).collect();
         let late = carry_state(&self.bpffs, &names, Pass::Late);
         mark_next(&self.bpffs, LATE_DONE)?;
@@ -695,16 +732,18 @@ impl Tc {
         // that layout, in the same places (and pins).
         let l3 = crate::netdev::links()?.iter().any(|l| l.name == iface && l.l3);
         let programs = if l3 { L3_PROGRAMS } else { TC_PROGRAMS };
-        for ((name, ty), (place, _)) in programs.into_iter().zip(TC_PROGRAMS) {
+        for (((name, ty), (place, _)), (l3_name, _)) in programs.into_iter().zip(TC_PROGRAMS).zip(L3_PROGRAMS) {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
             if prog.fd().is_err() {
                 verify(name, || prog.load())?;
             }
-            if !tcx {
+            let pin = format!("{place}_{safe}");
+            if tcx {
+                attach_tcx(prog, name, iface, ty, &self.bpffs, &pin)?;
+            } else {
                 attach_netlink(prog, iface, ty).with_context(|| format!("attach {name} to {iface} (netlink)"))?;
-                continue;
             }
-            attach_tcx(prog, name, iface, ty, &self.bpffs, &format!("{place}_{safe}"))?;
+            drop_other_mode(iface, ty, tcx, &self.bpffs, &pin, &[place, l3_name]);
         }
         let xdp = self.attach_xdp(iface, &safe, l3)?;
         // A SNATed flow's packets re-enter the stack with this node's own
@@ -765,14 +804,16 @@ impl Tc {
             if prog.fd().is_err() {
                 verify(name, || prog.load())?;
             }
+            let pin = format!("{name}_{}", pin_safe(iface));
             if tcx {
-                attach_tcx(prog, name, iface, *ty, &self.bpffs, &format!("{name}_{}", pin_safe(iface)))?;
+                attach_tcx(prog, name, iface, *ty, &self.bpffs, &pin)?;
             } else {
                 if let Err(e) = aya::programs::tc::qdisc_add_clsact(iface) {
                     tracing::debug!(iface, "clsact qdisc: {e}");
                 }
                 attach_netlink(prog, iface, *ty).with_context(|| format!("attach {name} to {iface} (netlink)"))?;
             }
+            drop_other_mode(iface, *ty, tcx, &self.bpffs, &pin, &[name]);
         }
         self.pods.insert(iface.to_string(), ifindex);
         if self.pod_egress {

@@ -40,6 +40,12 @@ pub(super) fn mark_next(bpffs: &Path, name: &str) -> Result<()> {
     }
 }
 
+/// Whether `next/` carries marker `name` (a symlink to itself: `exists()`,
+/// which follows it, says no).
+pub(super) fn marked(bpffs: &Path, name: &str) -> bool {
+    fs::symlink_metadata(bpffs.join(NEXT).join(name)).is_ok()
+}
+
 fn is_marker(name: &str) -> bool {
     name.starts_with(LAYOUT_MARKER) || name == LATE_DONE || name == MOVING
 }
@@ -115,7 +121,7 @@ pub(super) fn unfinished(bpffs: &Path, cap: &Capacity) -> Result<Unfinished> {
             return Ok(Unfinished::Resume(staged));
         }
     }
-    Ok(if next.join(MOVING).exists() || staged_in_use(bpffs)? { Unfinished::Finish } else { Unfinished::Drop })
+    Ok(if marked(bpffs, MOVING) || staged_in_use(bpffs)? { Unfinished::Finish } else { Unfinished::Drop })
 }
 
 /// Whether the maps staged in `next/` are in use: a program behind one of
@@ -161,17 +167,26 @@ fn staged_in_use(bpffs: &Path) -> Result<bool> {
 pub(super) fn finish_moved(bpffs: &Path) -> Result<usize> {
     let next = bpffs.join(NEXT);
     let staged: Vec<&'static str> = staged_names(bpffs).into_iter().filter(|m| bpffs.join(m).exists()).collect();
-    let copied = if next.join(LATE_DONE).exists() { 0 } else { carry_state(bpffs, &staged, Pass::Late) };
+    let copied = if marked(bpffs, LATE_DONE) { 0 } else { carry_state(bpffs, &staged, Pass::Late) };
     mark_next(bpffs, LATE_DONE)?;
-    let version = staged_version(&next).unwrap_or_else(|| "unknown".into());
     // Every map pin, also one of a map this agent does not know (the
     // killed agent's programs use it).
+    let mut moved = 0;
     for e in fs::read_dir(&next)?.flatten() {
         if !is_marker(&e.file_name().to_string_lossy()) {
             fs::rename(e.path(), bpffs.join(e.file_name())).with_context(|| format!("move {} in place", e.path().display()))?;
+            moved += 1;
         }
     }
-    mark_layout(bpffs, &version)?;
+    // The staged layout's version; where `next/` no longer has it, the
+    // killed agent had recorded it in the pin dir already (it goes from
+    // `next/` only after that: `finish_upgrade`, and here), unless maps
+    // came from an agent from before `next/` carried it.
+    match staged_version(&next) {
+        Some(version) => mark_layout(bpffs, &version)?,
+        None if moved > 0 => mark_layout(bpffs, "unknown")?,
+        None => {}
+    }
     remove_next(&next)?;
     Ok(copied)
 }
@@ -189,6 +204,9 @@ pub fn pin_path(bpffs: &Path, name: &str) -> PathBuf {
 /// move (its node flags, its flows masqueraded in BPF).
 pub fn live_pin(bpffs: &Path, name: &str) -> PathBuf {
     match staged_pin(bpffs, name) {
+        // The programs began to move (an earlier agent killed then, whose
+        // upgrade this one resumes): the staged maps are the live ones.
+        Some(staged) if marked(bpffs, MOVING) => staged,
         Some(staged) if layouts_agree(&bpffs.join(name), &staged, &mut super::btf::BtfCache::default()) == (true, true) => bpffs.join(name),
         Some(staged) => staged,
         None => bpffs.join(name),
@@ -733,6 +751,40 @@ mod tests {
         let mut v: Vec<String> = fs::read_dir(dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
         v.sort();
         v
+    }
+
+    /// `next/`'s markers are symlinks to themselves, seen though `exists()`
+    /// says no; marking twice is no error; `remove_next` takes them too.
+    #[test]
+    fn next_markers_are_seen_and_removed() {
+        let d = tempfile::tempdir().unwrap();
+        let next = d.path().join(NEXT);
+        fs::create_dir(&next).unwrap();
+        assert!(!marked(d.path(), MOVING));
+        mark_next(d.path(), MOVING).unwrap();
+        mark_next(d.path(), MOVING).unwrap();
+        mark_next(d.path(), &format!("{LAYOUT_MARKER}7")).unwrap();
+        assert!(marked(d.path(), MOVING) && !next.join(MOVING).exists());
+        assert!(!marked(d.path(), LATE_DONE));
+        assert_eq!(staged_version(&next).as_deref(), Some("7"));
+        fs::write(next.join("LB4_NAT"), b"").unwrap();
+        remove_next(&next).unwrap();
+        assert!(!next.exists());
+    }
+
+    /// An agent killed while `remove_next` took the markers (the maps in
+    /// place, the pin dir's layout recorded) leaves `moving` alone: the
+    /// next one finishes with nothing to move and keeps the recorded
+    /// layout (it had written "unknown": every map replaced again).
+    #[test]
+    fn finishing_an_upgrade_with_only_its_moving_marker_left_keeps_the_layout() {
+        let d = tempfile::tempdir().unwrap();
+        mark_layout(d.path(), "7").unwrap();
+        fs::create_dir(d.path().join(NEXT)).unwrap();
+        mark_next(d.path(), MOVING).unwrap();
+        assert_eq!(finish_moved(d.path()).unwrap(), 0);
+        assert_eq!(pinned_layout_version(d.path()), "7");
+        assert!(!d.path().join(NEXT).exists());
     }
 
     /// The marker of the new layout is written before the old one goes; a

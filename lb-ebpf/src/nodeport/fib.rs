@@ -306,7 +306,8 @@ fn send<F: Net>(ctx: &TcContext, f: &mut bpf_fib_lookup, rc: u32) -> i32 {
         return unsafe { bpf_redirect_neigh(f.ifindex, &mut nh, size_of::<bpf_redir_neigh>() as i32, 0) } as i32;
     }
     if ctx.store(0, &f.dmac, 0).is_err() || ctx.store(6, &f.smac, 0).is_err() {
-        return TC_ACT_OK;
+        // The TTL is already taken (the stack would take it again).
+        return TC_ACT_SHOT;
     }
     // SAFETY: plain helper.
     unsafe { bpf_redirect(f.ifindex, 0) as i32 }

@@ -34,7 +34,7 @@
 //!   packet: TCP gets a RST back, so the client reconnects at once (beyond
 //!   kube-proxy, which lets it time out); UDP picks a live backend.
 use aya_ebpf::{
-    bindings::{__sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{__sk_buff, bpf_fib_lookup, bpf_redir_neigh, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC},
     btf_maps::{HashMap, LpmTrie, LruHashMap, PerCpuArray},
     helpers::{bpf_csum_diff, bpf_ktime_get_ns, bpf_redirect, bpf_skb_change_tail, bpf_skb_load_bytes, bpf_skb_store_bytes},
     macros::{btf_map, classifier},
@@ -1926,8 +1926,26 @@ fn egress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
     }
 }
 
+/// What lb's TC programs return for a packet they pass on (TC_ACT_OK
+/// inside): TC_ACT_UNSPEC, which lets the programs after lb's on the hook
+/// see it too (TCX_NEXT; on clsact, the next filter), and then the stack,
+/// as it would without lb. TC_ACT_OK ends the chain: before 12-05's second
+/// half every program behind lb's (a host firewall's, an observability
+/// tool's) never saw a packet on a NodePort device. Drops and redirects
+/// stand. An internal step code (`ACT_*`, negative) that got this far
+/// passes the packet on likewise.
+#[inline(always)]
+fn verdict(act: i32) -> i32 {
+    if act == TC_ACT_OK || act < 0 { TC_ACT_UNSPEC } else { act }
+}
+
 #[classifier]
 pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
+    verdict(nodeport_ingress_run(ctx))
+}
+
+#[inline(always)]
+fn nodeport_ingress_run(ctx: TcContext) -> i32 {
     // A frame for another host's MAC (flooded by a switch or a bridge,
     // seen by a device in promiscuous mode: tcpdump, a VM's vSwitch), or
     // for a broadcast or multicast MAC, is not this node's to forward: the
@@ -1953,6 +1971,11 @@ pub fn lb_nodeport_ingress(ctx: TcContext) -> i32 {
 /// from here too (`fib::send`: through the neighbour layer).
 #[classifier]
 pub fn lb_l3_ingress(ctx: TcContext) -> i32 {
+    verdict(l3_ingress_run(ctx))
+}
+
+#[inline(always)]
+fn l3_ingress_run(ctx: TcContext) -> i32 {
     pull_headers(&ctx);
     let proto = skb_protocol(&ctx);
     ingress_on::<0>(&ctx, proto)
@@ -2033,6 +2056,11 @@ fn ingress_on<const L: usize>(ctx: &TcContext, proto: u16) -> i32 {
 /// Everything else passes.
 #[classifier]
 pub fn lb_pod_ingress(ctx: TcContext) -> i32 {
+    verdict(pod_ingress_run(ctx))
+}
+
+#[inline(always)]
+fn pod_ingress_run(ctx: TcContext) -> i32 {
     pull_headers(&ctx);
     match ethertype(&ctx) {
         ETH_P_IP => pod_then::<E4>(ctx.skb.skb),
@@ -2117,6 +2145,11 @@ fn hairpin(skb: *mut __sk_buff) -> i32 {
 /// them are translated, as the egress program does for outside clients.
 #[classifier]
 pub fn lb_pod_egress(ctx: TcContext) -> i32 {
+    verdict(pod_egress_run(ctx))
+}
+
+#[inline(always)]
+fn pod_egress_run(ctx: TcContext) -> i32 {
     pull_headers(&ctx);
     match ethertype(&ctx) {
         ETH_P_IP => egress_then::<E4>(ctx.skb.skb),
@@ -2127,6 +2160,11 @@ pub fn lb_pod_egress(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn lb_nodeport_egress(ctx: TcContext) -> i32 {
+    verdict(nodeport_egress_run(ctx))
+}
+
+#[inline(always)]
+fn nodeport_egress_run(ctx: TcContext) -> i32 {
     pull_headers(&ctx);
     let proto = ethertype(&ctx);
     egress_on::<ETH_HLEN>(&ctx, proto)
@@ -2136,6 +2174,11 @@ pub fn lb_nodeport_egress(ctx: TcContext) -> i32 {
 /// to clients whose route runs through a tunnel.
 #[classifier]
 pub fn lb_l3_egress(ctx: TcContext) -> i32 {
+    verdict(l3_egress_run(ctx))
+}
+
+#[inline(always)]
+fn l3_egress_run(ctx: TcContext) -> i32 {
     pull_headers(&ctx);
     let proto = skb_protocol(&ctx);
     egress_on::<0>(&ctx, proto)
