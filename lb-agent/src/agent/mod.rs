@@ -87,6 +87,7 @@ pub struct RunConfig {
 fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodeport::Ending>, Arc<BpfMasqueraded>)> {
     use aya::maps::{HashMap, Map, MapData, PerCpuArray};
     let open = |name: &str| MapData::from_pin(loader::pin_path(&cfg.bpffs, name)).with_context(|| format!("open pinned {name}"));
+    let open_at = |p: &std::path::Path| MapData::from_pin(p).with_context(|| format!("open pinned {}", p.display()));
     let mut nat4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT4)?))?;
     let mut nat6: HashMap<MapData, lb_common::Nat6Key, lb_common::Nat6Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT6)?))?;
     let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(open(lb_common::maps::STATS)?))?;
@@ -100,24 +101,23 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
     // tables until they move: those are expired and ended here too (else
     // they only grow while the first sync waits, an API server down, say,
     // until new flows are refused), where their layout is this agent's.
-    let live = |name: &str| MapData::from_pin(loader::live_pin(&cfg.bpffs, name)).with_context(|| format!("open pinned {name}"));
+    // (Also while this agent resumes an upgrade whose programs began to
+    // move: those not moved yet use the old tables.)
     let staged_nat = loader::staged_pin(&cfg.bpffs, lb_common::maps::NAT4);
-    let mut old_nat = match &staged_nat {
-        Some(staged) if loader::live_pin(&cfg.bpffs, lb_common::maps::NAT4) != *staged
-            && loader::staged_pin(&cfg.bpffs, lb_common::maps::NAT6).is_some_and(|s| loader::live_pin(&cfg.bpffs, lb_common::maps::NAT6) != s) =>
-        {
-            let o4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(live(lb_common::maps::NAT4)?))?;
-            let o6: HashMap<MapData, lb_common::Nat6Key, lb_common::Nat6Entry> = HashMap::try_from(Map::HashMap(live(lb_common::maps::NAT6)?))?;
+    let mut old_nat = match (loader::old_pin(&cfg.bpffs, lb_common::maps::NAT4), loader::old_pin(&cfg.bpffs, lb_common::maps::NAT6)) {
+        (Some(p4), Some(p6)) => {
+            let o4: HashMap<MapData, lb_common::Nat4Key, lb_common::Nat4Entry> = HashMap::try_from(Map::HashMap(open_at(&p4)?))?;
+            let o6: HashMap<MapData, lb_common::Nat6Key, lb_common::Nat6Entry> = HashMap::try_from(Map::HashMap(open_at(&p6)?))?;
             Some((o4, o6))
         }
         _ => None,
     };
     // At start, the flows the running programs hold: during an upgrade
-    // the old tables' (the staged ones fill only when the programs move).
-    let at_start = match &old_nat {
-        Some((o4, o6)) => crate::nodeport::count_bpf_masqueraded(o4) + crate::nodeport::count_bpf_masqueraded(o6),
-        None => crate::nodeport::count_bpf_masqueraded(&nat4) + crate::nodeport::count_bpf_masqueraded(&nat6),
-    };
+    // the old tables' and (once the programs began to move) the staged
+    // ones'.
+    let at_start = crate::nodeport::count_bpf_masqueraded(&nat4)
+        + crate::nodeport::count_bpf_masqueraded(&nat6)
+        + old_nat.as_ref().map_or(0, |(o4, o6)| crate::nodeport::count_bpf_masqueraded(o4) + crate::nodeport::count_bpf_masqueraded(o6));
     let masqueraded = Arc::new(BpfMasqueraded { started: Default::default(), last: std::sync::Mutex::new((0, at_start)) });
     let count = masqueraded.clone();
     std::thread::Builder::new().name("nat".into()).spawn(move || {
@@ -146,7 +146,7 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
             let mut masq = p4.bpf_masqueraded + p6.bpf_masqueraded;
             if let Some((q4, q6)) = old_pass {
                 (expired, flushed, marked) = (expired + q4.expired + q6.expired, flushed + q4.flushed + q6.flushed, marked + q4.marked + q6.marked);
-                masq = q4.bpf_masqueraded + q6.bpf_masqueraded;
+                masq += q4.bpf_masqueraded + q6.bpf_masqueraded;
             }
             *count.last.lock().unwrap_or_else(|e| e.into_inner()) = (pass, masq);
             if expired > 0 {
@@ -239,16 +239,28 @@ impl std::fmt::Debug for PinnedStats {
 
 impl crate::health::StatsSource for PinnedStats {
     fn read(&self) -> Vec<(&'static str, u64)> {
-        let live = self.upgrading.as_ref().filter(|staged| staged.exists()).and_then(|_| {
+        // While an upgrade waits: the old map, where the programs count;
+        // once they began to move (an upgrade resumed from an agent killed
+        // then), both, until the second copy adds the old to the staged.
+        let (moving, late_done) = loader::upgrade_marks(&self.bpffs);
+        let old = self.upgrading.as_ref().filter(|staged| staged.exists()).filter(|_| !late_done).and_then(|_| {
             let m = aya::maps::MapData::from_pin(self.bpffs.join(lb_common::maps::STATS)).ok()?;
             aya::maps::PerCpuArray::<_, u64>::try_from(aya::maps::Map::PerCpuArray(m)).ok()
         });
         let staged = self.stats.lock().unwrap();
-        let m = live.as_ref().unwrap_or(&*staged);
+        let sum = |m: &aya::maps::PerCpuArray<aya::maps::MapData, u64>, i: u32| -> u64 { m.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0) };
         lb_common::stats::NAMES
             .iter()
             .enumerate()
-            .map(|(i, n)| (*n, m.get(&(i as u32), 0).map(|v| v.iter().sum()).unwrap_or(0)))
+            .map(|(i, n)| {
+                let i = i as u32;
+                let v = match &old {
+                    Some(o) if moving => sum(o, i) + sum(&staged, i),
+                    Some(o) => sum(o, i),
+                    None => sum(&staged, i),
+                };
+                (*n, v)
+            })
             .collect()
     }
 

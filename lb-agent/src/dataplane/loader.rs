@@ -23,7 +23,7 @@ use lb_common::maps;
 use super::maps::Maps;
 pub use super::bpflog::{BpfLog, BpfLogSink};
 pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_kernel, check_root, memory_limit};
-pub use super::upgrade::{live_pin, pin_path, staged_pin};
+pub use super::upgrade::{live_pin, old_pin, pin_path, staged_pin, upgrade_marks};
 use super::upgrade::{
     LATE_DONE, LAYOUT_MARKER, MOVING, NEXT, Pass, Unfinished, carry_ids, carry_state, expected_layout, finish_moved, incompatible, layout_version,
     mark_layout, mark_next, marked, readable_as_ours, remove_next, unfinished,
@@ -420,7 +420,9 @@ fn attach_tcx(prog: &mut SchedClassifier, name: &str, iface: &str, ty: TcAttachT
         // On this device's hook (not a device renamed since, whose name
         // another took): its program is attached there.
         let prog_id = earlier.info().map(|i| i.program_id()).ok();
-        let here = SchedClassifier::query_tcx(iface, ty).is_ok_and(|(_, progs)| progs.iter().any(|p| Some(p.id()) == prog_id));
+        // (A query that fails, a program going away during it, tries the
+        // update anyway: a link no longer on a device refuses it.)
+        let here = SchedClassifier::query_tcx(iface, ty).map_or(true, |(_, progs)| progs.iter().any(|p| Some(p.id()) == prog_id));
         if here {
             let updated = SchedClassifierLink::try_from(earlier).map_err(anyhow::Error::from).and_then(|l| prog.attach_to_link(l).map_err(anyhow::Error::from));
             match updated {

@@ -213,6 +213,22 @@ pub fn live_pin(bpffs: &Path, name: &str) -> PathBuf {
     }
 }
 
+/// The old pin of map `name` while an upgrade stages a replacement of
+/// its layout (its entries read the same), which programs not moved yet
+/// still use: for the NAT thread, which expires its flows too.
+pub fn old_pin(bpffs: &Path, name: &str) -> Option<PathBuf> {
+    let staged = staged_pin(bpffs, name)?;
+    let old = bpffs.join(name);
+    (layouts_agree(&old, &staged, &mut super::btf::BtfCache::default()) == (true, true)).then_some(old)
+}
+
+/// Of the upgrade staged in `bpffs/next`: whether its programs began to
+/// move, and whether its second copy (which adds the old counters to the
+/// staged ones) was made.
+pub fn upgrade_marks(bpffs: &Path) -> (bool, bool) {
+    (marked(bpffs, MOVING), marked(bpffs, LATE_DONE))
+}
+
 /// The pin of map `name` staged by an upgrade this agent has not finished
 /// (until then the programs use the one in `bpffs`), if any.
 pub fn staged_pin(bpffs: &Path, name: &str) -> Option<PathBuf> {

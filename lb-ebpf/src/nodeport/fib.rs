@@ -296,8 +296,8 @@ fn send<F: Net>(ctx: &TcContext, f: &mut bpf_fib_lookup, rc: u32) -> i32 {
         // The TTL is already taken: the packet cannot go back to the stack.
         return TC_ACT_SHOT;
     }
-    lb::event(stats::FWD_BPF);
     if rc == BPF_FIB_LKUP_RET_NO_NEIGH {
+        lb::event(stats::FWD_BPF);
         // SAFETY: an all-zero bpf_redir_neigh is a valid value.
         let mut nh: bpf_redir_neigh = unsafe { core::mem::zeroed() };
         nh.nh_family = F::AF as u32;
@@ -307,8 +307,10 @@ fn send<F: Net>(ctx: &TcContext, f: &mut bpf_fib_lookup, rc: u32) -> i32 {
     }
     if ctx.store(0, &f.dmac, 0).is_err() || ctx.store(6, &f.smac, 0).is_err() {
         // The TTL is already taken (the stack would take it again).
+        lb::event(stats::NAT_DROPPED);
         return TC_ACT_SHOT;
     }
+    lb::event(stats::FWD_BPF);
     // SAFETY: plain helper.
     unsafe { bpf_redirect(f.ifindex, 0) as i32 }
 }
