@@ -709,11 +709,15 @@ pub mod maps {
     pub const FRAG6: &str = "LB6_FRAG";
     /// Routes that set an MTU (`RouteKey` -> `RouteMtu`).
     pub const ROUTE_MTU: &str = "LB_ROUTE_MTU";
-    pub const ALL: [&str; 32] = [
+    /// The node's own IPv4 addresses (address -> 0): a packet from outside
+    /// claiming one is dropped, as the stack drops it without the
+    /// accept_local lb sets.
+    pub const LOCAL4: &str = "LB_LOCAL4";
+    pub const ALL: [&str; 33] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
         AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
         SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3], MAGLEV4, MAGLEV6, SOCK_UDP, XDP_DEVS,
-        FRAG4, FRAG6, ROUTE_MTU, SOCK_CHECK, SOCK_PENDING,
+        FRAG4, FRAG6, ROUTE_MTU, SOCK_CHECK, SOCK_PENDING, LOCAL4,
     ];
 }
 
@@ -745,6 +749,9 @@ pub mod capacity {
     pub const FRAG: u32 = 8192;
     /// Routes that set an MTU (a tunnelling CNI may set one per node).
     pub const ROUTE_MTU: u32 = 65536;
+    /// The node's own IPv4 addresses (a node holding more leaves the rest
+    /// unchecked, with a warning).
+    pub const LOCAL4: u32 = 16384;
 }
 
 /// Value of the `LB_NODE_CONFIG` array (index 0): facts about this node

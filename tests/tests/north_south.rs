@@ -1248,9 +1248,11 @@ fn a_frame_of_a_vlan_is_left_to_the_vlan_device() -> Result<()> {
 /// unspecified, multicast, the limited broadcast; IPv6 link-local and
 /// IPv4-mapped)
 /// make no flow: kube-proxy's DNATed packet meets the route lookup's
-/// martian check, and the stack drops these. One from node-1's own
-/// address is dropped and counted (`nat_dropped`): lb sets accept_local
-/// on its devices for its SNATed packets, so the stack would take it. A
+/// martian check, and the stack drops these. One from any of node-1's
+/// own IPv4 addresses (its SNAT address, its pod bridge's, one added to
+/// a device while the agent runs) or its SNAT address of IPv6 is dropped
+/// and counted (`nat_dropped`): lb sets accept_local on its devices for
+/// its SNATed packets, so the stack would take it. A
 /// SYN from the client makes a flow, and one from class E (240/4).
 #[test]
 fn packets_from_martian_sources_make_no_flow() -> Result<()> {
@@ -1269,7 +1271,7 @@ fn packets_from_martian_sources_make_no_flow() -> Result<()> {
     let new = || datapath(&w.c, 1, "nat_new");
     let (before, dropped) = (new()?, datapath(&w.c, 1, "nat_dropped")?);
     let mut frames = Vec::new();
-    for (i, src) in ["127.0.0.1", "0.0.0.1", "224.0.0.9", "255.255.255.255", NODE1].into_iter().enumerate() {
+    for (i, src) in ["127.0.0.1", "0.0.0.1", "224.0.0.9", "255.255.255.255", NODE1, NODE1_BRIDGE].into_iter().enumerate() {
         frames.push(syn4(src, 41000 + i as u16)?);
     }
     for (i, src) in ["::1", "::", "ff02::1", "fe80::1", "::ffff:1.2.3.4", NODE1_6].into_iter().enumerate() {
@@ -1278,7 +1280,21 @@ fn packets_from_martian_sources_make_no_flow() -> Result<()> {
     send(&w.outside.netns, "eth0", frames)?;
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(new()?, before, "no flow from a martian source");
-    assert_eq!(datapath(&w.c, 1, "nat_dropped")? - dropped, 2, "node-1's own addresses, dropped");
+    assert_eq!(datapath(&w.c, 1, "nat_dropped")? - dropped, 3, "node-1's own addresses, dropped");
+    // An address node-1 takes while the agent runs (on a device lb's
+    // programs are not on) is refused too, once the agent has seen it.
+    const ADDED: &str = "10.99.0.1";
+    w.c.in_netns(&w.c.nodes[0].netns, &["ip", "addr", "add", &format!("{ADDED}/32"), "dev", "lo"])?;
+    let pin = w.c.nodes[0].bpffs.join("LB_LOCAL4");
+    let want: Vec<String> = ADDED.parse::<std::net::Ipv4Addr>()?.octets().iter().map(|b| format!("0x{b:02x}")).collect();
+    w.c.wait_for("node-1's new address in LB_LOCAL4", Duration::from_secs(5), || {
+        let out = lbtest::run("bpftool", &["-j", "map", "dump", "pinned", pin.to_str().unwrap_or_default()])?;
+        let entries: Vec<serde_json::Value> = serde_json::from_str(&out)?;
+        Ok(entries.iter().any(|e| e["key"] == serde_json::json!(want)))
+    })?;
+    send(&w.outside.netns, "eth0", vec![syn4(ADDED, 44000)?])?;
+    w.c.wait_for("a SYN from node-1's new address dropped", Duration::from_secs(3), || Ok(datapath(&w.c, 1, "nat_dropped")? - dropped == 4))?;
+    assert_eq!(new()?, before, "no flow from node-1's new address");
     // The client, and class E (240/4), which Linux routes.
     send(&w.outside.netns, "eth0", vec![syn4(CLIENT, 43000)?, syn6(CLIENT6, 43001)?, syn4("240.0.0.1", 43002)?])?;
     w.c.wait_for("the client's flows", Duration::from_secs(3), || Ok(new()? == before + 3))?;

@@ -345,6 +345,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let v6 = Mirror::new(maps.v6.read_table(&maps.affinity_match, &maps.src_range)?);
     let nodeports = maps.read_nodeports()?;
     let route_mtus = maps.read_route_mtus()?;
+    let local4 = maps.read_local4()?;
     if let Err(e) = crate::nodeport::reserve_ports(cfg.nodeport_range.0, cfg.nodeport_range.1, &cfg.bpffs) {
         tracing::warn!("cannot reserve the NodePort range for local ports: {e:#}");
     }
@@ -448,6 +449,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         nodeports,
         route_mtus,
         route_mtu_error: None,
+        local4,
+        local4_error: None,
         snat_ports: cfg.snat_ports,
         node_flags: cfg.node_flags | if forward || masq_watch.pending() { 0 } else { lb_common::node_flags::NO_BPF_MASQUERADED },
         sock_egress: tc.sock_egress(),

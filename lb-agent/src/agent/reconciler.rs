@@ -242,6 +242,10 @@ pub(super) struct Reconciler {
     pub(super) route_mtus: crate::dataplane::maps::RouteMtus,
     /// The last error writing them, logged once.
     pub(super) route_mtu_error: Option<String>,
+    /// The node's IPv4 addresses, as LB_LOCAL4 holds them.
+    pub(super) local4: BTreeSet<[u8; 4]>,
+    /// The last error writing them, logged once.
+    pub(super) local4_error: Option<String>,
     pub(super) snat_ports: (u16, u16),
     pub(super) node_flags: u32,
     /// `lb_sock_egress` is attached: `node_flags::SOCK_EGRESS` goes into
@@ -289,6 +293,21 @@ pub(super) struct Reconciler {
     /// Frontends whose Service name `lb-agent monitor` must learn anew
     /// (None: all of them).
     pub(super) names_changed: Option<BTreeSet<model::FrontendKey>>,
+}
+
+/// Log a failed write that does not fail the sync once per error
+/// (`last` holds the last one; a success clears it).
+fn warn_once(last: &mut Option<String>, r: anyhow::Result<()>, what: &str, then: &str) {
+    match r {
+        Ok(()) => *last = None,
+        Err(e) => {
+            let e = format!("{e:#}");
+            if last.as_ref() != Some(&e) {
+                tracing::warn!("{what}: {e}{then}");
+                *last = Some(e);
+            }
+        }
+    }
 }
 
 /// A write that failed, and the Service it was for (None: a deletion).
@@ -522,16 +541,24 @@ impl Reconciler {
         if routes != self.route_mtus {
             // Not a failed sync: the Services are programmed; a packet too
             // big for a route left out goes to the stack as before.
-            match self.maps.set_route_mtus(&mut self.route_mtus, &routes) {
-                Ok(()) => self.route_mtu_error = None,
-                Err(e) => {
-                    let e = format!("{e:#}");
-                    if self.route_mtu_error.as_ref() != Some(&e) {
-                        tracing::warn!("routes that set an MTU not all given to the TC programs: {e}");
-                        self.route_mtu_error = Some(e);
-                    }
-                }
-            }
+            let r = self.maps.set_route_mtus(&mut self.route_mtus, &routes);
+            warn_once(&mut self.route_mtu_error, r, "routes that set an MTU not all given to the TC programs", "");
+        }
+        // The node's own IPv4 addresses, refused as sources from outside.
+        let local4: BTreeSet<[u8; 4]> = self
+            .addresses
+            .get()
+            .into_iter()
+            .filter_map(|(_, a)| match a {
+                std::net::IpAddr::V4(v4) => Some(v4.octets()),
+                _ => None,
+            })
+            .collect();
+        if local4 != self.local4 {
+            // Not a failed sync either: an address left out is not refused
+            // (its SNAT address still is, by the node config).
+            let r = self.maps.set_local4(&mut self.local4, &local4);
+            warn_once(&mut self.local4_error, r, "the node's addresses not all given to the TC programs", "; packets from outside claiming those left out are not dropped");
         }
         if full || ch.health_checks {
             self.health_checks = desired.health_checks.clone();

@@ -238,6 +238,8 @@ pub struct Maps {
     pub svc_stats: Option<HashMap<MapData, SvcStatsKey, SvcStats>>,
     /// None under an older agent's pins (`list`): the map came later.
     pub route_mtu: Option<LpmTrie<MapData, RouteKey, RouteMtu>>,
+    /// None under an older agent's pins (`list`): the map came later.
+    pub local4: Option<HashMap<MapData, [u8; 4], u8>>,
 }
 
 /// The maps a family's ops touch besides its own.
@@ -446,6 +448,7 @@ impl Maps {
                 _ => None,
             },
             route_mtu: open_pinned(dir, maps::ROUTE_MTU).ok().map(|m| LpmTrie::try_from(Map::LpmTrie(m))).transpose()?,
+            local4: open_pinned(dir, maps::LOCAL4).ok().map(|m| HashMap::try_from(Map::HashMap(m))).transpose()?,
         })
     }
 
@@ -549,6 +552,28 @@ impl Maps {
             out.insert((addr, (k.prefix_len() - 32) as u8), (v.mtu, v.ifindex));
         }
         Ok(out)
+    }
+
+    /// Make LB_LOCAL4 hold `want` (the node's IPv4 addresses); `current`
+    /// is what it holds, kept up to date. Removals go first, so that a
+    /// full map takes the new addresses of a renumbering.
+    pub fn set_local4(&mut self, current: &mut std::collections::BTreeSet<[u8; 4]>, want: &std::collections::BTreeSet<[u8; 4]>) -> Result<()> {
+        let Some(m) = self.local4.as_mut() else { anyhow::bail!("{} is not pinned", maps::LOCAL4) };
+        for a in current.clone().difference(want) {
+            ignore_missing(m.remove(a)).with_context(|| format!("{}: delete {}", maps::LOCAL4, std::net::Ipv4Addr::from(*a)))?;
+            current.remove(a);
+        }
+        for a in want.difference(&current.clone()) {
+            m.insert(a, 0, 0).with_context(|| format!("{}: insert {}", maps::LOCAL4, std::net::Ipv4Addr::from(*a)))?;
+            current.insert(*a);
+        }
+        Ok(())
+    }
+
+    /// What LB_LOCAL4 holds.
+    pub fn read_local4(&self) -> Result<std::collections::BTreeSet<[u8; 4]>> {
+        let Some(m) = self.local4.as_ref() else { return Ok(Default::default()) };
+        m.keys().map(|k| k.with_context(|| format!("read {}", maps::LOCAL4))).collect()
     }
 
     pub fn set_node_config(&mut self, cfg: &NodeConfig) -> Result<()> {

@@ -53,7 +53,17 @@ fn is_marker(name: &str) -> bool {
 /// The layout version the maps in `next/` were staged with (none: staged
 /// by an agent from before `next/` carried it).
 fn staged_version(next: &Path) -> Option<String> {
-    fs::read_dir(next).ok()?.flatten().find_map(|e| e.file_name().to_string_lossy().strip_prefix(LAYOUT_MARKER).map(String::from))
+    layout_marks(next).into_iter().next()
+}
+
+/// The layout versions the markers in `dir` name.
+fn layout_marks(dir: &Path) -> Vec<String> {
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().strip_prefix(LAYOUT_MARKER).map(String::from))
+        .collect()
 }
 
 /// The maps staged in `next/` that this agent knows.
@@ -101,17 +111,10 @@ pub(super) fn unfinished(bpffs: &Path, cap: &Capacity) -> Result<Unfinished> {
     let next = bpffs.join(NEXT);
     let staged = staged_names(bpffs);
     if !staged.is_empty() && staged_version(&next).as_deref() == Some(layout_version().as_str()) {
-        let ours = super::btf::object_layouts(OBJ).context("read the BTF of this agent's maps")?;
-        let mut btf = super::btf::BtfCache::default();
-        let as_ours = expected_layout(cap).into_iter().filter(|(n, ..)| staged.contains(n)).all(|(name, ty, k, v, max)| {
-            let path = next.join(name);
-            let same = aya::maps::MapInfo::from_pin(&path)
-                .is_ok_and(|i| i.map_type().ok() == Some(ty) && i.key_size() as usize == k && i.value_size() as usize == v && i.max_entries() == max);
-            same && match (super::btf::pinned_layout(&path, &mut btf), ours.get(name)) {
-                (Ok(Some(pinned)), Some(want)) => pinned == *want,
-                (Ok(None), _) => true,
-                _ => false,
-            }
+        // Each as this agent would stage it: its type, sizes and BTF
+        // layout, and its max_entries.
+        let as_ours = expected_layout(cap).into_iter().filter(|(n, ..)| staged.contains(n)).all(|(name, .., max)| {
+            readable_as_ours(&next, name, cap) && aya::maps::MapInfo::from_pin(next.join(name)).is_ok_and(|i| i.max_entries() == max)
         });
         let mut want = incompatible(bpffs, cap)?;
         want.sort_unstable();
@@ -203,14 +206,12 @@ pub fn pin_path(bpffs: &Path, name: &str) -> PathBuf {
 /// an earlier agent left that this one must know before its programs
 /// move (its node flags, its flows masqueraded in BPF).
 pub fn live_pin(bpffs: &Path, name: &str) -> PathBuf {
-    match staged_pin(bpffs, name) {
-        // The programs began to move (an earlier agent killed then, whose
-        // upgrade this one resumes): the staged maps are the live ones.
-        Some(staged) if marked(bpffs, MOVING) => staged,
-        Some(staged) if layouts_agree(&bpffs.join(name), &staged, &mut super::btf::BtfCache::default()) == (true, true) => bpffs.join(name),
-        Some(staged) => staged,
-        None => bpffs.join(name),
+    // The programs began to move (an earlier agent killed then, whose
+    // upgrade this one resumes): the staged maps are the live ones.
+    if marked(bpffs, MOVING) {
+        return pin_path(bpffs, name);
     }
+    old_pin(bpffs, name).unwrap_or_else(|| pin_path(bpffs, name))
 }
 
 /// The old pin of map `name` while an upgrade stages a replacement of
@@ -247,12 +248,7 @@ pub(super) fn layout_version() -> String {
 /// it was writing is made only once the pins have that layout, so it is
 /// the pins' layout where it is this agent's.
 pub(super) fn pinned_layout_version(dir: &Path) -> String {
-    let marks: Vec<String> = fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().strip_prefix(LAYOUT_MARKER).map(String::from))
-        .collect();
+    let marks = layout_marks(dir);
     let ours = layout_version();
     if marks.contains(&ours) {
         return ours;
@@ -280,7 +276,7 @@ pub(super) fn mark_layout(dir: &Path, version: &str) -> Result<()> {
 
 /// Every map with the type, key size, value size and max_entries this agent
 /// gives it.
-pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 32] {
+pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 33] {
     use aya::maps::MapType as T;
     use lb_common::capacity as c;
     let revnat = cap.services.min(u16::MAX as u32);
@@ -317,6 +313,7 @@ pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapT
         (maps::FRAG4, T::LruHash, size_of::<lb_common::FragKey>(), size_of::<lb_common::FragPorts>(), c::FRAG),
         (maps::FRAG6, T::LruHash, size_of::<lb_common::Frag6Key>(), size_of::<lb_common::FragPorts>(), c::FRAG),
         (maps::ROUTE_MTU, T::LpmTrie, 4 + size_of::<lb_common::RouteKey>(), size_of::<lb_common::RouteMtu>(), c::ROUTE_MTU),
+        (maps::LOCAL4, T::Hash, 4, size_of::<u8>(), c::LOCAL4),
     ]
 }
 

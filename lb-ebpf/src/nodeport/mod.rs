@@ -168,6 +168,10 @@ static LB_SRC_RANGE: LpmTrie<SrcRange, u8, { capacity::SRC_RANGE as usize }> = L
 #[btf_map]
 static LB_ROUTE_MTU: LpmTrie<RouteKey, RouteMtu, { capacity::ROUTE_MTU as usize }> = LpmTrie::new();
 
+/// The node's own IPv4 addresses (`source_check`).
+#[btf_map]
+static LB_LOCAL4: HashMap<A4, u8, { capacity::LOCAL4 as usize }> = HashMap::new();
+
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86DD;
@@ -389,6 +393,10 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     fn scratch() -> Option<*mut Scratch<Self::A>>;
     /// The node address SNATed flows leave from (zero: none).
     fn snat_addr(cfg: &NodeConfig) -> Self::A;
+    /// Whether `a` is one of the node's own addresses that the stack
+    /// refuses as a source from outside (IPv4: any interface's,
+    /// `LB_LOCAL4`; IPv6 has no such check).
+    fn own(a: Self::A) -> bool;
     /// Whether a packet from `a` is one the stack never forwards (a
     /// martian source: unspecified, loopback, multicast, broadcast; IPv6
     /// link-local and IPv4-mapped too).
@@ -574,6 +582,11 @@ impl<const L: usize> Net for Ip4<L> {
     #[inline(always)]
     fn snat_addr(cfg: &NodeConfig) -> A4 {
         cfg.snat_addr
+    }
+    #[inline(always)]
+    fn own(a: A4) -> bool {
+        // SAFETY: a hash lookup; the value is not kept.
+        unsafe { LB_LOCAL4.get(&a).is_some() }
     }
     #[inline(always)]
     fn martian(a: A4) -> bool {
@@ -815,6 +828,10 @@ impl<const L: usize> Net for Ip6<L> {
     #[inline(always)]
     fn snat_addr(cfg: &NodeConfig) -> A6 {
         cfg.snat_addr6
+    }
+    #[inline(always)]
+    fn own(_: A6) -> bool {
+        false
     }
     #[inline(always)]
     fn martian(a: A6) -> bool {
@@ -1986,10 +2003,13 @@ const ACT_GO_ON: i32 = -113;
 
 /// A packet from a source the stack never forwards from (kube-proxy's
 /// DNATed packet meets the route lookup's martian check) is left to the
-/// stack, which drops it: no flow. One from this node's own SNAT address
-/// is dropped here, as the stack would without the accept_local lb sets
-/// on these devices (for its SNATed packets, which re-enter the stack
-/// from them). Its own BPF function, off the deep call chain.
+/// stack, which drops it: no flow. One from an address of this node's
+/// own (any interface's IPv4 address: `LB_LOCAL4`, which the agent keeps
+/// as the interfaces' addresses change; and its SNAT addresses) is
+/// dropped here, as the stack drops it (`fib_validate_source`) without
+/// the accept_local lb sets on these devices for its SNATed packets,
+/// which re-enter the stack from them with the node's address as their
+/// source. Its own BPF function, off the deep call chain.
 /// ICMP errors are left to their own path (translated like the flow they
 /// are about, as conntrack relates them). A header the stack would
 /// discard before netfilter (`Net::head`) is left to it first: kube-proxy's
@@ -2008,7 +2028,7 @@ fn source_check<F: Net>(skb: *mut __sk_buff) -> i32 {
     if F::martian(saddr) {
         return TC_ACT_OK;
     }
-    if lb::node_config_ref().is_some_and(|cfg| F::snat_addr(cfg) == saddr) {
+    if F::own(saddr) || lb::node_config_ref().is_some_and(|cfg| F::snat_addr(cfg) == saddr) {
         lb::event(stats::NAT_DROPPED);
         return TC_ACT_SHOT;
     }
