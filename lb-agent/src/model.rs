@@ -1160,16 +1160,23 @@ mod tests {
         }
     }
 
+    /// A LoadBalancer Service of externalTrafficPolicy Local, its health
+    /// check on 32000.
+    fn local_policy_lb() -> Service {
+        let mut s = external_svc("LoadBalancer");
+        let spec = s.spec.as_mut().unwrap();
+        spec.external_traffic_policy = Some("Local".into());
+        spec.health_check_node_port = Some(32000);
+        s
+    }
+
     /// One endpoint in two slices, a copy on another node first (by slice
     /// name) and one on this node, both ready: the local copy is the one
     /// (outside clients of an externalTrafficPolicy Local Service reach
     /// it, as the health check, which counts it, promises).
     #[test]
     fn of_two_copies_of_an_endpoint_as_usable_the_local_one_counts() {
-        let mut s = external_svc("LoadBalancer");
-        let spec = s.spec.as_mut().unwrap();
-        spec.external_traffic_policy = Some("Local".into());
-        spec.health_check_node_port = Some(32000);
+        let s = local_policy_lb();
         let remote = slice("web", "a", "IPv4", WEB_EP, &[ep("10.0.0.5")]);
         let local = slice("web", "b", "IPv4", WEB_EP, &[Ep { node: "node-a", ..ep("10.0.0.5") }]);
         let d = compute(&[s], &[remote, local], &node());
@@ -1177,6 +1184,27 @@ mod tests {
         assert_eq!(addrs(&f.local_backends), ["10.0.0.5:8080"]);
         assert!(f.backends[0].local);
         assert_eq!(d.health_checks[&32000].local_v4, 1);
+    }
+
+    /// A copy on this node wins over a readier one elsewhere (an address
+    /// a CNI gave again on another node, the old pod still terminating
+    /// here): kube-proxy's cache keeps the local copy, so outside traffic
+    /// of an externalTrafficPolicy Local Service reaching this node goes
+    /// to the terminating local pod, and the health check counts no ready
+    /// one (before 12-05's third session lb kept the ready remote copy:
+    /// the node's local set was empty and that traffic was dropped).
+    #[test]
+    fn a_local_copy_wins_over_a_ready_remote_copy() {
+        let s = local_policy_lb();
+        let remote = slice("web", "a", "IPv4", WEB_EP, &[ep("10.0.0.5")]);
+        let local = slice("web", "b", "IPv4", WEB_EP, &[Ep { node: "node-a", ready: Some(false), serving: Some(true), terminating: Some(true), ..ep("10.0.0.5") }]);
+        for slices in [[remote.clone(), local.clone()], [local, remote]] {
+            let d = compute(std::slice::from_ref(&s), &slices, &node());
+            let f = &d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)];
+            assert_eq!(addrs(&f.local_backends), ["10.0.0.5:8080"]);
+            assert!(f.local_backends[0].terminating && f.local_backends[0].local);
+            assert_eq!(d.health_checks[&32000].local_v4, 0);
+        }
     }
 
     /// Old objects may hold IPv4 addresses with leading zeros, which

@@ -170,14 +170,15 @@ fn usable(candidates: &[(Backend, Conditions)], hint: Option<Hint<'_>>) -> Vec<B
 }
 
 /// Deduplicate by address and port: the same endpoint listed twice (in two
-/// slices, say) is one backend. Where copies disagree, the more usable wins,
-/// and of two as usable the one on this node (kube-proxy's cache prefers
-/// the local copy; the health check counts it ready and local, so the
-/// node's outside traffic must find it in the local set).
+/// slices, say) is one backend. A copy on this node wins, as in
+/// kube-proxy's cache (a local copy replaces any other, whatever its
+/// conditions: the health check counts it, so the node's outside traffic
+/// must find it in the local set); of copies both local or both not, the
+/// more usable (kube-proxy keeps whichever slice it met first: random).
 fn dedup(v: Vec<(Backend, Conditions)>) -> Vec<(Backend, Conditions)> {
     let mut by_addr: BTreeMap<(IpAddr, u16), (Backend, Conditions)> = BTreeMap::new();
     for (b, c) in v {
-        let rank = |b: &Backend, c: &Conditions| (c.ready, c.serving, !c.terminating, b.local);
+        let rank = |b: &Backend, c: &Conditions| (b.local, c.ready, c.serving, !c.terminating);
         match by_addr.get(&(b.addr, b.port)) {
             Some((old_b, old)) if rank(old_b, old) >= rank(&b, &c) => {}
             _ => {
