@@ -1086,6 +1086,19 @@ fn pods_the_socket_hooks_cannot_see_reach_services_per_packet() -> Result<()> {
     let s = w.c.probe(&guest, &["udp", "--addr", &lb6, "--count", "10"])?;
     assert_eq!(s.ok, 10, "{s:?}");
     assert!(flows_from(&w.c, &vm.ip)?.iter().any(|l| l.contains("dst=10.96.0.10 ")), "{:?}", flows_from(&w.c, &vm.ip)?);
+    // A guest claiming node-1's address makes no flow: dropped, as the
+    // stack drops it on the pod's device (with --bpf-forward lb's redirect
+    // would skip that check).
+    {
+        use lbtest::raw::{ether, ipv4, mac, send, tcp_syn};
+        let (to, from) = (mac(&w.c, &w.c.nodes[0].netns, "cni0")?, mac(&w.c, &vm.netns, "eth0")?);
+        let (src, dst): (std::net::Ipv4Addr, std::net::Ipv4Addr) = (NODE1.parse()?, "10.96.0.10".parse()?);
+        let syn = ether(to, from, 0x0800, &ipv4(src.octets(), dst.octets(), 6, 5, 0, 1, &tcp_syn(&src.octets(), &dst.octets(), 45000, 80)));
+        let (made, dropped) = (datapath(&w.c, 1, "nat_new")?, datapath(&w.c, 1, "nat_dropped")?);
+        send(&vm.netns, "eth0", vec![syn])?;
+        w.c.wait_for("the guest's SYN from node-1's address dropped", Duration::from_secs(3), || Ok(datapath(&w.c, 1, "nat_dropped")? == dropped + 1))?;
+        assert_eq!(datapath(&w.c, 1, "nat_new")?, made, "no flow");
+    }
     // loadBalancerSourceRanges that leave pods out: the pod's packets to
     // the LB IP are dropped, as kube-proxy's firewall chain drops them.
     let ranges = format!("  loadBalancerSourceRanges: [\"{CLIENT6}/128\", \"{CLIENT}/32\"]\n");
@@ -1249,15 +1262,17 @@ fn a_frame_of_a_vlan_is_left_to_the_vlan_device() -> Result<()> {
 /// IPv4-mapped)
 /// make no flow: kube-proxy's DNATed packet meets the route lookup's
 /// martian check, and the stack drops these. One from any of node-1's
-/// own IPv4 addresses (its SNAT address, its pod bridge's, one added to
-/// a device while the agent runs) or its SNAT address of IPv6 is dropped
-/// and counted (`nat_dropped`): lb sets accept_local on its devices for
-/// its SNATed packets, so the stack would take it. A
+/// own IPv4 addresses (its SNAT address, its pod bridge's, 127.0.0.1,
+/// one added to a device while the agent runs; not once it is removed)
+/// or its SNAT address of IPv6 is dropped and counted (`nat_dropped`):
+/// lb sets accept_local on its devices for its SNATed packets, so the
+/// stack would take it. A
 /// SYN from the client makes a flow, and one from class E (240/4).
+/// `--nodeport-interface lo` is refused.
 #[test]
 fn packets_from_martian_sources_make_no_flow() -> Result<()> {
     use lbtest::raw::{ether, ipv4, ipv6, mac, send, tcp_syn};
-    let w = world(&web("LoadBalancer", "", &[LB_IP, LB_IP6]))?;
+    let mut w = world(&web("LoadBalancer", "", &[LB_IP, LB_IP6]))?;
     wait_backends(&w.c, 1, LB_IP, 80, 2)?;
     let (to, from) = (mac(&w.c, &w.c.nodes[0].netns, "eth0")?, mac(&w.c, &w.outside.netns, "eth0")?);
     let syn4 = |src: &str, sport| -> Result<Vec<u8>> {
@@ -1280,24 +1295,37 @@ fn packets_from_martian_sources_make_no_flow() -> Result<()> {
     send(&w.outside.netns, "eth0", frames)?;
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(new()?, before, "no flow from a martian source");
-    assert_eq!(datapath(&w.c, 1, "nat_dropped")? - dropped, 3, "node-1's own addresses, dropped");
+    assert_eq!(datapath(&w.c, 1, "nat_dropped")? - dropped, 4, "node-1's own addresses, dropped");
     // An address node-1 takes while the agent runs (on a device lb's
     // programs are not on) is refused too, once the agent has seen it.
     const ADDED: &str = "10.99.0.1";
-    w.c.in_netns(&w.c.nodes[0].netns, &["ip", "addr", "add", &format!("{ADDED}/32"), "dev", "lo"])?;
     let pin = w.c.nodes[0].bpffs.join("LB_LOCAL4");
     let want: Vec<String> = ADDED.parse::<std::net::Ipv4Addr>()?.octets().iter().map(|b| format!("0x{b:02x}")).collect();
-    w.c.wait_for("node-1's new address in LB_LOCAL4", Duration::from_secs(5), || {
+    let held = || -> Result<bool> {
         let out = lbtest::run("bpftool", &["-j", "map", "dump", "pinned", pin.to_str().unwrap_or_default()])?;
         let entries: Vec<serde_json::Value> = serde_json::from_str(&out)?;
         Ok(entries.iter().any(|e| e["key"] == serde_json::json!(want)))
-    })?;
+    };
+    w.c.in_netns(&w.c.nodes[0].netns, &["ip", "addr", "add", &format!("{ADDED}/32"), "dev", "lo"])?;
+    w.c.wait_for("node-1's new address in LB_LOCAL4", Duration::from_secs(5), &held)?;
     send(&w.outside.netns, "eth0", vec![syn4(ADDED, 44000)?])?;
-    w.c.wait_for("a SYN from node-1's new address dropped", Duration::from_secs(3), || Ok(datapath(&w.c, 1, "nat_dropped")? - dropped == 4))?;
+    w.c.wait_for("a SYN from node-1's new address dropped", Duration::from_secs(3), || Ok(datapath(&w.c, 1, "nat_dropped")? - dropped == 5))?;
     assert_eq!(new()?, before, "no flow from node-1's new address");
+    // Once node-1 gives it up, the address is another host's again.
+    w.c.in_netns(&w.c.nodes[0].netns, &["ip", "addr", "del", &format!("{ADDED}/32"), "dev", "lo"])?;
+    w.c.wait_for("the address gone from LB_LOCAL4", Duration::from_secs(5), || Ok(!held()?))?;
+    send(&w.outside.netns, "eth0", vec![syn4(ADDED, 44001)?])?;
+    w.c.wait_for("a flow of the address node-1 gave up", Duration::from_secs(3), || Ok(new()? == before + 1))?;
+    let before = before + 1;
     // The client, and class E (240/4), which Linux routes.
     send(&w.outside.netns, "eth0", vec![syn4(CLIENT, 43000)?, syn6(CLIENT6, 43001)?, syn4("240.0.0.1", 43002)?])?;
     w.c.wait_for("the client's flows", Duration::from_secs(3), || Ok(new()? == before + 3))?;
+    // The loopback device carries the node's packets to itself, all from
+    // its own addresses: lb's programs never go there, and naming it is
+    // an error that says so.
+    w.c.kill_agent(1);
+    let err = w.c.start_agent_with(1, &["--nodeport-interface", "lo"]).err().map(|e| format!("{e:#}")).unwrap_or_default();
+    assert!(err.contains("--nodeport-interface lo: the loopback device gets no NodePort programs"), "{err}");
     Ok(())
 }
 

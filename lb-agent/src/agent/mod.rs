@@ -334,6 +334,13 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         }
     };
 
+    // A flag naming the loopback device is refused before anything is
+    // touched.
+    if let Ok(links) = crate::netdev::links()
+        && let Some(lo) = cfg.nodeport_interfaces.iter().find(|i| links.iter().any(|l| l.name == **i && l.loopback))
+    {
+        anyhow::bail!("{}", loader::loopback_refused(lo));
+    }
     let dp = loader::load(&cfg.bpffs, &cfg.cgroup, cfg.capacity, cfg.bpf_log)?;
     let loader::Dataplane { maps, logs, mut tc, adopted, mut upgrade } = dp;
     if let Some(logs) = logs {
@@ -606,10 +613,18 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let (mut pending_services, mut pending_slices) = (0u64, 0u64);
     let mut queued_at = 0.0;
     let addresses_changed = rec.addresses.changed();
+    // What an earlier agent left in LB_LOCAL4 may be out of date (an
+    // address moved while no agent ran): put right before any sync.
+    rec.sync_local4();
     loop {
         tokio::select! {
-            // A node address came or went: sync with the last snapshot.
-            _ = addresses_changed.notified(), if last.is_some() => {
+            // A node address came or went: the addresses refused as
+            // sources at once, then a sync with the last snapshot.
+            _ = addresses_changed.notified() => {
+                rec.sync_local4();
+                if last.is_none() {
+                    continue;
+                }
                 queued_at = unix_seconds(std::time::SystemTime::now());
             }
             r = rx.changed() => {

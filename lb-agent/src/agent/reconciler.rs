@@ -295,6 +295,38 @@ pub(super) struct Reconciler {
     pub(super) names_changed: Option<BTreeSet<model::FrontendKey>>,
 }
 
+impl Reconciler {
+    /// Make LB_LOCAL4 hold the node's IPv4 addresses, which the TC
+    /// programs refuse as sources from outside. Called at start and at
+    /// every address change, without waiting for a Kubernetes snapshot:
+    /// an address that left (a VIP keepalived moved to another node) must
+    /// not be refused while no sync runs, nor keep the agent from its API
+    /// server behind that VIP. Empty where `accept_local` is set for all
+    /// devices (by the node's admin): the stack takes such packets then,
+    /// and so does lb (but for 127/8 and its SNAT addresses).
+    pub(super) fn sync_local4(&mut self) {
+        let all_accept = std::fs::read_to_string("/proc/sys/net/ipv4/conf/all/accept_local").is_ok_and(|v| v.trim() == "1");
+        let local4: BTreeSet<[u8; 4]> = if all_accept {
+            BTreeSet::new()
+        } else {
+            self.addresses
+                .get()
+                .into_iter()
+                .filter_map(|(_, a)| match a {
+                    std::net::IpAddr::V4(v4) => Some(v4.octets()),
+                    _ => None,
+                })
+                .collect()
+        };
+        if local4 != self.local4 {
+            // Not a failed sync: an address left out is not refused (the
+            // SNAT address still is, by the node config).
+            let r = self.maps.set_local4(&mut self.local4, &local4);
+            warn_once(&mut self.local4_error, r, "the node's addresses not all given to the TC programs", "; packets from outside claiming those left out are not dropped");
+        }
+    }
+}
+
 /// Log a failed write that does not fail the sync once per error
 /// (`last` holds the last one; a success clears it).
 fn warn_once(last: &mut Option<String>, r: anyhow::Result<()>, what: &str, then: &str) {
@@ -503,6 +535,9 @@ impl Reconciler {
                 n
             }
         };
+        // The node's addresses refused as sources (retried here after a
+        // failed write).
+        self.sync_local4();
         let desired = self.model.desired();
         if full || ch.node_ports {
             // NodePorts that local processes may not bind.
@@ -543,22 +578,6 @@ impl Reconciler {
             // big for a route left out goes to the stack as before.
             let r = self.maps.set_route_mtus(&mut self.route_mtus, &routes);
             warn_once(&mut self.route_mtu_error, r, "routes that set an MTU not all given to the TC programs", "");
-        }
-        // The node's own IPv4 addresses, refused as sources from outside.
-        let local4: BTreeSet<[u8; 4]> = self
-            .addresses
-            .get()
-            .into_iter()
-            .filter_map(|(_, a)| match a {
-                std::net::IpAddr::V4(v4) => Some(v4.octets()),
-                _ => None,
-            })
-            .collect();
-        if local4 != self.local4 {
-            // Not a failed sync either: an address left out is not refused
-            // (its SNAT address still is, by the node config).
-            let r = self.maps.set_local4(&mut self.local4, &local4);
-            warn_once(&mut self.local4_error, r, "the node's addresses not all given to the TC programs", "; packets from outside claiming those left out are not dropped");
         }
         if full || ch.health_checks {
             self.health_checks = desired.health_checks.clone();

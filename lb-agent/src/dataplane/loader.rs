@@ -80,6 +80,13 @@ fn device_programs() -> impl Iterator<Item = &'static str> {
     TC_PROGRAMS.iter().map(|(p, _)| *p).chain([XDP_PROGRAM])
 }
 
+/// Why a loopback device gets no NodePort programs.
+pub fn loopback_refused(iface: &str) -> String {
+    format!(
+        "--nodeport-interface {iface}: the loopback device gets no NodePort programs (its packets are the node's own, from its own addresses, which the programs refuse from outside; the socket hooks serve the node's own connections)"
+    )
+}
+
 /// An interface name as a pin name part (bpffs forbids dots).
 fn pin_safe(iface: &str) -> String {
     iface.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
@@ -721,6 +728,24 @@ impl Tc {
         if ifindex != 0 && self.attached.get(iface) == Some(&ifindex) {
             return Ok(());
         }
+        let links = crate::netdev::links()?;
+        if links.iter().any(|l| l.name == iface && l.loopback) {
+            // An earlier agent's there (named by --nodeport-interface
+            // before 12-05's third session) goes: it would drop the node's
+            // own packets now.
+            let safe = pin_safe(iface);
+            for prog in device_programs() {
+                if fs::remove_file(self.bpffs.join("links").join(format!("{prog}_{safe}"))).is_ok() {
+                    tracing::warn!(iface, program = prog, "an earlier agent's program on the loopback device is detached");
+                }
+            }
+            for (name, ty) in TC_PROGRAMS.into_iter().chain(L3_PROGRAMS) {
+                if aya::programs::tc::qdisc_detach_program(iface, ty, name).is_ok() {
+                    tracing::warn!(iface, program = name, "an earlier agent's filter on the loopback device is detached");
+                }
+            }
+            anyhow::bail!("{}", loopback_refused(iface));
+        }
         let tcx = self.tcx();
         if !tcx {
             // The netlink fallback needs a clsact qdisc.
@@ -732,7 +757,7 @@ impl Tc {
         let safe = pin_safe(iface);
         // A device without a link-layer header gets the programs built for
         // that layout, in the same places (and pins).
-        let l3 = crate::netdev::links()?.iter().any(|l| l.name == iface && l.l3);
+        let l3 = links.iter().any(|l| l.name == iface && l.l3);
         let programs = if l3 { L3_PROGRAMS } else { TC_PROGRAMS };
         for (((name, ty), (place, _)), (l3_name, _)) in programs.into_iter().zip(TC_PROGRAMS).zip(L3_PROGRAMS) {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;

@@ -395,7 +395,7 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     fn snat_addr(cfg: &NodeConfig) -> Self::A;
     /// Whether `a` is one of the node's own addresses that the stack
     /// refuses as a source from outside (IPv4: any interface's,
-    /// `LB_LOCAL4`; IPv6 has no such check).
+    /// `LB_LOCAL4`, and loopback's; IPv6 has no such check).
     fn own(a: Self::A) -> bool;
     /// Whether a packet from `a` is one the stack never forwards (a
     /// martian source: unspecified, loopback, multicast, broadcast; IPv6
@@ -585,8 +585,11 @@ impl<const L: usize> Net for Ip4<L> {
     }
     #[inline(always)]
     fn own(a: A4) -> bool {
+        // 127/8 too: the stack takes it from outside where route_localnet
+        // is set (kube-proxy's iptables mode sets it) with lb's
+        // accept_local.
         // SAFETY: a hash lookup; the value is not kept.
-        unsafe { LB_LOCAL4.get(&a).is_some() }
+        a[0] == 127 || unsafe { LB_LOCAL4.get(&a).is_some() }
     }
     #[inline(always)]
     fn martian(a: A4) -> bool {
@@ -2005,11 +2008,14 @@ const ACT_GO_ON: i32 = -113;
 /// DNATed packet meets the route lookup's martian check) is left to the
 /// stack, which drops it: no flow. One from an address of this node's
 /// own (any interface's IPv4 address: `LB_LOCAL4`, which the agent keeps
-/// as the interfaces' addresses change; and its SNAT addresses) is
+/// as the interfaces' addresses change; 127/8; and its SNAT addresses) is
 /// dropped here, as the stack drops it (`fib_validate_source`) without
 /// the accept_local lb sets on these devices for its SNATed packets,
 /// which re-enter the stack from them with the node's address as their
-/// source. Its own BPF function, off the deep call chain.
+/// source. Pods' packets to Service addresses with `--per-packet-lb`
+/// (`lb_pod_ingress`) are checked too: with `--bpf-forward` lb's redirect
+/// skips the stack's check on the pod's device. Its own BPF function, off
+/// the deep call chain.
 /// ICMP errors are left to their own path (translated like the flow they
 /// are about, as conntrack relates them). A header the stack would
 /// discard before netfilter (`Net::head`) is left to it first: kube-proxy's
@@ -2025,10 +2031,17 @@ fn source_check<F: Net>(skb: *mut __sk_buff) -> i32 {
     if proto == F::ICMP {
         return ACT_GO_ON;
     }
+    // Before the martian test: 127/8 is one of the node's own.
+    if F::own(saddr) {
+        lb::event(stats::NAT_DROPPED);
+        return TC_ACT_SHOT;
+    }
     if F::martian(saddr) {
         return TC_ACT_OK;
     }
-    if F::own(saddr) || lb::node_config_ref().is_some_and(|cfg| F::snat_addr(cfg) == saddr) {
+    // After it: a family without a SNAT address has the unspecified one
+    // there.
+    if lb::node_config_ref().is_some_and(|cfg| F::snat_addr(cfg) == saddr) {
         lb::event(stats::NAT_DROPPED);
         return TC_ACT_SHOT;
     }
@@ -2106,6 +2119,12 @@ fn pod_then<F: Net>(skb: *mut __sk_buff) -> i32 {
     }
     if act != TC_ACT_OK || flags & node_flags::POD_PACKET_LB == 0 {
         return pod_finish::<F>(skb, act);
+    }
+    // A pod claiming the node's address (or a martian source) makes no
+    // flow.
+    let checked = source_check::<F>(skb);
+    if checked != ACT_GO_ON {
+        return pod_finish::<F>(skb, checked);
     }
     // One call after another, not nested: each gets the whole stack.
     act = ingress::<F>(skb, true);
