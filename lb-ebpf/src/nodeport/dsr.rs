@@ -144,6 +144,17 @@ fn known_frontend<F: Net>(addr: F::A, port: u16, proto: u8) -> bool {
     crate::sock::LB_NODEPORTS.get_ptr(&NodePortKey { port, proto, _pad: 0 }).is_some()
 }
 
+/// Whether the flow whose entry `e` is (at `key`) ended: a RST, or a FIN
+/// each way (its other entry's state), or a RST where that is gone.
+#[inline(always)]
+fn ended<F: Net>(key: &NatKey<F::A>, e: &NatEntry<F::A>) -> bool {
+    match super::partner::<F>(&e.other_key(key.proto), key) {
+        // SAFETY: a map value, alive for this program run; one byte read.
+        Some(o) => super::closed(e.state, unsafe { (*o).state }),
+        None => e.state & lb_common::nat_state::RST != 0,
+    }
+}
+
 /// Node B: record (or refresh) the reply translation of the DSR flow of
 /// packet `p`, whose frontend is `addr:port`. Err: the counter to count
 /// the packet's drop under.
@@ -160,11 +171,25 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
         // replace is the same flow's, moved here from this node by the
         // router (Maglev): a local backend's reply entry that already
         // translates to this frontend and this client.
+        // A SYN may start over on the tuple of such a flow once it ended
+        // (a RST, or FINs both ways): a client port used again, first
+        // through this node's own NodePort to its local backend (a client
+        // behind a NAT gateway, whose ports all frontends see); that
+        // flow's entries go. There is nothing left to cut.
         // SAFETY: a map value, alive for this program run; plain integers.
         Some(e) if unsafe {
             (*e).flags & nat_flags::DSR == 0
                 && ((*e).to_saddr != addr || (*e).to_sport != port || (*e).to_daddr != p.saddr || (*e).to_dport != p.sport)
-        } => return Err(stats::NAT_DROPPED),
+        } =>
+        {
+            // SAFETY: as above.
+            let e = unsafe { &*e };
+            if !syn || !ended::<F>(&key, e) {
+                return Err(stats::NAT_DROPPED);
+            }
+            super::remove_flow::<F>(&key, e);
+            BPF_NOEXIST
+        }
         // SAFETY: as above.
         Some(e) if !syn && unsafe { (*e).flags & nat_flags::DSR != 0 && (*e).to_saddr == addr && (*e).to_sport == port } => {
             // The client's packet keeps the entry alive and notes its
