@@ -7,7 +7,9 @@
 //! - Re-lists (410 Gone, watcher restarts): the full new list replaces the
 //!   old only at its end (`InitDone`), so the snapshot never shows a
 //!   half-listed world and the maps are never blanked. Objects that
-//!   vanished while the watch was down are gone after the swap.
+//!   vanished while the watch was down are gone after the swap. A re-list
+//!   is a consistent read, never an answer from a cache that may lag
+//!   behind what was already seen (`spawn_watch`).
 //! - Nothing is published before all three stores have their first full
 //!   list, so an agent that restarts never removes inherited state early.
 //! - A lone change is published at once; a burst, as one snapshot per 5 ms.
@@ -21,7 +23,7 @@ use anyhow::{Context as _, Result};
 use futures::{StreamExt as _, TryStreamExt as _};
 
 use k8s_openapi::api::core::v1::Node;
-use kube::runtime::reflector::{self, Lookup, Store, reflector};
+use kube::runtime::reflector::{self, Lookup, Store};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Client, Config, Resource};
 use serde::de::DeserializeOwned;
@@ -216,10 +218,25 @@ struct WatchCtx {
     status: Arc<Status>,
 }
 
-/// Watch one kind through a kube-rs reflector; return its store. The store
-/// keeps the objects as `convert` makes them from what the watcher decodes. A (re-)list replaces the store's objects only when complete
-/// (`InitDone`): the store never shows a half-listed world. Every change
-/// is reported on `changed`.
+/// Watch one kind through a kube-rs watcher into a reflector store; return
+/// the store. The store keeps the objects as `convert` makes them from what
+/// the watcher decodes. A (re-)list replaces the store's objects only when
+/// complete (`InitDone`): the store never shows a half-listed world. Every
+/// change is reported on `changed`.
+///
+/// Re-lists never go back in time. A first list from the API server's
+/// cache (`resourceVersion=0`) is what kube-proxy's informers ask for too,
+/// but kube-rs' watcher would ask the same after a 410 Gone, and any API
+/// server's cache may answer it, however far behind (an HA control plane,
+/// one server partitioned from etcd): Services deleted long ago would come
+/// back and new endpoints vanish, and lb would act on that (destroying
+/// sockets, resetting flows). client-go re-lists at the last version it saw
+/// or newer, never older; kube-rs cannot ask for a version, so once a first
+/// list is in, a re-list is a consistent read (no `resourceVersion`,
+/// client-go's fallback when its version is gone), paged by 500 as
+/// client-go's pager does. Since Kubernetes 1.31 (ConsistentListFromCache)
+/// the API server answers it from its cache once that has caught up with
+/// etcd, so a whole fleet re-listing at once still does not load etcd.
 fn spawn_watch<K, C>(api: Api<K>, cfg: watcher::Config, convert: fn(K) -> C, ctx: WatchCtx) -> Store<C>
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -227,45 +244,64 @@ where
     C: Lookup<DynamicType = ()> + Clone + Send + Sync + 'static,
 {
     let WatchCtx { changed, kind, server, status } = ctx;
-    let writer = reflector::store::Writer::<C>::default();
+    let mut writer = reflector::store::Writer::<C>::default();
     let store = writer.as_reader();
     tokio::spawn(async move {
-        let converted = watcher(api, cfg).default_backoff().map_ok(move |ev| convert_event(ev, convert));
-        let mut events = reflector(writer, converted).boxed();
+        let mut cfg = cfg;
         let mut failing = false;
-        while let Some(ev) = events.next().await {
-            let ev = match ev {
-                Ok(ev) => ev,
-                // A resourceVersion too old to resume from: the watcher
-                // relists, as it should; nothing is failing.
-                Err(watcher::Error::WatchError(st)) if st.code == 410 => {
-                    tracing::info!(kind, "{kind} watch expired (410 Gone); relisting");
-                    continue;
+        let mut listed = false;
+        loop {
+            let mut events = watcher(api.clone(), cfg.clone()).default_backoff().map_ok(move |ev| convert_event(ev, convert)).boxed();
+            // Set when the watcher is about to re-list from the cache.
+            let mut again = false;
+            while let Some(ev) = events.next().await {
+                let ev = match ev {
+                    Ok(ev) => ev,
+                    // A resourceVersion too old to resume from: the watcher
+                    // relists, as it should; nothing is failing.
+                    Err(watcher::Error::WatchError(st)) if st.code == 410 => {
+                        tracing::info!(kind, "{kind} watch expired (410 Gone); relisting");
+                        again = listed && cfg.list_semantic == watcher::ListSemantic::Any;
+                        if again {
+                            break;
+                        }
+                        continue;
+                    }
+                    Err(watcher::Error::NoResourceVersion) if listed && cfg.list_semantic == watcher::ListSemantic::Any => {
+                        again = true;
+                        break;
+                    }
+                    Err(e) => {
+                        failing = true;
+                        let for_s = status.failed(kind).as_secs();
+                        tracing::error!(
+                            kind,
+                            failing_for_s = for_s,
+                            "cannot watch {kind}s on the API server {server}: {e}; retrying with backoff; the maps \
+                             keep what they hold meanwhile (in a cluster without kube-proxy, \
+                             KUBERNETES_SERVICE_HOST/PORT must name the real API server)"
+                        );
+                        continue;
+                    }
+                };
+                writer.apply_watcher_event(&ev);
+                listed |= matches!(ev, watcher::Event::InitDone);
+                // (Init comes before the list is asked for: no sign of health.)
+                if failing && !matches!(ev, watcher::Event::Init) {
+                    tracing::info!(kind, "watch recovered");
+                    status.recovered(kind);
+                    failing = false;
                 }
-                Err(e) => {
-                    failing = true;
-                    let for_s = status.failed(kind).as_secs();
-                    tracing::error!(
-                        kind,
-                        failing_for_s = for_s,
-                        "cannot watch {kind}s on the API server {server}: {e}; retrying with backoff; the maps keep \
-                         what they hold meanwhile (in a cluster without kube-proxy, KUBERNETES_SERVICE_HOST/PORT must \
-                         name the real API server)"
-                    );
-                    continue;
+                // A (re-)list in progress changes nothing until it is done.
+                let publish = !matches!(ev, watcher::Event::Init | watcher::Event::InitApply(_));
+                if publish && changed.send(Instant::now()).is_err() {
+                    return;
                 }
-            };
-            // (Init comes before the list is asked for: no sign of health.)
-            if failing && !matches!(ev, watcher::Event::Init) {
-                tracing::info!(kind, "watch recovered");
-                status.recovered(kind);
-                failing = false;
             }
-            // A (re-)list in progress changes nothing until it is done.
-            let publish = !matches!(ev, watcher::Event::Init | watcher::Event::InitApply(_));
-            if publish && changed.send(Instant::now()).is_err() {
+            if !again {
                 return;
             }
+            cfg = cfg.list_semantic(watcher::ListSemantic::MostRecent).page_size(500);
         }
     });
     store
@@ -285,11 +321,11 @@ pub async fn run_with(
     mut publish: impl FnMut(Arc<Update>) -> bool,
 ) -> Result<()> {
     let (changed_tx, mut changed) = mpsc::unbounded_channel();
-    // Lists from the API server's watch cache (resourceVersion=0), as
-    // kube-proxy's informers do: when every node relists at once (an API
-    // server restart), etcd does not take them all. The cache answers
-    // whole (it ignores a page size), and kube-rs sends resourceVersion=0
-    // only without one.
+    // The first list from the API server's watch cache (resourceVersion=0),
+    // as kube-proxy's informers do: when every agent starts at once (a
+    // rollout), etcd does not take them all. The cache answers whole (it
+    // ignores a page size), and kube-rs sends resourceVersion=0 only
+    // without one. Re-lists are consistent reads (`spawn_watch`).
     let mut proxied = watcher::Config::default().labels(LABEL_SELECTOR).any_semantic();
     proxied.page_size = None;
     let ctx = |kind| WatchCtx { changed: changed_tx.clone(), kind, server: server.clone(), status: status.clone() };

@@ -18,6 +18,9 @@ struct Kind {
     items: BTreeMap<String, Value>,
     /// A watch request waiting for events.
     parked: Option<Responder>,
+    /// What a lagging watch cache answers lists at resourceVersion=0 with
+    /// (`None`: the same as `items`).
+    cache: Option<Vec<Value>>,
     /// Status codes to answer the next lists with.
     fail_lists: Vec<u16>,
     lists: u32,
@@ -47,6 +50,12 @@ impl Fake {
     fn set(&self, path: &'static str, items: Vec<Value>) {
         let mut st = self.0.lock().unwrap();
         st.kinds.entry(path).or_default().items = items.into_iter().map(|v| (name_of(&v), v)).collect();
+    }
+
+    /// Make lists at resourceVersion=0 answer `items`, as a watch cache
+    /// behind etcd would.
+    fn lag(&self, path: &'static str, items: Vec<Value>) {
+        self.0.lock().unwrap().kinds.entry(path).or_default().cache = Some(items);
     }
 
     fn fail_next_list(&self, path: &'static str, code: u16) {
@@ -151,7 +160,10 @@ impl Fake {
                 _ => "NodeList",
             };
             let api = if key == SLICES { "discovery.k8s.io/v1" } else { "v1" };
-            let items: Vec<Value> = kind.items.values().cloned().collect();
+            let items: Vec<Value> = match &kind.cache {
+                Some(cached) if query.split('&').any(|kv| kv == "resourceVersion=0") => cached.clone(),
+                _ => kind.items.values().cloned().collect(),
+            };
             let body = json!({"apiVersion": api, "kind": list_kind, "metadata": {"resourceVersion": rv.to_string()}, "items": items});
             send.send_response(Response::new(Body::from(serde_json::to_vec(&body).unwrap())));
         }
@@ -248,24 +260,38 @@ async fn initial_list_then_add_modify_delete() {
 }
 
 #[tokio::test]
-async fn a_410_relist_drops_vanished_objects_without_blanking() {
+async fn a_410_relist_drops_vanished_objects_without_blanking_and_never_reads_a_lagging_cache() {
     let fake = Fake::default();
     fake.set(SERVICES, vec![svc("keep", "10.96.0.1"), svc("gone", "10.96.0.2")]);
     fake.set(SLICES, vec![]);
     fake.set(NODES, vec![]);
     let mut h = Harness::start(fake.clone());
     h.until("initial list", |s| names(s).len() == 2).await;
-    let lists_before = fake.lists(SERVICES);
+    let first = fake.queries(SERVICES);
 
     // While the watch was down, "gone" was deleted and "new" created; the
-    // watch then fails with 410 Gone and the watcher re-lists.
+    // watch then fails with 410 Gone and the watcher re-lists. The API
+    // server it reaches next has a cache that still shows the world before.
     fake.set(SERVICES, vec![svc("keep", "10.96.0.1"), svc("new", "10.96.0.3")]);
+    fake.lag(SERVICES, vec![svc("keep", "10.96.0.1"), svc("gone", "10.96.0.2")]);
     let expired = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
         "message": "too old resource version", "reason": "Expired", "code": 410});
-    fake.event(SERVICES, "ERROR", expired).await;
+    fake.event(SERVICES, "ERROR", expired.clone()).await;
     let u = h.until("re-list", |s| names(s).contains("new")).await;
     assert_eq!(names(&u.snapshot), ["keep".to_string(), "new".to_string()].into());
-    assert!(fake.lists(SERVICES) > lists_before, "the watcher re-listed");
+    // A consistent read, paged as client-go's pager pages it...
+    let relists: Vec<String> = fake.queries(SERVICES)[first.len()..].iter().filter(|q| !q.contains("watch=true")).cloned().collect();
+    assert!(!relists.is_empty() && relists.iter().all(|q| !q.contains("resourceVersion") && q.contains("limit=500")), "{relists:?}");
+    // ...where the first list came from the cache, as kube-proxy's does.
+    assert!(first.iter().any(|q| !q.contains("watch=true") && q.contains("resourceVersion=0")), "{first:?}");
+
+    // And so is every later re-list.
+    fake.set(SERVICES, vec![svc("keep", "10.96.0.1")]);
+    let before = fake.queries(SERVICES).len();
+    fake.event(SERVICES, "ERROR", expired).await;
+    let u = h.until("second re-list", |s| !names(s).contains("new")).await;
+    assert_eq!(names(&u.snapshot), ["keep".to_string()].into());
+    assert!(fake.queries(SERVICES)[before..].iter().all(|q| !q.contains("resourceVersion=0")));
     // No published snapshot ever lost "keep": the maps are never blanked.
     assert!(h.seen.iter().all(|s| s.contains("keep")), "{:?}", h.seen);
 }
