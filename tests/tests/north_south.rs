@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use lbtest::Cluster;
 use lbtest::objects::Endpoint as E;
 use lbtest::world::*;
@@ -1300,12 +1300,15 @@ fn packets_from_martian_sources_make_no_flow() -> Result<()> {
     // programs are not on) is refused too, once the agent has seen it.
     const ADDED: &str = "10.99.0.1";
     let pin = w.c.nodes[0].bpffs.join("LB_LOCAL4");
-    let want: Vec<String> = ADDED.parse::<std::net::Ipv4Addr>()?.octets().iter().map(|b| format!("0x{b:02x}")).collect();
-    let held = || -> Result<bool> {
+    let local4 = || -> Result<Vec<serde_json::Value>> {
         let out = lbtest::run("bpftool", &["-j", "map", "dump", "pinned", pin.to_str().unwrap_or_default()])?;
-        let entries: Vec<serde_json::Value> = serde_json::from_str(&out)?;
-        Ok(entries.iter().any(|e| e["key"] == serde_json::json!(want)))
+        Ok(serde_json::from_str(&out)?)
     };
+    let has = |addr: &str| -> Result<bool> {
+        let want: Vec<String> = addr.parse::<std::net::Ipv4Addr>()?.octets().iter().map(|b| format!("0x{b:02x}")).collect();
+        Ok(local4()?.iter().any(|e| e["key"] == serde_json::json!(want)))
+    };
+    let held = || has(ADDED);
     w.c.in_netns(&w.c.nodes[0].netns, &["ip", "addr", "add", &format!("{ADDED}/32"), "dev", "lo"])?;
     w.c.wait_for("node-1's new address in LB_LOCAL4", Duration::from_secs(5), &held)?;
     send(&w.outside.netns, "eth0", vec![syn4(ADDED, 44000)?])?;
@@ -1326,6 +1329,28 @@ fn packets_from_martian_sources_make_no_flow() -> Result<()> {
     w.c.kill_agent(1);
     let err = w.c.start_agent_with(1, &["--nodeport-interface", "lo"]).err().map(|e| format!("{e:#}")).unwrap_or_default();
     assert!(err.contains("--nodeport-interface lo: the loopback device gets no NodePort programs"), "{err}");
+    // An agent whose Kubernetes source has not answered yet (its API
+    // server down) already refuses the node's addresses: a VIP that moved
+    // away meanwhile is not refused either.
+    let dead = w.c.objects.parent().context("cluster directory")?.join("dead-kubeconfig");
+    std::fs::write(
+        &dead,
+        "apiVersion: v1\nkind: Config\ncurrent-context: dead\nclusters: [{name: dead, cluster: {server: 'http://127.0.0.1:9'}}]\n\
+         contexts: [{name: dead, context: {cluster: dead, user: u}}]\nusers: [{name: u, user: {}}]\n",
+    )?;
+    w.c.in_netns(&w.c.nodes[0].netns, &["ip", "addr", "add", &format!("{ADDED}/32"), "dev", "lo"])?;
+    w.c.start_agent_kube_unsynced(1, &dead, &[], &[])?;
+    w.c.wait_for("LB_LOCAL4 without a snapshot", Duration::from_secs(5), || Ok(has(ADDED)? && has(NODE1_BRIDGE)?))?;
+    w.c.kill_agent(1);
+    w.c.in_netns(&w.c.nodes[0].netns, &["ip", "addr", "del", &format!("{ADDED}/32"), "dev", "lo"])?;
+    // Where the node's admin lets every device take packets from the
+    // node's own addresses, lb does too (but for 127/8 and its SNAT
+    // addresses): LB_LOCAL4 is empty.
+    w.c.in_netns(&w.c.nodes[0].netns, &["sysctl", "-qw", "net.ipv4.conf.all.accept_local=1"])?;
+    let started = w.c.start_agent_with(1, &[]);
+    let empty = started.and_then(|()| Ok(local4()?.is_empty()));
+    w.c.in_netns(&w.c.nodes[0].netns, &["sysctl", "-qw", "net.ipv4.conf.all.accept_local=0"])?;
+    assert!(empty?, "LB_LOCAL4 empty where all/accept_local is 1");
     Ok(())
 }
 
