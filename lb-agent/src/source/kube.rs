@@ -32,6 +32,7 @@ use tokio::sync::mpsc;
 use super::{Publisher, Snapshot, Status, Update};
 use crate::model::{EndpointSlice, Service};
 
+mod retry;
 mod wire;
 use wire::Wire;
 
@@ -66,7 +67,9 @@ pub async fn client(kubeconfig: Option<&Path>, keepalive: Duration, status: Arc<
     // 429, 503 or 504 up to 15 times (minutes) with nothing logged or
     // counted. The watcher's own backoff retries, and each failure is
     // reported (`cannot watch`, `lb_source_watch_failing_seconds`,
-    // `rest_client_requests_total{code}`), as client-go's informers do.
+    // `rest_client_requests_total{code}`), as client-go's informers do;
+    // where the server asks for a wait (Retry-After), client-go's request
+    // retry waits that long, reported the same way (`observed`).
     config.default_retry = false;
     let url = config.cluster_url.to_string();
     tracing::info!(url, "API server");
@@ -83,7 +86,6 @@ pub async fn client(kubeconfig: Option<&Path>, keepalive: Duration, status: Arc<
 /// ends it as the probes fail, also with a request unanswered.
 fn build_client(config: Config, keepalive: Duration, observe: ObserveLayer) -> Result<Client> {
     use kube::client::ConfigExt as _;
-    use tower::ServiceBuilder;
     anyhow::ensure!(
         config.proxy_url.is_none(),
         "the kubeconfig sets proxy-url, which lb's client does not support: reach the API server directly"
@@ -105,14 +107,19 @@ fn build_client(config: Config, keepalive: Duration, observe: ObserveLayer) -> R
     timeouts.set_reset_reader_on_write(config.reset_reader_on_write);
     let http_client: hyper_util::client::legacy::Client<_, kube::client::Body> =
         hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build(timeouts);
-    let service = ServiceBuilder::new()
-        .layer(observe)
+    let service = observed(observe)
         .layer(config.base_uri_layer())
         .option_layer(config.auth_layer().context("API server credentials")?)
         .layer(config.extra_headers_layer().context("the kubeconfig's extra headers")?)
         .map_err(tower::BoxError::from)
         .service(http_client);
     Ok(Client::new(service, config.default_namespace))
+}
+
+/// What lb's client puts above kube-rs' layers: client-go's retries where
+/// the API server asks for them (`retry`), each attempt observed.
+fn observed(observe: ObserveLayer) -> tower::ServiceBuilder<tower::layer::util::Stack<ObserveLayer, tower::layer::util::Stack<tower::retry::RetryLayer<retry::RetryAfter>, tower::layer::util::Identity>>> {
+    tower::ServiceBuilder::new().layer(tower::retry::RetryLayer::new(retry::RetryAfter::new(observe.status.clone()))).layer(observe)
 }
 
 /// The watched kind a request path is for.

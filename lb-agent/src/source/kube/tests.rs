@@ -21,8 +21,9 @@ struct Kind {
     /// What a lagging watch cache answers lists at resourceVersion=0 with
     /// (`None`: the same as `items`).
     cache: Option<Vec<Value>>,
-    /// Status codes to answer the next lists with.
-    fail_lists: Vec<u16>,
+    /// Status codes to answer the next lists with, and the Retry-After
+    /// seconds they ask for.
+    fail_lists: Vec<(u16, Option<u64>)>,
     lists: u32,
     /// The query strings of the requests for this kind.
     queries: Vec<String>,
@@ -47,6 +48,15 @@ fn name_of(v: &Value) -> String {
 }
 
 impl Fake {
+    /// Service "a" (10.96.0.1) with one endpoint, 10.0.0.1; no Node.
+    fn one_service() -> Self {
+        let fake = Fake::default();
+        fake.set(SERVICES, vec![svc("a", "10.96.0.1")]);
+        fake.set(SLICES, vec![slice("a", "a-1", &["10.0.0.1"])]);
+        fake.set(NODES, vec![]);
+        fake
+    }
+
     fn set(&self, path: &'static str, items: Vec<Value>) {
         let mut st = self.0.lock().unwrap();
         st.kinds.entry(path).or_default().items = items.into_iter().map(|v| (name_of(&v), v)).collect();
@@ -59,7 +69,13 @@ impl Fake {
     }
 
     fn fail_next_list(&self, path: &'static str, code: u16) {
-        self.0.lock().unwrap().kinds.entry(path).or_default().fail_lists.push(code);
+        self.0.lock().unwrap().kinds.entry(path).or_default().fail_lists.push((code, None));
+    }
+
+    /// Answer the next list of `path` with `code`, asking for a wait of
+    /// `secs` (Retry-After).
+    fn fail_next_list_asking(&self, path: &'static str, code: u16, secs: u64) {
+        self.0.lock().unwrap().kinds.entry(path).or_default().fail_lists.push((code, Some(secs)));
     }
 
     fn queries(&self, path: &'static str) -> Vec<String> {
@@ -146,11 +162,14 @@ impl Fake {
             }
             kind.lists += 1;
             if !kind.fail_lists.is_empty() {
-                let code = kind.fail_lists.remove(0);
+                let (code, retry_after) = kind.fail_lists.remove(0);
                 let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                     "message": "injected failure", "reason": "InternalError", "code": code});
                 let mut r = Response::new(Body::from(serde_json::to_vec(&status).unwrap()));
                 *r.status_mut() = StatusCode::from_u16(code).unwrap();
+                if let Some(secs) = retry_after {
+                    r.headers_mut().insert(http::header::RETRY_AFTER, secs.into());
+                }
                 send.send_response(r);
                 continue;
             }
@@ -196,11 +215,21 @@ struct Harness {
 impl Harness {
     fn start(fake: Fake) -> Self {
         let (mock, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let client = Client::new(mock, "default");
+        Self::run(fake, handle, |_| Client::new(mock, "default"))
+    }
+
+    /// `start`, the fake behind the layers lb's client puts above
+    /// kube-rs' (`observed`).
+    fn start_observed(fake: Fake) -> Self {
+        let (mock, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        Self::run(fake, handle, |status| Client::new(observed(ObserveLayer { status, host: "mock".into() }).service(mock), "default"))
+    }
+
+    fn run(fake: Fake, handle: tower_test::mock::Handle<Request<Body>, Response<Body>>, client: impl FnOnce(Arc<crate::source::Status>) -> Client) -> Self {
         tokio::spawn(fake.clone().serve(handle));
         let (tx, rx) = tokio::sync::watch::channel(None);
         let status = Arc::new(crate::source::Status::default());
-        tokio::spawn(run(client, "mock".into(), "node-a".into(), tx, status.clone()));
+        tokio::spawn(run(client(status.clone()), "mock".into(), "node-a".into(), tx, status.clone()));
         Harness { rx, status, seen: Vec::new() }
     }
 
@@ -298,10 +327,7 @@ async fn a_410_relist_drops_vanished_objects_without_blanking_and_never_reads_a_
 
 #[tokio::test]
 async fn an_api_error_delays_the_first_snapshot_until_a_retry_succeeds() {
-    let fake = Fake::default();
-    fake.set(SERVICES, vec![svc("a", "10.96.0.1")]);
-    fake.set(SLICES, vec![slice("a", "a-1", &["10.0.0.1"])]);
-    fake.set(NODES, vec![]);
+    let fake = Fake::one_service();
     fake.fail_next_list(SLICES, 500);
     let mut h = Harness::start(fake.clone());
     let u = h.until("first snapshot", |_| true).await;
@@ -313,12 +339,30 @@ async fn an_api_error_delays_the_first_snapshot_until_a_retry_succeeds() {
     assert_eq!(h.status.failing_for(), Duration::ZERO);
 }
 
+/// client-go's retry where the API server asks for one: a list answered
+/// 429 with Retry-After: 2 is sent again after 2 s (the watcher's own
+/// backoff would have come back after about 0.8 s), and the wait shows as
+/// a failing watch and a counted 429.
+#[tokio::test]
+async fn a_429_asking_for_a_wait_is_sent_again_after_it() {
+    let fake = Fake::one_service();
+    fake.fail_next_list_asking(SLICES, 429, 2);
+    let started = std::time::Instant::now();
+    let mut h = Harness::start_observed(fake.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(h.status.failing_for() > Duration::ZERO, "the wait shows as a failing watch");
+    let u = h.until("first snapshot", |_| true).await;
+    assert!(started.elapsed() >= Duration::from_secs(2), "sent again only after the wait asked for: {:?}", started.elapsed());
+    assert_eq!(fake.lists(SLICES), 2);
+    assert_eq!(backends(&u.snapshot, "10.96.0.1"), ["10.0.0.1"]);
+    let count = |code: &str| h.status.requests.get_or_create(&[("code", code.into()), ("host", "mock".into()), ("method", "GET".into())]).get();
+    assert_eq!(count("429"), 1);
+    assert!(count("200") >= 3, "each attempt counted");
+}
+
 #[tokio::test]
 async fn services_and_slices_are_filtered_at_the_api_server_as_kube_proxy_does() {
-    let fake = Fake::default();
-    fake.set(SERVICES, vec![svc("a", "10.96.0.1")]);
-    fake.set(SLICES, vec![slice("a", "a-1", &["10.0.0.1"])]);
-    fake.set(NODES, vec![]);
+    let fake = Fake::one_service();
     let mut h = Harness::start(fake.clone());
     h.until("first snapshot", |_| true).await;
     let selector = "labelSelector=%21service.kubernetes.io%2Fservice-proxy-name%2C%21service.kubernetes.io%2Fheadless";
