@@ -206,9 +206,10 @@ pub struct Frontend {
     pub host_only: bool,
     /// loadBalancerSourceRanges (LoadBalancer IPs only): (network, prefix length).
     pub source_ranges: Vec<(IpAddr, u8)>,
-    /// Endpoints that still serve (ready, or serving while terminating)
-    /// but are in neither backend set: not picked, yet not stale either.
-    /// Sorted; usually empty. See `serving`.
+    /// Endpoints in neither backend set whose connections are not stale
+    /// either: serving ones (ready, or serving while terminating), and
+    /// for TCP terminating ones that no longer serve (draining). Sorted;
+    /// usually empty. See `serving`.
     pub extra_serving: Vec<(IpAddr, u16)>,
     /// External frontends only: outside flows pick their backend by Maglev
     /// (`Algorithm::Maglev`).
@@ -616,10 +617,10 @@ mod tests {
         let f = &d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)];
         assert_eq!(addrs(&f.backends), ["10.0.0.3:8080"]);
         assert!(f.backends[0].terminating);
-        // Serving endpoints stay alive (their connections drain); the
-        // not-serving one does not.
+        // Serving endpoints stay alive, and for TCP terminating ones that
+        // no longer serve (their connections drain).
         let serving: Vec<String> = f.serving().iter().map(|(a, p)| format!("{a}:{p}")).collect();
-        assert_eq!(serving, ["10.0.0.3:8080", "10.0.0.4:8080"]);
+        assert_eq!(serving, ["10.0.0.2:8080", "10.0.0.3:8080", "10.0.0.4:8080"]);
     }
 
     #[test]

@@ -56,6 +56,11 @@ impl Endpoint {
     pub fn terminating(ip: &str, node: &str) -> Self {
         Self { ready: false, serving: true, terminating: true, ..Self::ready(ip, node) }
     }
+    /// Terminating and no longer serving: a pod that fails its readiness
+    /// probe on purpose while it shuts down (to drain).
+    pub fn draining(ip: &str, node: &str) -> Self {
+        Self { ready: false, serving: false, terminating: true, ..Self::ready(ip, node) }
+    }
     pub fn zone(mut self, z: &str) -> Self {
         self.zones.push(z.into());
         self

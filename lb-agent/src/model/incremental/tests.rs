@@ -281,6 +281,58 @@ fn a_node_address_recomputes_only_the_services_with_node_ports() {
     assert!(inc.update(&svcs, &eps, &node, &opts).full);
 }
 
+/// A terminating endpoint that stops serving (a pod failing its readiness
+/// probe on purpose while it drains) keeps its TCP connections until it
+/// leaves the slice, as kube-proxy's conntrack keeps them; its connected
+/// UDP sockets are stale at once, as kube-proxy flushes their conntrack
+/// entries.
+#[test]
+fn a_draining_endpoint_keeps_its_tcp_connections_until_it_leaves() {
+    let opts = Options::default();
+    let svc: Arc<Service> = Arc::new(
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "web", "namespace": "default"},
+            "spec": {"clusterIP": "10.96.0.10", "ports": [
+                {"name": "http", "port": 80, "protocol": "TCP"}, {"name": "dns", "port": 53, "protocol": "UDP"}]}
+        }))
+        .unwrap(),
+    );
+    let slice = |eps: serde_json::Value| -> Arc<EndpointSlice> {
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "web-1", "namespace": "default", "labels": {"kubernetes.io/service-name": "web"}},
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "dns", "port": 8053, "protocol": "UDP"}],
+                "endpoints": eps
+            }))
+            .unwrap(),
+        )
+    };
+    let (a, b): (IpAddr, IpAddr) = ("10.1.0.1".parse().unwrap(), "10.1.0.2".parse().unwrap());
+    let vip: IpAddr = "10.96.0.10".parse().unwrap();
+    let ready = |ip: &str| serde_json::json!({"addresses": [ip], "conditions": {"ready": true}});
+    let draining = |ip: &str| serde_json::json!({"addresses": [ip], "conditions": {"ready": false, "serving": false, "terminating": true}});
+    let mut inc = Incremental::new();
+    let svcs = [svc];
+    inc.update(&svcs, &[slice(serde_json::json!([ready("10.1.0.1"), ready("10.1.0.2")]))], &node(), &opts);
+    let ch = inc.update(&svcs, &[slice(serde_json::json!([draining("10.1.0.1"), ready("10.1.0.2")]))], &node(), &opts);
+    assert_eq!(ch.left, BTreeSet::from([(vip, 53, a, 8053)]), "UDP only");
+    let d = inc.desired();
+    let tcp = &d.frontends[&FrontendKey { addr: vip, port: 80, proto: crate::model::Proto::Tcp }];
+    assert_eq!(tcp.backends.iter().map(|x| x.addr).collect::<Vec<_>>(), [b], "no new connection goes to it");
+    assert!(tcp.serves(a, 8080));
+    // Not ready, not terminating: stale for both (a readiness failure, or
+    // its node lost).
+    let ch = inc.update(&svcs, &[slice(serde_json::json!([{"addresses": ["10.1.0.1"], "conditions": {"ready": false, "serving": false}}, ready("10.1.0.2")]))], &node(), &opts);
+    assert_eq!(ch.left, BTreeSet::from([(vip, 80, a, 8080)]));
+    let ch = inc.update(&svcs, &[slice(serde_json::json!([draining("10.1.0.1"), ready("10.1.0.2")]))], &node(), &opts);
+    assert_eq!(ch.joined, BTreeSet::from([(vip, 80, a, 8080)]), "draining again: not stale");
+    // The pod is gone: its endpoint leaves.
+    let ch = inc.update(&svcs, &[slice(serde_json::json!([ready("10.1.0.2")]))], &node(), &opts);
+    assert_eq!(ch.left, BTreeSet::from([(vip, 80, a, 8080)]));
+    assert_eq!(sorted(inc.desired().clone()), sorted(compute_with(&svcs, &[slice(serde_json::json!([ready("10.1.0.2")]))], &node(), &opts)));
+}
+
 /// `udp_served`: the UDP frontends the socket hooks translate that got
 /// backends, having had none (or not existed); never on a full update,
 /// never a TCP frontend, never an externalIP left to the stack.
