@@ -8,8 +8,8 @@
 //!   old only at its end (`InitDone`), so the snapshot never shows a
 //!   half-listed world and the maps are never blanked. Objects that
 //!   vanished while the watch was down are gone after the swap. A re-list
-//!   is a consistent read, never an answer from a cache that may lag
-//!   behind what was already seen (`spawn_watch`).
+//!   never asks for a world older than the one already seen
+//!   (`relist_query`).
 //! - Nothing is published before all three stores have their first full
 //!   list, so an agent that restarts never removes inherited state early.
 //! - A lone change is published at once; a burst, as one snapshot per 5 ms.
@@ -23,13 +23,13 @@ use anyhow::{Context as _, Result};
 use futures::{StreamExt as _, TryStreamExt as _};
 
 use k8s_openapi::api::core::v1::Node;
-use kube::runtime::reflector::{self, Lookup, Store};
+use kube::runtime::reflector::{self, Lookup, Store, reflector};
 use kube::runtime::{WatchStreamExt as _, watcher};
 use kube::{Api, Client, Config, Resource};
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
-use super::{Publisher, Snapshot, Status, Update};
+use super::{Newest, Publisher, Snapshot, Status, Update};
 use crate::model::{EndpointSlice, Service};
 
 mod retry;
@@ -122,6 +122,31 @@ fn observed(observe: ObserveLayer) -> tower::ServiceBuilder<tower::layer::util::
     tower::ServiceBuilder::new().layer(tower::retry::RetryLayer::new(retry::RetryAfter::new(observe.status.clone()))).layer(observe)
 }
 
+/// The query a list goes out with, where it is not the one kube-rs'
+/// watcher made (None). The watcher asks the API server's cache for any
+/// version (`resourceVersion=0`) at every list; kube-proxy's informers
+/// (client-go's reflector) do that only at the first. A re-list asks for
+/// the newest version seen or newer (`resourceVersionMatch=NotOlderThan`,
+/// unpaged: the cache answers it once it has caught up with that version,
+/// and never with an older world: a lagging API server's cache would bring
+/// deleted Services back and take new endpoints away, which lb acts on by
+/// destroying sockets and resetting flows); where the cache could not
+/// answer at that version (410, or 504 for a version it has not reached),
+/// a consistent read (no version), client-go's fallback.
+fn relist_query(query: &str, newest: Newest) -> Option<String> {
+    let params: Vec<&str> = query.split('&').filter(|kv| !kv.is_empty()).collect();
+    if newest.rv == 0 || !params.contains(&"resourceVersion=0") {
+        return None;
+    }
+    let kept = params.iter().filter(|kv| **kv != "resourceVersion=0" && !kv.starts_with("resourceVersionMatch="));
+    let mut out: Vec<String> = kept.map(|kv| kv.to_string()).collect();
+    if !newest.consistent {
+        out.push(format!("resourceVersion={}", newest.rv));
+        out.push("resourceVersionMatch=NotOlderThan".into());
+    }
+    Some(out.join("&"))
+}
+
 /// The watched kind a request path is for.
 fn kind_of(path: &str) -> Option<&'static str> {
     let last = path.rsplit('/').next()?;
@@ -174,21 +199,56 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<kube::client::Body>) -> Self::Future {
-        let is_watch = req.uri().query().is_some_and(|q| q.split('&').any(|kv| kv == "watch=true" || kv == "watch=1"));
-        let kind = kind_of(req.uri().path()).filter(|_| is_watch);
+    fn call(&mut self, mut req: http::Request<kube::client::Body>) -> Self::Future {
+        let query = req.uri().query().unwrap_or_default().to_string();
+        let params = || query.split('&');
+        let is_watch = params().any(|kv| kv == "watch=true" || kv == "watch=1");
+        let kind = kind_of(req.uri().path());
         let method = req.method().clone();
         let (status, host) = (self.status.clone(), self.host.clone());
+        // A list: nothing older than what was seen (`relist_query`).
+        let mut floored = None;
+        if let Some(kind) = kind
+            && !is_watch
+            && method == http::Method::GET
+        {
+            let newest = status.newest(kind);
+            if let Some(q) = relist_query(&query, newest)
+                && let Ok(uri) = format!("{}?{q}", req.uri().path()).parse()
+            {
+                *req.uri_mut() = uri;
+                floored = (!newest.consistent).then_some((kind, newest.rv));
+            }
+        }
+        // A watch resumes from a version seen (a list's, a bookmark's).
+        if let Some(kind) = kind.filter(|_| is_watch)
+            && let Some(rv) = params().find_map(|kv| kv.strip_prefix("resourceVersion="))
+        {
+            status.saw(kind, rv);
+        }
         let started = Instant::now();
         let fut = self.inner.call(req);
         Box::pin(async move {
             let r = fut.await;
             let code = r.as_ref().map_or_else(|_| "<error>".to_string(), |resp| resp.status().as_u16().to_string());
             status.request(&host, method.as_str(), &code, started.elapsed());
-            if let (Some(kind), Ok(resp)) = (kind, &r)
-                && resp.status().is_success()
-            {
-                status.watch_answered(kind);
+            if let (Some(kind), Ok(resp)) = (kind, &r) {
+                let st = resp.status();
+                if st.is_success() && is_watch {
+                    status.watch_answered(kind);
+                } else if st.is_success() {
+                    status.relist_consistent(kind, false);
+                } else if let Some((kind, rv)) = floored
+                    && (st == http::StatusCode::GONE || st == http::StatusCode::GATEWAY_TIMEOUT)
+                {
+                    tracing::warn!(
+                        kind,
+                        code = st.as_u16(),
+                        "the API server could not list {kind}s from its cache at resourceVersion {rv} or newer, the newest \
+                         lb has seen ({st}: that server's cache is behind); the next list is a consistent read"
+                    );
+                    status.relist_consistent(kind, true);
+                }
             }
             r
         })
@@ -225,25 +285,12 @@ struct WatchCtx {
     status: Arc<Status>,
 }
 
-/// Watch one kind through a kube-rs watcher into a reflector store; return
-/// the store. The store keeps the objects as `convert` makes them from what
-/// the watcher decodes. A (re-)list replaces the store's objects only when
-/// complete (`InitDone`): the store never shows a half-listed world. Every
-/// change is reported on `changed`.
-///
-/// Re-lists never go back in time. A first list from the API server's
-/// cache (`resourceVersion=0`) is what kube-proxy's informers ask for too,
-/// but kube-rs' watcher would ask the same after a 410 Gone, and any API
-/// server's cache may answer it, however far behind (an HA control plane,
-/// one server partitioned from etcd): Services deleted long ago would come
-/// back and new endpoints vanish, and lb would act on that (destroying
-/// sockets, resetting flows). client-go re-lists at the last version it saw
-/// or newer, never older; kube-rs cannot ask for a version, so once a first
-/// list is in, a re-list is a consistent read (no `resourceVersion`,
-/// client-go's fallback when its version is gone), paged by 500 as
-/// client-go's pager does. Since Kubernetes 1.31 (ConsistentListFromCache)
-/// the API server answers it from its cache once that has caught up with
-/// etcd, so a whole fleet re-listing at once still does not load etcd.
+/// Watch one kind through a kube-rs reflector; return its store. The store
+/// keeps the objects as `convert` makes them from what the watcher
+/// decodes. A (re-)list replaces the store's objects only when complete
+/// (`InitDone`): the store never shows a half-listed world. Every change is
+/// reported on `changed`, and every object's resourceVersion goes to
+/// `Status::saw`, so that a re-list asks for nothing older (`relist_query`).
 fn spawn_watch<K, C>(api: Api<K>, cfg: watcher::Config, convert: fn(K) -> C, ctx: WatchCtx) -> Store<C>
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
@@ -251,64 +298,53 @@ where
     C: Lookup<DynamicType = ()> + Clone + Send + Sync + 'static,
 {
     let WatchCtx { changed, kind, server, status } = ctx;
-    let mut writer = reflector::store::Writer::<C>::default();
+    let writer = reflector::store::Writer::<C>::default();
     let store = writer.as_reader();
+    let seen = status.clone();
     tokio::spawn(async move {
-        let mut cfg = cfg;
-        let mut failing = false;
-        let mut listed = false;
-        loop {
-            let mut events = watcher(api.clone(), cfg.clone()).default_backoff().map_ok(move |ev| convert_event(ev, convert)).boxed();
-            // Set when the watcher is about to re-list from the cache.
-            let mut again = false;
-            while let Some(ev) = events.next().await {
-                let ev = match ev {
-                    Ok(ev) => ev,
-                    // A resourceVersion too old to resume from: the watcher
-                    // relists, as it should; nothing is failing.
-                    Err(watcher::Error::WatchError(st)) if st.code == 410 => {
-                        tracing::info!(kind, "{kind} watch expired (410 Gone); relisting");
-                        again = listed && cfg.list_semantic == watcher::ListSemantic::Any;
-                        if again {
-                            break;
-                        }
-                        continue;
-                    }
-                    Err(watcher::Error::NoResourceVersion) if listed && cfg.list_semantic == watcher::ListSemantic::Any => {
-                        again = true;
-                        break;
-                    }
-                    Err(e) => {
-                        failing = true;
-                        let for_s = status.failed(kind).as_secs();
-                        tracing::error!(
-                            kind,
-                            failing_for_s = for_s,
-                            "cannot watch {kind}s on the API server {server}: {e}; retrying with backoff; the maps \
-                             keep what they hold meanwhile (in a cluster without kube-proxy, \
-                             KUBERNETES_SERVICE_HOST/PORT must name the real API server)"
-                        );
-                        continue;
-                    }
-                };
-                writer.apply_watcher_event(&ev);
-                listed |= matches!(ev, watcher::Event::InitDone);
-                // (Init comes before the list is asked for: no sign of health.)
-                if failing && !matches!(ev, watcher::Event::Init) {
-                    tracing::info!(kind, "watch recovered");
-                    status.recovered(kind);
-                    failing = false;
-                }
-                // A (re-)list in progress changes nothing until it is done.
-                let publish = !matches!(ev, watcher::Event::Init | watcher::Event::InitApply(_));
-                if publish && changed.send(Instant::now()).is_err() {
-                    return;
-                }
+        let converted = watcher(api, cfg).default_backoff().map_ok(move |ev| {
+            if let watcher::Event::Apply(o) | watcher::Event::Delete(o) | watcher::Event::InitApply(o) = &ev
+                && let Some(rv) = o.meta().resource_version.as_deref()
+            {
+                seen.saw(kind, rv);
             }
-            if !again {
+            convert_event(ev, convert)
+        });
+        let mut events = reflector(writer, converted).boxed();
+        let mut failing = false;
+        while let Some(ev) = events.next().await {
+            let ev = match ev {
+                Ok(ev) => ev,
+                // A resourceVersion too old to resume from: the watcher
+                // relists, as it should; nothing is failing.
+                Err(watcher::Error::WatchError(st)) if st.code == 410 => {
+                    tracing::info!(kind, "{kind} watch expired (410 Gone); relisting");
+                    continue;
+                }
+                Err(e) => {
+                    failing = true;
+                    let for_s = status.failed(kind).as_secs();
+                    tracing::error!(
+                        kind,
+                        failing_for_s = for_s,
+                        "cannot watch {kind}s on the API server {server}: {e}; retrying with backoff; the maps keep \
+                         what they hold meanwhile (in a cluster without kube-proxy, KUBERNETES_SERVICE_HOST/PORT \
+                         must name the real API server)"
+                    );
+                    continue;
+                }
+            };
+            // (Init comes before the list is asked for: no sign of health.)
+            if failing && !matches!(ev, watcher::Event::Init) {
+                tracing::info!(kind, "watch recovered");
+                status.recovered(kind);
+                failing = false;
+            }
+            // A (re-)list in progress changes nothing until it is done.
+            let publish = !matches!(ev, watcher::Event::Init | watcher::Event::InitApply(_));
+            if publish && changed.send(Instant::now()).is_err() {
                 return;
             }
-            cfg = cfg.list_semantic(watcher::ListSemantic::MostRecent).page_size(500);
         }
     });
     store
@@ -328,11 +364,12 @@ pub async fn run_with(
     mut publish: impl FnMut(Arc<Update>) -> bool,
 ) -> Result<()> {
     let (changed_tx, mut changed) = mpsc::unbounded_channel();
-    // The first list from the API server's watch cache (resourceVersion=0),
-    // as kube-proxy's informers do: when every agent starts at once (a
-    // rollout), etcd does not take them all. The cache answers whole (it
-    // ignores a page size), and kube-rs sends resourceVersion=0 only
-    // without one. Re-lists are consistent reads (`spawn_watch`).
+    // Lists from the API server's watch cache, as kube-proxy's informers
+    // do: when every node lists at once (a rollout, an API server
+    // restart), etcd does not take them all. The first at any version
+    // (resourceVersion=0), re-lists at the newest seen or newer
+    // (`relist_query`). The cache answers whole (it ignores a page size),
+    // and kube-rs sends resourceVersion=0 only without one.
     let mut proxied = watcher::Config::default().labels(LABEL_SELECTOR).any_semantic();
     proxied.page_size = None;
     let ctx = |kind| WatchCtx { changed: changed_tx.clone(), kind, server: server.clone(), status: status.clone() };

@@ -45,6 +45,8 @@ type Labels<const N: usize> = [(&'static str, String); N];
 #[derive(Debug)]
 pub struct Status {
     failing: std::sync::Mutex<std::collections::BTreeMap<&'static str, Spell>>,
+    /// Per watched kind, what its next re-list may ask for (`Newest`).
+    newest: std::sync::Mutex<std::collections::BTreeMap<&'static str, Newest>>,
     /// client-go's `rest_client_requests_total{code,host,method}`: every
     /// request by its answer's status code ("<error>": no answer).
     pub requests: Family<Labels<3>, Counter>,
@@ -58,7 +60,7 @@ impl Default for Status {
         fn buckets() -> Histogram {
             Histogram::new([0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0])
         }
-        Status { failing: Default::default(), requests: Family::default(), request_duration: Family::new_with_constructor(buckets) }
+        Status { failing: Default::default(), newest: Default::default(), requests: Family::default(), request_duration: Family::new_with_constructor(buckets) }
     }
 }
 
@@ -95,12 +97,47 @@ impl Status {
         self.failing.lock().unwrap().remove(what);
     }
 
+    /// An object of `kind` at resourceVersion `rv` was seen (listed or
+    /// watched), or a watch of it resumed from `rv`. The API server's
+    /// versions are etcd's revisions (decimal uint64s, which it parses
+    /// itself); one that is not is ignored.
+    pub fn saw(&self, kind: &'static str, rv: &str) {
+        if let Ok(rv) = rv.parse::<u64>() {
+            let mut n = self.newest.lock().unwrap();
+            let e = n.entry(kind).or_default();
+            e.rv = e.rv.max(rv);
+        }
+    }
+
+    /// What the next list of `kind` may ask for.
+    pub fn newest(&self, kind: &'static str) -> Newest {
+        self.newest.lock().unwrap().get(kind).copied().unwrap_or_default()
+    }
+
+    /// The API server could not list `kind` at its newest version from its
+    /// cache (`consistent`), or a list of it succeeded (`!consistent`).
+    pub fn relist_consistent(&self, kind: &'static str, consistent: bool) {
+        self.newest.lock().unwrap().entry(kind).or_default().consistent = consistent;
+    }
+
     /// How long the longest-failing watch has been failing (zero: none is).
     pub fn failing_for(&self) -> std::time::Duration {
         let mut f = self.failing.lock().unwrap();
         f.retain(|_, s| !s.over());
         f.values().map(|s| s.since.elapsed()).max().unwrap_or_default()
     }
+}
+
+/// What a re-list of one kind may ask for: nothing older than what was
+/// seen (client-go's reflector re-lists at its last version, from the API
+/// server's cache), or, where the cache could not answer at that version,
+/// a consistent read (client-go's fallback).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Newest {
+    /// The newest resourceVersion seen (0: none yet: the first list).
+    pub rv: u64,
+    /// The cache could not list at `rv`: the next list reads consistently.
+    pub consistent: bool,
 }
 
 /// A spell of failures of one watch.

@@ -21,6 +21,9 @@ struct Kind {
     /// What a lagging watch cache answers lists at resourceVersion=0 with
     /// (`None`: the same as `items`).
     cache: Option<Vec<Value>>,
+    /// The watch cache cannot reach a version asked for: lists at one
+    /// (`resourceVersion=N`, N > 0) time out, 504.
+    stuck: bool,
     /// Status codes to answer the next lists with, and the Retry-After
     /// seconds they ask for.
     fail_lists: Vec<(u16, Option<u64>)>,
@@ -66,6 +69,12 @@ impl Fake {
     /// behind etcd would.
     fn lag(&self, path: &'static str, items: Vec<Value>) {
         self.0.lock().unwrap().kinds.entry(path).or_default().cache = Some(items);
+    }
+
+    /// Make lists at a version (N > 0) fail as a cache that cannot reach
+    /// it does.
+    fn stick(&self, path: &'static str) {
+        self.0.lock().unwrap().kinds.entry(path).or_default().stuck = true;
     }
 
     fn fail_next_list(&self, path: &'static str, code: u16) {
@@ -161,6 +170,10 @@ impl Fake {
                 continue;
             }
             kind.lists += 1;
+            let at_version = query.split('&').any(|kv| kv.strip_prefix("resourceVersion=").is_some_and(|v| v != "0"));
+            if kind.stuck && at_version {
+                kind.fail_lists.insert(0, (504, None));
+            }
             if !kind.fail_lists.is_empty() {
                 let (code, retry_after) = kind.fail_lists.remove(0);
                 let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
@@ -288,19 +301,28 @@ async fn initial_list_then_add_modify_delete() {
     assert!(backends(&u.snapshot, "10.96.0.1").is_empty());
 }
 
+/// After a 410 the watcher re-lists. kube-rs' watcher would ask any API
+/// server's cache for any version; lb asks, as client-go's reflector does,
+/// for the newest version it saw or newer, unpaged (the cache answers once
+/// it has caught up), and where that cache cannot get there, reads
+/// consistently: never an older world than the one it saw.
 #[tokio::test]
 async fn a_410_relist_drops_vanished_objects_without_blanking_and_never_reads_a_lagging_cache() {
     let fake = Fake::default();
     fake.set(SERVICES, vec![svc("keep", "10.96.0.1"), svc("gone", "10.96.0.2")]);
     fake.set(SLICES, vec![]);
     fake.set(NODES, vec![]);
-    let mut h = Harness::start(fake.clone());
+    let mut h = Harness::start_observed(fake.clone());
     h.until("initial list", |s| names(s).len() == 2).await;
     let first = fake.queries(SERVICES);
+    // The first list comes from the cache at any version, as kube-proxy's.
+    assert!(first.iter().any(|q| !q.contains("watch=true") && q.contains("resourceVersion=0")), "{first:?}");
+    let resumed: u64 = first.iter().filter(|q| q.contains("watch=true")).find_map(|q| q.split('&').find_map(|kv| kv.strip_prefix("resourceVersion=")?.parse().ok())).unwrap();
 
     // While the watch was down, "gone" was deleted and "new" created; the
     // watch then fails with 410 Gone and the watcher re-lists. The API
-    // server it reaches next has a cache that still shows the world before.
+    // server it reaches next has a cache that answers any version with
+    // the world before.
     fake.set(SERVICES, vec![svc("keep", "10.96.0.1"), svc("new", "10.96.0.3")]);
     fake.lag(SERVICES, vec![svc("keep", "10.96.0.1"), svc("gone", "10.96.0.2")]);
     let expired = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
@@ -308,21 +330,26 @@ async fn a_410_relist_drops_vanished_objects_without_blanking_and_never_reads_a_
     fake.event(SERVICES, "ERROR", expired.clone()).await;
     let u = h.until("re-list", |s| names(s).contains("new")).await;
     assert_eq!(names(&u.snapshot), ["keep".to_string(), "new".to_string()].into());
-    // A consistent read, paged as client-go's pager pages it...
-    let relists: Vec<String> = fake.queries(SERVICES)[first.len()..].iter().filter(|q| !q.contains("watch=true")).cloned().collect();
-    assert!(!relists.is_empty() && relists.iter().all(|q| !q.contains("resourceVersion") && q.contains("limit=500")), "{relists:?}");
-    // ...where the first list came from the cache, as kube-proxy's does.
-    assert!(first.iter().any(|q| !q.contains("watch=true") && q.contains("resourceVersion=0")), "{first:?}");
+    let lists = |from: usize| -> Vec<String> { fake.queries(SERVICES)[from..].iter().filter(|q| !q.contains("watch=true")).cloned().collect() };
+    let relists = lists(first.len());
+    let at = format!("resourceVersion={resumed}&resourceVersionMatch=NotOlderThan");
+    assert!(!relists.is_empty() && relists.iter().all(|q| q.contains(&at) && !q.contains("limit")), "{relists:?}");
 
-    // And so is every later re-list.
+    // A cache that cannot reach that version: a consistent read instead.
     fake.set(SERVICES, vec![svc("keep", "10.96.0.1")]);
+    fake.stick(SERVICES);
     let before = fake.queries(SERVICES).len();
     fake.event(SERVICES, "ERROR", expired).await;
     let u = h.until("second re-list", |s| !names(s).contains("new")).await;
     assert_eq!(names(&u.snapshot), ["keep".to_string()].into());
-    assert!(fake.queries(SERVICES)[before..].iter().all(|q| !q.contains("resourceVersion=0")));
-    // No published snapshot ever lost "keep": the maps are never blanked.
+    let relists = lists(before);
+    assert!(relists.len() >= 2 && relists[0].contains("resourceVersionMatch=NotOlderThan"), "{relists:?}");
+    assert!(!relists.last().unwrap().contains("resourceVersion"), "{relists:?}");
+    // No published snapshot ever lost "keep" (the maps are never blanked)
+    // or showed "gone" again.
     assert!(h.seen.iter().all(|s| s.contains("keep")), "{:?}", h.seen);
+    let back = h.seen.iter().position(|s| s.contains("new")).unwrap();
+    assert!(h.seen[back..].iter().all(|s| !s.contains("gone")), "{:?}", h.seen);
 }
 
 #[tokio::test]
@@ -426,4 +453,14 @@ async fn a_burst_of_a_thousand_changes_is_published_as_a_few_snapshots() {
     wait(n + 1).await;
     let u = published.lock().unwrap().last().cloned().unwrap();
     assert!(names(&u.snapshot).contains("b"));
+}
+
+#[test]
+fn a_relist_asks_for_the_newest_version_seen_or_reads_consistently() {
+    let q = "labelSelector=x&resourceVersion=0&resourceVersionMatch=NotOlderThan";
+    assert_eq!(relist_query(q, Newest { rv: 0, consistent: false }), None, "the first list: any version");
+    assert_eq!(relist_query(q, Newest { rv: 42, consistent: false }).as_deref(), Some("labelSelector=x&resourceVersion=42&resourceVersionMatch=NotOlderThan"));
+    assert_eq!(relist_query(q, Newest { rv: 42, consistent: true }).as_deref(), Some("labelSelector=x"));
+    // The Node list reads consistently already (and pages).
+    assert_eq!(relist_query("fieldSelector=metadata.name%3Dn&limit=500", Newest { rv: 42, consistent: false }), None);
 }
