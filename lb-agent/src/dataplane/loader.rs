@@ -616,7 +616,10 @@ impl Tc {
         }
         for (iface, ifindex) in serving_pods {
             if let Err(e) = self.attach_pod(iface, *ifindex) {
+                // An earlier agent's programs may still be there (a
+                // netlink filter leaves no pin to find it by above).
                 tracing::warn!(iface, "upgrade: {e:#}");
+                moved_all = false;
             }
         }
         if let Some(pause) = upgrade_pause() {

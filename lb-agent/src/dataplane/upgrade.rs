@@ -113,10 +113,17 @@ pub(super) fn unfinished(bpffs: &Path, cap: &Capacity) -> Result<Unfinished> {
     if !staged.is_empty() && staged_version(&next).as_deref() == Some(layout_version().as_str()) {
         // Each as this agent would stage it: its type, sizes and BTF
         // layout, and its max_entries.
-        let as_ours = expected_layout(cap).into_iter().filter(|(n, ..)| staged.contains(n)).all(|(name, .., max)| {
-            readable_as_ours(&next, name, cap) && aya::maps::MapInfo::from_pin(next.join(name)).is_ok_and(|i| i.max_entries() == max)
-        });
-        let mut want = incompatible(bpffs, cap)?;
+        let layout = expected_layout(cap);
+        let ours_in = |dir: &Path, name: &str| {
+            layout.iter().any(|(n, .., max)| {
+                *n == name && readable_as_ours(dir, n, cap) && aya::maps::MapInfo::from_pin(dir.join(n)).is_ok_and(|i| i.max_entries() == *max)
+            })
+        };
+        let as_ours = staged.iter().all(|n| ours_in(&next, n));
+        // A map the old pins lacked (one this version adds) was pinned in
+        // place by the agent that staged the rest, as ours: not staged, and
+        // nothing to stage.
+        let mut want: Vec<&'static str> = incompatible(bpffs, cap)?.into_iter().filter(|n| staged.contains(n) || !ours_in(bpffs, n)).collect();
         want.sort_unstable();
         let mut have = staged.clone();
         have.sort_unstable();
