@@ -762,11 +762,21 @@ impl Tc {
         // that layout, in the same places (and pins).
         let l3 = links.iter().any(|l| l.name == iface && l.l3);
         let programs = if l3 { L3_PROGRAMS } else { TC_PROGRAMS };
-        for (((name, ty), (place, _)), (l3_name, _)) in programs.into_iter().zip(TC_PROGRAMS).zip(L3_PROGRAMS) {
+        // Both verified before either goes on the device (the verifier
+        // takes a while the first time)...
+        for (name, _) in programs {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
             if prog.fd().is_err() {
                 verify(name, || prog.load())?;
             }
+        }
+        // ...and egress before ingress: in an upgrade, the new ingress
+        // program makes flows in the new NAT table only, which the old
+        // egress program would not find (a local backend's reply would
+        // leave untranslated), where the new egress program finds the old
+        // ingress program's flows in the old table too (it adopts them).
+        for (((name, ty), (place, _)), (l3_name, _)) in programs.into_iter().zip(TC_PROGRAMS).zip(L3_PROGRAMS).rev() {
+            let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
             let pin = format!("{place}_{safe}");
             if tcx {
                 attach_tcx(prog, name, iface, ty, &self.bpffs, &pin)?;
