@@ -279,12 +279,12 @@ pub struct Desired {
 }
 
 impl Desired {
-    /// (frontend address, port, backend address, port) for every endpoint
-    /// that still serves a frontend.
-    pub fn alive_pairs(&self) -> BTreeSet<(IpAddr, u16, IpAddr, u16)> {
+    /// (frontend address, port, protocol, backend address, port) for every
+    /// endpoint that still serves a frontend.
+    pub fn alive_pairs(&self) -> BTreeSet<Pair> {
         self.frontends
             .iter()
-            .flat_map(|(k, f)| f.serving().into_iter().map(move |(a, p)| (k.addr, k.port, a, p)))
+            .flat_map(|(k, f)| f.serving().into_iter().map(move |(a, p)| (k.addr, k.port, k.proto, a, p)))
             .collect()
     }
 }

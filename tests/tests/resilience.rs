@@ -161,14 +161,21 @@ fn a_connection_to_an_endpoint_removed_while_no_agent_ran_is_destroyed_after_the
 /// conntrack entries.
 #[test]
 fn a_draining_pod_keeps_its_tcp_connections_until_its_endpoint_leaves() -> Result<()> {
+    // Port 53 in TCP too, as DNS has it: TCP keeps the draining endpoint,
+    // UDP does not.
+    const SP53: &[SvcPort] = &[("http", 80, 8080, "TCP"), ("dns", 53, 8080, "UDP"), ("dns-tcp", 53, 8080, "TCP")];
+    const EP53: &[(&str, u16, &str)] = &[("http", 8080, "TCP"), ("dns", 8080, "UDP"), ("dns-tcp", 8080, "TCP")];
     let (mut c, p, client) = setup(&["pod-a"], &[])?;
+    c.write_object("svc.yaml", &service_ips("web", &[VIP], SP53, ""))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP53, &[E::ready(&p[0].ip, "node-1")]))?;
+    c.wait_programmed(VIP, 53, "TCP", Some(&[&be(&p[0])]))?;
     let short = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "1500", "--interval-ms", "20"])?;
     let long = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "6000", "--interval-ms", "20"])?;
     let udp = c.probe_bg(&client, &["udp-stream", "--addr", "10.96.0.10:53", "--interval-ms", "20", "--max-ms", "1500"])?;
     std::thread::sleep(Duration::from_millis(400));
     let b = c.add_pod(1, "pod-b")?;
     c.serve(&b, 8080)?;
-    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::draining(&p[0].ip, "node-1"), E::ready(&b.ip, "node-1")]))?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP53, &[E::draining(&p[0].ip, "node-1"), E::ready(&b.ip, "node-1")]))?;
     c.wait_programmed(VIP, 80, "TCP", Some(&[&be(&b)]))?;
     let s = Cluster::finish(short)?;
     assert_eq!(s.failed(), 0, "drained to its end: {s:?}");
@@ -177,7 +184,8 @@ fn a_draining_pod_keeps_its_tcp_connections_until_its_endpoint_leaves() -> Resul
     assert!(u.errors.contains_key("ECONNABORTED") || u.errors.contains_key("EDESTADDRREQ"), "a connected UDP socket to it is told: {u:?}");
     assert!(u.replies.get("pod-b").is_some_and(|n| *n > 5), "and connects again to a serving pod: {u:?}");
     // The pod is gone: its endpoint leaves, and what it held is cut.
-    set_endpoints(&c, &[&b])?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP53, &[E::ready(&b.ip, "node-1")]))?;
+    c.wait_programmed(VIP, 80, "TCP", Some(&[&be(&b)]))?;
     let s = Cluster::finish(long)?;
     assert_eq!(s.replies.keys().collect::<Vec<_>>(), ["pod-a"], "{s:?}");
     assert_eq!(s.errors.keys().collect::<Vec<_>>(), ["ECONNABORTED"], "cut once it left: {s:?}");

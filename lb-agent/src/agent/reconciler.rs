@@ -646,9 +646,9 @@ impl Reconciler {
     pub(super) fn sweep(&self) {
         let desired = self.model.desired();
         if let Some(d) = &self.destroyer {
-            d.sweep(desired.frontends.iter().map(|(k, f)| (k.addr, k.port, f.clone())).collect());
+            d.sweep(desired.frontends.iter().map(|(k, f)| (*k, f.clone())).collect());
         }
-        let fronts = desired.frontends.keys().map(|k| (k.addr, k.port)).collect();
+        let fronts = desired.frontends.keys().copied().collect();
         let _ = self.nat_left.send(crate::nodeport::Ending::Sweep { fronts, alive: desired.alive_pairs() });
     }
 

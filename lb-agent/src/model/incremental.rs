@@ -22,9 +22,11 @@ use super::{
     slice_group,
 };
 
-/// A frontend address and port, with a backend address and port it
-/// translates to.
-pub type Pair = (IpAddr, u16, IpAddr, u16);
+/// A frontend's address, port and protocol, with a backend address and
+/// port it translates to. (With the protocol: a Service with one port
+/// number in TCP and UDP, DNS, can keep an endpoint for one and not the
+/// other: a terminating endpoint that no longer serves, `sets`.)
+pub type Pair = (IpAddr, u16, Proto, IpAddr, u16);
 
 /// What one update changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -472,7 +474,7 @@ impl Incremental {
                 if let Some(n) = &now {
                     for (a, p) in n.serving() {
                         if !before.as_ref().is_some_and(|f| f.serves(a, p)) {
-                            ch.joined.insert((k.addr, k.port, a, p));
+                            ch.joined.insert((k.addr, k.port, k.proto, a, p));
                         }
                     }
                     let has = |f: &Frontend| !f.backends.is_empty() || !f.local_backends.is_empty();
@@ -482,14 +484,8 @@ impl Incremental {
                 }
             }
         }
-        // A pair still serves through the frontend of the other protocol.
         for (k, a, p) in left {
-            let still = [Proto::Tcp, Proto::Udp].iter().any(|proto| {
-                self.desired.frontends.get(&FrontendKey { proto: *proto, ..k }).is_some_and(|f| f.serves(a, p))
-            });
-            if !still {
-                ch.left.insert((k.addr, k.port, a, p));
-            }
+            ch.left.insert((k.addr, k.port, k.proto, a, p));
         }
         for v in vips {
             match self.vip_claims.get(&v).and_then(|c| c.last()) {

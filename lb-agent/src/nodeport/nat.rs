@@ -7,7 +7,7 @@ use aya::maps::{HashMap, MapData};
 use lb_common::{NatEntry, NatKey, PROTO_UDP, nat_flags, nat_state};
 
 use crate::dataplane::writer::Addr;
-use crate::model::Pair;
+use crate::model::{FrontendKey, Pair, Proto};
 
 /// Which flows a pass ends, by their (frontend, backend) pair.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -21,7 +21,7 @@ pub enum Ending {
     /// the serving ones, so that endpoints that went while no agent
     /// watched (a restart, an upgrade) end their flows too. Flows to an
     /// address no frontend has are left to expire.
-    Sweep { fronts: BTreeSet<(std::net::IpAddr, u16)>, alive: BTreeSet<Pair> },
+    Sweep { fronts: BTreeSet<FrontendKey>, alive: BTreeSet<Pair> },
 }
 
 impl Ending {
@@ -29,9 +29,15 @@ impl Ending {
         match self {
             Ending::Nothing => false,
             Ending::Left(left) => left.contains(p),
-            Ending::Sweep { fronts, alive } => fronts.contains(&(p.0, p.1)) && !alive.contains(p),
+            Ending::Sweep { fronts, alive } => fronts.contains(&FrontendKey { addr: p.0, port: p.1, proto: p.2 }) && !alive.contains(p),
         }
     }
+}
+
+/// The (frontend, backend) pair of a flow's original-direction entry.
+fn pair_of<A: Addr>(k: &NatKey<A>, e: &NatEntry<A>) -> Pair {
+    let proto = if k.proto == PROTO_UDP { Proto::Udp } else { Proto::Tcp };
+    (k.daddr.to_ip(), k.dport, proto, e.to_daddr.to_ip(), e.to_dport)
 }
 
 /// How long NAT entries live.
@@ -157,7 +163,7 @@ pub fn plan<A: Addr>(entries: &BTreeMap<NatKey<A>, NatEntry<A>>, now: u64, t: &N
             steps.push(Step::Expire(*k));
             continue;
         }
-        if ending.ends(&(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)) {
+        if ending.ends(&pair_of(k, e)) {
             if k.proto == PROTO_UDP {
                 steps.push(Step::Flush(*k, e.created_ns));
             } else if e.state & nat_state::STALE == 0 {
@@ -459,7 +465,7 @@ mod tests {
     #[test]
     fn a_backend_that_left_ends_its_flows_but_not_a_new_flow_with_their_keys() {
         let (k, e, rk, r) = flow(100, 100, SEEN);
-        let left = Ending::Left([(k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport)].into());
+        let left = Ending::Left([pair_of(&k, &e)].into());
         // TCP: marked STALE (the next packet gets a RST) ...
         let mut m = table(&[(k, e), (rk, r)]);
         let steps = plan(&snapshot(&m), 101 * S, &T, &left);
@@ -480,6 +486,8 @@ mod tests {
         };
         let (ku, rku) = (udp(k), udp(rk));
         let mut m = table(&[(ku, e), (rku, r)]);
+        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &left), [], "the pair left in TCP only");
+        let left = Ending::Left([pair_of(&ku, &e)].into());
         let steps = plan(&snapshot(&m), 101 * S, &T, &left);
         assert_eq!(steps, [Step::Flush(ku, 100 * S)]);
         assert_eq!(apply(&mut m, &steps, 101 * S, &T).flushed, 1);
@@ -497,12 +505,18 @@ mod tests {
     #[test]
     fn a_sweep_ends_the_flows_to_backends_that_no_longer_serve() {
         let (k, e, rk, r) = flow(100, 100, SEEN);
-        let pair = (k.daddr.to_ip(), k.dport, e.to_daddr.to_ip(), e.to_dport);
+        let pair = pair_of(&k, &e);
         let m = table(&[(k, e), (rk, r)]);
-        let other = (pair.0, pair.1, "10.9.9.9".parse().unwrap(), 80);
-        let sweep = |fronts: &[(std::net::IpAddr, u16)], alive: &[Pair]| Ending::Sweep { fronts: fronts.iter().copied().collect(), alive: alive.iter().copied().collect() };
-        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[(pair.0, pair.1)], &[other])), [Step::MarkStale(k, 100 * S)]);
-        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[(pair.0, pair.1)], &[pair, other])), []);
+        let other = (pair.0, pair.1, pair.2, "10.9.9.9".parse().unwrap(), 80);
+        let front = FrontendKey { addr: pair.0, port: pair.1, proto: pair.2 };
+        let sweep = |fronts: &[FrontendKey], alive: &[Pair]| Ending::Sweep { fronts: fronts.iter().copied().collect(), alive: alive.iter().copied().collect() };
+        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[front], &[other])), [Step::MarkStale(k, 100 * S)]);
+        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[front], &[pair, other])), []);
+        // The same pair alive in the other protocol only (a draining
+        // endpoint that TCP keeps, UDP not) does not keep a flow.
+        let udp = (pair.0, pair.1, Proto::Udp, pair.3, pair.4);
+        let fronts = [front, FrontendKey { proto: Proto::Udp, ..front }];
+        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&fronts, &[udp])), [Step::MarkStale(k, 100 * S)]);
         assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[], &[])), [], "no frontend at its address: left to expire");
     }
 

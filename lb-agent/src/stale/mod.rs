@@ -35,13 +35,14 @@ use anyhow::{Context as _, Result};
 use lb_common::{SockRevNat4Key, SockRevNat4Value, SockRevNat6Key, SockRevNat6Value};
 
 pub use crate::model::Pair;
+use crate::model::{FrontendKey, Proto};
 pub use sock_diag::send;
 use netns::{check_visibility, netns_sockets};
 use sock_diag::{Conn, connected_to, destroy_one, xlate_pair};
 
-/// A connected socket (named by `T`), its peer address and port, and the
-/// frontend our hook translated it from (None: not ours).
-pub type Candidate<T> = (T, IpAddr, u16, Option<(IpAddr, u16)>);
+/// A connected socket (named by `T`), its protocol, its peer address and
+/// port, and the frontend our hook translated it from (None: not ours).
+pub type Candidate<T> = (T, Proto, IpAddr, u16, Option<(IpAddr, u16)>);
 
 /// The candidates to destroy: connected sockets whose peer is a backend
 /// that left, with the frontend our hook translated them from (None: the
@@ -50,7 +51,7 @@ pub type Candidate<T> = (T, IpAddr, u16, Option<(IpAddr, u16)>);
 pub fn stale<T: Copy>(candidates: &[Candidate<T>], left: &BTreeSet<Pair>) -> Vec<T> {
     candidates
         .iter()
-        .filter(|(_, b, bp, from)| from.is_some_and(|(v, vp)| left.contains(&(v, vp, *b, *bp))))
+        .filter(|(_, proto, b, bp, from)| from.is_some_and(|(v, vp)| left.contains(&(v, vp, *proto, *b, *bp))))
         .map(|(t, ..)| *t)
         .collect()
 }
@@ -70,7 +71,7 @@ enum Work {
     /// Every frontend after a full sync: any translated socket to a pair
     /// none of them serves is stale (an endpoint removed while no agent
     /// ran, say).
-    Sweep(Vec<(IpAddr, u16, std::sync::Arc<crate::model::Frontend>)>),
+    Sweep(Vec<(FrontendKey, std::sync::Arc<crate::model::Frontend>)>),
     /// UDP frontends that got backends: a connected UDP socket whose peer
     /// is one of them itself was connected while it had none (or did not
     /// exist), untranslated, and its datagrams go nowhere.
@@ -137,18 +138,14 @@ fn merge(works: impl Iterator<Item = Work>) -> Round {
         }
     }
     let fronts = sweep.map(|s| {
-        let mut by_addr: Fronts = HashMap::new();
-        for (a, p, f) in s {
-            by_addr.entry((a, p)).or_default().push(f);
-        }
-        (by_addr, back)
+        let by_key: Fronts = s.into_iter().collect();
+        (by_key, back)
     });
     Round { left, fronts, udp_served }
 }
 
-/// Frontends by address and port (TCP and UDP share them), to judge every
-/// translated socket in a sweep.
-type Fronts = HashMap<(IpAddr, u16), Vec<std::sync::Arc<crate::model::Frontend>>>;
+/// Frontends, to judge every translated socket in a sweep.
+type Fronts = HashMap<FrontendKey, std::sync::Arc<crate::model::Frontend>>;
 
 impl Worker {
     fn run(mut self, rx: std::sync::mpsc::Receiver<Work>) {
@@ -179,7 +176,7 @@ impl Worker {
         use std::os::fd::AsFd as _;
         let Round { left, fronts, udp_served } = round;
         let fronts = fronts.as_ref();
-        let peers: BTreeSet<(IpAddr, u16)> = left.iter().map(|(_, _, b, bp)| (*b, *bp)).chain(udp_served.iter().copied()).collect();
+        let peers: BTreeSet<(IpAddr, u16)> = left.iter().map(|(_, _, _, b, bp)| (*b, *bp)).chain(udp_served.iter().copied()).collect();
         let conns = match connected_to(sock, fronts.is_none().then_some(&peers), self.storage.fd().as_fd()) {
             Ok(c) => c,
             Err(e) => {
@@ -187,18 +184,19 @@ impl Worker {
                 return 0;
             }
         };
-        let candidates: Vec<Candidate<usize>> = conns.iter().enumerate().map(|(i, c)| (i, c.peer, c.port, self.translated_from(c))).collect();
+        let proto = |c: &Conn| if c.req.protocol == sock_diag::IPPROTO_UDP { Proto::Udp } else { Proto::Tcp };
+        let candidates: Vec<Candidate<usize>> = conns.iter().enumerate().map(|(i, c)| (i, proto(c), c.peer, c.port, self.translated_from(c))).collect();
         let mut judged = left.clone();
         if let Some((fronts, back)) = fronts {
             let alive = |pair: &Pair| {
-                let (v, vp, b, bp) = pair;
-                back.contains(pair) || (!left.contains(pair) && fronts.get(&(*v, *vp)).is_some_and(|fs| fs.iter().any(|f| f.serves(*b, *bp))))
+                let (addr, port, proto, b, bp) = *pair;
+                back.contains(pair) || (!left.contains(pair) && fronts.get(&FrontendKey { addr, port, proto }).is_some_and(|f| f.serves(b, bp)))
             };
-            judged.extend(candidates.iter().filter_map(|(_, b, bp, f)| f.map(|(v, vp)| (v, vp, *b, *bp))).filter(|pair| !alive(pair)));
+            judged.extend(candidates.iter().filter_map(|(_, proto, b, bp, f)| f.map(|(v, vp)| (v, vp, *proto, *b, *bp))).filter(|pair| !alive(pair)));
         }
         let untranslated = candidates
             .iter()
-            .filter(|(i, b, bp, from)| from.is_none() && conns[*i].req.protocol == sock_diag::IPPROTO_UDP && udp_served.contains(&(*b, *bp)))
+            .filter(|(_, proto, b, bp, from)| from.is_none() && *proto == Proto::Udp && udp_served.contains(&(*b, *bp)))
             .map(|(i, ..)| *i);
         let mut n = 0;
         for i in stale(&candidates, &judged).into_iter().chain(untranslated) {
@@ -299,7 +297,7 @@ impl Destroyer {
     }
 
     /// Hand over every frontend after a full sync.
-    pub fn sweep(&self, fronts: Vec<(IpAddr, u16, std::sync::Arc<crate::model::Frontend>)>) {
+    pub fn sweep(&self, fronts: Vec<(FrontendKey, std::sync::Arc<crate::model::Frontend>)>) {
         let _ = self.tx.send(Work::Sweep(fronts));
     }
 }
@@ -311,7 +309,7 @@ mod tests {
     #[test]
     fn a_pair_that_comes_back_before_the_destroyer_looks_is_not_stale() {
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
-        let (a, b) = ((ip("10.96.0.10"), 80, ip("10.0.0.1"), 8080), (ip("10.96.0.10"), 80, ip("10.0.0.2"), 8080));
+        let (a, b) = ((ip("10.96.0.10"), 80, Proto::Tcp, ip("10.0.0.1"), 8080), (ip("10.96.0.10"), 80, Proto::Tcp, ip("10.0.0.2"), 8080));
         let changed = |l: &[Pair], j: &[Pair]| Work::Changed { left: l.iter().copied().collect(), joined: j.iter().copied().collect() };
         // a leaves, then comes back; b leaves.
         let Round { left, fronts, .. } = merge([changed(&[a, b], &[]), changed(&[], &[a])].into_iter());
@@ -337,14 +335,18 @@ mod tests {
     fn only_sockets_to_pairs_that_left_are_stale() {
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
         let vip = ip("10.96.0.10");
+        let (tcp, udp) = (Proto::Tcp, Proto::Udp);
         let entries = [
-            (1, ip("10.0.0.1"), 8080, Some((vip, 80))), // backend left
-            (2, ip("10.0.0.2"), 8080, Some((vip, 80))), // still serving
-            (3, ip("10.0.0.2"), 8080, Some((ip("10.96.0.11"), 80))), // same backend, other frontend that dropped it
+            (1, tcp, ip("10.0.0.1"), 8080, Some((vip, 80))), // backend left
+            (2, tcp, ip("10.0.0.2"), 8080, Some((vip, 80))), // still serving
+            (3, tcp, ip("10.0.0.2"), 8080, Some((ip("10.96.0.11"), 80))), // same backend, other frontend that dropped it
+            (5, udp, ip("10.0.0.3"), 53, Some((vip, 53))), // a UDP socket whose pair left
+            (6, tcp, ip("10.0.0.3"), 53, Some((vip, 53))), // the same pair in TCP, still kept (draining)
         ];
-        let left: BTreeSet<Pair> = [(vip, 80, ip("10.0.0.1"), 8080), (ip("10.96.0.11"), 80, ip("10.0.0.2"), 8080)].into();
-        assert_eq!(stale(&entries, &left), [1, 3]);
+        let left: BTreeSet<Pair> =
+            [(vip, 80, tcp, ip("10.0.0.1"), 8080), (ip("10.96.0.11"), 80, tcp, ip("10.0.0.2"), 8080), (vip, 53, udp, ip("10.0.0.3"), 53)].into();
+        assert_eq!(stale(&entries, &left), [1, 3, 5]);
         // A connection the socket-LB did not make is never stale.
-        assert!(stale(&[(4, ip("10.0.0.1"), 8080, None)], &left).is_empty());
+        assert!(stale(&[(4, tcp, ip("10.0.0.1"), 8080, None)], &left).is_empty());
     }
 }

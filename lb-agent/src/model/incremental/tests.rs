@@ -293,7 +293,8 @@ fn a_draining_endpoint_keeps_its_tcp_connections_until_it_leaves() {
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": "web", "namespace": "default"},
             "spec": {"clusterIP": "10.96.0.10", "ports": [
-                {"name": "http", "port": 80, "protocol": "TCP"}, {"name": "dns", "port": 53, "protocol": "UDP"}]}
+                {"name": "http", "port": 80, "protocol": "TCP"}, {"name": "dns", "port": 53, "protocol": "UDP"},
+                {"name": "dns-tcp", "port": 53, "protocol": "TCP"}]}
         }))
         .unwrap(),
     );
@@ -302,7 +303,8 @@ fn a_draining_endpoint_keeps_its_tcp_connections_until_it_leaves() {
             serde_json::from_value(serde_json::json!({
                 "metadata": {"name": "web-1", "namespace": "default", "labels": {"kubernetes.io/service-name": "web"}},
                 "addressType": "IPv4",
-                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "dns", "port": 8053, "protocol": "UDP"}],
+                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}, {"name": "dns", "port": 8053, "protocol": "UDP"},
+                    {"name": "dns-tcp", "port": 8053, "protocol": "TCP"}],
                 "endpoints": eps
             }))
             .unwrap(),
@@ -316,20 +318,22 @@ fn a_draining_endpoint_keeps_its_tcp_connections_until_it_leaves() {
     let svcs = [svc];
     inc.update(&svcs, &[slice(serde_json::json!([ready("10.1.0.1"), ready("10.1.0.2")]))], &node(), &opts);
     let ch = inc.update(&svcs, &[slice(serde_json::json!([draining("10.1.0.1"), ready("10.1.0.2")]))], &node(), &opts);
-    assert_eq!(ch.left, BTreeSet::from([(vip, 53, a, 8053)]), "UDP only");
+    let (tcp, udp) = (crate::model::Proto::Tcp, crate::model::Proto::Udp);
+    // UDP only, also where TCP has the same port (DNS).
+    assert_eq!(ch.left, BTreeSet::from([(vip, 53, udp, a, 8053)]), "UDP only");
     let d = inc.desired();
-    let tcp = &d.frontends[&FrontendKey { addr: vip, port: 80, proto: crate::model::Proto::Tcp }];
-    assert_eq!(tcp.backends.iter().map(|x| x.addr).collect::<Vec<_>>(), [b], "no new connection goes to it");
-    assert!(tcp.serves(a, 8080));
+    let web = &d.frontends[&FrontendKey { addr: vip, port: 80, proto: tcp }];
+    assert_eq!(web.backends.iter().map(|x| x.addr).collect::<Vec<_>>(), [b], "no new connection goes to it");
+    assert!(web.serves(a, 8080));
     // Not ready, not terminating: stale for both (a readiness failure, or
     // its node lost).
     let ch = inc.update(&svcs, &[slice(serde_json::json!([{"addresses": ["10.1.0.1"], "conditions": {"ready": false, "serving": false}}, ready("10.1.0.2")]))], &node(), &opts);
-    assert_eq!(ch.left, BTreeSet::from([(vip, 80, a, 8080)]));
+    assert_eq!(ch.left, BTreeSet::from([(vip, 80, tcp, a, 8080), (vip, 53, tcp, a, 8053)]));
     let ch = inc.update(&svcs, &[slice(serde_json::json!([draining("10.1.0.1"), ready("10.1.0.2")]))], &node(), &opts);
-    assert_eq!(ch.joined, BTreeSet::from([(vip, 80, a, 8080)]), "draining again: not stale");
+    assert_eq!(ch.joined, BTreeSet::from([(vip, 80, tcp, a, 8080), (vip, 53, tcp, a, 8053)]), "draining again: not stale");
     // The pod is gone: its endpoint leaves.
     let ch = inc.update(&svcs, &[slice(serde_json::json!([ready("10.1.0.2")]))], &node(), &opts);
-    assert_eq!(ch.left, BTreeSet::from([(vip, 80, a, 8080)]));
+    assert_eq!(ch.left, BTreeSet::from([(vip, 80, tcp, a, 8080), (vip, 53, tcp, a, 8053)]));
     assert_eq!(sorted(inc.desired().clone()), sorted(compute_with(&svcs, &[slice(serde_json::json!([ready("10.1.0.2")]))], &node(), &opts)));
 }
 
