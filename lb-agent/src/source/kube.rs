@@ -132,7 +132,7 @@ fn observed(observe: ObserveLayer) -> tower::ServiceBuilder<tower::layer::util::
 /// deleted Services back and take new endpoints away, which lb acts on by
 /// destroying sockets and resetting flows); where the cache could not
 /// answer at that version (410, or 504 for a version it has not reached),
-/// a consistent read (no version), client-go's fallback.
+/// a consistent read (no version, pages of 500), client-go's fallback.
 fn relist_query(query: &str, newest: Newest) -> Option<String> {
     let params: Vec<&str> = query.split('&').filter(|kv| !kv.is_empty()).collect();
     if newest.rv == 0 || !params.contains(&"resourceVersion=0") {
@@ -140,7 +140,13 @@ fn relist_query(query: &str, newest: Newest) -> Option<String> {
     }
     let kept = params.iter().filter(|kv| **kv != "resourceVersion=0" && !kv.starts_with("resourceVersionMatch="));
     let mut out: Vec<String> = kept.map(|kv| kv.to_string()).collect();
-    if !newest.consistent {
+    if newest.consistent {
+        // Paged, as client-go's pager pages it: without
+        // ConsistentListFromCache, etcd answers it.
+        if !out.iter().any(|kv| kv.starts_with("limit=")) {
+            out.push("limit=500".into());
+        }
+    } else {
         out.push(format!("resourceVersion={}", newest.rv));
         out.push("resourceVersionMatch=NotOlderThan".into());
     }

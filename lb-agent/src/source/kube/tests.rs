@@ -172,7 +172,9 @@ impl Fake {
             kind.lists += 1;
             let at_version = query.split('&').any(|kv| kv.strip_prefix("resourceVersion=").is_some_and(|v| v != "0"));
             if kind.stuck && at_version {
-                kind.fail_lists.insert(0, (504, None));
+                // As the API server answers it: "Too large resource
+                // version", to be asked again in a second.
+                kind.fail_lists.insert(0, (504, Some(1)));
             }
             if !kind.fail_lists.is_empty() {
                 let (code, retry_after) = kind.fail_lists.remove(0);
@@ -344,7 +346,8 @@ async fn a_410_relist_drops_vanished_objects_without_blanking_and_never_reads_a_
     assert_eq!(names(&u.snapshot), ["keep".to_string()].into());
     let relists = lists(before);
     assert!(relists.len() >= 2 && relists[0].contains("resourceVersionMatch=NotOlderThan"), "{relists:?}");
-    assert!(!relists.last().unwrap().contains("resourceVersion"), "{relists:?}");
+    let last = relists.last().unwrap();
+    assert!(!last.contains("resourceVersion") && last.contains("limit=500"), "{relists:?}");
     // No published snapshot ever lost "keep" (the maps are never blanked)
     // or showed "gone" again.
     assert!(h.seen.iter().all(|s| s.contains("keep")), "{:?}", h.seen);
@@ -460,7 +463,7 @@ fn a_relist_asks_for_the_newest_version_seen_or_reads_consistently() {
     let q = "labelSelector=x&resourceVersion=0&resourceVersionMatch=NotOlderThan";
     assert_eq!(relist_query(q, Newest { rv: 0, consistent: false }), None, "the first list: any version");
     assert_eq!(relist_query(q, Newest { rv: 42, consistent: false }).as_deref(), Some("labelSelector=x&resourceVersion=42&resourceVersionMatch=NotOlderThan"));
-    assert_eq!(relist_query(q, Newest { rv: 42, consistent: true }).as_deref(), Some("labelSelector=x"));
+    assert_eq!(relist_query(q, Newest { rv: 42, consistent: true }).as_deref(), Some("labelSelector=x&limit=500"));
     // The Node list reads consistently already (and pages).
     assert_eq!(relist_query("fieldSelector=metadata.name%3Dn&limit=500", Newest { rv: 42, consistent: false }), None);
 }
