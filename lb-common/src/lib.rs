@@ -161,7 +161,10 @@ pub struct SockRevNatValue<A> {
 /// capacity flag bounds it. getpeername and recvmsg read it; the agent reads
 /// it through sock_diag to destroy stale sockets. An IPv4 translation (also
 /// for an AF_INET6 socket connecting to `::ffff:a.b.c.d`) has its addresses
-/// in the first 4 bytes.
+/// in the first 4 bytes. The storage map survives a new `LAYOUT_VERSION`
+/// (its entries cannot be copied): a change of what a field means must
+/// change this struct's BTF (a field's name), so that an upgrade replaces
+/// the map rather than misread it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -194,6 +197,7 @@ pub mod sock_xlate {
 /// a frontend with loadBalancerSourceRanges, whose source address was not
 /// known yet when they translated it (connect and sendmsg run before the
 /// kernel picks the source). `lb_sock_egress` checks its packets' source.
+/// Kept across a new `LAYOUT_VERSION`, as `SockXlate` is (see there).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[cfg_attr(feature = "user", derive(bytemuck::Pod, bytemuck::Zeroable))]
@@ -1019,8 +1023,9 @@ mod layout_tests {
     /// the pinned maps instead of misreading them. Update the expected value
     /// below together with the version. A change of a value's size alone
     /// (`SvcStats` growing `source_range`, 12-05) needs no bump: the loader
-    /// replaces that one map, where a bump would replace them all (and
-    /// with `LB_SOCK_XLATE` every socket's getpeername rewriting). Nor does
+    /// replaces that one map, where a bump would replace them all (but the
+    /// socket storage maps, which a bump alone keeps: a change of their
+    /// meaning must change their BTF). Nor does
     /// a new field the map's BTF names (`AffinityKey::proto` in what was
     /// padding, 12-05): the loader compares BTF layouts and replaces that
     /// map alone (and `upgrade::copy_affinity_adding_proto` carries its

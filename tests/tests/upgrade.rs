@@ -526,7 +526,10 @@ fn metrics_read_the_live_counters_while_an_upgrade_waits_for_its_first_sync() ->
 /// (before, it went on to the pod that left, and a UDP flow would have,
 /// for as long as its client kept sending), and a pod's connected UDP
 /// socket to pod-1 is told (its entry in `LB_SOCK_UDP`, by which the
-/// destroyer finds it, now comes along too).
+/// destroyer finds it, now comes along too), and so is its TCP socket
+/// through the ClusterIP (since 12-06 the socket storage that names its
+/// frontend is kept across a layout-version upgrade: before, it went with
+/// the old storage map, and the socket went on to the pod that left).
 #[test]
 fn flows_and_sockets_to_endpoints_that_left_before_an_upgrade_are_ended_after_it() -> Result<()> {
     let mut w = world(&web("NodePort", "", &[]))?;
@@ -535,6 +538,7 @@ fn flows_and_sockets_to_endpoints_that_left_before_an_upgrade_are_ended_after_it
     wait_only(&w.c, NODE1, 30080, &w.p1)?;
     let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "6000", "--interval-ms", "20", "--timeout-ms", "1000"])?;
     let udp = w.c.probe_bg(&client, &["udp-stream", "--addr", "10.96.0.10:80", "--keep-on-timeout", "--interval-ms", "20", "--max-ms", "6000"])?;
+    let via_vip = w.c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "6000", "--interval-ms", "20", "--timeout-ms", "1000"])?;
     std::thread::sleep(Duration::from_millis(700));
     // No agent: pod-1 leaves the Service (it still answers); the next
     // agent upgrades every map.
@@ -549,6 +553,9 @@ fn flows_and_sockets_to_endpoints_that_left_before_an_upgrade_are_ended_after_it
     let u = Cluster::finish(udp)?;
     assert!(u.replies.iter().any(|(r, n)| r.starts_with("pod-2") && *n > 10), "the client connected again, to pod-2: {u:?}");
     assert!(u.errors.contains_key("ECONNABORTED") || u.errors.contains_key("EDESTADDRREQ"), "told by an error: {u:?}");
+    let t = Cluster::finish(via_vip)?;
+    assert!(!t.replies.is_empty() && t.replies.keys().all(|r| r.starts_with("pod-1")), "{t:?}");
+    assert_eq!(t.errors.keys().collect::<Vec<_>>(), ["ECONNABORTED"], "the socket to pod-1 was destroyed after the upgrade: {t:?}");
     Ok(())
 }
 
@@ -672,6 +679,38 @@ fn an_upgrade_killed_after_its_programs_moved_is_resumed_by_the_next_agent() -> 
     assert!(!w.c.nodes[0].bpffs.join("next").exists());
     let got = pins(&w.c)?;
     assert!(got.contains("layout-99") && !got.iter().any(|p| p.starts_with("layout-") && p != "layout-99"), "{got:?}");
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--count", "5"])?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}
+
+/// A staging cut short before the programs moved (the agent killed, or
+/// out of memory, between two pins; here a staged map unpinned): the next
+/// agent of the same version drops it and starts over, rather than resume
+/// with the missing maps left old (a new services map beside the old
+/// backends map, which numbers its ids otherwise). Only a map this version
+/// adds, marked `next/inplace-NAME` by the staging agent, counts as staged
+/// in place.
+#[test]
+fn a_staging_cut_short_is_started_over_not_resumed() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let api = w.c.start_apiserver(1, false)?;
+    w.c.kill_agent(1);
+    w.c.start_agent_kube(1, &api.kubeconfig, &[])?;
+    api.control("/lbtest/fail?code=500&count=1000000")?;
+    w.c.kill_agent(1);
+    std::fs::remove_file(w.c.nodes[0].bpffs.join(lb_common::maps::LOCAL4))?;
+    w.c.start_agent_kube_unsynced(1, &api.kubeconfig, &[], &[("LB_LAYOUT_VERSION", "99")])?;
+    let next = w.c.nodes[0].bpffs.join("next");
+    assert!(next.join(lb_common::maps::SERVICES4).exists() && next.join(format!("inplace-{}", lb_common::maps::LOCAL4)).symlink_metadata().is_ok());
+    w.c.kill_agent(1);
+    std::fs::remove_file(next.join(lb_common::maps::BACKENDS4))?;
+    api.control("/lbtest/fail?code=500&count=0")?;
+    w.c.start_agent_kube_unsynced(1, &api.kubeconfig, &[], &[("LB_LAYOUT_VERSION", "99")])?;
+    assert_eq!(lines_with(&w.c, "its staged maps are dropped and it starts over")?.len(), 1);
+    assert!(lines_with(&w.c, "this agent resumes it")?.is_empty());
+    w.c.wait_for("the upgrade", Duration::from_secs(30), || Ok(upgrades_in_log(&w.c)? >= 1))?;
     let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--count", "5"])?;
     assert_eq!(s.ok, 5, "{s:?}");
     Ok(())

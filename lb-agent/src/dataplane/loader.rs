@@ -25,7 +25,7 @@ pub use super::bpflog::{BpfLog, BpfLogSink};
 pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_kernel, check_root, memory_limit};
 pub use super::upgrade::{live_pin, old_pin, pin_path, staged_pin, upgrade_marks};
 use super::upgrade::{
-    LATE_DONE, LAYOUT_MARKER, MOVING, NEXT, Pass, Unfinished, carry_ids, carry_state, expected_layout, finish_moved, incompatible, layout_version,
+    INPLACE, LATE_DONE, LAYOUT_MARKER, MOVING, NEXT, Pass, Unfinished, carry_ids, carry_state, expected_layout, finish_moved, incompatible, layout_version,
     mark_layout, mark_next, marked, readable_as_ours, remove_next, unfinished,
 };
 
@@ -261,6 +261,10 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         // The staged maps' layout, for an agent that resumes or finishes
         // this upgrade should this one be killed.
         mark_next(bpffs, &format!("{LAYOUT_MARKER}{}", layout_version()))?;
+        // And the maps the pins lack, which the loader pins in place.
+        for m in maps::ALL.iter().filter(|m| !replaced.contains(m) && !bpffs.join(m).exists()) {
+            mark_next(bpffs, &format!("{INPLACE}{m}"))?;
+        }
         tracing::info!(maps = ?replaced, "upgrade: new maps are staged and filled before the programs move to them");
     }
 
@@ -635,7 +639,12 @@ impl Tc {
         mark_next(&self.bpffs, LATE_DONE)?;
         let adopted = self.adopt;
         if self.adopt {
-            self.set_upgrading(false)?;
+            // Where an earlier program still runs on some device (its move
+            // failed), it still makes flows in the old NAT table: the new
+            // programs keep taking flows from there.
+            if moved_all {
+                self.set_upgrading(false)?;
+            }
             self.adopt = false;
         }
         for name in replaced {
@@ -657,7 +666,7 @@ impl Tc {
                 }
             }
         } else if adopted {
-            tracing::warn!("upgrade: programs of the earlier agent still run on some device: the old NAT tables keep their flows");
+            tracing::warn!("upgrade: programs of the earlier agent still run on some device: the old NAT tables keep their flows, and the new programs keep taking flows from them");
         }
         Ok(())
     }

@@ -31,6 +31,11 @@ pub(super) const MOVING: &str = "moving";
 /// datapath counters, which it adds up, are not added twice.
 pub(super) const LATE_DONE: &str = "late-copy-done";
 
+/// The `next/` entries `INPLACE` + a map's name: a map the pins lacked
+/// (one this version adds), which the staging agent pins in place, as its
+/// own, rather than stage: it has nothing to be copied from.
+pub(super) const INPLACE: &str = "inplace-";
+
 /// Mark `next/` with `name`: a symlink (an agent from before these markers
 /// removes every entry of `next/` with unlink, which a directory fails).
 pub(super) fn mark_next(bpffs: &Path, name: &str) -> Result<()> {
@@ -47,7 +52,7 @@ pub(super) fn marked(bpffs: &Path, name: &str) -> bool {
 }
 
 fn is_marker(name: &str) -> bool {
-    name.starts_with(LAYOUT_MARKER) || name == LATE_DONE || name == MOVING
+    name.starts_with(LAYOUT_MARKER) || name.starts_with(INPLACE) || name == LATE_DONE || name == MOVING
 }
 
 /// The layout version the maps in `next/` were staged with (none: staged
@@ -122,8 +127,11 @@ pub(super) fn unfinished(bpffs: &Path, cap: &Capacity) -> Result<Unfinished> {
         let as_ours = staged.iter().all(|n| ours_in(&next, n));
         // A map the old pins lacked (one this version adds) was pinned in
         // place by the agent that staged the rest, as ours: not staged, and
-        // nothing to stage.
-        let mut want: Vec<&'static str> = incompatible(bpffs, cap)?.into_iter().filter(|n| staged.contains(n) || !ours_in(bpffs, n)).collect();
+        // nothing to stage. Only those it marked so: a map that is missing
+        // from a staging cut short (killed, or out of memory, between two
+        // pins) is not one.
+        let inplace = |n: &str| marked(bpffs, &format!("{INPLACE}{n}")) && ours_in(bpffs, n);
+        let mut want: Vec<&'static str> = incompatible(bpffs, cap)?.into_iter().filter(|n| staged.contains(n) || !inplace(n)).collect();
         want.sort_unstable();
         let mut have = staged.clone();
         have.sort_unstable();
@@ -333,6 +341,9 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
     let version_changed = pinned_layout_version(dir) != layout_version();
     let ours = super::btf::object_layouts(OBJ).context("read the BTF of this agent's maps")?;
     let mut out = Vec::new();
+    // Those whose entries' layout changed (not their number, nor the
+    // layout version alone).
+    let mut restructured = Vec::new();
     let mut btf = super::btf::BtfCache::default();
     for (name, ty, k, v, max) in expected_layout(cap) {
         let path = dir.join(name);
@@ -341,7 +352,8 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
         }
         let info = aya::maps::MapInfo::from_pin(&path).with_context(|| format!("inspect pinned map {}", path.display()))?;
         let got = info.map_type().ok();
-        let same = got == Some(ty) && info.key_size() as usize == k && info.value_size() as usize == v && info.max_entries() == max;
+        let shape = got == Some(ty) && info.key_size() as usize == k && info.value_size() as usize == v;
+        let same = shape && info.max_entries() == max;
         // A map pinned without BTF (by an agent from before BTF maps) is
         // judged by its sizes and the layout version alone.
         let btf_changed = match (super::btf::pinned_layout(&path, &mut btf), ours.get(name)) {
@@ -355,7 +367,18 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
             }
             _ => false,
         };
-        if version_changed || btf_changed || !same {
+        if btf_changed || !shape {
+            restructured.push(name);
+        }
+        // Socket storage cannot be copied: a new map loses every live
+        // socket's translation (getpeername's and recvmsg's rewriting, the
+        // destroyer's match when its endpoint leaves). It goes where its
+        // own layout changed, or the ids it holds are numbered afresh
+        // (below), not for a new layout version alone (before 12-06 every
+        // layout-version upgrade replaced it). A change of meaning at the
+        // same layout must change the BTF (a field's name).
+        let storage = ty == aya::maps::MapType::SkStorage;
+        if (version_changed && !storage) || btf_changed || !same {
             tracing::info!(
                 map = name,
                 pinned = format!("{got:?} {}/{} x{}", info.key_size(), info.value_size(), info.max_entries()),
@@ -378,6 +401,19 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
         for m in SERVICES_GROUP {
             if !out.contains(&m) && dir.join(m).exists() {
                 tracing::info!(map = m, "pinned map gets a new layout: it goes with the services maps, whose ids it holds");
+                out.push(m);
+            }
+        }
+    }
+    // The socket storage names frontends by id (`rev_nat_id`): where a
+    // rev-NAT map changes its own layout, `carry_ids` cannot carry the ids
+    // and frontends are numbered afresh; the storage goes with them (an id
+    // that names another frontend would check a socket's packets against
+    // that one's loadBalancerSourceRanges).
+    if restructured.iter().any(|m| [maps::REVNAT4, maps::REVNAT6].contains(m)) {
+        for m in [maps::SOCK_XLATE, maps::SOCK_CHECK, maps::SOCK_PENDING] {
+            if !out.contains(&m) && dir.join(m).exists() {
+                tracing::info!(map = m, "pinned map gets a new layout: the frontend ids it holds are numbered afresh");
                 out.push(m);
             }
         }
