@@ -648,7 +648,7 @@ impl Reconciler {
         if let Some(d) = &self.destroyer {
             d.sweep(desired.frontends.iter().map(|(k, f)| (*k, f.clone())).collect());
         }
-        let fronts = desired.frontends.keys().copied().collect();
+        let fronts = desired.frontends.keys().map(|k| (k.addr, k.port)).collect();
         let _ = self.nat_left.send(crate::nodeport::Ending::Sweep { fronts, alive: desired.alive_pairs() });
     }
 

@@ -227,6 +227,13 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     // staged maps were never used; start over.
     let next = bpffs.join(NEXT);
     let mut resumed = None;
+    // `next/` markers an agent from before them moved into the pin dir
+    // (as pins) when it finished an upgrade: they mean nothing there.
+    for e in fs::read_dir(bpffs).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().starts_with(INPLACE) {
+            let _ = fs::remove_file(e.path());
+        }
+    }
     if next.exists() {
         match unfinished(bpffs, &cap)? {
             Unfinished::Resume(staged) => {
@@ -639,12 +646,11 @@ impl Tc {
         mark_next(&self.bpffs, LATE_DONE)?;
         let adopted = self.adopt;
         if self.adopt {
-            // Where an earlier program still runs on some device (its move
-            // failed), it still makes flows in the old NAT table: the new
-            // programs keep taking flows from there.
-            if moved_all {
-                self.set_upgrading(false)?;
-            }
+            // Off also where an earlier program still runs on some device
+            // (its move failed) and makes flows in the old NAT table: the
+            // NAT thread no longer passes over that table, and flows it
+            // ends in the new one would be taken back from there.
+            self.set_upgrading(false)?;
             self.adopt = false;
         }
         for name in replaced {
@@ -666,7 +672,7 @@ impl Tc {
                 }
             }
         } else if adopted {
-            tracing::warn!("upgrade: programs of the earlier agent still run on some device: the old NAT tables keep their flows, and the new programs keep taking flows from them");
+            tracing::warn!("upgrade: programs of the earlier agent still run on some device: the old NAT tables keep their flows");
         }
         Ok(())
     }

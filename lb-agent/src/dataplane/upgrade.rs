@@ -409,13 +409,15 @@ pub(super) fn incompatible(dir: &Path, cap: &Capacity) -> Result<Vec<&'static st
     // rev-NAT map changes its own layout, `carry_ids` cannot carry the ids
     // and frontends are numbered afresh; the storage goes with them (an id
     // that names another frontend would check a socket's packets against
-    // that one's loadBalancerSourceRanges).
-    if restructured.iter().any(|m| [maps::REVNAT4, maps::REVNAT6].contains(m)) {
-        for m in [maps::SOCK_XLATE, maps::SOCK_CHECK, maps::SOCK_PENDING] {
-            if !out.contains(&m) && dir.join(m).exists() {
-                tracing::info!(map = m, "pinned map gets a new layout: the frontend ids it holds are numbered afresh");
-                out.push(m);
-            }
+    // that one's loadBalancerSourceRanges). `LB_SOCK_PENDING` holds
+    // backend ids too (its connections would be counted to another).
+    let renumbered = |ids: [&str; 2]| restructured.iter().any(|m| ids.contains(m));
+    let frontends = renumbered([maps::REVNAT4, maps::REVNAT6]);
+    let backends = renumbered([maps::BACKENDS4, maps::BACKENDS6]);
+    for (m, goes) in [(maps::SOCK_XLATE, frontends), (maps::SOCK_CHECK, frontends), (maps::SOCK_PENDING, frontends || backends)] {
+        if goes && !out.contains(&m) && dir.join(m).exists() {
+            tracing::info!(map = m, "pinned map gets a new layout: the ids it holds are numbered afresh");
+            out.push(m);
         }
     }
     // New services maps may number frontends and backends afresh: the

@@ -7,7 +7,7 @@ use aya::maps::{HashMap, MapData};
 use lb_common::{NatEntry, NatKey, PROTO_UDP, nat_flags, nat_state};
 
 use crate::dataplane::writer::Addr;
-use crate::model::{FrontendKey, Pair, Proto};
+use crate::model::{Pair, Proto};
 
 /// Which flows a pass ends, by their (frontend, backend) pair.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -21,7 +21,7 @@ pub enum Ending {
     /// the serving ones, so that endpoints that went while no agent
     /// watched (a restart, an upgrade) end their flows too. Flows to an
     /// address no frontend has are left to expire.
-    Sweep { fronts: BTreeSet<FrontendKey>, alive: BTreeSet<Pair> },
+    Sweep { fronts: BTreeSet<(std::net::IpAddr, u16)>, alive: BTreeSet<Pair> },
 }
 
 impl Ending {
@@ -29,7 +29,9 @@ impl Ending {
         match self {
             Ending::Nothing => false,
             Ending::Left(left) => left.contains(p),
-            Ending::Sweep { fronts, alive } => fronts.contains(&FrontendKey { addr: p.0, port: p.1, proto: p.2 }) && !alive.contains(p),
+            // A frontend at the flow's address and port, of either
+            // protocol (one whose protocol went ends its flows).
+            Ending::Sweep { fronts, alive } => fronts.contains(&(p.0, p.1)) && !alive.contains(p),
         }
     }
 }
@@ -508,15 +510,14 @@ mod tests {
         let pair = pair_of(&k, &e);
         let m = table(&[(k, e), (rk, r)]);
         let other = (pair.0, pair.1, pair.2, "10.9.9.9".parse().unwrap(), 80);
-        let front = FrontendKey { addr: pair.0, port: pair.1, proto: pair.2 };
-        let sweep = |fronts: &[FrontendKey], alive: &[Pair]| Ending::Sweep { fronts: fronts.iter().copied().collect(), alive: alive.iter().copied().collect() };
+        let front = (pair.0, pair.1);
+        let sweep = |fronts: &[(std::net::IpAddr, u16)], alive: &[Pair]| Ending::Sweep { fronts: fronts.iter().copied().collect(), alive: alive.iter().copied().collect() };
         assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[front], &[other])), [Step::MarkStale(k, 100 * S)]);
         assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[front], &[pair, other])), []);
         // The same pair alive in the other protocol only (a draining
         // endpoint that TCP keeps, UDP not) does not keep a flow.
         let udp = (pair.0, pair.1, Proto::Udp, pair.3, pair.4);
-        let fronts = [front, FrontendKey { proto: Proto::Udp, ..front }];
-        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&fronts, &[udp])), [Step::MarkStale(k, 100 * S)]);
+        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[front], &[udp])), [Step::MarkStale(k, 100 * S)]);
         assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[], &[])), [], "no frontend at its address: left to expire");
     }
 

@@ -135,6 +135,12 @@ fn observed(observe: ObserveLayer) -> tower::ServiceBuilder<tower::layer::util::
 /// a consistent read (no version, pages of 500), client-go's fallback.
 fn relist_query(query: &str, newest: Newest) -> Option<String> {
     let params: Vec<&str> = query.split('&').filter(|kv| !kv.is_empty()).collect();
+    // The next pages of a paged list (kube-rs asks for them without the
+    // limit when the watcher's own page size is unset): pages of 500 too.
+    let limited = params.iter().any(|kv| kv.starts_with("limit="));
+    if params.iter().any(|kv| kv.starts_with("continue=")) && !limited {
+        return Some(format!("{query}&limit=500"));
+    }
     if newest.rv == 0 || !params.contains(&"resourceVersion=0") {
         return None;
     }
@@ -143,7 +149,7 @@ fn relist_query(query: &str, newest: Newest) -> Option<String> {
     if newest.consistent {
         // Paged, as client-go's pager pages it: without
         // ConsistentListFromCache, etcd answers it.
-        if !out.iter().any(|kv| kv.starts_with("limit=")) {
+        if !limited {
             out.push("limit=500".into());
         }
     } else {

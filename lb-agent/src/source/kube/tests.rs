@@ -464,6 +464,8 @@ fn a_relist_asks_for_the_newest_version_seen_or_reads_consistently() {
     assert_eq!(relist_query(q, Newest { rv: 0, consistent: false }), None, "the first list: any version");
     assert_eq!(relist_query(q, Newest { rv: 42, consistent: false }).as_deref(), Some("labelSelector=x&resourceVersion=42&resourceVersionMatch=NotOlderThan"));
     assert_eq!(relist_query(q, Newest { rv: 42, consistent: true }).as_deref(), Some("labelSelector=x&limit=500"));
+    // The next pages of a consistent list: 500 each too.
+    assert_eq!(relist_query("labelSelector=x&continue=abc", Newest { rv: 42, consistent: true }).as_deref(), Some("labelSelector=x&continue=abc&limit=500"));
     // The Node list reads consistently already (and pages).
     assert_eq!(relist_query("fieldSelector=metadata.name%3Dn&limit=500", Newest { rv: 42, consistent: false }), None);
 }
