@@ -13,7 +13,7 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
-use axum::routing::get;
+use axum::routing::{any, get};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -668,13 +668,20 @@ pub async fn serve(
     if let Some(addr) = healthz_bind {
         let l = listen("--healthz-bind", addr).await?;
         bound.0 = Some(l.local_addr()?);
-        let app = Router::new().route("/healthz", get(healthz)).route("/livez", get(livez)).route("/readyz", get(readyz)).with_state(health);
+        // Any method, as kube-proxy's handlers answer any (HAProxy's
+        // `option httpchk` sends OPTIONS).
+        let app = Router::new().route("/healthz", any(healthz)).route("/livez", any(livez)).route("/readyz", any(readyz)).with_state(health);
         tokio::spawn(async move { axum::serve(l, app).await });
     }
     if let Some(addr) = metrics_bind {
         let l = listen("--metrics-bind", addr).await?;
         bound.1 = Some(l.local_addr()?);
-        let app = Router::new().route("/metrics", get(metrics)).route("/frontends", get(frontends)).with_state(m);
+        // kube-proxy's metrics server answers /healthz with "ok" too.
+        let app = Router::new()
+            .route("/metrics", get(metrics))
+            .route("/frontends", get(frontends))
+            .route("/healthz", any(|| async { "ok" }))
+            .with_state(m);
         tokio::spawn(async move { axum::serve(l, app).await });
     }
     Ok(bound)
@@ -694,8 +701,12 @@ mod tests {
     }
 
     async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+        request(addr, "GET", path).await
+    }
+
+    async fn request(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
+        s.write_all(format!("{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n").as_bytes()).await.unwrap();
         let mut buf = String::new();
         s.read_to_string(&mut buf).await.unwrap();
         let code = buf.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -719,8 +730,14 @@ mod tests {
         let health = Arc::new(Health::new(Duration::from_millis(200)));
         let m = Metrics::new(Arc::new(FakeStats));
         let lo: SocketAddr = "127.0.0.1:0".parse().unwrap();
-        let (h, _) = serve(Some(lo), Some(lo), health.clone(), m).await.unwrap();
+        let (h, metrics_at) = serve(Some(lo), Some(lo), health.clone(), m).await.unwrap();
         let h = h.unwrap();
+        // Any method, as kube-proxy's (HAProxy checks with OPTIONS); the
+        // metrics server's /healthz is kube-proxy's plain "ok".
+        for (method, path) in [("OPTIONS", "/healthz"), ("POST", "/livez"), ("HEAD", "/healthz")] {
+            assert_eq!(request(h, method, path).await.0, 200, "{method} {path}");
+        }
+        assert_eq!(get(metrics_at.unwrap(), "/healthz").await, (200, "ok".to_string()));
         let published = Arc::new(Mutex::new(None::<Instant>));
         let p = published.clone();
         health.watch_source(move || *p.lock().unwrap());

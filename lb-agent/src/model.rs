@@ -113,13 +113,19 @@ pub struct HealthCheck {
     /// counts (`LocalReadyEndpoints`).
     pub local_v4: usize,
     pub local_v6: usize,
+    /// The Service's only family (true: IPv4); None: dual-stack.
+    pub single: Option<bool>,
 }
 
 impl HealthCheck {
-    /// The count kube-proxy's proxier of the asking client's family
-    /// answers with.
+    /// The count kube-proxy answers a client of family `v4` with. Its
+    /// health check server listens on both families whichever proxier
+    /// owns it: a single-stack Service's count goes to every client (a
+    /// load balancer probing a dual-stack node's IPv4 address for an IPv6
+    /// Service gets the IPv6 count); a dual-stack Service's, as each
+    /// family's proxier counts its own, the client's family's.
     pub fn local_endpoints(&self, v4: bool) -> usize {
-        if v4 { self.local_v4 } else { self.local_v6 }
+        if self.single.unwrap_or(v4) { self.local_v4 } else { self.local_v6 }
     }
 }
 
@@ -1276,8 +1282,23 @@ mod tests {
             slice("web", "c", "IPv4", &[], &[local("10.0.0.4")]),
             slice("web", "d", "IPv6", WEB_EP, &[local("fd00::1")]),
         ];
-        let d = compute(&[s], &slices, &node());
+        let d = compute(&[s.clone()], &slices, &node());
         let hc = &d.health_checks[&32000];
-        assert_eq!((hc.local_v4, hc.local_v6, hc.local_endpoints(true), hc.local_endpoints(false)), (3, 1, 3, 1));
+        // A single-stack IPv4 Service: its count, whatever the client's
+        // family.
+        assert_eq!((hc.local_v4, hc.local_v6, hc.local_endpoints(true), hc.local_endpoints(false)), (3, 1, 3, 3));
+        // Dual-stack: each family's own.
+        let spec = s.spec.as_mut().unwrap();
+        spec.cluster_ips = Some(vec!["10.96.0.10".into(), "fd00:96::10".into()]);
+        spec.ip_families = Some(vec!["IPv4".into(), "IPv6".into()]);
+        let hc = &compute(&[s.clone()], &slices, &node()).health_checks[&32000];
+        assert_eq!((hc.local_endpoints(true), hc.local_endpoints(false)), (3, 1));
+        // Single-stack IPv6: the IPv6 count, to an IPv4 client too.
+        let spec = s.spec.as_mut().unwrap();
+        spec.cluster_ip = Some("fd00:96::10".into());
+        spec.cluster_ips = Some(vec!["fd00:96::10".into()]);
+        spec.ip_families = Some(vec!["IPv6".into()]);
+        let hc = &compute(&[s], &slices, &node()).health_checks[&32000];
+        assert_eq!((hc.local_endpoints(true), hc.local_endpoints(false)), (1, 1));
     }
 }

@@ -139,7 +139,7 @@ where
         cluster_frontends(&mut out, &mut claimed, &p, &vips);
         external_frontends(&mut out, &mut claimed, &p, &vips);
     }
-    out.health_check = health_check(sref, spec, &svc_slices, node);
+    out.health_check = health_check(sref, spec, &svc_slices, node, &vips);
     out.vips = vips;
     out
 }
@@ -338,7 +338,7 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
 
 /// kube-proxy's health check for a LoadBalancer Service with
 /// externalTrafficPolicy Local: the ready endpoints on this node.
-fn health_check(sref: &ServiceRef, spec: &ServiceSpec, slices: &[&EndpointSlice], node: &NodeInfo) -> Option<(u16, HealthCheck)> {
+fn health_check(sref: &ServiceRef, spec: &ServiceSpec, slices: &[&EndpointSlice], node: &NodeInfo, vips: &[IpAddr]) -> Option<(u16, HealthCheck)> {
     if spec.external_traffic_policy.as_deref() != Some("Local") || spec.type_.as_deref() != Some("LoadBalancer") {
         return None;
     }
@@ -354,5 +354,7 @@ fn health_check(sref: &ServiceRef, spec: &ServiceSpec, slices: &[&EndpointSlice]
         .flat_map(|(v4, ep)| ep.addresses.iter().copied().filter(move |a| a.is_ipv4() == v4))
         .collect();
     let local_v4 = local.iter().filter(|a| a.is_ipv4()).count();
-    Some((hc, HealthCheck { service: sref.clone(), local_v4, local_v6: local.len() - local_v4 }))
+    let v4 = vips.iter().any(IpAddr::is_ipv4);
+    let single = (v4 != vips.iter().any(IpAddr::is_ipv6)).then_some(v4);
+    Some((hc, HealthCheck { service: sref.clone(), local_v4, local_v6: local.len() - local_v4, single }))
 }

@@ -47,9 +47,9 @@ pub struct HealthChecks {
 
 /// kube-proxy's answer (`service_health.go`): 200 when there are local
 /// endpoints and the proxy is healthy (its `/livez` sense: the Node's
-/// deletion does not count here), else 503; the count is that of the
-/// asking client's family (`v4`), as each of kube-proxy's proxiers counts
-/// its own.
+/// deletion does not count here), else 503; the count is the Service's
+/// (for a dual-stack Service, that of the asking client's family, `v4`:
+/// `HealthCheck::local_endpoints`).
 fn hc_answer(hc: &HealthCheck, v4: bool, proxy_healthy: bool) -> (StatusCode, usize, String) {
     let n = hc.local_endpoints(v4);
     let body = serde_json::json!({
@@ -158,7 +158,7 @@ mod tests {
 
     #[test]
     fn health_check_answer_is_kube_proxys() {
-        let hc = HealthCheck { service: ServiceRef { namespace: "ns".into(), name: "web".into() }, local_v4: 2, local_v6: 1 };
+        let hc = HealthCheck { service: ServiceRef { namespace: "ns".into(), name: "web".into() }, local_v4: 2, local_v6: 1, single: None };
         let (code, n, body) = hc_answer(&hc, true, true);
         assert_eq!((code, n), (StatusCode::OK, 2));
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -181,7 +181,7 @@ mod tests {
         let mut hcs = HealthChecks::new(health.clone());
         // A free port on loopback.
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let hc = HealthCheck { service: ServiceRef { namespace: "ns".into(), name: "web".into() }, local_v4: 3, local_v6: 0 };
+        let hc = HealthCheck { service: ServiceRef { namespace: "ns".into(), name: "web".into() }, local_v4: 3, local_v6: 0, single: Some(true) };
         assert_eq!(hcs.reconcile(&[(port, hc)].into(), None).await, 0);
         let get = || async move {
             use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};

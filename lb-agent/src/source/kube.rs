@@ -392,7 +392,6 @@ pub async fn run_with(
     drop(changed_tx);
 
     // The first full view of all three before anything is published.
-    let first = Instant::now();
     let ended = || anyhow::anyhow!("the watchers ended");
     tokio::try_join!(svcs.wait_until_ready(), slices.wait_until_ready(), nodes.wait_until_ready()).map_err(|_| ended())?;
     while changed.try_recv().is_ok() {}
@@ -402,7 +401,10 @@ pub async fn run_with(
         node_found = !nodes.is_empty(),
         "kube source: initial list complete"
     );
-    let mut since = first;
+    // Pending from now, not from the list's start: a first list that took
+    // longer than the stall limit (an API server slow at boot) would
+    // otherwise turn /healthz 503 the moment it is published.
+    let mut since = Instant::now();
     loop {
         let snapshot = Snapshot { services: svcs.state(), slices: slices.state(), nodes: nodes.state() };
         if !publish(Arc::new(Update { snapshot, since })) {
