@@ -68,9 +68,12 @@ enum Cmd {
         /// like kube-proxy's periodic sync; 0 turns it off.
         #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
         resync_period: std::time::Duration,
-        /// /healthz turns 503 when a change waits longer than this many seconds.
-        #[arg(long, default_value_t = 60)]
-        healthz_stall_seconds: u64,
+        /// /healthz turns 503 when a change waits longer than this many
+        /// seconds. Default: twice --resync-period, as kube-proxy's is
+        /// twice its syncPeriod (60 with the defaults, and where
+        /// --resync-period is 0).
+        #[arg(long)]
+        healthz_stall_seconds: Option<u64>,
         /// This node's name (matches EndpointSlice nodeName). Default: $NODE_NAME, else the hostname;
         /// trimmed and lowercased, as kube-proxy and kubelet take it.
         #[arg(long, env = "NODE_NAME")]
@@ -417,6 +420,17 @@ fn raise_open_files() {
     }
 }
 
+/// How long a change may wait before /healthz fails: `--healthz-stall-seconds`,
+/// else twice the resync period (kube-proxy's healthz timeout is twice its
+/// syncPeriod), else 60 s.
+fn stall_after(flag: Option<u64>, resync: std::time::Duration) -> std::time::Duration {
+    match flag {
+        Some(s) => std::time::Duration::from_secs(s),
+        None if resync.is_zero() => std::time::Duration::from_secs(60),
+        None => resync * 2,
+    }
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default()
 }
@@ -570,7 +584,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 api_keepalive,
                 healthz_bind: bind("--healthz-bind", &healthz_bind)?,
                 metrics_bind: bind("--metrics-bind", &metrics_bind)?,
-                stall_after: std::time::Duration::from_secs(healthz_stall_seconds),
+                stall_after: stall_after(healthz_stall_seconds, resync_period),
                 resync_period,
                 node_name: node_name(node_name_flag)?,
                 zone,
@@ -700,7 +714,13 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
         }
         Cmd::Teardown { bpffs, wait_seconds } => {
             loader::check_root()?;
-            if !loader::teardown(&bpffs, std::time::Duration::from_secs(wait_seconds))? {
+            let netfilter = || {
+                let mut errors = firewall::remove();
+                errors.extend(firewall::remove_table());
+                anyhow::ensure!(errors.is_empty(), "remove lb's netfilter rules: {}", errors.join("; "));
+                Ok(())
+            };
+            if !loader::teardown(&bpffs, std::time::Duration::from_secs(wait_seconds), netfilter)? {
                 // A second teardown, or a typo: the netfilter rules (one set
                 // per network namespace) may be another agent's, running
                 // with another --bpffs.
@@ -710,9 +730,6 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 );
                 return Ok(());
             }
-            let mut errors = firewall::remove();
-            errors.extend(firewall::remove_table());
-            anyhow::ensure!(errors.is_empty(), "remove lb's netfilter rules: {}", errors.join("; "));
             Ok(())
         }
         Cmd::CleanupKubeProxy { dry_run } => {
@@ -740,6 +757,16 @@ mod tests {
         assert!(m.contains("in 9 port(s) not in net.ipv4.ip_local_reserved_ports"), "{m}");
         assert_eq!(w((30000, 30000), "1024 65535", "30000"), None);
         assert!(w((30000, 30001), "1024 65535", "garbage,30000").is_some());
+    }
+
+    /// kube-proxy's healthz timeout: twice its syncPeriod.
+    #[test]
+    fn the_stall_limit_is_twice_the_resync_period_unless_given() {
+        use std::time::Duration as D;
+        assert_eq!(super::stall_after(None, D::from_secs(30)), D::from_secs(60));
+        assert_eq!(super::stall_after(None, D::from_secs(10)), D::from_secs(20));
+        assert_eq!(super::stall_after(None, D::ZERO), D::from_secs(60));
+        assert_eq!(super::stall_after(Some(5), D::from_secs(30)), D::from_secs(5));
     }
 
     /// kube-proxy's GetHostname: trimmed, lowercased; blank is an error.

@@ -92,15 +92,25 @@ fn the_daemon_set_runs_on_every_node_with_pinned_state_and_health() {
     let c = &pod.containers[0];
     let args = c.args.clone().unwrap();
     assert!(args.contains(&"--source=kube".to_string()), "{args:?}");
-    // Ready, and started, once the agent has synced (/readyz; /healthz is
-    // kube-proxy's, 200 from the start); restarted on /livez alone
-    // (/healthz fails while the node drains), after a startup probe that
-    // gives the first sync time.
+    // Ready once the agent has synced (/readyz; /healthz is kube-proxy's,
+    // 200 from the start); restarted on /livez alone (/healthz fails while
+    // the node drains; /readyz while the API server is down at boot, and
+    // restarts then only delay the first sync), after a startup probe that
+    // gives the first sync time; timeouts a sync's pause on the agent's
+    // one thread does not reach.
     let port = k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(10256);
-    for (p, path) in [(&c.readiness_probe, "/readyz"), (&c.startup_probe, "/readyz"), (&c.liveness_probe, "/livez")] {
-        let get = p.as_ref().unwrap().http_get.as_ref().unwrap();
+    for (p, path) in [(&c.readiness_probe, "/readyz"), (&c.startup_probe, "/livez"), (&c.liveness_probe, "/livez")] {
+        let p = p.as_ref().unwrap();
+        let get = p.http_get.as_ref().unwrap();
         assert_eq!((get.path.as_deref(), &get.port), (Some(path), &port));
+        assert!(p.timeout_seconds.unwrap_or(1) >= 5, "{p:?}");
     }
+    // Not on virtual-kubelet nodes, nor on nodes labelled to keep
+    // kube-proxy (where an agent that cannot run would hold every rollout).
+    let terms = pod.affinity.as_ref().unwrap().node_affinity.as_ref().unwrap().required_during_scheduling_ignored_during_execution.as_ref().unwrap();
+    let exprs = terms.node_selector_terms[0].match_expressions.clone().unwrap();
+    assert!(exprs.iter().any(|e| e.key == "type" && e.operator == "NotIn" && e.values.as_deref() == Some(&["virtual-kubelet".to_string()][..])), "{exprs:?}");
+    assert!(exprs.iter().any(|e| e.key == "lb.dev/skip" && e.operator == "DoesNotExist"), "{exprs:?}");
     let startup = c.startup_probe.as_ref().unwrap();
     assert!(startup.period_seconds.unwrap_or(10) * startup.failure_threshold.unwrap_or(3) >= 300, "{startup:?}");
     assert_eq!(pod.node_selector.as_ref().and_then(|s| s.get("kubernetes.io/os")).map(String::as_str), Some("linux"));

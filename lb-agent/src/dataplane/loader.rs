@@ -1142,8 +1142,12 @@ fn attach_netlink(prog: &mut SchedClassifier, iface: &str, ty: TcAttachType) -> 
 /// running there (its pod terminating) is waited for, up to `wait`: it
 /// would put back what this removes (its firewall rules) and keep
 /// programming the maps. Past that, nothing is removed: an error.
+/// `last` (the netfilter rules' removal) runs before the pin directory goes,
+/// while the lock is held: where it fails, the directory stays, and a
+/// teardown run again (the uninstall's init container, restarted) does it
+/// again instead of finding nothing to do.
 /// Returns whether anything was pinned there.
-pub fn teardown(bpffs: &Path, wait: std::time::Duration) -> Result<bool> {
+pub fn teardown(bpffs: &Path, wait: std::time::Duration, last: impl FnOnce() -> Result<()>) -> Result<bool> {
     // Nothing there (a node rebooted since, where nothing mounts a bpffs):
     // nothing to do, whatever file system holds the path.
     if !bpffs.exists() {
@@ -1197,6 +1201,7 @@ pub fn teardown(bpffs: &Path, wait: std::time::Duration) -> Result<bool> {
         tracing::info!(pin = %p.display(), "unpinned, though this version of lb does not know it");
         if p.is_dir() { fs::remove_dir_all(&p) } else { fs::remove_file(&p) }.with_context(|| format!("unpin {}", p.display()))?;
     }
+    last()?;
     fs::remove_dir(bpffs).with_context(|| format!("remove {} (not empty?)", bpffs.display()))?;
     Ok(true)
 }
