@@ -118,12 +118,13 @@ pub struct HealthCheck {
 }
 
 impl HealthCheck {
-    /// The count kube-proxy answers a client of family `v4` with. Its
-    /// health check server listens on both families whichever proxier
-    /// owns it: a single-stack Service's count goes to every client (a
+    /// The count a client of family `v4` is answered with. kube-proxy up
+    /// to 1.35 listens on both families whichever proxier owns the
+    /// Service: a single-stack Service's count goes to every client (a
     /// load balancer probing a dual-stack node's IPv4 address for an IPv6
-    /// Service gets the IPv6 count); a dual-stack Service's, as each
-    /// family's proxier counts its own, the client's family's.
+    /// Service gets the IPv6 count; 1.36 refuses it). A dual-stack
+    /// Service's: the client's family's, as 1.36's per-family listeners
+    /// count (up to 1.35 one family's proxier holds the port).
     pub fn local_endpoints(&self, v4: bool) -> usize {
         if self.single.unwrap_or(v4) { self.local_v4 } else { self.local_v6 }
     }

@@ -110,7 +110,8 @@ fn kube_proxys_operational_contract() -> Result<()> {
     c.write_object("node.yaml", &lbtest::objects::node("node-1", "z1"))?;
     c.write_object("svc.yaml", &service("web", "10.96.0.10", &[("http", 80, 8080, "TCP")]))?;
     c.write_object("slice.yaml", &slice("web", "web-1", &[("http", 8080, "TCP")], &[(&a.ip, "node-1", true)]))?;
-    c.start_agent_with(1, &["--resync-period", "1s"])?;
+    // (The stall limit as by default: twice the resync period would be 2 s.)
+    c.start_agent_with(1, &["--resync-period", "1s", "--healthz-stall-seconds", "60"])?;
     c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&format!("{}:8080", a.ip)]))?;
 
     // Metrics on loopback only, as kube-proxy's.
