@@ -72,6 +72,41 @@ fn a_syn_flood_from_spoofed_addresses_expires_and_other_flows_go_on() -> Result<
     Ok(())
 }
 
+/// The same through DSR: the backend's node never sees the client's
+/// handshake, and pod-2 answers every spoofed SYN. Those answers do not
+/// assure its entries, which go after --nat-unreplied-timeout (before
+/// 12-06 a SYN-ACK did, and they lived as long as established flows, a
+/// day by default: a flood filled node-2's table).
+#[test]
+fn a_syn_flood_through_dsr_expires_on_the_backends_node() -> Result<()> {
+    let flags = ["--nodeport-mode", "dsr", "--nat-unreplied-timeout", "2", "--nat-gc-interval", "1"];
+    let w = world_with(&web("NodePort", "", &[]), &flags)?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    let np = hostport(NODE1, 30080);
+    // Pod-2's answers leave node-2 for the spoofed source: a neighbour it
+    // can resolve, as a real one behind a gateway would be (an unresolved
+    // one holds the answers before the egress program sees them).
+    w.c.in_netns(&w.c.nodes[1].netns, &["ip", "neigh", "replace", "192.168.77.201", "lladdr", "02:00:00:00:02:01", "dev", "eth0", "nud", "permanent"])?;
+    let wire = Wire::new(&w.c, &w.outside)?;
+    let syns: Vec<Vec<u8>> = (0..300u16).map(|i| ipv4(FLOOD, NODE1_B, 6, 5, 0x4000, i, &tcp_syn(&FLOOD, &NODE1_B, 20000 + i, 30080))).collect();
+    for burst in syns.chunks(100) {
+        wire.send4(burst.to_vec())?;
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let on_node2 = || -> Result<usize> {
+        let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", w.c.nodes[1].bpffs.to_str().unwrap()])?;
+        Ok(nat.lines().filter(|l| l.contains("src=192.168.77.201 ")).count())
+    };
+    w.c.wait_for("the flood's entries on node-2", Duration::from_secs(5), || Ok(on_node2()? >= 290))?;
+    w.c.wait_for("the flood's entries on node-2 to expire", Duration::from_secs(10), || Ok(on_node2()? == 0))?;
+    // A real client's flow is assured as ever, and lives.
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "4000", "--interval-ms", "200"])?;
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "held past the unreplied timeout: {s:?}");
+    Ok(())
+}
+
 #[test]
 fn malformed_packets_pass_or_drop_without_entries_and_other_flows_go_on() -> Result<()> {
     let w = world(&web("NodePort", "", &[]))?;

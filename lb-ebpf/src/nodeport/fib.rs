@@ -22,7 +22,7 @@ use aya_ebpf::{
 };
 use lb_common::{RouteKey, nat_flags, node_flags, stats};
 
-use super::{ACT_ICMP, ACT_TIME_EXCEEDED, ACT_TOO_BIG, ACT_TRANSLATED, ETH_HLEN, Net, icmp, parse, touch, translate};
+use super::{ACT_ICMP, ACT_TIME_EXCEEDED, ACT_TOO_BIG, ACT_TRANSLATED, ETH_HLEN, Net, icmp, parse, touch_reply, translate};
 use crate::lb;
 
 /// A translated packet goes on: forwarded here if the agent asked for
@@ -164,7 +164,7 @@ pub fn reply<F: Net>(skb: *mut __sk_buff) -> i32 {
         lb::event(stats::FWD_STACK);
         return TC_ACT_OK;
     }
-    touch(e, p.tcp_flags);
+    touch_reply(e, entry.flags, p.tcp_flags);
     if translate::<F>(ctx, &p, entry) != ACT_TRANSLATED {
         return TC_ACT_SHOT;
     }

@@ -1197,6 +1197,17 @@ fn touch<A>(e: *mut NatEntry<A>, tcp_flags: u8) {
     note(e, tcp_flags, nat_state::SEEN)
 }
 
+/// Note a backend's reply in entry `e` (flags `flags`). On the backend's
+/// node of a DSR flow, where the client's handshake is never seen, a
+/// SYN-ACK does not assure the flow: a backend answers every SYN, also a
+/// flood's from spoofed sources, whose entries would otherwise live as
+/// long as established ones (a day) and fill the table.
+#[inline(always)]
+fn touch_reply<A>(e: *mut NatEntry<A>, flags: u8, tcp_flags: u8) {
+    let syn = flags & nat_flags::DSR != 0 && tcp_flags & TCP_SYN != 0;
+    note(e, tcp_flags, if syn { 0 } else { nat_state::SEEN })
+}
+
 /// Note a packet in entry `e`: its time, its FIN / RST, and `seen` (SEEN,
 /// or 0 for a packet that must not assure the flow: a DSR client's packet
 /// on the backend's node).
@@ -1884,7 +1895,7 @@ fn egress<F: Net>(skb: *mut __sk_buff) -> i32 {
         // in a way that matters.
         let entry = unsafe { &*e };
         if entry.flags & nat_flags::REPLY != 0 && entry.flags & nat_flags::SNAT == 0 {
-            touch(e, p.tcp_flags);
+            touch_reply(e, entry.flags, p.tcp_flags);
             return translate::<F>(ctx, &p, entry);
         }
     }
