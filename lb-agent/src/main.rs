@@ -213,6 +213,12 @@ enum Cmd {
         /// NAT: seconds a TCP flow is kept after FIN both ways or RST.
         #[arg(long, default_value_t = 10)]
         nat_tcp_close_timeout: u64,
+        /// NAT: seconds a DSR flow is kept idle on its frontend's node
+        /// after the client's FIN (that node never sees the backend's, so
+        /// the flow may still be half open there: the backend sending).
+        /// Conntrack's FIN_WAIT and TIME_WAIT timeouts are 120 s.
+        #[arg(long, default_value_t = 120)]
+        nat_dsr_fin_timeout: u64,
         /// NAT: seconds an idle UDP flow is kept (the kernel's
         /// nf_conntrack_udp_timeout_stream, which kube-proxy leaves alone).
         #[arg(long, default_value_t = 120)]
@@ -515,6 +521,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
             localhost_nodeports,
             nat_tcp_timeout,
             nat_tcp_close_timeout,
+            nat_dsr_fin_timeout,
             nat_udp_timeout,
             nat_unreplied_timeout,
             nat_gc_interval,
@@ -621,6 +628,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 nat_timeouts: nodeport::NatTimeouts {
                     tcp: Duration::from_secs(nat_tcp_timeout),
                     tcp_closed: Duration::from_secs(nat_tcp_close_timeout),
+                    dsr_fin: Duration::from_secs(nat_dsr_fin_timeout),
                     udp: Duration::from_secs(nat_udp_timeout),
                     unreplied: Duration::from_secs(nat_unreplied_timeout),
                 },

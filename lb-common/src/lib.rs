@@ -469,6 +469,18 @@ pub mod nat_state {
     /// the Service. The next packet ends the flow (TCP: a RST to the client;
     /// UDP: a new backend is picked).
     pub const STALE: u8 = 1 << 3;
+    /// On the backend's node of a DSR flow, whose one entry notes both
+    /// ways: a FIN went the backend's way (`FIN` is the client's).
+    pub const FIN_REPLY: u8 = 1 << 6;
+
+    /// Whether a DSR flow ended by its one entry's state and flags (the
+    /// entry has no partner: on the frontend's node only the client's
+    /// packets pass, so the client's FIN ends it there; on the backend's
+    /// node (`nat_flags::REPLY`), a FIN each way does). A RST ends it on
+    /// either node.
+    pub const fn dsr_closed(state: u8, flags: u8) -> bool {
+        state & RST != 0 || (state & FIN != 0 && (flags & super::nat_flags::REPLY == 0 || state & FIN_REPLY != 0))
+    }
 }
 
 /// Value of the NAT maps: how to rewrite packets of this tuple.

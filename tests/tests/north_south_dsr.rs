@@ -173,7 +173,8 @@ fn a_forged_option_never_replaces_another_flows_entry() -> Result<()> {
 /// new SYN. Before, it kept the old connection's FIN: `lb-agent nat`
 /// showed the live connection FIN_WAIT, and it expired after the closed
 /// timeout (10 s) of silence, after which the pod's first packet left
-/// node-2 from its own address.
+/// node-2 from its own address. (Since 12-07 node-2 tells both FINs
+/// apart, and shows the first connection CLOSED.)
 #[test]
 fn a_client_port_used_again_starts_a_fresh_flow_on_the_backends_node() -> Result<()> {
     let w = world_with(&web("LoadBalancer", "", &[LB_IP]), &["--nodeport-mode", "dsr"])?;
@@ -185,7 +186,8 @@ fn a_client_port_used_again_starts_a_fresh_flow_on_the_backends_node() -> Result
     assert_eq!(s.ok, 1, "{s:?}");
     let tuple = format!("src={CLIENT} dst={LB_IP} sport=41777 dport=80");
     let line = |n: &str| n.lines().find(|l| l.contains(&tuple)).map(str::to_string);
-    w.c.wait_for("node-2's entry of the first connection FIN_WAIT", std::time::Duration::from_secs(3), || Ok(line(&nat(&w, 2)?).is_some_and(|l| l.contains("FIN_WAIT"))))?;
+    // Node-2 sees both FINs (the client's, and the pod's as FIN_REPLY).
+    w.c.wait_for("node-2's entry of the first connection CLOSED", std::time::Duration::from_secs(3), || Ok(line(&nat(&w, 2)?).is_some_and(|l| l.contains(" CLOSED "))))?;
     std::thread::sleep(std::time::Duration::from_millis(1100));
     let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(LB_IP, 80), "--sport", "41777", "--hold-ms", "1500", "--interval-ms", "100"])?;
     std::thread::sleep(std::time::Duration::from_millis(700));
@@ -207,11 +209,7 @@ fn a_client_port_used_again_starts_a_fresh_flow_on_the_backends_node() -> Result
 /// alternate with NodePort rounds at node-2, fell to 19 conn/s.
 #[test]
 fn a_dsr_syn_takes_the_tuple_of_an_ended_flow_to_a_local_backend() -> Result<()> {
-    let w = world_with(&web("NodePort", "", &[]), &["--nodeport-mode", "dsr"])?;
-    set_endpoints(&w, &[(&w.p2, E::ready)])?;
-    wait_only(&w.c, NODE1, 30080, &w.p2)?;
-    let node2 = w.c.nodes[1].ip.clone();
-    w.c.wait_for("node-2's NodePort", std::time::Duration::from_secs(5), || Ok(w.c.programmed(2, &node2, 30080, "TCP")?.is_some_and(|b| !b.is_empty())))?;
+    let (w, node2) = dsr_to_pod2()?;
     let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(&node2, 30080), "--count", "1", "--sport", "41999"])?;
     assert_eq!(s.ok, 1, "{s:?}");
     let tuple = "sport=41999 dport=30080";
@@ -362,5 +360,145 @@ fn dsr_passes_forward_chains_that_drop_and_rules_against_invalid_packets() -> Re
         assert_eq!(s.ok, 10, "{addr}: {s:?}");
     }
     assert!(datapath(&w.c, 2, "dsr_received")? - received >= 4 * (10 * 3 + 10), "they went by DSR");
+    Ok(())
+}
+
+/// DSR to pod-2 only, through node-1's NodePort and node-2's own:
+/// (the world, node-2's address).
+fn dsr_to_pod2() -> Result<(World, String)> {
+    let w = world_with(&web("NodePort", "", &[]), &["--nodeport-mode", "dsr"])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    let node2 = w.c.nodes[1].ip.clone();
+    w.c.wait_for("node-2's NodePort", std::time::Duration::from_secs(5), || Ok(w.c.programmed(2, &node2, 30080, "TCP")?.is_some_and(|b| !b.is_empty())))?;
+    Ok((w, node2))
+}
+
+/// Send IPv4 packets from the outside client straight to node-2's
+/// interface (forged ones).
+fn to_node2(w: &World, packets: &[Vec<u8>]) -> Result<()> {
+    use lbtest::raw::{ether, mac, send};
+    let (to, from) = (mac(&w.c, &w.c.nodes[1].netns, "eth0")?, mac(&w.c, &w.outside.netns, "eth0")?);
+    send(&w.outside.netns, "eth0", packets.iter().map(|p| ether(to, from, 0x0800, p)).collect())
+}
+
+/// The octets of an IPv4 address.
+fn v4(a: &str) -> [u8; 4] {
+    a.parse::<std::net::Ipv4Addr>().expect(a).octets()
+}
+
+/// Node-2's entry of a live DSR flow, its client port, and its age in
+/// seconds: (line, sport, age).
+fn dsr_entry(w: &World, frontend: &str) -> Result<Option<(String, u16, u64)>> {
+    let n2 = nat(w, 2)?;
+    let Some(l) = n2.lines().find(|l| l.contains(&format!("src={CLIENT} dst={frontend} ")) && l.contains("[DSR]")) else { return Ok(None) };
+    let field = |name: &str| l.split_whitespace().find_map(|f| f.strip_prefix(name)).map(|v| v.trim_end_matches('s').to_string());
+    let sport = field("sport=").and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{l}"));
+    let age = field("age=").and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{l}"));
+    Ok(Some((l.to_string(), sport, age)))
+}
+
+/// Forgeries with a live DSR flow's tuple, sent to the backend's node:
+/// a plain SYN straight to the pod, a segment whose option names another
+/// frontend (node-2's own NodePort), and such a SYN. The flow keeps its
+/// entry (the same age) and its frontend; the two options are dropped
+/// (`nat_dropped`). Before 12-07 the SYN to the pod removed the entry (a
+/// DSR entry has no partner, and counted as ended: the pod's answers left
+/// untranslated until the client's next packet made a new one), and
+/// either option rewrote the flow's frontend (its replies then came from
+/// node-2's address, which the client drops, until the client's next
+/// packet rewrote it back).
+#[test]
+fn forged_packets_with_a_live_dsr_flows_tuple_leave_it_alone() -> Result<()> {
+    use lbtest::raw::{ipv4, ipv4_with_options, tcp_segment, tcp_syn};
+    let (w, node2) = dsr_to_pod2()?;
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "5000", "--interval-ms", "100"])?;
+    // Two seconds old, so that an entry made again would show.
+    w.c.wait_for("node-2's entry of the held flow, established", std::time::Duration::from_secs(5), || {
+        Ok(dsr_entry(&w, NODE1)?.is_some_and(|(l, _, age)| l.contains("ESTABLISHED") && age >= 2))
+    })?;
+    let (_, sport, _) = dsr_entry(&w, NODE1)?.unwrap();
+    let (client, pod, n2) = (v4(CLIENT), v4(&w.p2.ip), v4(&node2));
+    let other = [&[0x9a, 8, 0x75, 0x80][..], &n2[..]].concat();
+    let dropped = datapath(&w.c, 2, "nat_dropped")?;
+    to_node2(
+        &w,
+        &[
+            ipv4(client, pod, 6, 5, 0x4000, 1, &tcp_syn(&client, &pod, sport, 8080)),
+            ipv4_with_options(client, pod, 6, &other, &tcp_segment(&client, &pod, sport, 8080, 0x10)),
+            ipv4_with_options(client, pod, 6, &other, &tcp_syn(&client, &pod, sport, 8080)),
+        ],
+    )?;
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (l, _, age) = dsr_entry(&w, NODE1)?.unwrap_or_else(|| panic!("node-2's entry is gone: {}", nat(&w, 2).unwrap_or_default()));
+    assert!(age >= 2, "the entry was made again: {l}");
+    assert!(l.contains(&format!("src={CLIENT} dst={NODE1} sport={sport} dport=30080")), "{l}");
+    assert!(dsr_entry(&w, &node2)?.is_none(), "an entry for node-2's NodePort: {}", nat(&w, 2)?);
+    assert_eq!(datapath(&w.c, 2, "nat_dropped")? - dropped, 2, "both options dropped");
+    let s = lbtest::Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the held flow went on: {s:?}");
+    Ok(())
+}
+
+/// A half-closed DSR flow: the client sends its request and its FIN, and
+/// the pod answers 3 s later. Both nodes keep the flow past the closed
+/// timeout (1 s here): node-2 sees only one FIN (the client's; the pod's
+/// is `FIN_REPLY`), and node-1, which never sees the pod's, keeps it for
+/// `--nat-dsr-fin-timeout`. Before 12-07 one FIN counted as closed on both
+/// nodes: the flow's entries went after 1 s of silence and the answer left
+/// node-2 from the pod's own address, which the client drops.
+#[test]
+fn a_half_closed_dsr_flow_lives_past_the_closed_timeout() -> Result<()> {
+    let flags = ["--nodeport-mode", "dsr", "--nat-tcp-close-timeout", "1", "--nat-dsr-fin-timeout", "30", "--nat-gc-interval", "1"];
+    let w = world_with(&web("NodePort", "", &[]), &flags)?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    let slow = w.c.probe_bg(&w.outside, &["half-closed", "--addr", &hostport(NODE1, 30080), "--wait-ms", "3500"])?;
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let n1 = nat(&w, 1)?;
+    assert!(n1.lines().any(|l| l.contains(&format!("src={CLIENT} dst={NODE1} ")) && l.contains("FIN_WAIT")), "node-1 keeps the half-closed flow: {n1}");
+    let (l, _, _) = dsr_entry(&w, NODE1)?.unwrap_or_else(|| panic!("node-2's entry is gone: {}", nat(&w, 2).unwrap_or_default()));
+    assert!(l.contains("FIN_WAIT"), "{l}");
+    let s = lbtest::Cluster::finish(slow)?;
+    assert_eq!(s.ok, 1, "the answer after the client's FIN: {s:?}");
+    assert_eq!(s.replies.keys().collect::<Vec<_>>(), [&format!("pod-2 {CLIENT}")], "{s:?}");
+    Ok(())
+}
+
+/// A forged RST and at once a forged SYN whose option names node-1's
+/// NodePort, both with the tuple of a live flow through node-2's own
+/// NodePort to its local pod-2. The RST (which lb checks against no
+/// sequence number) does not let the SYN take the flow's tuple: the flow
+/// did not fall quiet after it. Before 12-07 the SYN's option replaced
+/// the flow's entries with a DSR one, and the flow's replies left from
+/// node-1's address.
+#[test]
+fn a_forged_rst_and_option_do_not_take_a_live_local_flow() -> Result<()> {
+    use lbtest::raw::{ipv4, ipv4_with_options, tcp_segment, tcp_syn};
+    let (w, node2) = dsr_to_pod2()?;
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(&node2, 30080), "--hold-ms", "4000", "--interval-ms", "100"])?;
+    let front = format!("src={CLIENT} dst={node2} sport=");
+    let mut flow = String::new();
+    w.c.wait_for("node-2's flow", std::time::Duration::from_secs(5), || {
+        flow = nat(&w, 2)?.lines().find(|l| l.contains(&front) && l.contains("ESTABLISHED")).unwrap_or_default().to_string();
+        Ok(!flow.is_empty())
+    })?;
+    let sport: u16 = flow.split_whitespace().find_map(|f| f.strip_prefix("sport=")).unwrap().parse()?;
+    let (client, pod, n1, n2) = (v4(CLIENT), v4(&w.p2.ip), v4(NODE1), v4(&node2));
+    let option = [&[0x9a, 8, 0x75, 0x80][..], &n1[..]].concat();
+    let dropped = datapath(&w.c, 2, "nat_dropped")?;
+    to_node2(
+        &w,
+        &[
+            ipv4(client, n2, 6, 5, 0x4000, 1, &tcp_segment(&client, &n2, sport, 30080, 0x04)),
+            ipv4_with_options(client, pod, 6, &option, &tcp_syn(&client, &pod, sport, 8080)),
+        ],
+    )?;
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(datapath(&w.c, 2, "nat_dropped")? - dropped, 1, "the option dropped");
+    let n = nat(&w, 2)?;
+    assert!(!n.contains("[DSR]"), "{n}");
+    let s = lbtest::Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the held flow went on: {s:?}");
     Ok(())
 }

@@ -314,7 +314,9 @@ where
         let state = match k.proto {
             _ if e.state & nat_state::RST != 0 => "CLOSE(RST)",
             lb_common::PROTO_UDP => "UDP",
-            _ if e.state & nat_state::FIN != 0 => "FIN_WAIT",
+            // One entry notes both ways: FIN_REPLY is the backend's FIN.
+            _ if e.state & (nat_state::FIN | nat_state::FIN_REPLY) == nat_state::FIN | nat_state::FIN_REPLY => "CLOSED",
+            _ if e.state & (nat_state::FIN | nat_state::FIN_REPLY) != 0 => "FIN_WAIT",
             _ if e.state & nat_state::SEEN == 0 => "SYN_SENT",
             _ => "ESTABLISHED",
         };

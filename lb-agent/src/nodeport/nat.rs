@@ -49,6 +49,9 @@ pub struct NatTimeouts {
     pub tcp: Duration,
     /// A TCP flow after FIN in both directions or a RST.
     pub tcp_closed: Duration,
+    /// A DSR flow on its frontend's node after the client's FIN (the
+    /// backend's FIN never passes there).
+    pub dsr_fin: Duration,
     /// A UDP flow without packets.
     pub udp: Duration,
     /// A flow that was never answered (a SYN flood, a dead backend).
@@ -80,15 +83,21 @@ pub fn expired<A>(proto: u8, fwd: &NatEntry<A>, reply: Option<&NatEntry<A>>, now
 
 /// Whether a DSR flow's one entry on this node has expired. The frontend's
 /// node sees only the client's packets: SEEN (the client went on after its
-/// SYN, so it was answered) assures the flow. The backend's node marks its
-/// reply entry SEEN only from the backend's packets; the client's refresh
-/// it (and note FIN / RST) but cannot assure it.
+/// SYN, so it was answered) assures the flow, and after the client's FIN
+/// the flow may still be half open (the backend sending), so it lives
+/// `dsr_fin` idle. The backend's node (a reply entry) marks it SEEN only
+/// from the backend's packets; the client's refresh it (and note FIN /
+/// RST) but cannot assure it. It sees both ways' FINs (`FIN_REPLY` is the
+/// backend's): one FIN leaves the flow established, as without DSR.
 pub fn expired_dsr<A>(proto: u8, e: &NatEntry<A>, now_ns: u64, t: &NatTimeouts) -> bool {
     let idle = Duration::from_nanos(now_ns.saturating_sub(e.last_seen_ns));
+    let backends_node = e.flags & nat_flags::REPLY != 0;
     let mut timeout = if proto == PROTO_UDP {
         t.udp
-    } else if e.state & (nat_state::RST | nat_state::FIN) != 0 {
+    } else if e.state & nat_state::RST != 0 || backends_node && e.state & (nat_state::FIN | nat_state::FIN_REPLY) == nat_state::FIN | nat_state::FIN_REPLY {
         t.tcp_closed
+    } else if !backends_node && e.state & nat_state::FIN != 0 {
+        t.dsr_fin.min(t.tcp)
     } else {
         t.tcp
     };
@@ -307,6 +316,7 @@ mod tests {
     const T: NatTimeouts = NatTimeouts {
         tcp: Duration::from_secs(100),
         tcp_closed: Duration::from_secs(10),
+        dsr_fin: Duration::from_secs(40),
         udp: Duration::from_secs(30),
         unreplied: Duration::from_secs(60),
     };
@@ -369,9 +379,24 @@ mod tests {
         assert!(expired_dsr(PROTO_TCP, &dsr(100, 0), 161 * S, &T));
         // Assured: the TCP timeout; FIN or RST: the close timeout.
         assert!(!expired_dsr(PROTO_TCP, &dsr(100, SEEN), 161 * S, &T));
-        assert!(expired_dsr(PROTO_TCP, &dsr(100, SEEN | nat_state::FIN), 111 * S, &T));
         assert!(!expired_dsr(PROTO_TCP, &dsr(100, SEEN | nat_state::RST), 109 * S, &T));
+        assert!(expired_dsr(PROTO_TCP, &dsr(100, SEEN | nat_state::RST), 111 * S, &T));
         assert!(expired_dsr(PROTO_UDP, &dsr(100, SEEN), 131 * S, &T));
+        // The frontend's node: after the client's FIN the backend may still
+        // send (half closed), for dsr_fin idle.
+        assert!(!expired_dsr(PROTO_TCP, &dsr(100, SEEN | nat_state::FIN), 139 * S, &T));
+        assert!(expired_dsr(PROTO_TCP, &dsr(100, SEEN | nat_state::FIN), 141 * S, &T));
+        // The backend's node sees both ways: one FIN (either way) is half
+        // closed, established as without DSR; both are closed.
+        let reply = |last: u64, state: u8| NatEntry { flags: nat_flags::DSR | nat_flags::REPLY, ..entry(last, state) };
+        for one in [nat_state::FIN, nat_state::FIN_REPLY] {
+            assert!(!expired_dsr(PROTO_TCP, &reply(100, SEEN | one), 199 * S, &T), "{one}");
+            assert!(expired_dsr(PROTO_TCP, &reply(100, SEEN | one), 201 * S, &T), "{one}");
+        }
+        let both = SEEN | nat_state::FIN | nat_state::FIN_REPLY;
+        assert!(!expired_dsr(PROTO_TCP, &reply(100, both), 109 * S, &T));
+        assert!(expired_dsr(PROTO_TCP, &reply(100, both), 111 * S, &T));
+        assert!(expired_dsr(PROTO_TCP, &reply(100, SEEN | nat_state::RST), 111 * S, &T));
     }
 
     /// A SNATed TCP flow from 1.1.1.1:1000 to 2.2.2.2:30080, sent to

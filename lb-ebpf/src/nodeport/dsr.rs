@@ -144,15 +144,35 @@ fn known_frontend<F: Net>(addr: F::A, port: u16, proto: u8) -> bool {
     crate::sock::LB_NODEPORTS.get_ptr(&NodePortKey { port, proto, _pad: 0 }).is_some()
 }
 
-/// Whether the flow whose entry `e` is (at `key`) ended: a RST, or a FIN
-/// each way (its other entry's state), or a RST where that is gone.
+/// How long a flow ended by a RST must have been quiet before a SYN
+/// naming another translation takes its tuple. No sequence check vets a
+/// RST here: a forged RST and then a forged SYN with the option would
+/// take a live flow's tuple (its replies rewritten to another frontend);
+/// a live flow's packets keep it from falling quiet. A client's real SYN
+/// after its RST is dropped at most once: its retransmission (1 s later)
+/// finds the flow quiet. The same quiet lets a SYN move a live DSR flow's
+/// tuple to another frontend (`record`): a busy flow cannot be taken by a
+/// forged SYN; an idle one can, by one that guessed its tuple, as a
+/// forged RST in its window could end it.
+const RST_QUIET_NS: u64 = 1_000_000_000;
+
+/// Whether the flow whose entry `e` is (at `key`) ended, so that a SYN
+/// may give its tuple to another translation: a FIN each way, or a RST
+/// (or its other entry gone) and quiet since (`RST_QUIET_NS`).
 #[inline(always)]
-fn ended<F: Net>(key: &NatKey<F::A>, e: &NatEntry<F::A>) -> bool {
-    match super::partner::<F>(&e.other_key(key.proto), key) {
-        // SAFETY: a map value, alive for this program run; one byte read.
-        Some(o) => super::closed(e.state, unsafe { (*o).state }),
-        None => e.state & lb_common::nat_state::RST != 0,
-    }
+fn ended<F: Net>(key: &NatKey<F::A>, e: &NatEntry<F::A>, now: u64) -> bool {
+    use lb_common::nat_state::{FIN, FIN_REPLY, RST};
+    let (fin_both, rst, last) = if e.flags & nat_flags::DSR != 0 {
+        // One entry notes both ways.
+        (e.state & (FIN | FIN_REPLY) == FIN | FIN_REPLY, e.state & RST != 0, e.last_seen_ns)
+    } else {
+        match super::partner::<F>(&e.other_key(key.proto), key) {
+            // SAFETY: a map value, alive for this program run; plain integers.
+            Some(o) => unsafe { (e.state & (*o).state & FIN != 0, (e.state | (*o).state) & RST != 0, e.last_seen_ns.max((*o).last_seen_ns)) },
+            None => (false, true, e.last_seen_ns),
+        }
+    };
+    fin_both || (rst && now.saturating_sub(last) >= RST_QUIET_NS)
 }
 
 /// Node B: record (or refresh) the reply translation of the DSR flow of
@@ -163,6 +183,8 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
     // The reply tuple: backend -> client.
     let key = NatKey { saddr: p.daddr, daddr: p.saddr, sport: p.dport, dport: p.sport, proto: p.proto, _pad: [0; 3] };
     let syn = p.proto == PROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    // SAFETY: plain helper.
+    let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
     let how = match F::nat_get(&key) {
         // Another kind of flow holds the tuple (the reply side of a SNATed
         // flow): an option never replaces it. No client collides with one
@@ -172,10 +194,10 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
         // router (Maglev): a local backend's reply entry that already
         // translates to this frontend and this client.
         // A SYN may start over on the tuple of such a flow once it ended
-        // (a RST, or FINs both ways): a client port used again, first
-        // through this node's own NodePort to its local backend (a client
-        // behind a NAT gateway, whose ports all frontends see); that
-        // flow's entries go. There is nothing left to cut.
+        // (`ended`): a client port used again, first through this node's
+        // own NodePort to its local backend (a client behind a NAT
+        // gateway, whose ports all frontends see); that flow's entries
+        // go. There is nothing left to cut.
         // SAFETY: a map value, alive for this program run; plain integers.
         Some(e) if unsafe {
             (*e).flags & nat_flags::DSR == 0
@@ -184,28 +206,49 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
         {
             // SAFETY: as above.
             let e = unsafe { &*e };
-            if !syn || !ended::<F>(&key, e) {
+            if !syn || !ended::<F>(&key, e, now) {
                 return Err(stats::NAT_DROPPED);
             }
             super::remove_flow::<F>(&key, e);
             BPF_NOEXIST
         }
         // SAFETY: as above.
-        Some(e) if !syn && unsafe { (*e).flags & nat_flags::DSR != 0 && (*e).to_saddr == addr && (*e).to_sport == port } => {
-            // The client's packet keeps the entry alive and notes its
-            // FIN / RST; only the backend's own packets (on egress)
-            // mark it SEEN, so spoofed options cannot keep entries long.
-            note(e, p.tcp_flags, 0);
-            return Ok(());
+        Some(ep) if unsafe { (*ep).flags & nat_flags::DSR != 0 } => {
+            // SAFETY: as above.
+            let e = unsafe { &*ep };
+            let same = e.to_saddr == addr && e.to_sport == port;
+            let quiet = now.saturating_sub(e.last_seen_ns) >= RST_QUIET_NS;
+            // A SYN starts a new connection on the tuple of one that ended
+            // (a client port used again): a fresh entry, without the old
+            // connection's FIN or RST, maybe to another frontend. To
+            // another frontend also once the old flow fell quiet: a
+            // client's new connection where the backend still holds the
+            // old, half-open one (its challenge ACK must reach the client
+            // from the new frontend, whose RST then ends the old socket).
+            // UDP has no connection: the client's last frontend wins.
+            if syn && (ended::<F>(&key, e, now) || !same && quiet) || p.proto != PROTO_TCP && !same {
+                BPF_EXIST
+            } else if same {
+                // The client's packet keeps the entry alive and notes its
+                // FIN / RST; only the backend's own packets (on egress)
+                // mark it SEEN, so spoofed options cannot keep entries
+                // long. A SYN again (a retransmission, or a forged one)
+                // leaves the live flow's state as it is.
+                note(ep, p.tcp_flags, 0, lb_common::nat_state::FIN);
+                return Ok(());
+            } else {
+                // Another frontend for a live TCP flow: a forgery (a
+                // client's connection keeps its frontend), which would
+                // send the flow's replies from another address and drop
+                // the client's own packets.
+                return Err(stats::NAT_DROPPED);
+            }
         }
-        // A SYN starts a new connection on the tuple (a client port used
-        // again): a fresh entry, without the old connection's FIN or RST;
-        // or the tuple now goes to another frontend.
+        // The same flow's entry of a local backend (above): it becomes
+        // the DSR flow's.
         Some(_) => BPF_EXIST,
         None => BPF_NOEXIST,
     };
-    // SAFETY: plain helper.
-    let now = unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() };
     let v = NatEntry {
         to_saddr: addr,
         to_daddr: p.saddr,

@@ -1194,31 +1194,33 @@ fn flow_stats(family: u8, rev_nat_id: u16, backend_id: u32) {
 /// Note a packet (not the first) of the flow in its direction's entry.
 #[inline(always)]
 fn touch<A>(e: *mut NatEntry<A>, tcp_flags: u8) {
-    note(e, tcp_flags, nat_state::SEEN)
+    note(e, tcp_flags, nat_state::SEEN, nat_state::FIN)
 }
 
 /// Note a backend's reply in entry `e` (flags `flags`). On the backend's
 /// node of a DSR flow, where the client's handshake is never seen, a
 /// SYN-ACK does not assure the flow: a backend answers every SYN, also a
 /// flood's from spoofed sources, whose entries would otherwise live as
-/// long as established ones (a day) and fill the table.
+/// long as established ones (a day) and fill the table. There, the one
+/// entry notes both ways: the backend's FIN is `FIN_REPLY`.
 #[inline(always)]
 fn touch_reply<A>(e: *mut NatEntry<A>, flags: u8, tcp_flags: u8) {
-    let syn = flags & nat_flags::DSR != 0 && tcp_flags & TCP_SYN != 0;
-    note(e, tcp_flags, if syn { 0 } else { nat_state::SEEN })
+    let dsr = flags & nat_flags::DSR != 0;
+    let syn = dsr && tcp_flags & TCP_SYN != 0;
+    note(e, tcp_flags, if syn { 0 } else { nat_state::SEEN }, if dsr { nat_state::FIN_REPLY } else { nat_state::FIN })
 }
 
-/// Note a packet in entry `e`: its time, its FIN / RST, and `seen` (SEEN,
-/// or 0 for a packet that must not assure the flow: a DSR client's packet
-/// on the backend's node).
+/// Note a packet in entry `e`: its time, its FIN (as `fin`) / RST, and
+/// `seen` (SEEN, or 0 for a packet that must not assure the flow: a DSR
+/// client's packet on the backend's node).
 #[inline(always)]
-fn note<A>(e: *mut NatEntry<A>, tcp_flags: u8, seen: u8) {
+fn note<A>(e: *mut NatEntry<A>, tcp_flags: u8, seen: u8, fin: u8) {
     // SAFETY: e points into a map value; the fields are plain integers.
     unsafe {
         (*e).last_seen_ns = bpf_ktime_get_ns();
         let mut state = (*e).state | seen;
         if tcp_flags & TCP_FIN != 0 {
-            state |= nat_state::FIN;
+            state |= fin;
         }
         if tcp_flags & TCP_RST != 0 {
             state = (state | nat_state::RST) & !nat_state::AFTER_RST;
@@ -1758,6 +1760,22 @@ fn take_tuple<F: Net>(rkey: &NatKey<F::A>, reply: &NatEntry<F::A>) -> bool {
     if nat_claim::<F>(rkey, reply) {
         return true;
     }
+    // The same flow's DSR entry: an upstream router moved the flow here
+    // from the node that sent it on with DSR, and Maglev picked the same
+    // backend, here on this node. Its replies keep their translation; this
+    // flow's entry takes over.
+    if let Some(e) = F::nat_get(rkey)
+        // SAFETY: a map value, alive for this program run; plain integers.
+        && unsafe {
+            (*e).flags & nat_flags::DSR != 0
+                && (*e).to_saddr == reply.to_saddr
+                && (*e).to_sport == reply.to_sport
+                && (*e).to_daddr == reply.to_daddr
+                && (*e).to_dport == reply.to_dport
+        }
+    {
+        return F::nat_put(rkey, reply, aya_ebpf::bindings::BPF_EXIST as u64);
+    }
     if !drop_if_closed::<F>(rkey) {
         return false;
     }
@@ -1773,12 +1791,17 @@ fn drop_if_closed<F: Net>(key: &NatKey<F::A>) -> bool {
     let e = unsafe { &*e };
     let other = e.other_key(key.proto);
     let partner = partner::<F>(&other, key);
-    let other_state = match partner {
+    let ended = match partner {
         // SAFETY: a map value; one byte read.
-        Some(o) => unsafe { core::ptr::read_volatile(&(*o).state) },
-        None => nat_state::RST,
+        Some(o) => closed(e.state, unsafe { core::ptr::read_volatile(&(*o).state) }),
+        // A DSR flow's one entry on a node, partnerless by design: by its
+        // own state (a SYN with a live DSR flow's tuple, forged or not,
+        // straight to the pod, ended it before 12-07).
+        None if e.flags & nat_flags::DSR != 0 => nat_state::dsr_closed(e.state, e.flags),
+        // Half gone.
+        None => true,
     };
-    if !closed(e.state, other_state) {
+    if !ended {
         return false;
     }
     if partner.is_some() {

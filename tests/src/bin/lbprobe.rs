@@ -94,6 +94,18 @@ enum Cmd {
         #[arg(long, default_value_t = 10_000)]
         timeout_ms: u64,
     },
+    /// TCP, half closed: ask for a reply WAIT_MS later ("later WAIT_MS"),
+    /// shut down the sending side (a FIN), and read the reply until the
+    /// server closes.
+    HalfClosed {
+        #[arg(long)]
+        addr: SocketAddr,
+        #[arg(long)]
+        wait_ms: u64,
+        /// Read timeout.
+        #[arg(long, default_value_t = 10_000)]
+        timeout_ms: u64,
+    },
     /// TCP: upload N bytes of a known pattern; the server checks every byte.
     Upload {
         #[arg(long)]
@@ -461,6 +473,9 @@ fn serve_conn(conn: TcpStream, me: &str) {
         let reply = if let Some(n) = parse_cmd(&line, "bulk") {
             let _ = write_pattern(&mut w, n);
             return;
+        } else if let Some(ms) = parse_cmd(&line, "later") {
+            std::thread::sleep(Duration::from_millis(ms));
+            me.to_string()
         } else if let Some(n) = parse_cmd(&line, "upload") {
             match check_pattern(&mut r, n) {
                 Ok(None) => format!("{me} upload {n} ok"),
@@ -1078,6 +1093,27 @@ fn main() -> anyhow::Result<()> {
             let Some(received) = received else { anyhow::bail!("no count from the server at {addr}") };
             println!("{}", serde_json::json!({"sent": sent, "received": received, "secs": el, "rate": received as f64 / el}));
             return Ok(());
+        }
+        Cmd::HalfClosed { addr, wait_ms, timeout_ms } => {
+            s.attempts = 1;
+            let started = Instant::now();
+            let r = (|| -> std::io::Result<String> {
+                let mut c = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+                c.set_read_timeout(Some(Duration::from_millis(timeout_ms)))?;
+                c.write_all(format!("later {wait_ms}\n").as_bytes())?;
+                c.shutdown(std::net::Shutdown::Write)?;
+                let mut reply = String::new();
+                std::io::Read::read_to_string(&mut c, &mut reply)?;
+                Ok(reply.trim().to_string())
+            })();
+            match r {
+                Ok(reply) if !reply.is_empty() => {
+                    s.ok = 1;
+                    *s.replies.entry(reply).or_default() += 1;
+                }
+                Ok(_) => *s.errors.entry("closed without a reply".to_string()).or_default() += 1,
+                Err(e) => s.fail(&e, started),
+            }
         }
         Cmd::Bulk { addr, bytes, timeout_ms } => {
             s.attempts = 1;
