@@ -283,6 +283,29 @@ impl Collector for DatapathCollector {
     }
 }
 
+/// The source's newest update, read at each scrape: when it was published
+/// and the changes received up to it (`source::Update`).
+pub type Published = Box<dyn Fn() -> Option<(SystemTime, crate::source::Received)> + Send + Sync>;
+
+struct PublishedView(Published);
+
+impl std::fmt::Debug for PublishedView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PublishedView")
+    }
+}
+
+/// What the sync loop tells the queue gauges (`Metrics::watch_queue`).
+#[derive(Debug, Default)]
+pub struct QueueState {
+    /// The changes received up to the update the last sync took.
+    pub taken: crate::source::Received,
+    /// When the loop queued a sync of its own (a node address changed).
+    pub queued: Option<SystemTime>,
+    /// The node's IP families, once a sync knows them.
+    pub families: Vec<&'static str>,
+}
+
 /// The agent's metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -308,6 +331,12 @@ pub struct Metrics {
     pub kp_service_changes: Counter,
     pub kp_endpoint_changes_pending: Gauge,
     pub kp_service_changes_pending: Gauge,
+    /// The source's side of the queue gauges, read at each scrape (so a
+    /// sync loop that hangs does not stop them: kube-proxy sets them from
+    /// its informers' handlers).
+    published: std::sync::OnceLock<PublishedView>,
+    /// The sync loop's side.
+    pub queue: Mutex<QueueState>,
     /// (ip_family, traffic_policy).
     pub kp_no_local_endpoints: Family<[(&'static str, &'static str); 2], Gauge>,
     /// How long the source's watches have been failing (0: they work).
@@ -360,6 +389,8 @@ impl Metrics {
             kp_service_changes: Counter::default(),
             kp_endpoint_changes_pending: Gauge::default(),
             kp_service_changes_pending: Gauge::default(),
+            published: std::sync::OnceLock::new(),
+            queue: Mutex::new(QueueState::default()),
             kp_no_local_endpoints: Family::default(),
             source_failing: Gauge::default(),
             drift_repaired: Counter::default(),
@@ -434,12 +465,12 @@ impl Metrics {
             r.register("kubeproxy_sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", m.kp_service_changes.clone());
             r.register(
                 "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
-                "Pending proxy rules Endpoint changes (seen, not programmed yet: a sync failed)",
+                "Pending proxy rules Endpoint changes (received, not taken by a sync yet)",
                 m.kp_endpoint_changes_pending.clone(),
             );
             r.register(
                 "kubeproxy_sync_proxy_rules_service_changes_pending",
-                "Pending proxy rules Service changes (seen, not programmed yet: a sync failed)",
+                "Pending proxy rules Service changes (received, not taken by a sync yet)",
                 m.kp_service_changes_pending.clone(),
             );
             r.register(
@@ -517,7 +548,37 @@ impl Metrics {
         r.register("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status", h.livez_total.clone());
     }
 
+    /// Read the source's newest update at each scrape for kube-proxy's
+    /// queue gauges: `..._last_queued_timestamp_seconds` (when it was
+    /// published, or the loop's own queued sync if later), the
+    /// `..._changes_total` counters (changes received) and the
+    /// `..._changes_pending` gauges (received, not taken by a sync).
+    pub fn watch_queue(&self, published: Published) {
+        let _ = self.published.set(PublishedView(published));
+    }
+
+    fn refresh_queue(&self) {
+        let Some((published, received)) = self.published.get().and_then(|p| (p.0)()) else { return };
+        let q = self.queue.lock().unwrap();
+        let queued = q.queued.map_or(published, |t| t.max(published));
+        let at = queued.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        for family in &q.families {
+            self.kp_last_queued.get_or_create(&[("ip_family", *family)]).set(at);
+        }
+        let pending = received.since(q.taken);
+        self.kp_service_changes_pending.set(pending.services as i64);
+        self.kp_endpoint_changes_pending.set(pending.slices as i64);
+        // Counters: raised to the source's count (it only grows).
+        for (counter, n) in [(&self.kp_service_changes, received.services), (&self.kp_endpoint_changes, received.slices)] {
+            let had = counter.get();
+            if n > had {
+                counter.inc_by(n - had);
+            }
+        }
+    }
+
     pub fn encode(&self) -> String {
+        self.refresh_queue();
         let mut out = String::new();
         let r = self.registry.lock().unwrap();
         prometheus_client::encoding::text::encode(&mut out, &r).expect("encoding to a String cannot fail");
@@ -797,6 +858,54 @@ mod tests {
 
     /// kube-proxy's metrics as a kube-proxy 1.3x exports them: names,
     /// types (counters end in _total), labels and buckets; its healthz
+    /// kube-proxy's queue gauges come from the source's side, read at each
+    /// scrape: while the sync loop hangs (it takes no update), the queued
+    /// time moves on and the pending changes grow, so that an alert on
+    /// `last_queued - last_timestamp` or on pending fires, as for a hung
+    /// kube-proxy. (Before 12-07 both were written after a sync, by the
+    /// loop itself: a hung loop froze them.)
+    #[test]
+    fn the_queue_gauges_follow_the_source_while_the_sync_loop_hangs() {
+        use crate::source::Received;
+        let m = Metrics::new(Arc::new(FakeStats));
+        let published = Arc::new(Mutex::new(None::<(SystemTime, Received)>));
+        let p = published.clone();
+        m.watch_queue(Box::new(move || *p.lock().unwrap()));
+        let read = |name: &str| {
+            let body = m.encode();
+            body.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok()).unwrap_or_else(|| panic!("{name}:\n{body}"))
+        };
+        let queued = "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family=\"IPv4\"}";
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        // The first update, taken by a sync that knows the node's family.
+        *published.lock().unwrap() = Some((t0, Received { services: 3, slices: 5 }));
+        {
+            let mut q = m.queue.lock().unwrap();
+            q.taken = Received { services: 3, slices: 5 };
+            q.families = vec!["IPv4"];
+        }
+        assert_eq!(read(queued), 1_000_000.0);
+        assert_eq!(read("kubeproxy_sync_proxy_rules_service_changes_pending"), 0.0);
+        assert_eq!(read("kubeproxy_sync_proxy_rules_endpoint_changes_pending"), 0.0);
+        assert_eq!(read("kubeproxy_sync_proxy_rules_service_changes_total"), 3.0);
+        assert_eq!(read("kubeproxy_sync_proxy_rules_endpoint_changes_total"), 5.0);
+        // The loop hangs; the source publishes on.
+        *published.lock().unwrap() = Some((t0 + Duration::from_secs(30), Received { services: 4, slices: 7 }));
+        assert_eq!(read(queued), 1_000_030.0);
+        assert_eq!(read("kubeproxy_sync_proxy_rules_service_changes_pending"), 1.0);
+        assert_eq!(read("kubeproxy_sync_proxy_rules_endpoint_changes_pending"), 2.0);
+        assert_eq!(read("kubeproxy_sync_proxy_rules_service_changes_total"), 4.0);
+        assert_eq!(read("kubeproxy_sync_proxy_rules_endpoint_changes_total"), 7.0);
+        // Read twice, counted once.
+        assert_eq!(read("kubeproxy_sync_proxy_rules_endpoint_changes_total"), 7.0);
+        // A sync the loop queued itself (a node address changed), later.
+        m.queue.lock().unwrap().queued = Some(t0 + Duration::from_secs(40));
+        assert_eq!(read(queued), 1_000_040.0);
+        // The loop takes the newest update: nothing pending.
+        m.queue.lock().unwrap().taken = Received { services: 4, slices: 7 };
+        assert_eq!(read("kubeproxy_sync_proxy_rules_endpoint_changes_pending"), 0.0);
+    }
+
     /// and livez counters; the standard process metrics.
     #[tokio::test]
     async fn kube_proxys_metric_names_labels_and_buckets() {

@@ -430,6 +430,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let health = Arc::new(Health::new(cfg.stall_after));
     let published = rx.clone();
     health.watch_source(move || published.borrow().as_ref().map(|u| u.since));
+    let published = rx.clone();
+    metrics.watch_queue(Box::new(move || published.borrow().as_ref().map(|u| (u.queued, u.received))));
     metrics.register_health(&health);
     metrics.register_source(&source_status);
     let (hz, mt) = crate::health::serve(cfg.healthz_bind, cfg.metrics_bind, health.clone(), metrics.clone()).await?;
@@ -438,8 +440,6 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let netns_cookie = crate::nodeport::netns_cookie()?;
     let mut rec = Reconciler {
         maps,
-        service_changes: 0,
-        slice_changes: 0,
         triggers: Vec::new(),
         ip_families: Vec::new(),
         last_full: false,
@@ -607,11 +607,6 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // NodePort devices whose programs could not be attached, with why.
     let mut attach_failed: std::collections::HashMap<String, String> = std::collections::HashMap::new();
     let mut first = true;
-    // Changes a failed sync took into the model and no sync has programmed;
-    // when the last change arrived (kube-proxy's "queued", reported once a
-    // sync knows the node's families).
-    let (mut pending_services, mut pending_slices) = (0u64, 0u64);
-    let mut queued_at = 0.0;
     let addresses_changed = rec.addresses.changed();
     // What an earlier agent left in LB_LOCAL4 may be out of date (an
     // address moved while no agent ran): put right before any sync.
@@ -625,7 +620,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 if last.is_none() {
                     continue;
                 }
-                queued_at = unix_seconds(std::time::SystemTime::now());
+                metrics.queue.lock().unwrap().queued = Some(std::time::SystemTime::now());
             }
             r = rx.changed() => {
                 if r.is_err() {
@@ -638,7 +633,6 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 let Some(upd) = rx.borrow_and_update().clone() else { continue };
                 tracing::debug!(waited_us = upd.since.elapsed().as_micros() as u64, "update received");
                 health.changed(upd.since);
-                queued_at = unix_seconds(std::time::SystemTime::now());
                 let this = upd.snapshot.nodes.iter().find(|n| n.metadata.name.as_deref() == Some(cfg.node_name.as_str()));
                 eligible = model::node_eligible(this.map(|n| &**n), eligible);
                 health.node_deleting(!eligible);
@@ -717,6 +711,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             _ = int.recv() => break,
         }
         let Some(upd) = last.clone() else { continue };
+        // The sync takes the update's changes (kube-proxy's change
+        // trackers are checked out as a sync begins, whatever its end).
+        metrics.queue.lock().unwrap().taken = upd.received;
         let started = Instant::now();
         let mut attach_egress = || tc.set_sock_egress(true);
         let attach: Option<&mut dyn FnMut() -> Result<()>> = if upgrade.is_none() { Some(&mut attach_egress) } else { None };
@@ -739,7 +736,6 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                     let l = [("ip_family", family)];
                     metrics.kp_network_programming.get_or_create(&l).observe(now.duration_since(t).map_or(0.0, |d| d.as_secs_f64()));
                 }
-                (pending_services, pending_slices) = (0, 0);
             }
             Err(e) => {
                 dirty = true;
@@ -756,21 +752,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         }
         rec.export(&metrics, &cfg.capacity);
         rec.export_names(&metrics);
-        // Changes are seen when a sync takes them into the model, and
-        // pending until a sync programs them (kube-proxy's pending: seen,
-        // not synced yet).
-        let (services, slices) = (std::mem::take(&mut rec.service_changes), std::mem::take(&mut rec.slice_changes));
-        metrics.kp_service_changes.inc_by(services);
-        metrics.kp_endpoint_changes.inc_by(slices);
-        if dirty {
-            pending_services += services;
-            pending_slices += slices;
-        }
-        metrics.kp_service_changes_pending.set(pending_services as i64);
-        metrics.kp_endpoint_changes_pending.set(pending_slices as i64);
-        for family in &rec.ip_families {
-            metrics.kp_last_queued.get_or_create(&[("ip_family", *family)]).set(queued_at);
-        }
+        // kube-proxy's queue gauges are read at each scrape
+        // (`Metrics::watch_queue`), per family once a sync knows them.
+        metrics.queue.lock().unwrap().families = rec.ip_families.clone();
         let counts = rec.no_local.counts();
         for family in rec.ip_families.iter().copied().chain(counts.keys().map(|(f, _)| *f)) {
             for policy in ["internal", "external"] {

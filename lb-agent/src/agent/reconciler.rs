@@ -213,10 +213,8 @@ where
 /// Reconciles a snapshot into the maps, remembering what it programmed.
 pub(super) struct Reconciler {
     pub(super) maps: Maps,
-    /// kube-proxy's change counters since the last export, and the trigger
-    /// times of EndpointSlice changes not programmed yet.
-    pub(super) service_changes: u64,
-    pub(super) slice_changes: u64,
+    /// The trigger times of EndpointSlice changes not programmed yet
+    /// (kube-proxy's network programming latency).
     pub(super) triggers: Vec<(std::time::SystemTime, &'static str)>,
     /// kube-proxy's `ip_family` labels this node reports under: the
     /// families of its primary addresses (a dual-stack kube-proxy runs a
@@ -478,8 +476,6 @@ impl Reconciler {
         self.health_check_on = (self.nodeport_addresses != model::NodePortAddresses::default()).then(|| node.addresses.clone());
         let t_model = Instant::now();
         let ch = self.model.update(&snap.services, &snap.slices, &node, &self.opts);
-        self.service_changes += ch.service_changes;
-        self.slice_changes += ch.slice_changes;
         // Measured when programmed: kept across a failed sync.
         self.triggers.extend(ch.triggers.iter().copied());
         if ch.full {

@@ -236,6 +236,8 @@ pub struct DirState {
     /// Files whose last read failed, with the signature that failed, so the
     /// same error is logged once rather than on every rescan.
     failed: BTreeMap<PathBuf, Signature>,
+    /// `received`.
+    received: super::Received,
 }
 
 impl DirState {
@@ -245,11 +247,19 @@ impl DirState {
         if !md.is_dir() {
             anyhow::bail!("source directory {}: not a directory", dir.display());
         }
-        Ok(Self { dir: dir.to_path_buf(), files: BTreeMap::new(), failed: BTreeMap::new() })
+        Ok(Self { dir: dir.to_path_buf(), files: BTreeMap::new(), failed: BTreeMap::new(), received: Default::default() })
     }
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The changes received so far (`super::Received`): each Service and
+    /// EndpointSlice of a file read anew counts (also one the edit left
+    /// alone: the file is the unit here), those fewer than the file held
+    /// before, and those of a removed file.
+    pub fn received(&self) -> super::Received {
+        self.received
     }
 
     /// Re-read what changed. `touched` are paths a watcher reported; they are
@@ -301,6 +311,11 @@ impl DirState {
                         slices: o.slices.into_iter().map(Arc::new).collect(),
                         nodes: o.nodes.into_iter().map(Arc::new).collect(),
                     };
+                    let fewer = self.files.get(&path).map_or((0, 0), |old| {
+                        (old.services.len().saturating_sub(entry.services.len()), old.slices.len().saturating_sub(entry.slices.len()))
+                    });
+                    self.received.services += (entry.services.len() + fewer.0) as u64;
+                    self.received.slices += (entry.slices.len() + fewer.1) as u64;
                     self.files.insert(path, entry);
                     changed = true;
                 }
@@ -318,7 +333,10 @@ impl DirState {
         }
         let gone: Vec<PathBuf> = self.files.keys().filter(|p| !seen.contains(*p)).cloned().collect();
         for p in gone {
-            self.files.remove(&p);
+            if let Some(old) = self.files.remove(&p) {
+                self.received.services += old.services.len() as u64;
+                self.received.slices += old.slices.len() as u64;
+            }
             changed = true;
         }
         self.failed.retain(|p, _| seen.contains(p));
@@ -418,7 +436,8 @@ pub async fn run(mut state: DirState, tx: super::Publisher) -> anyhow::Result<()
     let (_watcher, mut events) = watch(state.dir())?;
     state.rescan(&BTreeSet::new())?;
     let publish = |state: &DirState, since: std::time::Instant| {
-        let _ = tx.send(Some(std::sync::Arc::new(super::Update { snapshot: state.snapshot(), since })));
+        let update = super::Update { snapshot: state.snapshot(), since, queued: std::time::SystemTime::now(), received: state.received() };
+        let _ = tx.send(Some(std::sync::Arc::new(update)));
     };
     publish(&state, std::time::Instant::now());
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
@@ -552,17 +571,21 @@ endpoints:
         assert_eq!(st.snapshot().services.len(), 1);
         assert_eq!(st.snapshot().slices.len(), 1);
         assert!(!st.rescan(&none).unwrap(), "nothing changed");
+        let received = |services, slices| super::super::Received { services, slices };
+        assert_eq!(st.received(), received(1, 1), "each object read is a change received");
 
         // A broken edit keeps the last good content.
         std::fs::write(d.join("svc.yaml"), "kind: [").unwrap();
         let touched: BTreeSet<_> = [d.join("svc.yaml")].into();
         st.rescan(&touched).unwrap();
         assert_eq!(st.snapshot().services.len(), 1);
+        assert_eq!(st.received(), received(1, 1), "nothing received");
 
         // Deleting a file removes its objects.
         std::fs::remove_file(d.join("slice.yml")).unwrap();
         assert!(st.rescan(&none).unwrap());
         assert!(st.snapshot().slices.is_empty());
+        assert_eq!(st.received(), received(1, 2), "the slice's removal");
         std::fs::remove_dir_all(&d).unwrap();
     }
 

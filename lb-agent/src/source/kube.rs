@@ -315,10 +315,11 @@ where
     let seen = status.clone();
     tokio::spawn(async move {
         let converted = watcher(api, cfg).default_backoff().map_ok(move |ev| {
-            if let watcher::Event::Apply(o) | watcher::Event::Delete(o) | watcher::Event::InitApply(o) = &ev
-                && let Some(rv) = o.meta().resource_version.as_deref()
-            {
-                seen.saw(kind, rv);
+            if let watcher::Event::Apply(o) | watcher::Event::Delete(o) | watcher::Event::InitApply(o) = &ev {
+                seen.received_one(kind);
+                if let Some(rv) = o.meta().resource_version.as_deref() {
+                    seen.saw(kind, rv);
+                }
             }
             convert_event(ev, convert)
         });
@@ -406,8 +407,12 @@ pub async fn run_with(
     // otherwise turn /healthz 503 the moment it is published.
     let mut since = Instant::now();
     loop {
+        // Counted before the stores are read: a change counted is in this
+        // snapshot, or (counted as its store took it) in the next one,
+        // which it makes.
+        let received = status.received();
         let snapshot = Snapshot { services: svcs.state(), slices: slices.state(), nodes: nodes.state() };
-        if !publish(Arc::new(Update { snapshot, since })) {
+        if !publish(Arc::new(Update { snapshot, since, queued: std::time::SystemTime::now(), received })) {
             return Ok(());
         }
         let published = Instant::now();

@@ -31,6 +31,27 @@ pub struct Snapshot {
 pub struct Update {
     pub snapshot: Snapshot,
     pub since: Instant,
+    /// When it was published (wall clock): kube-proxy's "queued" time of
+    /// a sync, which its informers' handlers set as changes arrive.
+    pub queued: std::time::SystemTime,
+    /// The changes the source had received when it published this.
+    pub received: Received,
+}
+
+/// Object changes a source has received since it started, by kind: each
+/// object added, changed or removed (and each object of a re-list), as
+/// kube-proxy's change trackers count their informers' events.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Received {
+    pub services: u64,
+    pub slices: u64,
+}
+
+impl Received {
+    /// Those of `self` not in `taken` (an earlier count).
+    pub fn since(self, taken: Received) -> Received {
+        Received { services: self.services.saturating_sub(taken.services), slices: self.slices.saturating_sub(taken.slices) }
+    }
 }
 
 /// The newest update; `None` until the source has its first full view.
@@ -53,6 +74,8 @@ pub struct Status {
     /// client-go's `rest_client_request_duration_seconds{host,verb}`: until
     /// the answer's headers (a watch's too), in client-go's buckets.
     pub request_duration: Family<Labels<2>, Histogram, fn() -> Histogram>,
+    /// Watch events received: Services, EndpointSlices (`Received`).
+    received: [std::sync::atomic::AtomicU64; 2],
 }
 
 impl Default for Status {
@@ -60,11 +83,34 @@ impl Default for Status {
         fn buckets() -> Histogram {
             Histogram::new([0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0])
         }
-        Status { failing: Default::default(), newest: Default::default(), requests: Family::default(), request_duration: Family::new_with_constructor(buckets) }
+        Status {
+            failing: Default::default(),
+            newest: Default::default(),
+            requests: Family::default(),
+            request_duration: Family::new_with_constructor(buckets),
+            received: Default::default(),
+        }
     }
 }
 
 impl Status {
+    /// A watch event of `kind` arrived (an object added, changed, removed,
+    /// or listed again); Services and EndpointSlices are counted.
+    pub fn received_one(&self, kind: &str) {
+        let i = match kind {
+            "Service" => 0,
+            "EndpointSlice" => 1,
+            _ => return,
+        };
+        self.received[i].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The changes received so far.
+    pub fn received(&self) -> Received {
+        let n = |i: usize| self.received[i].load(std::sync::atomic::Ordering::Relaxed);
+        Received { services: n(0), slices: n(1) }
+    }
+
     /// A request to the API server at `host` answered `code` after `took`.
     pub fn request(&self, host: &str, method: &str, code: &str, took: std::time::Duration) {
         self.requests.get_or_create(&[("code", code.to_string()), ("host", host.to_string()), ("method", method.to_string())]).inc();

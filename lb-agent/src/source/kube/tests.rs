@@ -289,9 +289,13 @@ async fn initial_list_then_add_modify_delete() {
     assert_eq!(backends(&u.snapshot, "10.96.0.1"), ["10.0.0.1"]);
     let facts = model::NodeFacts { name: "node-a", ..Default::default() };
     assert_eq!(model::node_info(&facts, &u.snapshot.nodes).zone.as_deref(), Some("zone-1"));
+    // Every object listed is a change received (kube-proxy's informers
+    // add each); the Node is not counted.
+    assert_eq!(u.received, crate::source::Received { services: 1, slices: 1 });
 
     fake.event(SERVICES, "ADDED", svc("b", "10.96.0.2")).await;
-    h.until("b added", |s| names(s).contains("b")).await;
+    let u = h.until("b added", |s| names(s).contains("b")).await;
+    assert_eq!(u.received, crate::source::Received { services: 2, slices: 1 });
 
     fake.event(SLICES, "MODIFIED", slice("a", "a-1", &["10.0.0.1", "10.0.0.2"])).await;
     let u = h.until("a-1 modified", |s| backends(s, "10.96.0.1").len() == 2).await;
@@ -301,6 +305,7 @@ async fn initial_list_then_add_modify_delete() {
     let u = h.until("a deleted", |s| !names(s).contains("a")).await;
     assert_eq!(names(&u.snapshot), ["b".to_string()].into());
     assert!(backends(&u.snapshot, "10.96.0.1").is_empty());
+    assert_eq!(u.received, crate::source::Received { services: 3, slices: 2 });
 }
 
 /// After a 410 the watcher re-lists. kube-rs' watcher would ask any API
