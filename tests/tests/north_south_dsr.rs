@@ -412,7 +412,9 @@ fn dsr_entry(w: &World, frontend: &str) -> Result<Option<(String, u16, u64)>> {
 fn forged_packets_with_a_live_dsr_flows_tuple_leave_it_alone() -> Result<()> {
     use lbtest::raw::{ipv4, ipv4_with_options, tcp_segment, tcp_syn};
     let (w, node2) = dsr_to_pod2()?;
-    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "5000", "--interval-ms", "100"])?;
+    // Held well past the waits below: a flow that closed (FINs both ways)
+    // could be taken.
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "9000", "--interval-ms", "100"])?;
     // Two seconds old, so that an entry made again would show.
     w.c.wait_for("node-2's entry of the held flow, established", std::time::Duration::from_secs(5), || {
         Ok(dsr_entry(&w, NODE1)?.is_some_and(|(l, _, age)| l.contains("ESTABLISHED") && age >= 2))
@@ -441,7 +443,7 @@ fn forged_packets_with_a_live_dsr_flows_tuple_leave_it_alone() -> Result<()> {
 }
 
 /// A half-closed DSR flow: the client sends its request and its FIN, and
-/// the pod answers 3 s later. Both nodes keep the flow past the closed
+/// the pod answers 6 s later. Both nodes keep the flow past the closed
 /// timeout (1 s here): node-2 sees only one FIN (the client's; the pod's
 /// is `FIN_REPLY`), and node-1, which never sees the pod's, keeps it for
 /// `--nat-dsr-fin-timeout`. Before 12-07 one FIN counted as closed on both
@@ -453,7 +455,7 @@ fn a_half_closed_dsr_flow_lives_past_the_closed_timeout() -> Result<()> {
     let w = world_with(&web("NodePort", "", &[]), &flags)?;
     set_endpoints(&w, &[(&w.p2, E::ready)])?;
     wait_only(&w.c, NODE1, 30080, &w.p2)?;
-    let slow = w.c.probe_bg(&w.outside, &["half-closed", "--addr", &hostport(NODE1, 30080), "--wait-ms", "3500"])?;
+    let slow = w.c.probe_bg(&w.outside, &["half-closed", "--addr", &hostport(NODE1, 30080), "--wait-ms", "6000"])?;
     std::thread::sleep(std::time::Duration::from_millis(2500));
     let n1 = nat(&w, 1)?;
     assert!(n1.lines().any(|l| l.contains(&format!("src={CLIENT} dst={NODE1} ")) && l.contains("FIN_WAIT")), "node-1 keeps the half-closed flow: {n1}");
@@ -476,7 +478,7 @@ fn a_half_closed_dsr_flow_lives_past_the_closed_timeout() -> Result<()> {
 fn a_forged_rst_and_option_do_not_take_a_live_local_flow() -> Result<()> {
     use lbtest::raw::{ipv4, ipv4_with_options, tcp_segment, tcp_syn};
     let (w, node2) = dsr_to_pod2()?;
-    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(&node2, 30080), "--hold-ms", "4000", "--interval-ms", "100"])?;
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(&node2, 30080), "--hold-ms", "8000", "--interval-ms", "100"])?;
     let front = format!("src={CLIENT} dst={node2} sport=");
     let mut flow = String::new();
     w.c.wait_for("node-2's flow", std::time::Duration::from_secs(5), || {

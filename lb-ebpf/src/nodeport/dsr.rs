@@ -144,21 +144,9 @@ fn known_frontend<F: Net>(addr: F::A, port: u16, proto: u8) -> bool {
     crate::sock::LB_NODEPORTS.get_ptr(&NodePortKey { port, proto, _pad: 0 }).is_some()
 }
 
-/// How long a flow ended by a RST must have been quiet before a SYN
-/// naming another translation takes its tuple. No sequence check vets a
-/// RST here: a forged RST and then a forged SYN with the option would
-/// take a live flow's tuple (its replies rewritten to another frontend);
-/// a live flow's packets keep it from falling quiet. A client's real SYN
-/// after its RST is dropped at most once: its retransmission (1 s later)
-/// finds the flow quiet. The same quiet lets a SYN move a live DSR flow's
-/// tuple to another frontend (`record`): a busy flow cannot be taken by a
-/// forged SYN; an idle one can, by one that guessed its tuple, as a
-/// forged RST in its window could end it.
-const RST_QUIET_NS: u64 = 1_000_000_000;
-
 /// Whether the flow whose entry `e` is (at `key`) ended, so that a SYN
 /// may give its tuple to another translation: a FIN each way, or a RST
-/// (or its other entry gone) and quiet since (`RST_QUIET_NS`).
+/// (or its other entry gone) and quiet since (`super::RST_QUIET_NS`).
 #[inline(always)]
 fn ended<F: Net>(key: &NatKey<F::A>, e: &NatEntry<F::A>, now: u64) -> bool {
     use lb_common::nat_state::{FIN, FIN_REPLY, RST};
@@ -172,7 +160,7 @@ fn ended<F: Net>(key: &NatKey<F::A>, e: &NatEntry<F::A>, now: u64) -> bool {
             None => (false, true, e.last_seen_ns),
         }
     };
-    fin_both || (rst && now.saturating_sub(last) >= RST_QUIET_NS)
+    fin_both || (rst && now.saturating_sub(last) >= super::RST_QUIET_NS)
 }
 
 /// Node B: record (or refresh) the reply translation of the DSR flow of
@@ -214,19 +202,15 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
         }
         // SAFETY: as above.
         Some(ep) if unsafe { (*ep).flags & nat_flags::DSR != 0 } => {
+            use lb_common::nat_state::{FIN, FIN_REPLY, RST};
             // SAFETY: as above.
             let e = unsafe { &*ep };
             let same = e.to_saddr == addr && e.to_sport == port;
-            let quiet = now.saturating_sub(e.last_seen_ns) >= RST_QUIET_NS;
-            // A SYN starts a new connection on the tuple of one that ended
-            // (a client port used again): a fresh entry, without the old
-            // connection's FIN or RST, maybe to another frontend. To
-            // another frontend also once the old flow fell quiet: a
-            // client's new connection where the backend still holds the
-            // old, half-open one (its challenge ACK must reach the client
-            // from the new frontend, whose RST then ends the old socket).
-            // UDP has no connection: the client's last frontend wins.
-            if syn && (ended::<F>(&key, e, now) || !same && quiet) || p.proto != PROTO_TCP && !same {
+            if syn && (ended::<F>(&key, e, now) || same && e.state & (RST | FIN | FIN_REPLY) != 0) {
+                // A new connection on the tuple of one that ended (a client
+                // port used again), maybe through another frontend; or
+                // through the same frontend on one that is closing (its
+                // state goes, not its translation): a fresh entry.
                 BPF_EXIST
             } else if same {
                 // The client's packet keeps the entry alive and notes its
@@ -234,13 +218,20 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
                 // mark it SEEN, so spoofed options cannot keep entries
                 // long. A SYN again (a retransmission, or a forged one)
                 // leaves the live flow's state as it is.
-                note(ep, p.tcp_flags, 0, lb_common::nat_state::FIN);
+                note(ep, p.tcp_flags, 0, FIN);
                 return Ok(());
+            } else if p.proto != PROTO_TCP {
+                // UDP has no connection: the client's last frontend wins.
+                BPF_EXIST
             } else {
-                // Another frontend for a live TCP flow: a forgery (a
-                // client's connection keeps its frontend), which would
-                // send the flow's replies from another address and drop
-                // the client's own packets.
+                // Another frontend for a live TCP flow. A forgery would
+                // send the flow's replies from another address (a SYN's
+                // challenge ACK from there draws the client's RST, which
+                // ends the pod's socket); a client's real new connection
+                // with this tuple through another frontend (two clients
+                // behind one NAT gateway, which keeps a port per
+                // destination) cannot be told from the old at the pod, and
+                // waits until the old one ends or its entry expires.
                 return Err(stats::NAT_DROPPED);
             }
         }

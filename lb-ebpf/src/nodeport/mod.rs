@@ -1194,7 +1194,10 @@ fn flow_stats(family: u8, rev_nat_id: u16, backend_id: u32) {
 /// Note a packet (not the first) of the flow in its direction's entry.
 #[inline(always)]
 fn touch<A>(e: *mut NatEntry<A>, tcp_flags: u8) {
-    note(e, tcp_flags, nat_state::SEEN, nat_state::FIN)
+    // A SYN again (a retransmission, or a spoofed source's second) does not
+    // assure the flow: what follows an answer does.
+    let seen = if tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN { 0 } else { nat_state::SEEN };
+    note(e, tcp_flags, seen, nat_state::FIN)
 }
 
 /// Note a backend's reply in entry `e` (flags `flags`). On the backend's
@@ -1211,8 +1214,9 @@ fn touch_reply<A>(e: *mut NatEntry<A>, flags: u8, tcp_flags: u8) {
 }
 
 /// Note a packet in entry `e`: its time, its FIN (as `fin`) / RST, and
-/// `seen` (SEEN, or 0 for a packet that must not assure the flow: a DSR
-/// client's packet on the backend's node).
+/// the state bits `seen` (SEEN; 0 for a packet that must not assure the
+/// flow, as a DSR client's packet on the backend's node, which sets ACKED
+/// there instead).
 #[inline(always)]
 fn note<A>(e: *mut NatEntry<A>, tcp_flags: u8, seen: u8, fin: u8) {
     // SAFETY: e points into a map value; the fields are plain integers.
@@ -1237,6 +1241,25 @@ fn note<A>(e: *mut NatEntry<A>, tcp_flags: u8, seen: u8, fin: u8) {
             (*e).state = state;
         }
     }
+}
+
+/// How long a flow ended by a RST must have been quiet before a SYN gives
+/// its tuple to another translation, where that would cut a live flow (a
+/// DSR flow's entry; an option's SYN for a local flow's tuple, `dsr.rs`).
+/// No sequence check vets a RST here: a forged RST and at once a forged
+/// SYN would take a live flow's tuple; a live flow's packets keep it from
+/// falling quiet. A client's real SYN right after its RST is dropped (or
+/// follows the old entry) once: its retransmission, a second later, finds
+/// the flow quiet (0.9 s: the RST went before the SYN, and a timer may
+/// fire a little early).
+pub const RST_QUIET_NS: u64 = 900_000_000;
+
+/// Whether a flow whose last packet was at `last` fell quiet
+/// (`RST_QUIET_NS`).
+#[inline(always)]
+fn quiet(last: u64) -> bool {
+    // SAFETY: plain helper.
+    unsafe { bpf_ktime_get_ns() }.saturating_sub(last) >= RST_QUIET_NS
 }
 
 /// Whether a flow has ended: a RST, or a FIN each way.
@@ -1796,8 +1819,11 @@ fn drop_if_closed<F: Net>(key: &NatKey<F::A>) -> bool {
         Some(o) => closed(e.state, unsafe { core::ptr::read_volatile(&(*o).state) }),
         // A DSR flow's one entry on a node, partnerless by design: by its
         // own state (a SYN with a live DSR flow's tuple, forged or not,
-        // straight to the pod, ended it before 12-07).
-        None if e.flags & nat_flags::DSR != 0 => nat_state::dsr_closed(e.state, e.flags),
+        // straight to the pod, ended it before 12-07), a RST once the flow
+        // fell quiet after it (`RST_QUIET_NS`).
+        None if e.flags & nat_flags::DSR != 0 => {
+            nat_state::dsr_closed(e.state & !nat_state::RST, e.flags) || (e.state & nat_state::RST != 0 && quiet(e.last_seen_ns))
+        }
         // Half gone.
         None => true,
     };
