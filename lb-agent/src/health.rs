@@ -562,6 +562,9 @@ impl Metrics {
         let q = self.queue.lock().unwrap();
         let queued = q.queued.map_or(published, |t| t.max(published));
         let at = queued.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        // The node's families now only (a family it no longer has would
+        // keep a queued time past its last sync: a false alert).
+        self.kp_last_queued.clear();
         for family in &q.families {
             self.kp_last_queued.get_or_create(&[("ip_family", *family)]).set(at);
         }
@@ -856,8 +859,6 @@ mod tests {
         assert_eq!(get_full(h, "/healthz").await.0, 200);
     }
 
-    /// kube-proxy's metrics as a kube-proxy 1.3x exports them: names,
-    /// types (counters end in _total), labels and buckets; its healthz
     /// kube-proxy's queue gauges come from the source's side, read at each
     /// scrape: while the sync loop hangs (it takes no update), the queued
     /// time moves on and the pending changes grow, so that an alert on
@@ -904,8 +905,15 @@ mod tests {
         // The loop takes the newest update: nothing pending.
         m.queue.lock().unwrap().taken = Received { services: 4, slices: 7 };
         assert_eq!(read("kubeproxy_sync_proxy_rules_endpoint_changes_pending"), 0.0);
+        // The node is IPv6 now: no IPv4 series left behind.
+        m.queue.lock().unwrap().families = vec!["IPv6"];
+        let body = m.encode();
+        assert!(!body.contains("last_queued_timestamp_seconds{ip_family=\"IPv4\"}"), "{body}");
+        assert_eq!(read("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family=\"IPv6\"}"), 1_000_040.0);
     }
 
+    /// kube-proxy's metrics as a kube-proxy 1.3x exports them: names,
+    /// types (counters end in _total), labels and buckets; its healthz
     /// and livez counters; the standard process metrics.
     #[tokio::test]
     async fn kube_proxys_metric_names_labels_and_buckets() {

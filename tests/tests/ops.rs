@@ -84,6 +84,9 @@ fn an_unreachable_api_server_is_a_clear_error_and_the_agent_is_not_ready() -> Re
         // kube-proxy's /healthz and /livez: healthy while starting (what
         // the pins hold serves meanwhile; no change has waited); lb's
         // /readyz, the DaemonSet's readiness probe: not before a sync.
+        // (The source runs on its own thread: its error can come before
+        // the programs are loaded and health is served.)
+        c.wait_for("health served", Duration::from_secs(10), || Ok(c.http(1, "127.0.0.1:10256", "/healthz").is_ok()))?;
         assert_eq!(c.http(1, "127.0.0.1:10256", "/healthz")?.0, 200);
         assert_eq!(c.http(1, "127.0.0.1:10256", "/livez")?.0, 200);
         let (code, body) = c.http(1, "127.0.0.1:10256", "/readyz")?;
@@ -789,5 +792,67 @@ fn a_port_held_by_another_process_is_an_error_naming_it() -> Result<()> {
     for want in ["--healthz-bind 0.0.0.0:10256", "in use", &format!("held by lbprobe (pid {pid})"), "kube-proxy listens there too", "delete its DaemonSet"] {
         assert!(text.contains(want), "the error says {want:?}: {text}");
     }
+    Ok(())
+}
+
+/// One thread of a process stopped by ptrace (the others go on), until
+/// dropped: a thread that hangs, as on a stuck syscall.
+struct ThreadStopped(nix::unistd::Pid);
+
+impl ThreadStopped {
+    fn new(tid: u32) -> Result<Self> {
+        use nix::sys::{ptrace, wait};
+        let tid = nix::unistd::Pid::from_raw(tid as i32);
+        ptrace::seize(tid, ptrace::Options::empty())?;
+        let stopped = ThreadStopped(tid);
+        ptrace::interrupt(tid)?;
+        wait::waitpid(tid, Some(wait::WaitPidFlag::__WALL))?;
+        Ok(stopped)
+    }
+}
+
+impl Drop for ThreadStopped {
+    fn drop(&mut self) {
+        let _ = nix::sys::ptrace::detach(self.0, None);
+    }
+}
+
+/// The agent's sync loop hangs (its thread stopped, as on a stuck
+/// syscall) while an endpoint changes: `/healthz` answers 503 once the
+/// change waited longer than the stall limit, `/livez` too, and the queue
+/// metrics show it, as kube-proxy's do for its hung loop (the queued time
+/// past the last sync, the change pending). Once the loop goes on, all is
+/// well again. Before 12-07 the health and metrics servers and the source
+/// ran on the loop's thread: a hung loop left them unanswered, and the
+/// loop wrote the queue metrics itself.
+#[test]
+fn a_hung_sync_loop_shows_in_healthz_and_the_queue_metrics() -> Result<()> {
+    let mut c = Cluster::new(1)?;
+    let (a, b) = (c.add_pod(1, "pod-a")?, c.add_pod(1, "pod-b")?);
+    c.write_object("node.yaml", &lbtest::objects::node("node-1", "z1"))?;
+    c.write_object("svc.yaml", &service("web", "10.96.0.10", &[("http", 80, 8080, "TCP")]))?;
+    c.write_object("slice.yaml", &slice("web", "web-1", &[("http", 8080, "TCP")], &[(&a.ip, "node-1", true)]))?;
+    c.start_agent_with(1, &["--healthz-stall-seconds", "2"])?;
+    c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&format!("{}:8080", a.ip)]))?;
+    let last = "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"}";
+    let queued = "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family=\"IPv4\"}";
+    let pending = "kubeproxy_sync_proxy_rules_endpoint_changes_pending";
+    let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+    assert_eq!(metric(&m, pending), Some(0.0), "{m}");
+    // The agent's main thread runs its sync loop.
+    let stopped = ThreadStopped::new(c.agent_pid(1).expect("the agent runs"))?;
+    c.write_object("slice.yaml", &slice("web", "web-1", &[("http", 8080, "TCP")], &[(&b.ip, "node-1", true)]))?;
+    c.wait_for("/healthz 503", Duration::from_secs(10), || Ok(c.http(1, "127.0.0.1:10256", "/healthz")?.0 == 503))?;
+    assert_eq!(c.http(1, "127.0.0.1:10256", "/livez")?.0, 503);
+    let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+    assert!(metric(&m, pending).is_some_and(|n| n >= 1.0), "the change is pending: {m}");
+    let (q, l) = (metric(&m, queued).unwrap(), metric(&m, last).unwrap());
+    assert!(q > l, "queued {q} after the last sync {l}");
+    drop(stopped);
+    c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&format!("{}:8080", b.ip)]))?;
+    c.wait_for("/healthz 200", Duration::from_secs(10), || Ok(c.http(1, "127.0.0.1:10256", "/healthz")?.0 == 200))?;
+    let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+    assert_eq!(metric(&m, pending), Some(0.0), "{m}");
+    assert!(metric(&m, last).unwrap() >= metric(&m, queued).unwrap(), "{m}");
     Ok(())
 }

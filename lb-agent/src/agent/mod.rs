@@ -318,19 +318,44 @@ impl crate::health::StatsSource for PinnedStats {
     }
 }
 
+/// A runtime on a thread of its own for what must go on while a sync
+/// blocks the agent's thread (a hang, or a sync of a huge cluster): the
+/// source, `/healthz` and `/metrics`. kube-proxy's informers and health
+/// server run beside its sync loop likewise, so that a hung loop is seen
+/// (`/healthz` 503, the queue metrics moving on) rather than unanswered.
+fn side_runtime() -> Result<tokio::runtime::Handle> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new().name("lb-side".into()).spawn(move || {
+        match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => {
+                let _ = tx.send(Ok(rt.handle().clone()));
+                rt.block_on(std::future::pending::<()>());
+            }
+            Err(e) => {
+                let _ = tx.send(Err(e));
+            }
+        }
+    })?;
+    Ok(rx.recv().context("the side runtime's thread ended")??)
+}
+
 pub async fn run(cfg: RunConfig) -> Result<()> {
     tracing::debug!("starting");
+    let side = side_runtime()?;
     // Check the source before touching the kernel: bad input fails first.
     let (tx, mut rx): (crate::source::Publisher, crate::source::Subscriber) = tokio::sync::watch::channel(None);
     let source_status = Arc::new(crate::source::Status::default());
     let mut source: tokio::task::JoinHandle<Result<()>> = match &cfg.source {
         SourceSpec::Dir(dir) => {
             let state = DirState::new(dir)?;
-            tokio::spawn(dir::run(state, tx))
+            side.spawn(dir::run(state, tx))
         }
         SourceSpec::Kube => {
-            let (client, server) = crate::source::kube::client(cfg.kubeconfig.as_deref(), cfg.api_keepalive, source_status.clone()).await?;
-            tokio::spawn(crate::source::kube::run(client, server, cfg.node_name.clone(), tx, source_status.clone()))
+            // The client is made there too: its request buffer's task runs
+            // where it is made.
+            let (kubeconfig, keepalive, status) = (cfg.kubeconfig.clone(), cfg.api_keepalive, source_status.clone());
+            let (client, server) = side.spawn(async move { crate::source::kube::client(kubeconfig.as_deref(), keepalive, status).await }).await??;
+            side.spawn(crate::source::kube::run(client, server, cfg.node_name.clone(), tx, source_status.clone()))
         }
     };
 
@@ -434,7 +459,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     metrics.watch_queue(Box::new(move || published.borrow().as_ref().map(|u| (u.queued, u.received))));
     metrics.register_health(&health);
     metrics.register_source(&source_status);
-    let (hz, mt) = crate::health::serve(cfg.healthz_bind, cfg.metrics_bind, health.clone(), metrics.clone()).await?;
+    let (hz, mt) = side.spawn(crate::health::serve(cfg.healthz_bind, cfg.metrics_bind, health.clone(), metrics.clone())).await??;
     tracing::info!(healthz = ?hz, metrics = ?mt, "serving health and metrics");
 
     let netns_cookie = crate::nodeport::netns_cookie()?;

@@ -54,24 +54,12 @@ pub struct Changes {
     /// flushes such a Service's conntrack entries at this change). Not on
     /// a full update.
     pub udp_served: BTreeSet<FrontendKey>,
-    /// Services and EndpointSlices added, changed or removed since the last
-    /// update (kube-proxy's change counters).
-    pub service_changes: u64,
-    pub slice_changes: u64,
     /// The `endpoints.kubernetes.io/last-change-trigger-time` of every
     /// added or changed EndpointSlice that has one (none on the first
     /// update: those changes predate the agent), for kube-proxy's network
     /// programming latency, with the slice's address type (kube-proxy's
     /// `ip_family` label).
     pub triggers: Vec<(std::time::SystemTime, &'static str)>,
-}
-
-/// How many distinct objects (by namespace and name) `gone` and `added`
-/// hold: a changed object is in both.
-fn changed<T>(gone: &[Arc<T>], added: &[Arc<T>], meta: fn(&T) -> &super::objects::Meta) -> u64 {
-    let names: HashSet<(Option<&str>, Option<&str>)> =
-        gone.iter().chain(added).map(|o| meta(o)).map(|m| (m.namespace.as_deref(), m.name.as_deref())).collect();
-    names.len() as u64
 }
 
 impl Changes {
@@ -270,8 +258,6 @@ impl Incremental {
     pub fn update(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], node: &NodeInfo, opts: &Options) -> Changes {
         let mut ch = Changes::default();
         let objs = ObjectDiff::of(&self.services, services, &self.slices, slices);
-        ch.service_changes = changed(&objs.gone_svcs, &objs.new_svcs, |s: &Service| &s.metadata);
-        ch.slice_changes = changed(&objs.gone_slices, &objs.new_slices, |s: &EndpointSlice| &s.metadata);
         if self.primed {
             ch.triggers = objs
                 .new_slices

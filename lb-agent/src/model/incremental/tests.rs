@@ -210,13 +210,12 @@ fn counts_object_changes_and_collects_trigger_times() {
     let mut inc = Incremental::new();
     let (a, b, s1) = (svc("a"), svc("b"), slice("a-1", Some("2026-12-01T10:00:00Z")));
     let ch = inc.update(&[a.clone(), b.clone()], std::slice::from_ref(&s1), &node(), &opts);
-    assert_eq!((ch.service_changes, ch.slice_changes), (2, 1));
     assert!(ch.triggers.is_empty(), "the initial list's changes predate the agent");
     let ch = inc.update(&[b, a], std::slice::from_ref(&s1), &node(), &opts);
-    assert_eq!((ch.service_changes, ch.slice_changes, ch.triggers.len()), (0, 0, 0), "moved, not changed");
+    assert_eq!(ch.triggers.len(), 0, "moved, not changed");
     // A relist (after a 410): every object decoded anew, nothing changed.
     let ch = inc.update(&[svc("b"), svc("a")], &[slice("a-1", Some("2026-12-01T10:00:00Z"))], &node(), &opts);
-    assert_eq!((ch.service_changes, ch.slice_changes, ch.triggers.len()), (0, 0, 0), "decoded anew, not changed");
+    assert_eq!(ch.triggers.len(), 0, "decoded anew, not changed");
     assert!(ch.is_empty(), "nothing recomputed: {ch:?}");
     // b removed, a changed, the slice changed with a new trigger time, a
     // second slice without one.
@@ -227,7 +226,6 @@ fn counts_object_changes_and_collects_trigger_times() {
         Arc::new(a)
     };
     let ch = inc.update(std::slice::from_ref(&a2), &[s2.clone(), slice("a-2", None)], &node(), &opts);
-    assert_eq!((ch.service_changes, ch.slice_changes), (2, 2));
     assert_eq!(ch.triggers, [(humantime::parse_rfc3339("2026-12-01T10:00:01Z").unwrap(), "IPv4")]);
     // An IPv6 slice's trigger carries its family (kube-proxy's ip_family).
     let ch = inc.update(&[a2], &[s2, slice("a-6", Some("2026-12-01T10:00:02Z"))], &node(), &opts);
