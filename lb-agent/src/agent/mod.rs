@@ -604,10 +604,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             }
         });
     }
-    // How long the watches have been failing, for the metric.
+    // How long the watches have been failing, for the metric (beside the
+    // source: it goes on while a sync blocks this thread).
     {
         let (status, metrics) = (source_status.clone(), metrics.clone());
-        tokio::spawn(async move {
+        side.spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             loop {
                 tick.tick().await;

@@ -202,15 +202,17 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
         }
         // SAFETY: as above.
         Some(ep) if unsafe { (*ep).flags & nat_flags::DSR != 0 } => {
-            use lb_common::nat_state::{FIN, FIN_REPLY, RST};
+            use lb_common::nat_state::{FIN, RST};
             // SAFETY: as above.
             let e = unsafe { &*ep };
             let same = e.to_saddr == addr && e.to_sport == port;
-            if syn && (ended::<F>(&key, e, now) || same && e.state & (RST | FIN | FIN_REPLY) != 0) {
+            if syn && (ended::<F>(&key, e, now) || same && e.state & RST != 0) {
                 // A new connection on the tuple of one that ended (a client
                 // port used again), maybe through another frontend; or
-                // through the same frontend on one that is closing (its
-                // state goes, not its translation): a fresh entry.
+                // through the same frontend on one a RST closed, less than
+                // RST_QUIET_NS ago (its state goes, not its translation): a
+                // fresh entry. (Not on one FIN: a forged SYN would clear a
+                // half-closed flow's FIN, and its close would go unseen.)
                 BPF_EXIST
             } else if same {
                 // The client's packet keeps the entry alive and notes its
