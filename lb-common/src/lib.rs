@@ -473,13 +473,12 @@ pub mod nat_state {
     /// ways: a FIN went the backend's way (`FIN` is the client's).
     pub const FIN_REPLY: u8 = 1 << 6;
 
-    /// Whether a DSR flow ended by its one entry's state and flags (the
-    /// entry has no partner: on the frontend's node only the client's
-    /// packets pass, so the client's FIN ends it there; on the backend's
-    /// node (`nat_flags::REPLY`), a FIN each way does). A RST ends it on
-    /// either node.
-    pub const fn dsr_closed(state: u8, flags: u8) -> bool {
-        state & RST != 0 || (state & FIN != 0 && (flags & super::nat_flags::REPLY == 0 || state & FIN_REPLY != 0))
+    /// Whether a DSR flow was closed by FINs, by its one entry's state and
+    /// flags (the entry has no partner: on the frontend's node only the
+    /// client's packets pass, so the client's FIN closes it there; on the
+    /// backend's node (`nat_flags::REPLY`), a FIN each way does).
+    pub const fn dsr_fin_closed(state: u8, flags: u8) -> bool {
+        state & FIN != 0 && (flags & super::nat_flags::REPLY == 0 || state & FIN_REPLY != 0)
     }
 }
 

@@ -35,6 +35,19 @@ impl Wire {
     fn send4(&self, packets: Vec<Vec<u8>>) -> Result<()> {
         raw::send(&self.netns, "eth0", packets.iter().map(|p| ether(self.dst, self.src, 0x0800, p)).collect())
     }
+    /// Send `packets` twice over (as a client retransmits a SYN), in
+    /// bursts of `burst`: a veth running XDP takes frames through a
+    /// 256-entry ring, where one large burst would mostly be dropped
+    /// before any program saw it.
+    fn send4_twice(&self, packets: &[Vec<u8>], burst: usize) -> Result<()> {
+        for _ in 0..2 {
+            for b in packets.chunks(burst) {
+                self.send4(b.to_vec())?;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        Ok(())
+    }
     fn send6(&self, packets: Vec<Vec<u8>>) -> Result<()> {
         raw::send(&self.netns, "eth0", packets.iter().map(|p| ether(self.dst, self.src, 0x86dd, p)).collect())
     }
@@ -50,17 +63,9 @@ fn a_syn_flood_from_spoofed_addresses_expires_and_other_flows_go_on() -> Result<
     let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "4000", "--interval-ms", "20"])?;
     let wire = Wire::new(&w.c, &w.outside)?;
     let syns: Vec<Vec<u8>> = (0..3000u16).map(|i| ipv4(FLOOD, NODE1_B, 6, 5, 0x4000, i, &tcp_syn(&FLOOD, &NODE1_B, 10000 + i, 30080))).collect();
-    // In bursts of 200: a veth running XDP (`LB_NODEPORT_ACCELERATION=xdp`)
-    // takes frames through a 256-entry ring, where one burst of 3,000
-    // would mostly be dropped before any program saw it. Each SYN twice,
-    // as a client retransmits it: a SYN again does not assure a flow
-    // (before 12-07 it did, once answered: such a flood lived a day).
-    for _ in 0..2 {
-        for burst in syns.chunks(200) {
-            wire.send4(burst.to_vec())?;
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
+    // Each SYN twice: a SYN again does not assure a flow (before 12-07 it
+    // did, once answered: such a flood lived a day).
+    wire.send4_twice(&syns, 200)?;
     // The table holds them as answered but never assured...
     let flood = "192.168.77.201";
     w.c.wait_for("the flood's flows", Duration::from_secs(5), || Ok(flows_from(&w.c, flood)?.len() >= 2900))?;
@@ -94,14 +99,9 @@ fn a_syn_flood_through_dsr_expires_on_the_backends_node() -> Result<()> {
     w.c.in_netns(&w.c.nodes[1].netns, &["ip", "neigh", "replace", "192.168.77.201", "lladdr", "02:00:00:00:02:01", "dev", "eth0", "nud", "permanent"])?;
     let wire = Wire::new(&w.c, &w.outside)?;
     let syns: Vec<Vec<u8>> = (0..300u16).map(|i| ipv4(FLOOD, NODE1_B, 6, 5, 0x4000, i, &tcp_syn(&FLOOD, &NODE1_B, 20000 + i, 30080))).collect();
-    // Each SYN twice, as a client retransmits it: on node-1 the second
-    // follows the flow's entry and must not assure it either (12-07).
-    for _ in 0..2 {
-        for burst in syns.chunks(100) {
-            wire.send4(burst.to_vec())?;
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
+    // Each SYN twice: on node-1 the second follows the flow's entry and
+    // must not assure it either (12-07).
+    wire.send4_twice(&syns, 100)?;
     let on_node2 = || -> Result<usize> {
         let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", w.c.nodes[1].bpffs.to_str().unwrap()])?;
         Ok(nat.lines().filter(|l| l.contains("src=192.168.77.201 ")).count())

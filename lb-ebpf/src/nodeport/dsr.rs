@@ -146,9 +146,9 @@ fn known_frontend<F: Net>(addr: F::A, port: u16, proto: u8) -> bool {
 
 /// Whether the flow whose entry `e` is (at `key`) ended, so that a SYN
 /// may give its tuple to another translation: a FIN each way, or a RST
-/// (or its other entry gone) and quiet since (`super::RST_QUIET_NS`).
+/// (or its other entry gone) and quiet since (`super::quiet`).
 #[inline(always)]
-fn ended<F: Net>(key: &NatKey<F::A>, e: &NatEntry<F::A>, now: u64) -> bool {
+fn ended<F: Net>(key: &NatKey<F::A>, e: &NatEntry<F::A>) -> bool {
     use lb_common::nat_state::{FIN, FIN_REPLY, RST};
     let (fin_both, rst, last) = if e.flags & nat_flags::DSR != 0 {
         // One entry notes both ways.
@@ -160,7 +160,7 @@ fn ended<F: Net>(key: &NatKey<F::A>, e: &NatEntry<F::A>, now: u64) -> bool {
             None => (false, true, e.last_seen_ns),
         }
     };
-    fin_both || (rst && now.saturating_sub(last) >= super::RST_QUIET_NS)
+    fin_both || (rst && super::quiet(last))
 }
 
 /// Node B: record (or refresh) the reply translation of the DSR flow of
@@ -194,7 +194,7 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
         {
             // SAFETY: as above.
             let e = unsafe { &*e };
-            if !syn || !ended::<F>(&key, e, now) {
+            if !syn || !ended::<F>(&key, e) {
                 return Err(stats::NAT_DROPPED);
             }
             super::remove_flow::<F>(&key, e);
@@ -206,7 +206,7 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
             // SAFETY: as above.
             let e = unsafe { &*ep };
             let same = e.to_saddr == addr && e.to_sport == port;
-            if syn && (ended::<F>(&key, e, now) || same && e.state & RST != 0) {
+            if syn && (ended::<F>(&key, e) || same && e.state & RST != 0) {
                 // A new connection on the tuple of one that ended (a client
                 // port used again), maybe through another frontend; or
                 // through the same frontend on one a RST closed, less than

@@ -1214,9 +1214,8 @@ fn touch_reply<A>(e: *mut NatEntry<A>, flags: u8, tcp_flags: u8) {
 }
 
 /// Note a packet in entry `e`: its time, its FIN (as `fin`) / RST, and
-/// the state bits `seen` (SEEN; 0 for a packet that must not assure the
-/// flow, as a DSR client's packet on the backend's node, which sets ACKED
-/// there instead).
+/// `seen` (SEEN, or 0 for a packet that must not assure the flow: a DSR
+/// client's packet on the backend's node).
 #[inline(always)]
 fn note<A>(e: *mut NatEntry<A>, tcp_flags: u8, seen: u8, fin: u8) {
     // SAFETY: e points into a map value; the fields are plain integers.
@@ -1252,7 +1251,7 @@ fn note<A>(e: *mut NatEntry<A>, tcp_flags: u8, seen: u8, fin: u8) {
 /// follows the old entry) once: its retransmission, a second later, finds
 /// the flow quiet (0.9 s: the RST went before the SYN, and a timer may
 /// fire a little early).
-pub const RST_QUIET_NS: u64 = 900_000_000;
+const RST_QUIET_NS: u64 = 900_000_000;
 
 /// Whether a flow whose last packet was at `last` fell quiet
 /// (`RST_QUIET_NS`).
@@ -1822,7 +1821,7 @@ fn drop_if_closed<F: Net>(key: &NatKey<F::A>) -> bool {
         // straight to the pod, ended it before 12-07), a RST once the flow
         // fell quiet after it (`RST_QUIET_NS`).
         None if e.flags & nat_flags::DSR != 0 => {
-            nat_state::dsr_closed(e.state & !nat_state::RST, e.flags) || (e.state & nat_state::RST != 0 && quiet(e.last_seen_ns))
+            nat_state::dsr_fin_closed(e.state, e.flags) || (e.state & nat_state::RST != 0 && quiet(e.last_seen_ns))
         }
         // Half gone.
         None => true,
