@@ -678,6 +678,11 @@ async fn metrics(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
 /// off, whatever net.ipv6.bindv6only says); IPv4 alone where the node has
 /// no IPv6.
 pub fn dual_stack_listener(port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::from_std(dual_stack_socket(port)?)
+}
+
+/// `dual_stack_listener`'s socket, not yet given to a runtime.
+pub fn dual_stack_socket(port: u16) -> std::io::Result<std::net::TcpListener> {
     use socket2::{Domain, Socket, Type};
     let (sock, addr) = match Socket::new(Domain::IPV6, Type::STREAM, None) {
         Ok(s) => {
@@ -690,7 +695,7 @@ pub fn dual_stack_listener(port: u16) -> std::io::Result<tokio::net::TcpListener
     sock.set_nonblocking(true)?;
     sock.bind(&addr.into())?;
     sock.listen(1024)?;
-    tokio::net::TcpListener::from_std(sock.into())
+    Ok(sock.into())
 }
 
 /// Listen on `addr` (given by `flag`); `0.0.0.0` means every address of

@@ -824,13 +824,16 @@ impl Drop for ThreadStopped {
 /// past the last sync, the change pending). Once the loop goes on, all is
 /// well again. Before 12-07 the health and metrics servers and the source
 /// ran on the loop's thread: a hung loop left them unanswered, and the
-/// loop wrote the queue metrics itself.
+/// loop wrote the queue metrics itself. The healthCheckNodePort servers
+/// answer 503 as kube-proxy's do for an unhealthy proxy (before 12-08 they
+/// too ran on the loop's thread: a load balancer's probe timed out).
 #[test]
 fn a_hung_sync_loop_shows_in_healthz_and_the_queue_metrics() -> Result<()> {
     let mut c = Cluster::new(1)?;
     let (a, b) = (c.add_pod(1, "pod-a")?, c.add_pod(1, "pod-b")?);
     c.write_object("node.yaml", &lbtest::objects::node("node-1", "z1"))?;
-    c.write_object("svc.yaml", &service("web", "10.96.0.10", &[("http", 80, 8080, "TCP")]))?;
+    let local = "  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n";
+    c.write_object("svc.yaml", &service_typed("web", &["10.96.0.10"], "LoadBalancer", &[("http", 80, 8080, "TCP", 30080)], local, &[]))?;
     c.write_object("slice.yaml", &slice("web", "web-1", &[("http", 8080, "TCP")], &[(&a.ip, "node-1", true)]))?;
     c.start_agent_with(1, &["--healthz-stall-seconds", "2"])?;
     c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&format!("{}:8080", a.ip)]))?;
@@ -839,11 +842,18 @@ fn a_hung_sync_loop_shows_in_healthz_and_the_queue_metrics() -> Result<()> {
     let pending = "kubeproxy_sync_proxy_rules_endpoint_changes_pending";
     let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
     assert_eq!(metric(&m, pending), Some(0.0), "{m}");
+    let hc = || -> Result<(u16, serde_json::Value)> {
+        let (code, body) = c.http(1, "127.0.0.1:32000", "/")?;
+        Ok((code, serde_json::from_str(&body)?))
+    };
+    c.wait_for("the health check served", Duration::from_secs(10), || Ok(hc().is_ok_and(|(code, _)| code == 200)))?;
     // The agent's main thread runs its sync loop.
     let stopped = ThreadStopped::new(c.agent_pid(1).expect("the agent runs"))?;
     c.write_object("slice.yaml", &slice("web", "web-1", &[("http", 8080, "TCP")], &[(&b.ip, "node-1", true)]))?;
     c.wait_for("/healthz 503", Duration::from_secs(10), || Ok(c.http(1, "127.0.0.1:10256", "/healthz")?.0 == 503))?;
     assert_eq!(c.http(1, "127.0.0.1:10256", "/livez")?.0, 503);
+    let (code, v) = hc()?;
+    assert_eq!((code, &v["serviceProxyHealthy"], &v["localEndpoints"]), (503, &serde_json::json!(false), &serde_json::json!(1)), "{v}");
     let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
     assert!(metric(&m, pending).is_some_and(|n| n >= 1.0), "the change is pending: {m}");
     let (q, l) = (metric(&m, queued).unwrap(), metric(&m, last).unwrap());
@@ -851,6 +861,7 @@ fn a_hung_sync_loop_shows_in_healthz_and_the_queue_metrics() -> Result<()> {
     drop(stopped);
     c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&format!("{}:8080", b.ip)]))?;
     c.wait_for("/healthz 200", Duration::from_secs(10), || Ok(c.http(1, "127.0.0.1:10256", "/healthz")?.0 == 200))?;
+    assert_eq!(hc()?.0, 200);
     let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
     assert_eq!(metric(&m, pending), Some(0.0), "{m}");
     assert!(metric(&m, last).unwrap() >= metric(&m, queued).unwrap(), "{m}");

@@ -516,7 +516,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             None
         },
     };
-    let mut health_checks = crate::nodeport::HealthChecks::new(health.clone());
+    let mut health_checks = crate::nodeport::HealthChecks::new(health.clone(), side.clone());
     rec.export(&metrics, &cfg.capacity);
     rec.export_names(&metrics);
     // kube-proxy's rules on the node, at start and then every period (off

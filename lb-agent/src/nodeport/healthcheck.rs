@@ -15,7 +15,7 @@ use crate::health::Health;
 use crate::model::HealthCheck;
 
 /// A listener on `addr` alone.
-fn listener_on(addr: IpAddr, port: u16) -> std::io::Result<tokio::net::TcpListener> {
+fn listener_on(addr: IpAddr, port: u16) -> std::io::Result<std::net::TcpListener> {
     use socket2::{Domain, Socket, Type};
     let sa = SocketAddr::new(addr, port);
     let sock = Socket::new(Domain::for_address(sa), Type::STREAM, None)?;
@@ -23,7 +23,7 @@ fn listener_on(addr: IpAddr, port: u16) -> std::io::Result<tokio::net::TcpListen
     sock.set_nonblocking(true)?;
     sock.bind(&sa.into())?;
     sock.listen(1024)?;
-    tokio::net::TcpListener::from_std(sock.into())
+    Ok(sock.into())
 }
 
 /// One healthCheckNodePort's server: its state, and a task per listener,
@@ -43,6 +43,8 @@ pub struct HealthChecks {
     failed: BTreeMap<(u16, Option<IpAddr>), String>,
     /// The agent's own health: `serviceProxyHealthy`.
     health: Arc<Health>,
+    /// Where the servers run: not the sync loop's thread.
+    rt: tokio::runtime::Handle,
 }
 
 /// kube-proxy's answer (`service_health.go`): 200 when there are local
@@ -62,8 +64,9 @@ fn hc_answer(hc: &HealthCheck, v4: bool, proxy_healthy: bool) -> (StatusCode, us
 }
 
 impl HealthChecks {
-    pub fn new(health: Arc<Health>) -> Self {
-        Self { servers: BTreeMap::new(), failed: BTreeMap::new(), health }
+    /// Servers answering from `health`, run on `rt`.
+    pub fn new(health: Arc<Health>, rt: tokio::runtime::Handle) -> Self {
+        Self { servers: BTreeMap::new(), failed: BTreeMap::new(), health, rt }
     }
 
     /// Serve exactly `want`, on the addresses `on` (None: all of them, as
@@ -120,15 +123,22 @@ impl HealthChecks {
                     continue;
                 }
                 let l = match k {
-                    None => crate::health::dual_stack_listener(*port),
+                    None => crate::health::dual_stack_socket(*port),
                     Some(a) => listener_on(*a, *port),
                 };
                 let on = k.map_or("every address".to_string(), |a| a.to_string());
                 match l {
                     Ok(l) => {
-                        let app = s.app.clone();
-                        let task = tokio::spawn(async move {
-                            let _ = axum::serve(l, app.into_make_service_with_connect_info::<SocketAddr>()).await;
+                        let (app, service, hc_port) = (s.app.clone(), hc.service.clone(), *port);
+                        // Registered with the side runtime's reactor, so
+                        // made there.
+                        let task = self.rt.spawn(async move {
+                            match tokio::net::TcpListener::from_std(l) {
+                                Ok(l) => {
+                                    let _ = axum::serve(l, app.into_make_service_with_connect_info::<SocketAddr>()).await;
+                                }
+                                Err(e) => tracing::error!(%service, "cannot serve the health check on healthCheckNodePort {hc_port}: {e}"),
+                            }
                         });
                         s.listeners.insert(*k, task);
                         if self.failed.remove(&(*port, *k)).is_some() {
@@ -178,7 +188,7 @@ mod tests {
     async fn the_server_answers_with_the_agents_health() {
         let health = Arc::new(Health::new(std::time::Duration::from_millis(200)));
         health.synced(std::time::Instant::now(), &["IPv4"]);
-        let mut hcs = HealthChecks::new(health.clone());
+        let mut hcs = HealthChecks::new(health.clone(), tokio::runtime::Handle::current());
         // A free port on loopback.
         let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let hc = HealthCheck { service: ServiceRef { namespace: "ns".into(), name: "web".into() }, local_v4: 3, local_v6: 0, single: Some(true) };
