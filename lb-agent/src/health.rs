@@ -674,6 +674,10 @@ async fn metrics(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], m.encode())
 }
 
+/// What `/proxyMode` answers on the metrics port, where kube-proxy's
+/// names its mode.
+pub const PROXY_MODE: &str = "lb";
+
 /// A listener on every address of both families (`[::]` with IPV6_V6ONLY
 /// off, whatever net.ipv6.bindv6only says); IPv4 alone where the node has
 /// no IPv6.
@@ -750,6 +754,10 @@ pub async fn serve(
             .route("/metrics", get(metrics))
             .route("/frontends", get(frontends))
             .route("/healthz", any(|| async { "ok" }))
+            // kube-proxy's mode (iptables, ipvs, nftables); Kubernetes'
+            // e2e "should check kube-proxy urls" wants a 200 here, and
+            // tools that skip by mode see none they know.
+            .route("/proxyMode", any(|| async { ([(header::CONTENT_TYPE, "text/plain; charset=utf-8"), (header::X_CONTENT_TYPE_OPTIONS, "nosniff")], PROXY_MODE) }))
             .with_state(m);
         tokio::spawn(async move { axum::serve(l, app).await });
     }
@@ -807,6 +815,7 @@ mod tests {
             assert_eq!(request(h, method, path).await.0, 200, "{method} {path}");
         }
         assert_eq!(get(metrics_at.unwrap(), "/healthz").await, (200, "ok".to_string()));
+        assert_eq!(get(metrics_at.unwrap(), "/proxyMode").await, (200, "lb".to_string()));
         let published = Arc::new(Mutex::new(None::<Instant>));
         let p = published.clone();
         health.watch_source(move || *p.lock().unwrap());

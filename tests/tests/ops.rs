@@ -38,6 +38,8 @@ fn healthz_and_metrics_in_a_node() -> Result<()> {
 
     let (code, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
     assert_eq!(code, 200);
+    // Kubernetes' e2e "should check kube-proxy urls" asks for a 200 here.
+    assert_eq!(c.http(1, "127.0.0.1:10249", "/proxyMode")?, (200, "lb".to_string()));
     assert_eq!(metric(&m, "lb_datapath_events_total{result=\"translated\"}"), Some(7.0), "{m}");
     assert_eq!(metric(&m, "lb_datapath_events_total{result=\"refused_no_endpoints\"}"), Some(2.0), "{m}");
     assert_eq!(metric(&m, "lb_services"), Some(2.0), "{m}");
