@@ -151,6 +151,41 @@ fn the_daemon_set_runs_on_every_node_with_pinned_state_and_health() {
     assert_eq!(host_path_of("/run/xtables.lock").as_deref(), Some("/run/xtables.lock"));
 }
 
+/// lb-agent's version, from its Cargo.toml (what `lb-agent --version`
+/// prints).
+fn agent_version() -> String {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../lb-agent/Cargo.toml");
+    let text = std::fs::read_to_string(&p).unwrap();
+    let line = text.lines().find(|l| l.starts_with("version")).unwrap();
+    line.split('"').nth(1).unwrap().to_string()
+}
+
+/// Every container of both DaemonSets runs the release the manifests come
+/// with, never `:latest`: with `imagePullPolicy: IfNotPresent` a node
+/// holding an older `latest` would keep running it, and with `Always`
+/// nodes would run whatever was pushed last, the agent of one node newer
+/// than its neighbours' without a rollout. A new version in
+/// lb-agent/Cargo.toml fails this until the manifests name it.
+#[test]
+fn the_manifests_run_the_release_they_come_with() {
+    let want = format!("lb-agent:{}", agent_version());
+    for file in ["daemonset.yaml", "uninstall/daemonset.yaml"] {
+        let ds: DaemonSet = typed(&docs(file)[0]);
+        let pod = ds.spec.unwrap().template.spec.unwrap();
+        let all: Vec<_> = pod.init_containers.unwrap_or_default().into_iter().chain(pod.containers).collect();
+        assert!(all.len() >= 2, "{file}");
+        for c in all {
+            assert_eq!(c.image.as_deref(), Some(want.as_str()), "{file}: {}", c.name);
+            assert_eq!(c.image_pull_policy.as_deref(), Some("IfNotPresent"), "{file}: {}", c.name);
+        }
+    }
+    for file in ["kustomization.yaml", "uninstall/kustomization.yaml"] {
+        let k = &docs(file)[0];
+        assert_eq!(k["images"], serde_json::json!([{"name": "lb-agent", "newTag": agent_version()}]), "{file}");
+    }
+    assert!(deploy("Dockerfile").contains(&format!("-t {want} .")), "the Dockerfile's example tag");
+}
+
 #[test]
 fn the_uninstall_daemon_set_tears_down_in_the_nodes_network_namespace() {
     let ds: DaemonSet = typed(&docs("uninstall/daemonset.yaml")[0]);

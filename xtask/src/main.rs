@@ -59,7 +59,7 @@ enum Cmd {
         /// hostPath substitution FROM=TO (repeatable), e.g. /sys/fs/bpf=/sys/fs/bpf/t1.
         #[arg(long = "host-path", value_name = "FROM=TO")]
         host_paths: Vec<String>,
-        /// The image the manifest's lb-agent:latest becomes.
+        /// The image the manifest's lb-agent:<version> becomes.
         #[arg(long, default_value = container::IMAGE)]
         image: String,
         /// A directory with the service account's token, ca.crt and
@@ -310,7 +310,13 @@ fn main() -> Result<()> {
                 let (from, to) = hp.split_once('=').with_context(|| format!("--host-path {hp}: not FROM=TO"))?;
                 ctx.host_paths.insert(from.into(), to.into());
             }
-            ctx.images.insert("lb-agent:latest".into(), image);
+            // Every image the DaemonSet names (lb-agent:<version>).
+            let spec = ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()).context("deploy/daemonset.yaml: no pod spec")?;
+            for c in spec.init_containers.iter().flatten().chain(&spec.containers) {
+                if let Some(from) = &c.image {
+                    ctx.images.insert(from.clone(), image.clone());
+                }
+            }
             ctx.service_account = service_account;
             let pod = podspec::pod_runs(&ds, &ctx)?;
             for dir in &pod.mkdirs {
