@@ -1140,6 +1140,29 @@ mod tests {
         assert!(d.warnings.iter().any(|w| w.contains("\"bad\"")), "{:?}", d.warnings);
     }
 
+    /// kube-proxy reads status.loadBalancer.ingress whatever the type: a
+    /// Service turned ClusterIP keeps its ingress IP (and its source
+    /// ranges) until the controller clears the status; its NodePort goes
+    /// (the API server releases it; kube-proxy has none to serve).
+    #[test]
+    fn ingress_ips_are_served_whatever_the_services_type() {
+        for ty in ["ClusterIP", "NodePort", "LoadBalancer"] {
+            let mut s = external_svc(ty);
+            if ty == "ClusterIP" {
+                s.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].node_port = None;
+            }
+            lb_status(&mut s, &[("203.0.113.1", None), ("203.0.113.3", Some("Proxy"))]);
+            s.spec.as_mut().unwrap().load_balancer_source_ranges = Some(vec!["192.0.2.0/24".into()]);
+            let d = compute(&[s], &[local_and_remote()], &node());
+            let f = d.frontends.get(&fk("203.0.113.1", 80, Proto::Tcp)).unwrap_or_else(|| panic!("{ty}: no ingress IP"));
+            assert!(f.external, "{ty}");
+            assert_eq!(f.source_ranges, [("192.0.2.0".parse().unwrap(), 24)], "{ty}");
+            assert!(!d.frontends.contains_key(&fk("203.0.113.3", 80, Proto::Tcp)), "{ty}: ipMode Proxy");
+            assert_eq!(d.frontends.contains_key(&fk("192.168.0.1", 30080, Proto::Tcp)), ty != "ClusterIP", "{ty}");
+            assert!(d.warnings.is_empty(), "{ty}: {:?}", d.warnings);
+        }
+    }
+
     /// An externalIP naming another Service's ClusterIP and port never
     /// takes it, whatever the names' order (here the externalIP's Service
     /// sorts first), nor with the externalIP socket switch off (which

@@ -241,7 +241,8 @@ struct External {
 }
 
 /// The NodePort on every node address, the LoadBalancer ingress IPs (not
-/// those with ipMode Proxy) and the externalIPs of one Service port.
+/// those with ipMode Proxy; of any type of Service) and the externalIPs of
+/// one Service port.
 fn external_addresses(out: &mut ServiceOut, p: &Port<'_>) -> Vec<External> {
     let Port { sref, svc, spec, sp, port, proto, node, opts, .. } = *p;
     let mut external = Vec::new();
@@ -258,7 +259,11 @@ fn external_addresses(out: &mut ServiceOut, p: &Port<'_>) -> Vec<External> {
             None => out.warnings.push(format!("Service {sref}: invalid nodePort {np}, ignored")),
         }
     }
-    if spec.type_.as_deref() == Some("LoadBalancer") {
+    // Whatever the Service's type, as kube-proxy reads them
+    // (`newBaseServiceInfo`): a Service turned from LoadBalancer to
+    // ClusterIP keeps its ingress IPs until the load balancer's controller
+    // clears its status, and some controllers set it on other types.
+    {
         let ingress = svc.status.as_ref().and_then(|s| s.load_balancer.as_ref()).and_then(|l| l.ingress.as_ref());
         for ing in ingress.into_iter().flatten() {
             // ipMode Proxy: the load balancer proxies to the nodes; its IP
