@@ -629,6 +629,36 @@ fn connections_made_just_before_the_programs_move_keep_their_flows() -> Result<(
     Ok(())
 }
 
+/// With `--bpf-forward` the pod devices move after the NodePort devices:
+/// meanwhile a new connection to a local backend is made by a moved
+/// NodePort program (its flow in the new NAT table), and the pod's SYN-ACK
+/// passes the pod device's earlier program, which reads the old table
+/// only. The new programs write new flows into the old table too while
+/// they move (since 12-08; before, the SYN-ACK went to the stack
+/// untranslated, and the connection waited for the pod devices to move).
+/// `LB_UPGRADE_PAUSE_PODS_MS` holds the upgrade between the two.
+#[test]
+fn with_bpf_forward_connections_made_while_the_devices_move_are_answered_at_once() -> Result<()> {
+    use lbtest::objects::Endpoint as E;
+    let mut w = world_with(&web("NodePort", "", &[]), &["--bpf-forward"])?;
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    let env = [("LB_LAYOUT_VERSION", "99"), ("LB_UPGRADE_PAUSE_PODS_MS", "3000")];
+    w.c.start_agent_env_until(1, &objects, &["--bpf-forward"], &env, "paused before the pod devices move")?;
+    // A SYN-ACK lost is a connect of a second or more (the SYN's retransmit).
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--count", "10", "--timeout-ms", "700"])?;
+    let done = upgrades_in_log(&w.c)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    assert_eq!(done, 0, "made while the pod devices had not moved");
+    assert_eq!(keys(&s), [format!("pod-1 {NODE1_BRIDGE}").as_str()].into(), "masqueraded in BPF to the local backend: {s:?}");
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--count", "5", "--timeout-ms", "700"])?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}
+
 /// Kill node-1's agent in an upgrade to layout 99 after its programs
 /// moved to the staged maps (in the wait before its second copy), with
 /// four NodePort connections made there, by the moved programs: their

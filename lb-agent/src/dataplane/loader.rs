@@ -606,6 +606,20 @@ impl Tc {
                 moved_all = false;
             }
         }
+        for iface in serving {
+            if let Err(e) = self.attach_tc(iface) {
+                tracing::warn!(iface, "upgrade: {e:#}");
+                moved_all = false;
+            }
+        }
+        // Then the pods' devices. Meanwhile a flow the moved programs make
+        // may have its replies pass a device not moved yet: the new
+        // programs write new flows into the old NAT tables too, which the
+        // earlier programs read (`share_with_old` in the TC program).
+        if let Some(pause) = upgrade_pause_var("LB_UPGRADE_PAUSE_PODS_MS") {
+            tracing::info!(ms = pause.as_millis() as u64, "upgrade: paused before the pod devices move (LB_UPGRADE_PAUSE_PODS_MS)");
+            std::thread::sleep(pause);
+        }
         // The pod devices an earlier agent forwarded from.
         let pod_prefix = format!("{POD_PROGRAM}_");
         let pods: Vec<String> = fs::read_dir(&links)?
@@ -615,12 +629,6 @@ impl Tc {
         for safe in pods {
             let Some((iface, ifindex)) = device(&safe) else { continue };
             if let Err(e) = self.attach_pod(&iface, ifindex) {
-                tracing::warn!(iface, "upgrade: {e:#}");
-                moved_all = false;
-            }
-        }
-        for iface in serving {
-            if let Err(e) = self.attach_tc(iface) {
                 tracing::warn!(iface, "upgrade: {e:#}");
                 moved_all = false;
             }
@@ -1108,7 +1116,12 @@ fn delete_all<K: aya::Pod, V: aya::Pod>(fd: std::os::fd::RawFd, keys: &[K]) -> R
 /// before its second copy (`LB_UPGRADE_PAUSE_MS`; 0: not at all). For the
 /// upgrade test only, which makes flows in those moments.
 fn upgrade_pause() -> Option<std::time::Duration> {
-    let ms: u64 = std::env::var("LB_UPGRADE_PAUSE_MS").ok()?.parse().ok()?;
+    upgrade_pause_var("LB_UPGRADE_PAUSE_MS")
+}
+
+/// A test's pause in `finish_upgrade`, from the variable `var` (ms).
+fn upgrade_pause_var(var: &str) -> Option<std::time::Duration> {
+    let ms: u64 = std::env::var(var).ok()?.parse().ok()?;
     (ms > 0).then(|| std::time::Duration::from_millis(ms))
 }
 

@@ -254,7 +254,14 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
         last_seen_ns: now,
     };
     // A packet of the flow on another CPU may have made it meanwhile.
-    if F::nat_put(&key, &v, how as u64) || F::nat_get(&key).is_some() {
+    if F::nat_put(&key, &v, how as u64) {
+        if how == BPF_NOEXIST {
+            // The pod device's earlier program, while an upgrade moves
+            // the programs, answers from the old table.
+            super::share_with_old::<F>(&key, &v);
+        }
+        Ok(())
+    } else if F::nat_get(&key).is_some() {
         Ok(())
     } else {
         Err(stats::NAT_FAILED)

@@ -137,6 +137,22 @@ fn upgrading() -> bool {
     LB_ADOPT.get(0).is_some_and(|v| *v != 0)
 }
 
+/// While an upgrade moves the programs, a new flow's entries go into the
+/// old table too (BPF_NOEXIST: a flow the old programs made wins): the
+/// devices move one after another (the pod devices after the NodePort
+/// devices), and a flow whose first packet a moved program took may have
+/// its replies pass a device whose earlier program reads only the old
+/// table (a local backend's SYN-ACK at its pod device with `--bpf-forward`,
+/// a remote backend's at the NodePort device with `--per-packet-lb`).
+/// Before 12-08 such a reply went to the stack untranslated until that
+/// device moved. The old table's entries go once the upgrade is done.
+#[inline(always)]
+fn share_with_old<F: Net>(k: &NatKey<F::A>, v: &NatEntry<F::A>) {
+    if upgrading() {
+        F::nat_prev_put(k, v);
+    }
+}
+
 /// Claim `k` in the NAT table for a new flow (BPF_NOEXIST: atomic against
 /// other CPUs). During an upgrade a key the old table holds is taken too
 /// (and comes over): a reply tuple is looked up only once its flow's
@@ -389,6 +405,9 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     /// The flow in an upgrade's old table (`LB4_NAT_PREV`).
     fn nat_prev(k: &NatKey<Self::A>) -> Option<*const NatEntry<Self::A>>;
     fn nat_put(k: &NatKey<Self::A>, v: &NatEntry<Self::A>, flags: u64) -> bool;
+    /// Write a new flow's entry into an upgrade's old table too
+    /// (`share_with_old`).
+    fn nat_prev_put(k: &NatKey<Self::A>, v: &NatEntry<Self::A>);
     fn nat_del(k: &NatKey<Self::A>);
     fn scratch() -> Option<*mut Scratch<Self::A>>;
     /// The node address SNATed flows leave from (zero: none).
@@ -566,6 +585,10 @@ impl<const L: usize> Net for Ip4<L> {
     #[inline(always)]
     fn nat_put(k: &NatKey<A4>, v: &NatEntry<A4>, flags: u64) -> bool {
         LB4_NAT.insert(k, v, flags).is_ok()
+    }
+    #[inline(always)]
+    fn nat_prev_put(k: &NatKey<A4>, v: &NatEntry<A4>) {
+        let _ = LB4_NAT_PREV.insert(k, v, BPF_NOEXIST as u64);
     }
     #[inline(always)]
     fn nat_del(k: &NatKey<A4>) {
@@ -816,6 +839,10 @@ impl<const L: usize> Net for Ip6<L> {
     #[inline(always)]
     fn nat_put(k: &NatKey<A6>, v: &NatEntry<A6>, flags: u64) -> bool {
         LB6_NAT.insert(k, v, flags).is_ok()
+    }
+    #[inline(always)]
+    fn nat_prev_put(k: &NatKey<A6>, v: &NatEntry<A6>) {
+        let _ = LB6_NAT_PREV.insert(k, v, BPF_NOEXIST as u64);
     }
     #[inline(always)]
     fn nat_del(k: &NatKey<A6>) {
@@ -1711,6 +1738,10 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
             None => TC_ACT_SHOT,
         };
     }
+    if !dsr {
+        share_with_old::<F>(&sc.rkey, &sc.reply);
+    }
+    share_with_old::<F>(&sc.key, &sc.fwd);
     lb::event(stats::NAT_NEW);
     flow_stats(F::ID, sc.rev_nat_id, sc.backend_id);
     ACT_FORWARD
