@@ -1233,3 +1233,26 @@ impl Drop for Cluster {
         self.cleanup();
     }
 }
+
+/// One thread of a process stopped by ptrace (the others go on), until
+/// dropped: a thread that hangs, as on a stuck syscall. The agent's main
+/// thread (`Cluster::agent_pid`) runs its sync loop.
+pub struct ThreadStopped(nix::unistd::Pid);
+
+impl ThreadStopped {
+    pub fn new(tid: u32) -> Result<Self> {
+        use nix::sys::{ptrace, wait};
+        let tid = nix::unistd::Pid::from_raw(tid as i32);
+        ptrace::seize(tid, ptrace::Options::empty())?;
+        let stopped = ThreadStopped(tid);
+        ptrace::interrupt(tid)?;
+        wait::waitpid(tid, Some(wait::WaitPidFlag::__WALL))?;
+        Ok(stopped)
+    }
+}
+
+impl Drop for ThreadStopped {
+    fn drop(&mut self) {
+        let _ = nix::sys::ptrace::detach(self.0, None);
+    }
+}

@@ -597,6 +597,26 @@ fn lists_that_keep_failing_after_their_headers_are_reported_failing_throughout()
     c.wait_for("lb_source_watch_failing_seconds back to 0", Duration::from_secs(40), || Ok(failing_seconds(&c)? == 0.0))
 }
 
+/// Failing watches show while the sync loop hangs: the source, its client
+/// and the gauge run on the agent's side thread, beside `/metrics`, not on
+/// the loop's (since 12-07; a sync that blocked froze the gauge at what it
+/// read last).
+#[test]
+fn failing_watches_show_while_the_sync_loop_hangs() -> Result<()> {
+    let (mut c, api, p, _client) = world(&["pod-a", "pod-b"], false)?;
+    c.start_agent_kube(1, &api.kubeconfig, &[])?;
+    wait_backends(&c, &[&p[0], &p[1]], 10)?;
+    c.wait_for("three open watches", Duration::from_secs(10), || Ok(api.state()?["openWatches"] == 3))?;
+    let stopped = lbtest::ThreadStopped::new(c.agent_pid(1).context("the agent runs")?)?;
+    api.control("/lbtest/fail?code=500&count=1000000")?;
+    api.control("/lbtest/close")?;
+    c.wait_for("the failure reported while the loop hangs", Duration::from_secs(15), || Ok(failing_seconds(&c)? > 1.0))?;
+    assert!(log(&c).contains("cannot watch"), "{}", log(&c));
+    drop(stopped);
+    api.control("/lbtest/fail?code=500&count=0")?;
+    c.wait_for("lb_source_watch_failing_seconds back to 0", Duration::from_secs(40), || Ok(failing_seconds(&c)? == 0.0))
+}
+
 /// A watch whose re-watch fails once and then succeeds is healthy again,
 /// even when nothing changes afterwards.
 #[test]

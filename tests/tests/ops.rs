@@ -797,28 +797,6 @@ fn a_port_held_by_another_process_is_an_error_naming_it() -> Result<()> {
     Ok(())
 }
 
-/// One thread of a process stopped by ptrace (the others go on), until
-/// dropped: a thread that hangs, as on a stuck syscall.
-struct ThreadStopped(nix::unistd::Pid);
-
-impl ThreadStopped {
-    fn new(tid: u32) -> Result<Self> {
-        use nix::sys::{ptrace, wait};
-        let tid = nix::unistd::Pid::from_raw(tid as i32);
-        ptrace::seize(tid, ptrace::Options::empty())?;
-        let stopped = ThreadStopped(tid);
-        ptrace::interrupt(tid)?;
-        wait::waitpid(tid, Some(wait::WaitPidFlag::__WALL))?;
-        Ok(stopped)
-    }
-}
-
-impl Drop for ThreadStopped {
-    fn drop(&mut self) {
-        let _ = nix::sys::ptrace::detach(self.0, None);
-    }
-}
-
 /// The agent's sync loop hangs (its thread stopped, as on a stuck
 /// syscall) while an endpoint changes: `/healthz` answers 503 once the
 /// change waited longer than the stall limit, `/livez` too, and the queue
@@ -850,7 +828,7 @@ fn a_hung_sync_loop_shows_in_healthz_and_the_queue_metrics() -> Result<()> {
     };
     c.wait_for("the health check served", Duration::from_secs(10), || Ok(hc().is_ok_and(|(code, _)| code == 200)))?;
     // The agent's main thread runs its sync loop.
-    let stopped = ThreadStopped::new(c.agent_pid(1).expect("the agent runs"))?;
+    let stopped = lbtest::ThreadStopped::new(c.agent_pid(1).expect("the agent runs"))?;
     c.write_object("slice.yaml", &slice("web", "web-1", &[("http", 8080, "TCP")], &[(&b.ip, "node-1", true)]))?;
     c.wait_for("/healthz 503", Duration::from_secs(10), || Ok(c.http(1, "127.0.0.1:10256", "/healthz")?.0 == 503))?;
     assert_eq!(c.http(1, "127.0.0.1:10256", "/livez")?.0, 503);
