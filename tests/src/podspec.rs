@@ -87,6 +87,17 @@ impl PodContext {
             service_account: None,
         }
     }
+
+    /// Every image `ds`'s containers name becomes `to` (the manifests
+    /// name `lb-agent:<version>`; the tests run a local build).
+    pub fn run_images_as(&mut self, ds: &DaemonSet, to: &str) {
+        let spec = ds.spec.as_ref().and_then(|s| s.template.spec.as_ref());
+        for c in spec.into_iter().flat_map(|s| s.init_containers.iter().flatten().chain(&s.containers)) {
+            if let Some(image) = &c.image {
+                self.images.insert(image.clone(), to.into());
+            }
+        }
+    }
 }
 
 /// One container of the pod, as a `podman` command line.
@@ -488,6 +499,7 @@ spec:
     fn the_deploy_manifest_translates() {
         let ds = daemonset_from_yaml(&std::fs::read_to_string(root().join("deploy/daemonset.yaml")).unwrap()).unwrap();
         let mut c = ctx();
+        c.run_images_as(&ds, IMAGE);
         c.config_maps = kustomize_config_maps(&std::fs::read_to_string(root().join("deploy/kustomization.yaml")).unwrap()).unwrap();
         let pod = pod_runs(&ds, &c).unwrap();
         let spec = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();

@@ -210,12 +210,7 @@ impl World {
         );
         ctx.host_paths.insert("/sys/fs/bpf".into(), self.bpffs.dir.display().to_string());
         ctx.host_paths.insert("/sys/fs/cgroup".into(), n.cgroup.display().to_string());
-        let spec = self.ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()).context("no pod spec")?;
-        for c in spec.init_containers.iter().flatten().chain(&spec.containers) {
-            if let Some(image) = &c.image {
-                ctx.images.insert(image.clone(), IMAGE.into());
-            }
-        }
+        ctx.run_images_as(&self.ds, IMAGE);
         ctx.service_account = Some(self.api.tls_dir.as_ref().context("the stand-in has TLS")?.display().to_string());
         Ok(ctx)
     }

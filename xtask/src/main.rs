@@ -310,13 +310,7 @@ fn main() -> Result<()> {
                 let (from, to) = hp.split_once('=').with_context(|| format!("--host-path {hp}: not FROM=TO"))?;
                 ctx.host_paths.insert(from.into(), to.into());
             }
-            // Every image the DaemonSet names (lb-agent:<version>).
-            let spec = ds.spec.as_ref().and_then(|s| s.template.spec.as_ref()).context("deploy/daemonset.yaml: no pod spec")?;
-            for c in spec.init_containers.iter().flatten().chain(&spec.containers) {
-                if let Some(from) = &c.image {
-                    ctx.images.insert(from.clone(), image.clone());
-                }
-            }
+            ctx.run_images_as(&ds, &image);
             ctx.service_account = service_account;
             let pod = podspec::pod_runs(&ds, &ctx)?;
             for dir in &pod.mkdirs {
