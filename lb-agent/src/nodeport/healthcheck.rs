@@ -81,10 +81,18 @@ impl HealthChecks {
             None => vec![None],
             Some(addrs) => addrs.iter().filter(|a| !a.is_loopback()).map(|a| Some(*a)).collect(),
         };
+        // Listeners stopped here close on the side runtime's thread: waited
+        // for (briefly) before anything binds again, so that an address
+        // and port given up and wanted again in one call (an address that
+        // comes back) is free.
+        let mut stopped = Vec::new();
         self.servers.retain(|port, s| {
             let keep = want.contains_key(port);
             if !keep {
-                s.listeners.values().for_each(tokio::task::JoinHandle::abort);
+                for (_, task) in std::mem::take(&mut s.listeners) {
+                    task.abort();
+                    stopped.push(task);
+                }
             }
             keep
         });
@@ -111,13 +119,18 @@ impl HealthChecks {
                 Server { state, app, listeners: BTreeMap::new() }
             });
             *s.state.lock().unwrap() = hc.clone();
-            s.listeners.retain(|k, task| {
-                let keep = keys.contains(k);
-                if !keep {
+            for k in s.listeners.keys().filter(|k| !keys.contains(k)).copied().collect::<Vec<_>>() {
+                if let Some(task) = s.listeners.remove(&k) {
                     task.abort();
+                    stopped.push(task);
                 }
-                keep
-            });
+            }
+        }
+        for task in stopped {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(1), task).await;
+        }
+        for (port, hc) in want {
+            let Some(s) = self.servers.get_mut(port) else { continue };
             for k in &keys {
                 if s.listeners.contains_key(k) {
                     continue;
@@ -126,19 +139,18 @@ impl HealthChecks {
                     None => crate::health::dual_stack_socket(*port),
                     Some(a) => listener_on(*a, *port),
                 };
+                // Registered with the side runtime's reactor, where it is
+                // served.
+                let l = l.and_then(|l| {
+                    let _rt = self.rt.enter();
+                    tokio::net::TcpListener::from_std(l)
+                });
                 let on = k.map_or("every address".to_string(), |a| a.to_string());
                 match l {
                     Ok(l) => {
-                        let (app, service, hc_port) = (s.app.clone(), hc.service.clone(), *port);
-                        // Registered with the side runtime's reactor, so
-                        // made there.
+                        let app = s.app.clone();
                         let task = self.rt.spawn(async move {
-                            match tokio::net::TcpListener::from_std(l) {
-                                Ok(l) => {
-                                    let _ = axum::serve(l, app.into_make_service_with_connect_info::<SocketAddr>()).await;
-                                }
-                                Err(e) => tracing::error!(%service, "cannot serve the health check on healthCheckNodePort {hc_port}: {e}"),
-                            }
+                            let _ = axum::serve(l, app.into_make_service_with_connect_info::<SocketAddr>()).await;
                         });
                         s.listeners.insert(*k, task);
                         if self.failed.remove(&(*port, *k)).is_some() {
