@@ -92,6 +92,31 @@ mod tests {
         b.body(()).unwrap()
     }
 
+    /// A request the server keeps asking to have sent again is sent again
+    /// `MAX_RETRIES` times, client-go's 10, then left to the watcher's
+    /// backoff; a list (no body) can be sent again.
+    #[tokio::test]
+    async fn a_request_is_sent_again_at_most_max_retries_times() {
+        use tower::retry::Policy as _;
+        let mut p = RetryAfter::new(Arc::new(Status::default()));
+        let mut req = Request::builder().uri("/api/v1/services?limit=500").body(Body::empty()).unwrap();
+        assert!(<RetryAfter as tower::retry::Policy<Request<Body>, Response<()>, ()>>::clone_request(&mut p, &req).is_some());
+        let mut sent_again = 0;
+        loop {
+            let mut r: Result<Response<()>, ()> = Ok(answer(429, Some("0")));
+            match p.retry(&mut req, &mut r) {
+                Some(wait) => wait.await,
+                None => break,
+            }
+            sent_again += 1;
+            assert!(sent_again <= MAX_RETRIES, "never given up");
+        }
+        assert_eq!((sent_again, MAX_RETRIES), (10, 10));
+        // Without the header: not here (the watcher's backoff).
+        let mut p = RetryAfter::new(Arc::new(Status::default()));
+        assert!(p.retry(&mut req, &mut Ok::<_, ()>(answer(429, None))).is_none());
+    }
+
     #[test]
     fn only_429_and_5xx_with_whole_seconds_ask_for_a_wait() {
         assert_eq!(asked_wait(&answer(429, Some("3"))), Some(3));
