@@ -1161,6 +1161,39 @@ mod tests {
             assert_eq!(d.frontends.contains_key(&fk("192.168.0.1", 30080, Proto::Tcp)), ty != "ClusterIP", "{ty}");
             assert!(d.warnings.is_empty(), "{ty}: {:?}", d.warnings);
         }
+        // externalTrafficPolicy Local holds only where the Service is
+        // reachable from outside (kube-proxy's ExternalPolicyLocal): a
+        // ClusterIP Service's ingress IP is served with the Cluster policy,
+        // unless it has externalIPs.
+        for (ty, ext_ips, local) in [("ClusterIP", false, false), ("ClusterIP", true, true), ("LoadBalancer", false, true)] {
+            let mut s = external_svc(ty);
+            let spec = s.spec.as_mut().unwrap();
+            spec.external_traffic_policy = Some("Local".into());
+            if ty == "ClusterIP" {
+                spec.ports.as_mut().unwrap()[0].node_port = None;
+            }
+            if ext_ips {
+                spec.external_ips = Some(vec!["198.51.100.7".into()]);
+            }
+            lb_status(&mut s, &[("203.0.113.1", None)]);
+            let d = compute(&[s], &[local_and_remote()], &node());
+            assert_eq!(d.frontends[&fk("203.0.113.1", 80, Proto::Tcp)].ext_local, local, "{ty}, externalIPs: {ext_ips}");
+        }
+        // A Service turned ClusterIP keeps its stale ingress IP only until
+        // a LoadBalancer is given it, whatever the names' order.
+        let mut stale = external_svc("ClusterIP");
+        stale.metadata.name = Some("a-was-lb".into());
+        stale.spec.as_mut().unwrap().ports.as_mut().unwrap()[0].node_port = None;
+        lb_status(&mut stale, &[("203.0.113.1", None)]);
+        let mut now = external_svc("LoadBalancer");
+        now.metadata.name = Some("b-lb".into());
+        now.spec.as_mut().unwrap().cluster_ip = Some("10.96.0.11".into());
+        now.spec.as_mut().unwrap().cluster_ips = Some(vec!["10.96.0.11".into()]);
+        lb_status(&mut now, &[("203.0.113.1", None)]);
+        let d = compute(&[stale.clone(), now], &[local_and_remote()], &node());
+        assert_eq!(d.frontends[&fk("203.0.113.1", 80, Proto::Tcp)].service.name.as_ref(), "b-lb");
+        let d = compute(&[stale], &[local_and_remote()], &node());
+        assert_eq!(d.frontends[&fk("203.0.113.1", 80, Proto::Tcp)].service.name.as_ref(), "a-was-lb");
     }
 
     /// An externalIP naming another Service's ClusterIP and port never

@@ -350,6 +350,50 @@ fn header_errors(c: &Cluster, netns: &str) -> Result<(u64, u64, u64)> {
     Ok(v)
 }
 
+/// A packet whose IP length ends inside its TCP or UDP header, with the
+/// rest of the header (the NodePort among it) in the bytes after: the
+/// stack trims those (Ethernet padding) and drops what is left, too short
+/// for L4. lb reads L4 within the IP length only and makes no flow of it
+/// (before 12-08 it read up to the frame's end, and such runts, one per
+/// client port, each made a flow). The same packets whole make flows.
+#[test]
+fn an_l4_header_the_ip_length_cuts_makes_no_flow() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let wire = Wire::new(&w.c, &w.outside)?;
+    let (bad6, node6) = (v6(BAD6), v6(NODE1_6));
+    // The IP length says 4 bytes of UDP (the ports), 12 of TCP.
+    let cut4 = |mut p: Vec<u8>, l4: u16| {
+        p[2..4].copy_from_slice(&(20 + l4).to_be_bytes());
+        p[10..12].copy_from_slice(&[0, 0]);
+        let c = raw::csum(&p[..20], 0);
+        p[10..12].copy_from_slice(&c.to_be_bytes());
+        p
+    };
+    let cut6 = |mut p: Vec<u8>, l4: u16| {
+        p[4..6].copy_from_slice(&l4.to_be_bytes());
+        p
+    };
+    let udp4 = |sport| ipv4(BAD, NODE1_B, 17, 5, 0x4000, sport, &raw::udp_datagram(&BAD, &NODE1_B, sport, 30080, b"hello"));
+    let tcp4 = |sport| ipv4(BAD, NODE1_B, 6, 5, 0x4000, sport, &tcp_syn(&BAD, &NODE1_B, sport, 30080));
+    let udp6 = |sport| ipv6(bad6, node6, 17, &raw::udp_datagram(&bad6, &node6, sport, 30080, b"hello"));
+    let tcp6 = |sport| ipv6(bad6, node6, 6, &tcp_syn(&bad6, &node6, sport, 30080));
+    wire.send4(vec![cut4(udp4(43001), 4), cut4(tcp4(43002), 12)])?;
+    wire.send6(vec![cut6(udp6(43003), 4), cut6(tcp6(43004), 12)])?;
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(flows_from(&w.c, "192.168.77.202")?, Vec::<String>::new());
+    assert_eq!(flows_from(&w.c, BAD6)?, Vec::<String>::new());
+    // Whole, they make flows.
+    wire.send4(vec![udp4(43011), tcp4(43012)])?;
+    wire.send6(vec![udp6(43013), tcp6(43014)])?;
+    w.c.wait_for("the whole packets' flows", Duration::from_secs(3), || {
+        let (f4, f6) = (flows_from(&w.c, "192.168.77.202")?, flows_from(&w.c, BAD6)?);
+        let has = |f: &[String], port: u16| f.iter().any(|l| l.contains(&format!("sport={port} ")));
+        Ok(has(&f4, 43011) && has(&f4, 43012) && has(&f6, 43013) && has(&f6, 43014))
+    })?;
+    Ok(())
+}
+
 /// IP headers the stack discards before any netfilter hook (`ip_rcv_core`,
 /// `ipv6_rcv`), so that kube-proxy's rules never see them: a wrong header
 /// checksum, a length in the header beyond the packet, a version that is

@@ -645,7 +645,7 @@ fn with_bpf_forward_connections_made_while_the_devices_move_are_answered_at_once
     wait_only(&w.c, NODE1, 30080, &w.p1)?;
     let objects = w.c.objects.clone();
     w.c.kill_agent(1);
-    let env = [("LB_LAYOUT_VERSION", "99"), ("LB_UPGRADE_PAUSE_PODS_MS", "3000")];
+    let env = [("LB_LAYOUT_VERSION", "99"), ("LB_UPGRADE_PAUSE_PODS_MS", "6000")];
     w.c.start_agent_env_until(1, &objects, &["--bpf-forward"], &env, "paused before the pod devices move")?;
     // A SYN-ACK lost is a connect of a second or more (the SYN's retransmit).
     let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--count", "10", "--timeout-ms", "700"])?;

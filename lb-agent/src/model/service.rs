@@ -26,6 +26,10 @@ pub enum Claim {
     ClusterIp,
     /// A NodePort on a node address, or a LoadBalancer ingress IP.
     NodeOrIngress,
+    /// The ingress IP of a Service not of type LoadBalancer (one turned
+    /// ClusterIP or NodePort whose status its controller has not cleared
+    /// yet): a LoadBalancer the controller gave that IP since keeps it.
+    OtherTypesIngress,
     ExternalIp,
 }
 
@@ -313,7 +317,12 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
     if !ignored.is_empty() {
         tracing::debug!(service = %p.sref, ?ignored, "addresses of a family the Service has no ClusterIP of are not served");
     }
-    let ext_local = p.spec.external_traffic_policy.as_deref() == Some("Local");
+    // kube-proxy's `ExternalPolicyLocal`: only for a Service reachable
+    // from outside (NodePort, LoadBalancer, or with externalIPs); the
+    // ingress IPs of a ClusterIP Service are served with the Cluster
+    // policy whatever it says.
+    let reachable = matches!(p.spec.type_.as_deref(), Some("NodePort" | "LoadBalancer")) || p.spec.external_ips.as_ref().is_some_and(|e| !e.is_empty());
+    let ext_local = reachable && p.spec.external_traffic_policy.as_deref() == Some("Local");
     let ranges = source_ranges(p.sref, p.spec, &mut out.warnings);
     for e in external {
         let Sets { cluster, topology, local, extra } = p.eps.sets(e.addr.is_ipv4(), true);
@@ -336,7 +345,13 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
             dsr: p.dsr && !ext_local && !e.host_only,
             ..p.base.clone()
         };
-        let how = if e.external_ip { Claim::ExternalIp } else { Claim::NodeOrIngress };
+        let how = if e.external_ip {
+            Claim::ExternalIp
+        } else if e.lb_ip && p.spec.type_.as_deref() != Some("LoadBalancer") {
+            Claim::OtherTypesIngress
+        } else {
+            Claim::NodeOrIngress
+        };
         out.claim(claimed, p.sref, FrontendKey { addr: e.addr, port: e.port, proto: p.proto }, front, how);
     }
 }

@@ -255,11 +255,10 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
     };
     // A packet of the flow on another CPU may have made it meanwhile.
     if F::nat_put(&key, &v, how as u64) {
-        if how == BPF_NOEXIST {
-            // The pod device's earlier program, while an upgrade moves
-            // the programs, answers from the old table.
-            super::share_with_old::<F>(&key, &v);
-        }
+        // The pod device's earlier program, while an upgrade moves the
+        // programs, answers from the old table: a new entry, or this one
+        // rewritten (another frontend, a fresh flow).
+        super::share_with_old::<F>(&key, &v, if how == BPF_NOEXIST { BPF_NOEXIST } else { aya_ebpf::bindings::BPF_ANY });
         Ok(())
     } else if F::nat_get(&key).is_some() {
         Ok(())

@@ -138,7 +138,9 @@ fn upgrading() -> bool {
 }
 
 /// While an upgrade moves the programs, a new flow's entries go into the
-/// old table too (BPF_NOEXIST: a flow the old programs made wins): the
+/// old table too (`flags` BPF_NOEXIST: a flow the old programs made wins;
+/// BPF_ANY where the new table's entry was rewritten, a DSR flow's
+/// frontend): the
 /// devices move one after another (the pod devices after the NodePort
 /// devices), and a flow whose first packet a moved program took may have
 /// its replies pass a device whose earlier program reads only the old
@@ -147,9 +149,9 @@ fn upgrading() -> bool {
 /// Before 12-08 such a reply went to the stack untranslated until that
 /// device moved. The old table's entries go once the upgrade is done.
 #[inline(always)]
-fn share_with_old<F: Net>(k: &NatKey<F::A>, v: &NatEntry<F::A>) {
+fn share_with_old<F: Net>(k: &NatKey<F::A>, v: &NatEntry<F::A>, flags: u32) {
     if upgrading() {
-        F::nat_prev_put(k, v);
+        F::nat_prev_put(k, v, flags as u64);
     }
 }
 
@@ -401,13 +403,17 @@ trait Net: Family<A: Copy + PartialEq + Default> {
     /// destination options and fragment headers); None: not a packet for
     /// us (another IP version, a malformed header).
     fn l4(ctx: &TcContext) -> Option<(usize, u8)>;
+    /// Where the IP packet ends by its header's length (the skb's end for
+    /// a GSO packet past 64 KiB, whose length field is 0): the stack trims
+    /// what follows (Ethernet padding) before it reads L4.
+    fn ip_end(ctx: &TcContext) -> usize;
     fn nat_get(k: &NatKey<Self::A>) -> Option<*mut NatEntry<Self::A>>;
     /// The flow in an upgrade's old table (`LB4_NAT_PREV`).
     fn nat_prev(k: &NatKey<Self::A>) -> Option<*const NatEntry<Self::A>>;
     fn nat_put(k: &NatKey<Self::A>, v: &NatEntry<Self::A>, flags: u64) -> bool;
-    /// Write a new flow's entry into an upgrade's old table too
+    /// Write a flow's entry into an upgrade's old table too
     /// (`share_with_old`).
-    fn nat_prev_put(k: &NatKey<Self::A>, v: &NatEntry<Self::A>);
+    fn nat_prev_put(k: &NatKey<Self::A>, v: &NatEntry<Self::A>, flags: u64);
     fn nat_del(k: &NatKey<Self::A>);
     fn scratch() -> Option<*mut Scratch<Self::A>>;
     /// The node address SNATed flows leave from (zero: none).
@@ -492,6 +498,13 @@ impl<const L: usize> Net for Ip4<L> {
     const TIME_EXCEEDED: (u8, u8) = (11, 0);
     const DSR_LEN: usize = dsr::OPT_LEN;
 
+    #[inline(always)]
+    fn ip_end(ctx: &TcContext) -> usize {
+        match ld::<u16>(ctx, L + 2).map(u16::from_be) {
+            Ok(0) | Err(_) => ctx.len() as usize,
+            Ok(tot) => L + tot as usize,
+        }
+    }
     #[inline(always)]
     fn l4(ctx: &TcContext) -> Option<(usize, u8)> {
         let vihl = ld8(ctx, L).ok()?;
@@ -587,8 +600,8 @@ impl<const L: usize> Net for Ip4<L> {
         LB4_NAT.insert(k, v, flags).is_ok()
     }
     #[inline(always)]
-    fn nat_prev_put(k: &NatKey<A4>, v: &NatEntry<A4>) {
-        let _ = LB4_NAT_PREV.insert(k, v, BPF_NOEXIST as u64);
+    fn nat_prev_put(k: &NatKey<A4>, v: &NatEntry<A4>, flags: u64) {
+        let _ = LB4_NAT_PREV.insert(k, v, flags);
     }
     #[inline(always)]
     fn nat_del(k: &NatKey<A4>) {
@@ -755,6 +768,13 @@ impl<const L: usize> Net for Ip6<L> {
         v6_walk::<L>(ctx).map(|(l4, proto, _)| (l4, proto))
     }
     #[inline(always)]
+    fn ip_end(ctx: &TcContext) -> usize {
+        match ld::<u16>(ctx, L + 4).map(u16::from_be) {
+            Ok(0) | Err(_) => ctx.len() as usize,
+            Ok(payload) => L + 40 + payload as usize,
+        }
+    }
+    #[inline(always)]
     fn fragment(ctx: &TcContext) -> Option<(u32, bool, bool)> {
         let (_, _, at) = v6_walk::<L>(ctx)?;
         if at == 0 {
@@ -841,8 +861,8 @@ impl<const L: usize> Net for Ip6<L> {
         LB6_NAT.insert(k, v, flags).is_ok()
     }
     #[inline(always)]
-    fn nat_prev_put(k: &NatKey<A6>, v: &NatEntry<A6>) {
-        let _ = LB6_NAT_PREV.insert(k, v, BPF_NOEXIST as u64);
+    fn nat_prev_put(k: &NatKey<A6>, v: &NatEntry<A6>, flags: u64) {
+        let _ = LB6_NAT_PREV.insert(k, v, flags);
     }
     #[inline(always)]
     fn nat_del(k: &NatKey<A6>) {
@@ -1100,10 +1120,12 @@ fn parse<F: Net>(ctx: &TcContext) -> Option<Pkt<F::A>> {
     }
     let (saddr, daddr) = (ld(ctx, F::SRC).ok()?, ld(ctx, F::DST).ok()?);
     let frag = F::fragment(ctx);
-    // A whole L4 header, or it is not ours (RFC 1858's tiny first fragment
-    // included).
+    // A whole L4 header within the IP length, or it is not ours (RFC
+    // 1858's tiny first fragment included; a runt whose IP length cuts its
+    // L4 header, padded behind, which the stack trims and drops: before
+    // 12-08 it made a flow).
     let hdr = if proto == PROTO_TCP { 20 } else { 8 };
-    if !matches!(frag, Some((_, false, _))) && (ctx.len() as usize) < l4 + hdr {
+    if !matches!(frag, Some((_, false, _))) && F::ip_end(ctx).min(ctx.len() as usize) < l4 + hdr {
         return None;
     }
     if let Some((id, false, _)) = frag {
@@ -1739,9 +1761,9 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
         };
     }
     if !dsr {
-        share_with_old::<F>(&sc.rkey, &sc.reply);
+        share_with_old::<F>(&sc.rkey, &sc.reply, BPF_NOEXIST);
     }
-    share_with_old::<F>(&sc.key, &sc.fwd);
+    share_with_old::<F>(&sc.key, &sc.fwd, BPF_NOEXIST);
     lb::event(stats::NAT_NEW);
     flow_stats(F::ID, sc.rev_nat_id, sc.backend_id);
     ACT_FORWARD
@@ -1827,7 +1849,11 @@ fn take_tuple<F: Net>(rkey: &NatKey<F::A>, reply: &NatEntry<F::A>) -> bool {
                 && (*e).to_dport == reply.to_dport
         }
     {
-        return F::nat_put(rkey, reply, aya_ebpf::bindings::BPF_EXIST as u64);
+        let taken = F::nat_put(rkey, reply, aya_ebpf::bindings::BPF_EXIST as u64);
+        if taken {
+            share_with_old::<F>(rkey, reply, aya_ebpf::bindings::BPF_ANY);
+        }
+        return taken;
     }
     if !drop_if_closed::<F>(rkey) {
         return false;
