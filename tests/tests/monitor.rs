@@ -355,24 +355,35 @@ fn a_monitor_says_how_many_events_its_full_ring_buffer_lost() -> Result<()> {
     let mut out = m.stdout.take().unwrap();
     let drain = std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
     let pid = nix::unistd::Pid::from_raw(m.id() as i32);
-    kill(pid, Signal::SIGSTOP)?;
     // One client per CPU: one alone made 2,450 connects in 0.7 s on a busy
-    // run of this machine, fewer than the ring holds.
-    let bursts: Vec<_> = ["0", "1"]
-        .iter()
-        .map(|cpu| c.probe_cmd(&client).args(["rate", "--addr", "10.96.0.20:80", "--secs", "0.7", "--cpu", cpu]).stdout(std::process::Stdio::piped()).spawn())
-        .collect();
-    let outputs: Vec<_> = bursts.into_iter().map(|b| b.and_then(|b| b.wait_with_output())).collect();
-    kill(pid, Signal::SIGCONT)?;
-    let mut made = 0;
+    // run of this machine, fewer than the ring holds (about 3,000 events),
+    // and two made 2,579 on a busier one: tried again (up to four bursts)
+    // until one is larger than the ring.
+    let (mut made, mut largest) = (0, 0);
     let mut seen = Vec::new();
-    for o in outputs {
-        let v: serde_json::Value = serde_json::from_slice(&o?.stdout)?;
-        made += v["ok"].as_u64().unwrap_or(0);
-        seen.push(v);
+    for _ in 0..4 {
+        kill(pid, Signal::SIGSTOP)?;
+        let bursts: Vec<_> = ["0", "1"]
+            .iter()
+            .map(|cpu| c.probe_cmd(&client).args(["rate", "--addr", "10.96.0.20:80", "--secs", "0.7", "--cpu", cpu]).stdout(std::process::Stdio::piped()).spawn())
+            .collect();
+        let outputs: Vec<_> = bursts.into_iter().map(|b| b.and_then(|b| b.wait_with_output())).collect();
+        kill(pid, Signal::SIGCONT)?;
+        let mut this = 0;
+        for o in outputs {
+            let v: serde_json::Value = serde_json::from_slice(&o?.stdout)?;
+            this += v["ok"].as_u64().unwrap_or(0);
+            seen.push(v);
+        }
+        made += this;
+        largest = largest.max(this);
+        // Drained, and beating again before the next burst.
+        std::thread::sleep(Duration::from_millis(1500));
+        if this > 3200 {
+            break;
+        }
     }
-    assert!(made > 3000, "a burst larger than the ring buffer: {seen:?}");
-    std::thread::sleep(Duration::from_millis(1500));
+    assert!(largest > 3200, "a burst larger than the ring buffer: {seen:?}");
     kill(pid, Signal::SIGTERM)?;
     let out = m.wait_with_output()?;
     let _ = drain.join();
