@@ -147,10 +147,21 @@ pub fn replace_with_bogus_btf(path: &Path) -> Result<()> {
 /// members as given (one after the other, no padding between them): the
 /// layout an older agent's struct had.
 pub fn replace_with_layout(path: &Path, key: &[Member], value: &[Member]) -> Result<()> {
+    replace(path, key, value, false)
+}
+
+/// `replace_with_layout` where the members need not add up to the map's
+/// sizes: the key and value are as long as their members (an older
+/// agent's struct with a field fewer).
+pub fn replace_with_layout_sized(path: &Path, key: &[Member], value: &[Member]) -> Result<()> {
+    replace(path, key, value, true)
+}
+
+fn replace(path: &Path, key: &[Member], value: &[Member], any_size: bool) -> Result<()> {
     let info = aya::maps::MapInfo::from_pin(path).with_context(|| format!("inspect {}", path.display()))?;
     let sum = |m: &[Member]| m.iter().map(|(_, t)| member_size(t)).sum::<Result<u32>>();
-    anyhow::ensure!((sum(key)?, sum(value)?) == (info.key_size(), info.value_size()), "the members do not add up to the map's sizes");
-    let (key_size, value_size) = (info.key_size(), info.value_size());
+    let (key_size, value_size) = (sum(key)?, sum(value)?);
+    anyhow::ensure!(any_size || (key_size, value_size) == (info.key_size(), info.value_size()), "the members do not add up to the map's sizes");
     let (blob, key_struct, value_struct) = btf_blob(key, value)?;
     let mut log = vec![0u8; 4096];
     let mut load = BtfLoad {

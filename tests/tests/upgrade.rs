@@ -187,6 +187,78 @@ fn affinity_from_before_its_protocol_field_is_carried_with_each_entrys_protocol(
     Ok(())
 }
 
+/// NAT flows pinned by an agent whose flow entry had a field fewer (here
+/// without `created_ns`, 24 bytes where this agent's have 32) are carried
+/// into this agent's table field by field, the new field at zero: outside
+/// connections through the node go on across the upgrade (before 12-08
+/// an entry of another layout was left behind, and every such connection
+/// was reset once the programs moved). The connections are made first;
+/// the old table, as the older agent would have pinned it, holds their
+/// flows.
+#[test]
+fn nat_flows_of_an_entry_layout_with_a_field_fewer_are_carried_by_name() -> Result<()> {
+    use aya::maps::{HashMap, Map, MapData};
+    let mut w = world(&web("NodePort", "", &[]))?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let held: Vec<_> = (0..4)
+        .map(|_| w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "8000", "--interval-ms", "20", "--timeout-ms", "1000"]))
+        .collect::<Result<_>>()?;
+    let outside = w.outside.ip.clone();
+    w.c.wait_for("their flows", Duration::from_secs(5), || Ok(flows_from(&w.c, &outside)?.len() >= 4))?;
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    let pin = w.c.nodes[0].bpffs.join(lb_common::maps::NAT4);
+    let entries: Vec<([u8; 16], [u8; 32])> = {
+        let m: HashMap<MapData, [u8; 16], [u8; 32]> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
+        m.iter().collect::<Result<_, _>>()?
+    };
+    assert!(entries.len() >= 8, "two entries per flow: {}", entries.len());
+    lbtest::btfmap::replace_with_layout_sized(
+        &pin,
+        &[("saddr", "[u8;4]"), ("daddr", "[u8;4]"), ("sport", "u16"), ("dport", "u16"), ("proto", "u8"), ("_pad", "[u8;3]")],
+        &[
+            ("to_saddr", "[u8;4]"),
+            ("to_daddr", "[u8;4]"),
+            ("to_sport", "u16"),
+            ("to_dport", "u16"),
+            ("flags", "u8"),
+            ("state", "u8"),
+            ("rev_nat_id", "u16"),
+            ("last_seen_ns", "u64"),
+        ],
+    )?;
+    {
+        let mut old: HashMap<MapData, [u8; 16], [u8; 24]> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
+        for (k, v) in &entries {
+            let mut narrow = [0u8; 24];
+            narrow[..16].copy_from_slice(&v[..16]);
+            narrow[16..].copy_from_slice(&v[24..]);
+            old.insert(k, narrow, 0)?;
+        }
+    }
+    w.c.start_agent_env(1, &objects, &[], &[])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    assert_eq!(lines_with(&w.c, "carried field by field")?.len(), 1, "{:?}", lines_with(&w.c, "upgrade:")?);
+    assert_eq!(lines_with(&w.c, "not carried over")?, Vec::<String>::new());
+    for h in held {
+        let s = Cluster::finish(h)?;
+        assert_eq!(s.failed(), 0, "the connection kept going across the upgrade: {s:?}");
+        assert!(s.ok > 100, "{s:?}");
+    }
+    // In the new table: each flow's translation, its creation time unknown
+    // (the new programs add none on a flow they found).
+    let now: std::collections::HashMap<[u8; 16], [u8; 32]> = {
+        let m: HashMap<MapData, [u8; 16], [u8; 32]> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
+        m.iter().collect::<Result<_, _>>()?
+    };
+    for (k, v) in &entries {
+        let got = now.get(k).unwrap_or_else(|| panic!("flow {k:?} carried: {now:?}"));
+        // Addresses, ports and flags (the state moved on as they ended).
+        assert_eq!((&got[..13], &got[16..24]), (&v[..13], &[0u8; 8][..]), "{k:?}");
+    }
+    Ok(())
+}
+
 /// An upgrade that replaces the backends map (a `--max-backends` change)
 /// replaces every map holding backend and frontend ids with it, and keeps
 /// every id: the old programs read one numbering until they move (before,

@@ -247,9 +247,160 @@ pub fn pinned_layout(path: &Path, cache: &mut BtfCache) -> Result<Option<Layout>
     Ok(Some(Layout { key: layout(types, info.btf_key_type_id), value: layout(types, info.btf_value_type_id) }))
 }
 
+/// How the entries of a struct of one layout become entries of another:
+/// the members both name, with the same layout, copied by name; a member
+/// only the new layout has starts at zero, and one only the old has is
+/// left behind. What an upgrade uses to carry a map's state where a field
+/// was added or removed (a NAT flow's entry that grew a field), instead
+/// of leaving it behind.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Remap {
+    pub old_size: usize,
+    pub new_size: usize,
+    /// (offset in the old, offset in the new, length), in bytes.
+    pub moves: Vec<(usize, usize, usize)>,
+}
+
+impl Remap {
+    /// The remap from layout `old` to `new` (`layout`'s strings); `None`
+    /// where there is none to trust: not structs, a bitfield, a member
+    /// whose layout changed under its name, or no member in common.
+    pub fn between(old: &str, new: &str) -> Option<Remap> {
+        let (old_size, old_members) = struct_members(old)?;
+        let (new_size, new_members) = struct_members(new)?;
+        let mut moves = Vec::new();
+        for (name, at, layout) in &new_members {
+            let Some((_, from, was)) = old_members.iter().find(|(n, ..)| n == name) else { continue };
+            if was != layout {
+                return None;
+            }
+            let len = size_of_layout(layout)?;
+            if from + len > old_size || at + len > new_size {
+                return None;
+            }
+            moves.push((*from, *at, len));
+        }
+        (!moves.is_empty()).then_some(Remap { old_size, new_size, moves })
+    }
+
+    /// An entry of the old layout in the new one.
+    pub fn apply(&self, old: &[u8]) -> Vec<u8> {
+        let mut out = vec![0u8; self.new_size];
+        for &(from, to, len) in &self.moves {
+            if let Some(src) = old.get(from..from + len) {
+                out[to..to + len].copy_from_slice(src);
+            }
+        }
+        out
+    }
+}
+
+/// A struct member in a layout string: its name, byte offset and layout.
+type MemberAt = (String, usize, String);
+
+/// A struct layout's size and its members, split at the top level; `None`
+/// for anything else, or a bitfield.
+fn struct_members(layout: &str) -> Option<(usize, Vec<MemberAt>)> {
+    let rest = layout.strip_prefix("struct")?;
+    let brace = rest.find('{')?;
+    let size: usize = rest[..brace].parse().ok()?;
+    let body = rest[brace + 1..].strip_suffix('}')?;
+    let mut members = Vec::new();
+    let (mut depth, mut start) = (0i32, 0usize);
+    for (i, c) in body.char_indices() {
+        match c {
+            '{' | '[' => depth += 1,
+            '}' | ']' => depth -= 1,
+            ',' if depth == 0 => {
+                members.push(&body[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if !body[start..].is_empty() {
+        members.push(&body[start..]);
+    }
+    let members = members
+        .into_iter()
+        .map(|m| {
+            let (name, rest) = m.split_once('@')?;
+            let (at, layout) = rest.split_once(':')?;
+            Some((name.to_string(), at.parse().ok()?, layout.to_string()))
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some((size, members))
+}
+
+/// The size in bytes a layout string stands for.
+fn size_of_layout(layout: &str) -> Option<usize> {
+    let digits = |s: &str| -> Option<usize> {
+        let end = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+        s[..end].parse().ok()
+    };
+    if layout == "ptr" {
+        return Some(8);
+    }
+    if let Some(inner) = layout.strip_prefix('[').and_then(|s| s.strip_suffix(']')) {
+        let (elem, count) = inner.rsplit_once(';')?;
+        return size_of_layout(elem)?.checked_mul(count.parse().ok()?);
+    }
+    for kind in ["struct", "union", "enum"] {
+        if let Some(rest) = layout.strip_prefix(kind) {
+            return digits(rest);
+        }
+    }
+    let bits = match layout.as_bytes().first()? {
+        b'u' | b'i' | b'f' => digits(&layout[1..])?,
+        _ => return None,
+    };
+    (bits % 8 == 0 && bits.to_string().len() == layout.len() - 1).then_some(bits / 8)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A NAT flow's entry that grew a field (`created_ns`, between two
+    /// others): every other field is carried by name, the new one is zero.
+    #[test]
+    fn a_struct_that_grew_a_field_is_remapped_by_name() {
+        let old = "struct24{to_saddr@0:[u8;4],to_daddr@4:[u8;4],to_sport@8:u16,to_dport@10:u16,flags@12:u8,state@13:u8,rev_nat_id@14:u16,last_seen_ns@16:u64,}";
+        let new = "struct32{to_saddr@0:[u8;4],to_daddr@4:[u8;4],to_sport@8:u16,to_dport@10:u16,flags@12:u8,state@13:u8,rev_nat_id@14:u16,created_ns@16:u64,last_seen_ns@24:u64,}";
+        let r = Remap::between(old, new).unwrap();
+        assert_eq!((r.old_size, r.new_size), (24, 32));
+        let entry: Vec<u8> = (1..=24).collect();
+        let got = r.apply(&entry);
+        assert_eq!(&got[..16], &entry[..16]);
+        assert_eq!(&got[16..24], &[0; 8], "the new field starts at zero");
+        assert_eq!(&got[24..], &entry[16..], "last_seen_ns moved");
+        // Back again: the field only the old has is left behind.
+        let back = Remap::between(new, old).unwrap();
+        assert_eq!(back.apply(&got), entry);
+        // Nested structs and arrays of structs are sized; enums too.
+        assert_eq!(size_of_layout("[struct8{a@0:u32,b@4:u32,};3]"), Some(24));
+        assert_eq!(size_of_layout("enum4{A=0,B=1,}"), Some(4));
+        assert_eq!(size_of_layout("[[u16;2];4]"), Some(16));
+        assert_eq!(size_of_layout("u3"), None);
+        let nested = "struct12{a@0:struct8{x@0:u32,y@4:u32,},b@8:u32,}";
+        assert_eq!(Remap::between(nested, nested).unwrap().moves, [(0, 0, 8), (8, 8, 4)]);
+    }
+
+    #[test]
+    fn no_remap_where_a_field_changed_meaning_or_nothing_is_shared() {
+        let old = "struct8{a@0:u32,b@4:u32,}";
+        // Retyped under its name.
+        assert_eq!(Remap::between(old, "struct8{a@0:u32,b@4:i32,}"), None);
+        assert_eq!(Remap::between(old, "struct12{a@0:u32,b@4:u64,}"), None);
+        // Nothing in common, or not structs.
+        assert_eq!(Remap::between(old, "struct8{c@0:u64,}"), None);
+        assert_eq!(Remap::between("u32", "u32"), None);
+        // A bitfield.
+        assert_eq!(Remap::between("struct4{a@0b3:u32,}", "struct4{a@0b3:u32,}"), None);
+        // Renamed members are new ones: zero.
+        let r = Remap::between(old, "struct8{a@0:u32,c@4:u32,}").unwrap();
+        assert_eq!(r.apply(&[1, 2, 3, 4, 5, 6, 7, 8]), [1, 2, 3, 4, 0, 0, 0, 0]);
+    }
 
     #[test]
     fn our_object_describes_every_pinned_map() {

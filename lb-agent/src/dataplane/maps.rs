@@ -78,12 +78,27 @@ const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 /// Entries added or removed meanwhile may or may not be seen, as with
 /// iterating.
 pub fn lookup_all<K: Pod + Default, V: Pod + Default>(map: &MapData) -> std::io::Result<Vec<(K, V)>> {
+    let (ks, vs) = (size_of::<K>(), size_of::<V>());
+    let (keys, values) = lookup_all_raw(map, ks, vs)?;
+    Ok(keys
+        .chunks_exact(ks.max(1))
+        .zip(values.chunks_exact(vs.max(1)))
+        // SAFETY: each chunk holds one K (one V) as the kernel wrote it;
+        // both are Pod, read unaligned from the byte buffers.
+        .map(|(k, v)| unsafe { (std::ptr::read_unaligned(k.as_ptr().cast::<K>()), std::ptr::read_unaligned(v.as_ptr().cast::<V>())) })
+        .collect())
+}
+
+/// `lookup_all` for a map whose entry types this agent does not have (an
+/// older agent's layout): every key and value as bytes, one after the
+/// other (`key_size` and `value_size` each).
+pub fn lookup_all_raw(map: &MapData, key_size: usize, value_size: usize) -> std::io::Result<(Vec<u8>, Vec<u8>)> {
     use std::os::fd::{AsFd as _, AsRawFd as _};
     const CHUNK: usize = 4096;
     let fd = map.fd().as_fd().as_raw_fd();
-    let mut out = Vec::new();
-    let mut keys = vec![K::default(); CHUNK];
-    let mut values = vec![V::default(); CHUNK];
+    let (mut keys_out, mut values_out) = (Vec::new(), Vec::new());
+    let mut keys = vec![0u8; CHUNK * key_size];
+    let mut values = vec![0u8; CHUNK * value_size];
     // The hash map's batch token: a bucket index.
     let (mut token_in, mut token_out) = (0u32, 0u32);
     let mut first = true;
@@ -98,21 +113,45 @@ pub fn lookup_all<K: Pod + Default, V: Pod + Default>(map: &MapData) -> std::io:
             ..Default::default()
         };
         // SAFETY: the buffers hold CHUNK keys and values of the map's
-        // sizes (K and V are its key and value types) and live until the
-        // call returns; the tokens are u32s.
+        // sizes (the caller's) and live until the call returns; the
+        // tokens are u32s.
         let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_LOOKUP_BATCH, &mut attr as *mut BatchAttr, std::mem::size_of::<BatchAttr>()) };
         let err = (r < 0).then(std::io::Error::last_os_error);
-        let n = attr.count as usize;
-        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        let n = (attr.count as usize).min(CHUNK);
+        keys_out.extend_from_slice(&keys[..n * key_size]);
+        values_out.extend_from_slice(&values[..n * value_size]);
         match err {
             None => {}
             // The end of the map.
-            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok((keys_out, values_out)),
             Some(e) => return Err(e),
         }
         token_in = token_out;
         first = false;
     }
+}
+
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+
+/// The `elem` member of `union bpf_attr`.
+#[repr(C)]
+struct ElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// Write one entry given as bytes of the map's key and value sizes
+/// (`flags`: BPF_ANY, BPF_NOEXIST, BPF_EXIST).
+pub fn update_raw(map: &MapData, key: &[u8], value: &[u8], flags: u64) -> std::io::Result<()> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let mut attr = ElemAttr { map_fd: map.fd().as_fd().as_raw_fd() as u32, _pad: 0, key: key.as_ptr() as u64, value: value.as_ptr() as u64, flags };
+    // SAFETY: `key` and `value` live until the call returns; the caller
+    // gives them the map's sizes (the kernel reads that many bytes).
+    let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_UPDATE_ELEM, &mut attr as *mut ElemAttr, std::mem::size_of::<ElemAttr>()) };
+    if r < 0 { Err(std::io::Error::last_os_error()) } else { Ok(()) }
 }
 
 /// Runs at least this long are written by two threads, half each: the

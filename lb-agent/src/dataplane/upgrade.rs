@@ -490,6 +490,36 @@ fn layouts_agree(old: &Path, new: &Path, btf: &mut super::btf::BtfCache) -> (boo
     (same_sizes, same_btf)
 }
 
+/// How the entries of the map pinned at `old` become entries of `new`,
+/// where their values' layouts differ by fields added or removed
+/// (`btf::Remap`) and their keys and types are the same.
+fn remap_of(old: &Path, new: &Path, btf: &mut super::btf::BtfCache) -> Option<super::btf::Remap> {
+    let (Ok(Some(a)), Ok(Some(b))) = (super::btf::pinned_layout(old, btf), super::btf::pinned_layout(new, btf)) else { return None };
+    let (ia, ib) = (aya::maps::MapInfo::from_pin(old).ok()?, aya::maps::MapInfo::from_pin(new).ok()?);
+    if a.key != b.key || ia.key_size() != ib.key_size() || ia.map_type().ok()? != ib.map_type().ok()? {
+        return None;
+    }
+    let r = super::btf::Remap::between(&a.value, &b.value)?;
+    (r.old_size == ia.value_size() as usize && r.new_size == ib.value_size() as usize).then_some(r)
+}
+
+/// Copy the entries of the map pinned at `old` into `new` through `remap`,
+/// never over an entry already there. Returns how many were copied.
+fn copy_remapped(old: &Path, new: &Path, remap: &super::btf::Remap) -> Result<usize> {
+    use aya::maps::MapData;
+    let (from, to) = (MapData::from_pin(old)?, MapData::from_pin(new)?);
+    let key_size = aya::maps::MapInfo::from_pin(old)?.key_size() as usize;
+    let (keys, values) = super::maps::lookup_all_raw(&from, key_size, remap.old_size).with_context(|| format!("read {}", old.display()))?;
+    let mut n = 0;
+    for (k, v) in keys.chunks_exact(key_size).zip(values.chunks_exact(remap.old_size)) {
+        // BPF_NOEXIST: never overwrite what the new programs wrote.
+        if super::maps::update_raw(&to, k, &remap.apply(v), 1).is_ok() {
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
 /// Copy the entries of hash map `old` into `new` (`lru`: LRU hash maps),
 /// never over an entry already there. Returns how many were copied.
 ///
@@ -607,8 +637,23 @@ pub(super) fn carry_state(bpffs: &Path, replaced: &[&'static str], pass: Pass) -
             }
             continue;
         }
+        const STATE: [&str; 8] = [maps::AFFINITY, maps::SOCK_REVNAT4, maps::SOCK_REVNAT6, maps::NAT4, maps::NAT6, maps::FRAG4, maps::FRAG6, maps::SOCK_UDP];
         if !same_sizes || !same_btf {
-            if warn && [maps::AFFINITY, maps::SOCK_REVNAT4, maps::SOCK_REVNAT6, maps::NAT4, maps::NAT6, maps::SOCK_UDP].contains(name) {
+            // A field added or removed: carried by name, where the key
+            // is the same and no field changed under its name.
+            if STATE.contains(name)
+                && let Some(remap) = remap_of(&old, &new, &mut btf)
+            {
+                if warn {
+                    tracing::info!(map = name, from = remap.old_size, to = remap.new_size, "upgrade: its entries have another layout: carried field by field (a new field starts at zero)");
+                }
+                match copy_remapped(&old, &new, &remap) {
+                    Ok(n) => total += n,
+                    Err(e) => tracing::warn!(map = name, "upgrade: carrying entries over: {e:#}"),
+                }
+                continue;
+            }
+            if warn && STATE.contains(name) && *name != maps::FRAG4 && *name != maps::FRAG6 {
                 tracing::warn!(map = name, "upgrade: its entries have another layout and are not carried over");
             }
             continue;
