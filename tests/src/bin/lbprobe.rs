@@ -84,6 +84,10 @@ enum Cmd {
     /// then ask the `--tiny` server how many arrived. Prints the datagrams
     /// delivered per second.
     UdpRate(RateArgs),
+    /// UDP: send 16-byte datagrams with sendto() from one unconnected
+    /// socket (each runs the sendmsg hook) for SECS seconds, answers
+    /// unread. Prints how many were sent.
+    UdpBlast(RateArgs),
     /// TCP: download N bytes of a known pattern and check every byte.
     Bulk {
         #[arg(long)]
@@ -1092,6 +1096,21 @@ fn main() -> anyhow::Result<()> {
             }
             let Some(received) = received else { anyhow::bail!("no count from the server at {addr}") };
             println!("{}", serde_json::json!({"sent": sent, "received": received, "secs": el, "rate": received as f64 / el}));
+            return Ok(());
+        }
+        Cmd::UdpBlast(RateArgs { addr, secs, cpu }) => {
+            pin(cpu);
+            let sock = UdpSocket::bind(any_addr(addr, 0))?;
+            let end = Instant::now() + Duration::from_secs_f64(secs);
+            let mut sent = 0u64;
+            while Instant::now() < end {
+                for _ in 0..64 {
+                    if sock.send_to(&[b'x'; 16], addr).is_ok() {
+                        sent += 1;
+                    }
+                }
+            }
+            println!("{}", serde_json::json!({"sent": sent}));
             return Ok(());
         }
         Cmd::HalfClosed { addr, wait_ms, timeout_ms } => {
