@@ -200,8 +200,9 @@ fn nat_flows_of_an_entry_layout_with_a_field_fewer_are_carried_by_name() -> Resu
     use aya::maps::{HashMap, Map, MapData};
     let mut w = world(&web("NodePort", "", &[]))?;
     wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let started = std::time::Instant::now();
     let held: Vec<_> = (0..4)
-        .map(|_| w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "8000", "--interval-ms", "20", "--timeout-ms", "1000"]))
+        .map(|_| w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "10000", "--interval-ms", "20", "--timeout-ms", "1000"]))
         .collect::<Result<_>>()?;
     let outside = w.outside.ip.clone();
     w.c.wait_for("their flows", Duration::from_secs(5), || Ok(flows_from(&w.c, &outside)?.len() >= 4))?;
@@ -236,25 +237,46 @@ fn nat_flows_of_an_entry_layout_with_a_field_fewer_are_carried_by_name() -> Resu
             old.insert(k, narrow, 0)?;
         }
     }
-    w.c.start_agent_env(1, &objects, &[], &[])?;
+    // One more flow, written after the first copy (while the upgrade waits
+    // before the programs move): the second copy carries it.
+    // A UDP flow to pod-1, both its entries, seen now (CLOCK_MONOTONIC,
+    // the programs' clock).
+    let late: [u8; 16] = [192, 168, 77, 100, 192, 168, 77, 11, 0x99, 0x99, 0x75, 0x80, 17, 0, 0, 0];
+    let late_reply: [u8; 16] = [10, 244, 1, 10, 192, 168, 77, 100, 0x1f, 0x90, 0x99, 0x99, 17, 0, 0, 0];
+    let seen = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)?;
+    let seen_ns = (seen.tv_sec() as u64 * 1_000_000_000 + seen.tv_nsec() as u64).to_ne_bytes();
+    let (mut late_value, mut reply_value) = ([0u8; 24], [0u8; 24]);
+    late_value[..12].copy_from_slice(&[192, 168, 77, 100, 10, 244, 1, 10, 0x99, 0x99, 0x1f, 0x90]);
+    reply_value[..12].copy_from_slice(&[192, 168, 77, 11, 192, 168, 77, 100, 0x75, 0x80, 0x99, 0x99]);
+    reply_value[12] = 1; // nat_flags::REPLY
+    late_value[16..].copy_from_slice(&seen_ns);
+    reply_value[16..].copy_from_slice(&seen_ns);
+    w.c.start_agent_env_until(1, &objects, &[], &[("LB_UPGRADE_PAUSE_MS", "1500")], "paused before the programs move")?;
+    {
+        let mut old: HashMap<MapData, [u8; 16], [u8; 24]> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
+        old.insert(late, late_value, 0)?;
+        old.insert(late_reply, reply_value, 0)?;
+    }
     w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    assert!(started.elapsed() < Duration::from_secs(9), "upgraded while the connections were held: {:?}", started.elapsed());
     assert_eq!(lines_with(&w.c, "carried field by field")?.len(), 1, "{:?}", lines_with(&w.c, "upgrade:")?);
     assert_eq!(lines_with(&w.c, "not carried over")?, Vec::<String>::new());
-    for h in held {
-        let s = Cluster::finish(h)?;
-        assert_eq!(s.failed(), 0, "the connection kept going across the upgrade: {s:?}");
-        assert!(s.ok > 100, "{s:?}");
-    }
     // In the new table: each flow's translation, its creation time unknown
     // (the new programs add none on a flow they found).
     let now: std::collections::HashMap<[u8; 16], [u8; 32]> = {
         let m: HashMap<MapData, [u8; 16], [u8; 32]> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
         m.iter().collect::<Result<_, _>>()?
     };
+    assert_eq!(now.get(&late).map(|v| &v[..16]), Some(&late_value[..16]), "the flow added after the first copy");
     for (k, v) in &entries {
         let got = now.get(k).unwrap_or_else(|| panic!("flow {k:?} carried: {now:?}"));
-        // Addresses, ports and flags (the state moved on as they ended).
+        // Addresses, ports and flags (the state may move on).
         assert_eq!((&got[..13], &got[16..24]), (&v[..13], &[0u8; 8][..]), "{k:?}");
+    }
+    for h in held {
+        let s = Cluster::finish(h)?;
+        assert_eq!(s.failed(), 0, "the connection kept going across the upgrade: {s:?}");
+        assert!(s.ok > 100, "{s:?}");
     }
     Ok(())
 }

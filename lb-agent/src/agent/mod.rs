@@ -670,7 +670,12 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 continue;
             }
             _ = pods_check.tick(), if masq_watch.pending() => {
-                match masq_watch.look(rec.config_written, bpf_masqueraded.started(), bpf_masqueraded.last()) {
+                // Not while an upgrade waits: the old tables' flows are
+                // counted only where their layout is this agent's, and
+                // those of another are carried into the new tables when
+                // it finishes (their replies still need the pod programs).
+                let written = rec.config_written && upgrade.is_none();
+                match masq_watch.look(written, bpf_masqueraded.started(), bpf_masqueraded.last()) {
                     masq_watch::Look::Wait => {}
                     masq_watch::Look::Pass => {
                         let _ = rec.nat_left.send(crate::nodeport::Ending::Nothing);

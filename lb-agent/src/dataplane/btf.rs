@@ -268,10 +268,21 @@ impl Remap {
     pub fn between(old: &str, new: &str) -> Option<Remap> {
         let (old_size, old_members) = struct_members(old)?;
         let (new_size, new_members) = struct_members(new)?;
+        // Members told apart by name only: none unnamed, none twice.
+        for members in [&old_members, &new_members] {
+            let names: std::collections::BTreeSet<&str> = members.iter().map(|(n, ..)| n.as_str()).collect();
+            if names.len() != members.len() || names.contains("") {
+                return None;
+            }
+        }
         let mut moves = Vec::new();
         for (name, at, layout) in &new_members {
             let Some((_, from, was)) = old_members.iter().find(|(n, ..)| n == name) else { continue };
             if was != layout {
+                // Padding a new field took part of: it starts at zero.
+                if name.starts_with("_pad") {
+                    continue;
+                }
                 return None;
             }
             let len = size_of_layout(layout)?;
@@ -400,6 +411,12 @@ mod tests {
         // Renamed members are new ones: zero.
         let r = Remap::between(old, "struct8{a@0:u32,c@4:u32,}").unwrap();
         assert_eq!(r.apply(&[1, 2, 3, 4, 5, 6, 7, 8]), [1, 2, 3, 4, 0, 0, 0, 0]);
+        // Unnamed or twice-named members cannot be told apart.
+        assert_eq!(Remap::between("struct8{@0:u32,a@4:u32,}", old), None);
+        assert_eq!(Remap::between("struct8{a@0:u32,a@4:u32,}", old), None);
+        // A field that took part of the padding: the rest is padding still.
+        let r = Remap::between("struct8{a@0:u32,_pad@4:u32,}", "struct8{a@0:u32,b@4:u16,_pad@6:[u8;2],}").unwrap();
+        assert_eq!(r.apply(&[1, 2, 3, 4, 9, 9, 9, 9]), [1, 2, 3, 4, 0, 0, 0, 0]);
     }
 
     #[test]

@@ -510,8 +510,13 @@ fn copy_remapped(old: &Path, new: &Path, remap: &super::btf::Remap) -> Result<us
     let (from, to) = (MapData::from_pin(old)?, MapData::from_pin(new)?);
     let key_size = aya::maps::MapInfo::from_pin(old)?.key_size() as usize;
     let (keys, values) = super::maps::lookup_all_raw(&from, key_size, remap.old_size).with_context(|| format!("read {}", old.display()))?;
+    // Only what the new map lacks is written (the second pass runs while
+    // the new programs read it: a whole table of failing writes would
+    // hold back the entries it lacks).
+    let (present, _) = super::maps::lookup_all_raw(&to, key_size, remap.new_size).with_context(|| format!("read {}", new.display()))?;
+    let present: std::collections::HashSet<&[u8]> = present.chunks_exact(key_size).collect();
     let mut n = 0;
-    for (k, v) in keys.chunks_exact(key_size).zip(values.chunks_exact(remap.old_size)) {
+    for (k, v) in keys.chunks_exact(key_size).zip(values.chunks_exact(remap.old_size)).filter(|(k, _)| !present.contains(k)) {
         // BPF_NOEXIST: never overwrite what the new programs wrote.
         if super::maps::update_raw(&to, k, &remap.apply(v), 1).is_ok() {
             n += 1;

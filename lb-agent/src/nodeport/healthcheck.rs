@@ -126,8 +126,9 @@ impl HealthChecks {
                 }
             }
         }
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(1);
         for task in stopped {
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(1), task).await;
+            let _ = tokio::time::timeout_at(deadline, task).await;
         }
         for (port, hc) in want {
             let Some(s) = self.servers.get_mut(port) else { continue };
