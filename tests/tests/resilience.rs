@@ -192,6 +192,37 @@ fn a_draining_pod_keeps_its_tcp_connections_until_its_endpoint_leaves() -> Resul
     Ok(())
 }
 
+/// A running pod that fails its readiness probe (not terminating: a
+/// passing failure, say a slow dependency) keeps its established TCP
+/// connections, as kube-proxy's conntrack keeps them (it never flushes
+/// TCP); new connections go to the ready pods. Its connected UDP sockets
+/// are told, as kube-proxy flushes an endpoint's UDP entries once it stops
+/// serving. Ready again, it takes new connections again.
+#[test]
+fn a_pod_failing_its_readiness_probe_keeps_its_tcp_connections() -> Result<()> {
+    let (mut c, p, client) = setup(&["pod-a"], &[])?;
+    let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "2500", "--interval-ms", "20"])?;
+    let udp = c.probe_bg(&client, &["udp-stream", "--addr", "10.96.0.10:53", "--interval-ms", "20", "--max-ms", "1500"])?;
+    std::thread::sleep(Duration::from_millis(400));
+    let b = c.add_pod(1, "pod-b")?;
+    c.serve(&b, 8080)?;
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::not_ready(&p[0].ip, "node-1"), E::ready(&b.ip, "node-1")]))?;
+    c.wait_programmed(VIP, 80, "TCP", Some(&[&be(&b)]))?;
+    let fresh = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "20"])?;
+    assert!(fresh.failed() == 0 && fresh.replies.keys().eq(["pod-b"]), "new connections go to the ready pod: {fresh:?}");
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "kept to its end: {s:?}");
+    assert_eq!(s.replies.keys().collect::<Vec<_>>(), ["pod-a"], "{s:?}");
+    let u = Cluster::finish(udp)?;
+    assert!(u.errors.contains_key("ECONNABORTED") || u.errors.contains_key("EDESTADDRREQ"), "a connected UDP socket to it is told: {u:?}");
+    assert!(u.replies.get("pod-b").is_some_and(|n| *n > 5), "and connects again to a serving pod: {u:?}");
+    // Ready again: new connections reach it again.
+    set_endpoints(&c, &[&p[0], &b])?;
+    let again = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "40"])?;
+    assert!(again.replies.contains_key("pod-a") && again.failed() == 0, "{again:?}");
+    Ok(())
+}
+
 #[test]
 fn terminating_but_serving_endpoints_keep_their_connections_and_the_flag_turns_termination_off() -> Result<()> {
     let (c, p, client) = setup(&["pod-a"], &[])?;

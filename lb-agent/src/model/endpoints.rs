@@ -64,16 +64,17 @@ impl PortEndpoints<'_> {
         let local_candidates: Vec<_> = all.iter().filter(|(b, _)| b.local).cloned().collect();
         let local = usable(&local_candidates, None);
         let picked = |a: IpAddr, p: u16| cluster.iter().chain(&local).any(|b| b.addr == a && b.port == p);
-        // Not picked, yet not stale: endpoints that serve, and for TCP
-        // terminating ones whatever their `serving` (a pod shutting down
-        // that fails its readiness probe on purpose, to drain). A
-        // terminating pod still runs: its connections are its own to
-        // finish and close, as they are under kube-proxy, whose conntrack
-        // keeps them; they go stale when the endpoint leaves the slice,
-        // once the pod is gone. For UDP kube-proxy flushes the conntrack
-        // entries of an endpoint that stopped serving, and lb destroys the
+        // Not picked, yet not stale. For TCP, every endpoint the slices
+        // still list: a pod that fails its readiness probe (a passing
+        // failure, or on purpose to drain while it shuts down) still runs,
+        // and its established connections are its own to finish, as they
+        // are under kube-proxy, whose conntrack never flushes TCP (nor
+        // does Cilium destroy TCP sockets); they go stale when the
+        // endpoint leaves the slice, once the pod is gone. For UDP only
+        // endpoints that serve: kube-proxy flushes the conntrack entries
+        // of an endpoint that stopped serving, and lb destroys the
         // connected sockets likewise.
-        let keeps = |c: &Conditions| c.serving || (c.terminating && self.proto == Proto::Tcp);
+        let keeps = |c: &Conditions| c.serving || self.proto == Proto::Tcp;
         let extra: Vec<(IpAddr, u16)> =
             all.iter().filter(|(b, c)| keeps(c) && !picked(b.addr, b.port)).map(|(b, _)| (b.addr, b.port)).collect();
         Sets { cluster, topology: hint.is_some(), local, extra }

@@ -323,12 +323,20 @@ fn a_draining_endpoint_keeps_its_tcp_connections_until_it_leaves() {
     let web = &d.frontends[&FrontendKey { addr: vip, port: 80, proto: tcp }];
     assert_eq!(web.backends.iter().map(|x| x.addr).collect::<Vec<_>>(), [b], "no new connection goes to it");
     assert!(web.serves(a, 8080));
-    // Not ready, not terminating: stale for both (a readiness failure, or
-    // its node lost).
-    let ch = inc.update(&svcs, &[slice(serde_json::json!([{"addresses": ["10.1.0.1"], "conditions": {"ready": false, "serving": false}}, ready("10.1.0.2")]))], &node(), &opts);
-    assert_eq!(ch.left, BTreeSet::from([(vip, 80, tcp, a, 8080), (vip, 53, tcp, a, 8053)]));
+    // Not ready, not terminating (a readiness failure of a running pod, or
+    // its node lost): TCP keeps it too, as kube-proxy's conntrack does.
+    let not_ready = serde_json::json!({"addresses": ["10.1.0.1"], "conditions": {"ready": false, "serving": false}});
+    let ch = inc.update(&svcs, &[slice(serde_json::json!([not_ready, ready("10.1.0.2")]))], &node(), &opts);
+    assert_eq!((ch.left.len(), ch.joined.len()), (0, 0), "{:?}", (&ch.left, &ch.joined));
+    let web = &inc.desired().frontends[&FrontendKey { addr: vip, port: 80, proto: tcp }];
+    assert_eq!(web.backends.iter().map(|x| x.addr).collect::<Vec<_>>(), [b], "no new connection goes to it");
+    assert!(web.serves(a, 8080));
+    // Ready again: UDP serves it again.
+    let ch = inc.update(&svcs, &[slice(serde_json::json!([ready("10.1.0.1"), ready("10.1.0.2")]))], &node(), &opts);
+    assert_eq!(ch.joined, BTreeSet::from([(vip, 53, udp, a, 8053)]));
+    assert!(ch.left.is_empty());
     let ch = inc.update(&svcs, &[slice(serde_json::json!([draining("10.1.0.1"), ready("10.1.0.2")]))], &node(), &opts);
-    assert_eq!(ch.joined, BTreeSet::from([(vip, 80, tcp, a, 8080), (vip, 53, tcp, a, 8053)]), "draining again: not stale");
+    assert_eq!(ch.left, BTreeSet::from([(vip, 53, udp, a, 8053)]), "draining: UDP only");
     // The pod is gone: its endpoint leaves.
     let ch = inc.update(&svcs, &[slice(serde_json::json!([ready("10.1.0.2")]))], &node(), &opts);
     assert_eq!(ch.left, BTreeSet::from([(vip, 80, tcp, a, 8080), (vip, 53, tcp, a, 8053)]));
