@@ -622,6 +622,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut retry = tokio::time::interval(Duration::from_secs(1));
+    let mut hc_retry = tokio::time::interval(Duration::from_secs(1));
     // XDP on a veth whose peer cannot take its frames: see Tc::check_xdp.
     let mut xdp_check = tokio::time::interval(Duration::from_secs(2));
     // Whether the flows masqueraded in BPF that kept the pod programs ended.
@@ -665,6 +666,17 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 last = Some(upd);
             }
             _ = retry.tick(), if dirty => {}
+            // A healthCheckNodePort listener that could not be opened
+            // (another process held the port) is tried again every second
+            // until it opens, also on a quiet cluster: until then the
+            // load balancers see this node down for that Service.
+            // (kube-proxy tries again at each sync, every syncPeriod at
+            // least.)
+            _ = hc_retry.tick(), if !dirty && health_checks.failing() > 0 => {
+                let failed = health_checks.reconcile(&rec.health_checks, rec.health_check_on.as_deref()).await;
+                metrics.health_check_failed.set(failed as i64);
+                continue;
+            }
             _ = xdp_check.tick(), if cfg.xdp => {
                 tc.check_xdp();
                 continue;

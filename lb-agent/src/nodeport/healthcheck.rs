@@ -69,6 +69,11 @@ impl HealthChecks {
         Self { servers: BTreeMap::new(), failed: BTreeMap::new(), health, rt }
     }
 
+    /// How many listeners could not be opened at the last `reconcile`.
+    pub fn failing(&self) -> usize {
+        self.failed.len()
+    }
+
     /// Serve exactly `want`, on the addresses `on` (None: all of them, as
     /// kube-proxy does without `--nodeport-addresses`; with it, where the
     /// NodePorts are): start, update and stop servers, and open and close
