@@ -81,6 +81,38 @@ fn path_mtu_discovery_works_through_a_node_port_in_both_directions() -> Result<(
     Ok(())
 }
 
+/// The path from node-1 to a client is narrower than the one to the pods
+/// (node-1's route to the client has a locked MTU of 1300): a remote
+/// backend's replies of a SNATed flow are too big for it. The stack would
+/// tell the translated reply's source, the frontend (node-1 itself), and
+/// the backend would never learn: the download stalls. Under kube-proxy
+/// the stack tells the backend (conntrack restores the source only after
+/// the forwarding); so does lb, from the SNAT address, quoting the reply
+/// as the backend sent it, and the download goes on in smaller segments.
+#[test]
+fn a_reply_too_big_for_the_path_to_the_client_is_answered_to_the_backend() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let down = w.c.add_outside("down-narrow", 112, &[])?;
+    let n1 = w.c.nodes[0].netns.clone();
+    w.c.in_netns(&n1, &["ip", "route", "add", &down.ip, "dev", "eth0", "mtu", "lock", "1300"])?;
+    w.c.in_netns(&n1, &["ip", "-6", "route", "add", &down.ip6, "dev", "eth0", "mtu", "lock", "1300"])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    for (i, node) in [NODE1, NODE1_6].into_iter().enumerate() {
+        let s = c_download(&w.c, &down, &hostport(node, 30080))?;
+        assert_eq!(s.ok, 1, "download via {node} over a narrow path to the client: {s:?}");
+        let told = datapath(&w.c, 1, "nat_too_big")?;
+        assert!(told > i as u64, "lb told the backend: {told}");
+    }
+    Ok(())
+}
+
+/// A download with a short read timeout: a stalled one fails in 3 s.
+fn c_download(c: &Cluster, from: &Pod, addr: &str) -> Result<Summary> {
+    c.probe(from, &["bulk", "--addr", addr, "--bytes", BYTES, "--timeout-ms", "3000"])
+}
+
 /// The routes LB_ROUTE_MTU of node-1 holds, as bpftool dumps them.
 fn route_mtu_entries(w: &World) -> Result<Vec<serde_json::Value>> {
     let pin = w.c.nodes[0].bpffs.join("LB_ROUTE_MTU");

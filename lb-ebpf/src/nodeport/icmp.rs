@@ -11,7 +11,11 @@
 //!   gets "fragmentation needed" / "packet too big" back to the client, from
 //!   the frontend: the stack would send it to the SNAT address (this node),
 //!   where nobody listens, and path MTU discovery through the NodePort would
-//!   stall. Likewise "time exceeded" when its TTL runs out here.
+//!   stall. Likewise "time exceeded" when its TTL runs out here. And the
+//!   same for a backend's reply too big for the path to the client (a
+//!   narrower link towards the clients than towards the pods): to the
+//!   backend, from the SNAT address, where the stack would tell the
+//!   frontend (this node) and the backend would never learn.
 //! - an error about a reply of a Maglev DSR flow that reaches a node
 //!   without the flow (ECMP spreading the frontend over the nodes) goes on
 //!   to the backend Maglev picks for the flow, as the flow's node does.

@@ -1769,12 +1769,13 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
     ACT_FORWARD
 }
 
-/// Translate a client's packet by the forward entry in the scratch value.
-/// A SNATed packet leaves this node again, and what the stack would answer
-/// about it goes to the SNAT address, this node, where nobody listens: a
-/// TTL that runs out here, a packet too big for the path to the backend.
-/// Answer those to the client, from the frontend, as kube-proxy's node
-/// does (path MTU discovery through a NodePort needs it).
+/// Translate a client's packet by the forward entry in the scratch value
+/// (or a backend's reply of a SNATed flow by its reply entry). A SNATed
+/// packet leaves this node again, and what the stack would answer about
+/// it goes to its translated source, this node, where nobody listens: a
+/// TTL that runs out here, a packet too big for the path on. Answer those
+/// to the sender, from the address it sent to, as kube-proxy's node does
+/// (path MTU discovery through a NodePort needs it, both ways).
 #[inline(never)]
 fn forward<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
@@ -1911,10 +1912,10 @@ fn clear_leftover<F: Net>(skb: *mut __sk_buff) -> i32 {
     TC_ACT_OK
 }
 
-/// A packet that arrives: from outside, or (`pod`) from a pod on this
-/// node, at its device.
+/// A packet that arrives: from outside, or from a pod on this node, at its
+/// device (`lb_pod_ingress`, with `--per-packet-lb`).
 #[inline(never)]
-fn ingress<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
+fn ingress<F: Net>(skb: *mut __sk_buff) -> i32 {
     let ctx = &TcContext::new(skb);
     let p = match parse_first::<F>(ctx) {
         Ok(p) => p,
@@ -1933,9 +1934,19 @@ fn ingress<F: Net>(skb: *mut __sk_buff, pod: bool) -> i32 {
             }
             // A reply to a SNATed flow, from the backend's node; at a
             // pod's device, from a pod that answered itself (a hairpin).
+            // It leaves this node again: the forward step checks it as it
+            // checks a client's packet. What the stack would answer about
+            // the translated reply (too big for the path to the client, a
+            // TTL that runs out here) would go to its new source, the
+            // frontend (this node); under kube-proxy it goes to the
+            // backend, whose source conntrack restores only after the
+            // forwarding (POSTROUTING). So lb answers the backend, from
+            // the SNAT address, quoting the reply as the backend sent it.
             touch(e, p.tcp_flags);
-            let act = translate::<F>(ctx, &p, entry);
-            return if pod && act == ACT_TRANSLATED { ACT_HAIRPIN } else { act };
+            let Some(sc) = F::scratch() else { return TC_ACT_SHOT };
+            // SAFETY: this CPU's scratch value; a copy of the map value.
+            unsafe { (*sc).fwd = *entry };
+            return ACT_FORWARD;
         }
         // A packet from a client of a known flow.
         if entry.state & nat_state::STALE != 0 {
@@ -2023,7 +2034,7 @@ fn skb_protocol(ctx: &TcContext) -> u16 {
 #[inline(always)]
 fn ingress_then<F: Net>(skb: *mut __sk_buff) -> i32 {
     // One call after another, not nested: each gets the whole stack.
-    let mut act = ingress::<F>(skb, false);
+    let mut act = ingress::<F>(skb);
     if act == ACT_NEW_FLOW {
         act = new_flow::<F>(skb, false);
     }
@@ -2243,7 +2254,7 @@ fn pod_then<F: Net>(skb: *mut __sk_buff) -> i32 {
         return pod_finish::<F>(skb, checked);
     }
     // One call after another, not nested: each gets the whole stack.
-    act = ingress::<F>(skb, true);
+    act = ingress::<F>(skb);
     if act == ACT_NEW_FLOW {
         act = new_flow::<F>(skb, true);
     }
