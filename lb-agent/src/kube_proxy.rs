@@ -13,8 +13,11 @@
 //! holding the port (`port_holder`).
 //!
 //! Only kube-proxy's own chains count: kubelet's (KUBE-FIREWALL,
-//! KUBE-KUBELET-CANARY, KUBE-MARK-DROP) and the ones older kubelets made
-//! for host ports (KUBE-MARK-MASQ, KUBE-POSTROUTING) stay out of it.
+//! KUBE-KUBELET-CANARY, KUBE-MARK-DROP) stay out of it. KUBE-MARK-MASQ and
+//! KUBE-POSTROUTING are kube-proxy's since Kubernetes 1.28, but kubelets
+//! before it made them too (a node upgraded in place keeps them until it
+//! reboots), and alone they act on nothing: they are not reported alone,
+//! and the clean-up removes them, as `kube-proxy --cleanup` does.
 use std::process::Command;
 
 /// The modes kube-proxy's rules can be in, as the metric names them.
@@ -30,7 +33,47 @@ const CHAINS: &[&str] = &[
     "KUBE-PROXY-CANARY",
     "KUBE-LOAD-BALANCER",
     "KUBE-NODE-PORT",
+    // IPVS mode's filter chains.
+    "KUBE-SOURCE-RANGES-FIREWALL",
+    "KUBE-IPVS-FILTER",
+    "KUBE-IPVS-OUT-FILTER",
 ];
+
+/// kube-proxy's too, removed by `kube-proxy --cleanup` (iptables and IPVS
+/// modes), but not reported alone (see the module).
+const CLEANUP_TOO: &[&str] = &["KUBE-POSTROUTING", "KUBE-MARK-MASQ"];
+
+/// The ipsets of kube-proxy's IPVS mode (pkg/proxy/ipvs `ipsetInfo`). An
+/// IPv6 set's name has "KUBE-6-" for "KUBE-" (`newIPv6Set`).
+const IPSETS: &[&str] = &[
+    "KUBE-LOOP-BACK",
+    "KUBE-CLUSTER-IP",
+    "KUBE-EXTERNAL-IP",
+    "KUBE-EXTERNAL-IP-LOCAL",
+    "KUBE-LOAD-BALANCER",
+    "KUBE-LOAD-BALANCER-FW",
+    "KUBE-LOAD-BALANCER-LOCAL",
+    "KUBE-LOAD-BALANCER-SOURCE-IP",
+    "KUBE-LOAD-BALANCER-SOURCE-CIDR",
+    "KUBE-NODE-PORT-TCP",
+    "KUBE-NODE-PORT-LOCAL-TCP",
+    "KUBE-NODE-PORT-UDP",
+    "KUBE-NODE-PORT-LOCAL-UDP",
+    "KUBE-NODE-PORT-SCTP-HASH",
+    "KUBE-NODE-PORT-LOCAL-SCTP-HASH",
+    "KUBE-HEALTH-CHECK-NODE-PORT",
+    "KUBE-IPVS-IPS",
+];
+
+/// kube-proxy's ipsets in `ipset list -n` output, in its order. Others
+/// named KUBE-* (kube-router's network policy sets, say) are not.
+pub fn ipsets_in_list(list: &str) -> Vec<String> {
+    list.lines()
+        .map(str::trim)
+        .filter(|n| IPSETS.contains(n) || n.strip_prefix("KUBE-6-").is_some_and(|rest| IPSETS.iter().any(|s| s.strip_prefix("KUBE-") == Some(rest))))
+        .map(str::to_string)
+        .collect()
+}
 
 /// kube-proxy's per-Service and per-endpoint chains (iptables mode).
 const PER_SERVICE: &[&str] = &["KUBE-SVC-", "KUBE-SEP-", "KUBE-EXT-", "KUBE-FW-", "KUBE-XLB-", "KUBE-SVL-"];
@@ -94,7 +137,7 @@ pub fn chains_in_save(save: &str) -> Found {
 }
 
 fn is_kube_proxys(chain: &str) -> bool {
-    CHAINS.contains(&chain) || PER_SERVICE.iter().any(|p| chain.starts_with(p))
+    CHAINS.contains(&chain) || CLEANUP_TOO.contains(&chain) || PER_SERVICE.iter().any(|p| chain.starts_with(p))
 }
 
 /// An `iptables-restore --noflush` script that removes kube-proxy's chains
@@ -186,6 +229,16 @@ pub fn cleanup(dry_run: bool) -> anyhow::Result<()> {
             anyhow::ensure!(st.success(), "ip link del kube-ipvs0 failed ({st})");
         }
     }
+    // IPVS mode's ipsets, once no rule refers to them (as kube-proxy
+    // destroys them after its iptables clean-up); the IPv6 ones too.
+    for set in output("ipset", &["list", "-n"]).map(|l| ipsets_in_list(&l)).unwrap_or_default() {
+        println!("ipset destroy {set}");
+        removed += 1;
+        if !dry_run {
+            let st = Command::new("ipset").args(["destroy", &set]).status().context("run ipset")?;
+            anyhow::ensure!(st.success(), "ipset destroy {set} failed ({st})");
+        }
+    }
     if removed == 0 {
         println!("no kube-proxy rules on this node");
     }
@@ -242,13 +295,18 @@ pub fn detect() -> Vec<(&'static str, Found)> {
     out.push(("nftables", output("nft", &["list", "tables"]).map(|l| tables_in_nft(&l)).unwrap_or_default()));
     // IPVS mode's dummy device, which holds every ClusterIP as a local
     // address.
-    let ipvs = match crate::netdev::links() {
+    let mut ipvs: Vec<String> = match crate::netdev::links() {
         Ok(links) => links.iter().filter(|l| l.name == "kube-ipvs0").map(|l| format!("device {}", l.name)).collect(),
         Err(e) => {
             tracing::debug!(error = format!("{e:#}"), "cannot list devices to look for kube-ipvs0");
             Vec::new()
         }
     };
+    // Its ipsets, where the ipset tool is installed.
+    let sets = output("ipset", &["list", "-n"]).map(|l| ipsets_in_list(&l).len()).unwrap_or(0);
+    if sets > 0 {
+        ipvs.push(format!("{sets} ipsets"));
+    }
     out.push(("ipvs", Found { chains: ipvs, per_service: 0 }));
     out.retain(|(_, f)| !f.is_empty());
     out
@@ -364,6 +422,31 @@ mod tests {
         // kubelet's chains alone: nothing to do.
         assert_eq!(cleanup_script("*filter\n:KUBE-FIREWALL - [0:0]\n-A INPUT -j KUBE-FIREWALL\nCOMMIT\n"), None);
         assert_eq!(cleanup_script(""), None);
+    }
+
+    #[test]
+    fn the_cleanup_also_removes_kube_proxys_masquerade_chains_and_ipvs_filters() {
+        let save = "*filter\n:INPUT ACCEPT [0:0]\n:KUBE-IPVS-FILTER - [0:0]\n:KUBE-SOURCE-RANGES-FIREWALL - [0:0]\n\
+                    -A INPUT -m comment --comment \"kubernetes ipvs access filter\" -j KUBE-IPVS-FILTER\nCOMMIT\n\
+                    *nat\n:POSTROUTING ACCEPT [0:0]\n:KUBE-POSTROUTING - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n\
+                    -A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n\
+                    -A KUBE-POSTROUTING -m mark --mark 0x4000/0x4000 -j MASQUERADE\nCOMMIT\n";
+        assert_eq!(
+            cleanup_script(save).unwrap(),
+            "*filter\n-D INPUT -m comment --comment \"kubernetes ipvs access filter\" -j KUBE-IPVS-FILTER\n-F KUBE-IPVS-FILTER\n\
+             -F KUBE-SOURCE-RANGES-FIREWALL\n-X KUBE-IPVS-FILTER\n-X KUBE-SOURCE-RANGES-FIREWALL\nCOMMIT\n\
+             *nat\n-D POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n-F KUBE-POSTROUTING\n\
+             -F KUBE-MARK-MASQ\n-X KUBE-POSTROUTING\n-X KUBE-MARK-MASQ\nCOMMIT\n"
+        );
+        // The IPVS filter chains are reported; the masquerade ones alone not.
+        assert_eq!(chains_in_save(save).chains, ["filter KUBE-IPVS-FILTER", "filter KUBE-SOURCE-RANGES-FIREWALL"]);
+    }
+
+    #[test]
+    fn kube_proxys_ipsets_are_found_by_name_in_both_families() {
+        let list = "KUBE-CLUSTER-IP\nKUBE-6-CLUSTER-IP\nKUBE-NODE-PORT-LOCAL-SCTP-HASH\nKUBE-SRC-ABCDEF\nKUBE-6-SRC-ABC\nmy-set\n KUBE-IPVS-IPS \nKUBE-CLUSTER-IPX\n";
+        assert_eq!(ipsets_in_list(list), ["KUBE-CLUSTER-IP", "KUBE-6-CLUSTER-IP", "KUBE-NODE-PORT-LOCAL-SCTP-HASH", "KUBE-IPVS-IPS"]);
+        assert!(ipsets_in_list("").is_empty());
     }
 
     #[test]

@@ -640,6 +640,20 @@ fn kube_proxys_rules_on_a_node_are_named_in_a_warning_and_a_metric() -> Result<(
             &["iptables-legacy", "-t", "nat", "-A", "PREROUTING", "-m", "comment", "--comment", "kubernetes service portals", "-j", "KUBE-SERVICES"],
             &["iptables-legacy", "-t", "nat", "-A", "KUBE-SERVICES", "-d", "10.96.0.10/32", "-j", "KUBE-SVC-AAAAAAAAAAAAAAAA"],
             &["iptables-legacy", "-t", "nat", "-A", "KUBE-SVC-AAAAAAAAAAAAAAAA", "-j", "KUBE-SEP-BBBBBBBBBBBBBBBB"],
+            // Its masquerade chains, and IPVS mode's filter chain and
+            // ipsets (one a rule refers to: destroyed once the rule is
+            // gone), both families.
+            &["iptables-legacy", "-t", "nat", "-N", "KUBE-POSTROUTING"],
+            &["iptables-legacy", "-t", "nat", "-N", "KUBE-MARK-MASQ"],
+            &["iptables-legacy", "-t", "nat", "-A", "POSTROUTING", "-m", "comment", "--comment", "kubernetes postrouting rules", "-j", "KUBE-POSTROUTING"],
+            &["iptables-legacy", "-t", "nat", "-A", "KUBE-POSTROUTING", "-m", "mark", "--mark", "0x4000/0x4000", "-j", "MASQUERADE"],
+            &["iptables-legacy", "-t", "filter", "-N", "KUBE-IPVS-FILTER"],
+            &["iptables-legacy", "-t", "filter", "-A", "INPUT", "-m", "comment", "--comment", "kubernetes ipvs access filter", "-j", "KUBE-IPVS-FILTER"],
+            &["ipset", "create", "KUBE-CLUSTER-IP", "hash:ip,port"],
+            &["ipset", "create", "KUBE-6-CLUSTER-IP", "hash:ip,port", "family", "inet6"],
+            &["iptables-legacy", "-t", "nat", "-A", "KUBE-SERVICES", "-m", "set", "--match-set", "KUBE-CLUSTER-IP", "dst,dst", "-j", "ACCEPT"],
+            // Another tool's set named KUBE-* (kube-router's network policy): stays.
+            &["ipset", "create", "KUBE-SRC-NOTKUBEPROXY", "hash:ip"],
             // kubelet's chain and an operator's own rule, which stay.
             &["iptables-legacy", "-t", "filter", "-N", "KUBE-FIREWALL"],
             &["iptables-legacy", "-t", "filter", "-A", "INPUT", "-j", "KUBE-FIREWALL"],
@@ -668,10 +682,10 @@ fn kube_proxys_rules_on_a_node_are_named_in_a_warning_and_a_metric() -> Result<(
     c.wait_for("node-1's warning", Duration::from_secs(20), || Ok(std::fs::read_to_string(&log1)?.contains("kube-proxy's rules are on this node")))?;
     let text = std::fs::read_to_string(&log1)?;
     for want in [
-        "iptables-legacy (nat KUBE-NODEPORTS, nat KUBE-SERVICES; 2 per-Service chains)",
+        "iptables-legacy (filter KUBE-IPVS-FILTER, nat KUBE-NODEPORTS, nat KUBE-SERVICES; 2 per-Service chains)",
         "iptables-nft (filter KUBE-FORWARD)",
         "nftables (table ip kube-proxy)",
-        "ipvs (device kube-ipvs0)",
+        "ipvs (device kube-ipvs0, 2 ipsets)",
         "kube-proxy --cleanup",
     ] {
         assert!(text.contains(want), "node-1's warning names {want}: {text}");
@@ -702,12 +716,16 @@ fn kube_proxys_rules_on_a_node_are_named_in_a_warning_and_a_metric() -> Result<(
     let before = saves()?;
     let dry = c.in_netns(&n1, &[agent, "cleanup-kube-proxy", "--dry-run"])?;
     assert!(dry.contains("-X KUBE-SERVICES") && dry.contains("nft delete table ip kube-proxy") && dry.contains("ip link del kube-ipvs0"), "{dry}");
+    assert!(dry.contains("ipset destroy KUBE-6-CLUSTER-IP") && !dry.contains("KUBE-SRC-NOTKUBEPROXY"), "{dry}");
+    let sets = || c.in_netns(&n1, &["ipset", "list", "-n"]);
+    assert_eq!(sets()?.lines().count(), 3, "a dry run destroys no ipset");
     assert_eq!(saves()?.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>(), before.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>(), "a dry run changes nothing");
     c.in_netns(&n1, &[agent, "cleanup-kube-proxy"])?;
     let after = saves()?;
-    for gone in ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-SVC-", "KUBE-SEP-", "KUBE-FORWARD", "kube-proxy"] {
+    for gone in ["KUBE-SERVICES", "KUBE-NODEPORTS", "KUBE-SVC-", "KUBE-SEP-", "KUBE-FORWARD", "kube-proxy", "KUBE-POSTROUTING", "KUBE-MARK-MASQ", "KUBE-IPVS-FILTER"] {
         assert!(!after.contains(gone), "{gone} removed: {after}");
     }
+    assert_eq!(sets()?.trim(), "KUBE-SRC-NOTKUBEPROXY", "kube-proxy's ipsets destroyed, another tool's kept");
     for kept in ["-A INPUT -j KUBE-FIREWALL", ":KUBE-FIREWALL", "--dport 8081 -j REDIRECT --to-ports 81"] {
         assert!(after.contains(kept), "{kept} kept: {after}");
     }

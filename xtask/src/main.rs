@@ -92,6 +92,8 @@ const APT_PACKAGES: &[&str] = &[
     "iptables",
     "nftables",
     "iproute2",
+    // lb-agent cleanup-kube-proxy: IPVS mode's ipsets (and its test).
+    "ipset",
     "util-linux",
     // The XDP tests: checksum offload off on the test fabric.
     "ethtool",
