@@ -162,7 +162,7 @@ fn setup() -> Result<()> {
     }
     let missing_pkg = !Path::new(&format!("/usr/lib/llvm-{}/bin/llvm-config", Pins::load()?.llvm)).exists()
         || !Path::new("/usr/include/zstd.h").exists()
-        || ["bpftool", "ip", "iptables", "nft", "nsenter", "ethtool", "podman", "runc", "debootstrap"].iter().any(|c| !has(c));
+        || ["bpftool", "ip", "iptables", "nft", "ipset", "nsenter", "ethtool", "podman", "runc", "debootstrap"].iter().any(|c| !has(c));
     if missing_pkg {
         status(Command::new("apt-get").arg("update"))?;
         status(Command::new("apt-get").args(["install", "-y", "--no-install-recommends"]).args(APT_PACKAGES).env("DEBIAN_FRONTEND", "noninteractive"))?;
