@@ -378,6 +378,32 @@ fn node_ports_are_on_every_node_address_unless_nodeport_addresses_narrow_them() 
     Ok(())
 }
 
+/// lb sets accept_local and rp_filter on its NodePort devices (its SNATed
+/// packets come back with the node's own address as their source);
+/// teardown gives each back the value it had before lb, also after a
+/// restart (which finds lb's values there, and keeps what it recorded).
+#[test]
+fn teardown_gives_back_the_device_sysctls_lb_changed() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]), &[])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let n1 = w.c.nodes[0].netns.clone();
+    let get = |w: &World, knob: &str| -> Result<String> { Ok(w.c.in_netns(&n1, &["cat", &format!("/proc/sys/net/ipv4/conf/eth0/{knob}")])?.trim().to_string()) };
+    // Start over from an operator's values.
+    w.c.kill_agent(1);
+    lbtest::teardown_in(&n1, &w.c.nodes[0].bpffs)?;
+    w.c.in_netns(&n1, &["sysctl", "-qw", "net.ipv4.conf.eth0.rp_filter=2", "net.ipv4.conf.eth0.accept_local=0"])?;
+    w.c.start_agent(1)?;
+    wait_nodeport(&w.c, 1, 2)?;
+    assert_eq!((get(&w, "accept_local")?, get(&w, "rp_filter")?), ("1".to_string(), "0".to_string()));
+    w.c.kill_agent(1);
+    w.c.start_agent(1)?;
+    wait_nodeport(&w.c, 1, 2)?;
+    w.c.kill_agent(1);
+    lbtest::teardown_in(&n1, &w.c.nodes[0].bpffs)?;
+    assert_eq!((get(&w, "accept_local")?, get(&w, "rp_filter")?), ("0".to_string(), "2".to_string()), "as before lb");
+    Ok(())
+}
+
 /// kube-proxy's health check servers listen where the NodePorts are: on
 /// every address without `--nodeport-addresses`, on the addresses it
 /// admits with it; an address added later gets its listener.

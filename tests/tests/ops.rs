@@ -336,6 +336,14 @@ fn teardown_gives_back_the_reserved_nodeport_range() -> Result<()> {
     lbtest::teardown_in(&netns, &bpffs)?;
     assert_eq!(reserved(&c)?, "2000-2001", "what was there before stays; lb's range goes");
     assert!(!bpffs.exists(), "no pins left");
+    // The operator's ranges touch and lie inside lb's: the kernel merges
+    // them into one; teardown takes out lb's ports only.
+    c.in_netns(&netns, &["sysctl", "-qw", "net.ipv4.ip_local_reserved_ports=29000-29999,31000-31010"])?;
+    c.start_agent(1)?;
+    assert_eq!(reserved(&c)?, "29000-32767");
+    c.kill_agent(1);
+    lbtest::teardown_in(&netns, &bpffs)?;
+    assert_eq!(reserved(&c)?, "29000-29999,31000-31010", "the operator's ports stay");
     Ok(())
 }
 

@@ -810,13 +810,9 @@ impl Tc {
         }
         let xdp = self.attach_xdp(iface, &safe, l3)?;
         // A SNATed flow's packets re-enter the stack with this node's own
-        // address as their source: accept them (as Cilium does).
-        for (knob, value) in [("accept_local", "1"), ("rp_filter", "0")] {
-            let path = format!("/proc/sys/net/ipv4/conf/{iface}/{knob}");
-            if let Err(e) = fs::write(&path, value) {
-                tracing::warn!(iface, "cannot set {path} to {value}: {e}; SNATed NodePort flows may be dropped");
-            }
-        }
+        // address as their source: accept them (as Cilium does). Teardown
+        // gives back what they were.
+        crate::nodeport::set_device_sysctls(iface, &self.bpffs);
         let again = self.attached.insert(iface.to_string(), ifindex).is_some();
         tracing::info!(iface, ifindex, tcx, xdp, l3, again, "NodePort programs attached");
         Ok(())
@@ -1174,6 +1170,8 @@ pub fn teardown(bpffs: &Path, wait: std::time::Duration, last: impl FnOnce() -> 
     )?;
     // The NodePort range lb reserved in this netns goes too.
     crate::nodeport::unreserve_ports(bpffs)?;
+    // And the device sysctls lb changed.
+    crate::nodeport::restore_device_sysctls(bpffs)?;
     // Links first, so that nothing reads the maps while they go away.
     let links = bpffs.join("links");
     if links.exists() {

@@ -196,50 +196,237 @@ pub fn netns_cookie() -> Result<u64> {
     Ok(cookie)
 }
 
+/// A port list as the kernel writes and reads it ("2000-2001,30000"):
+/// which ports it holds. None: not such a list.
+fn port_set(list: &str) -> Option<Box<[bool; 65536]>> {
+    let mut set = Box::new([false; 65536]);
+    for r in list.trim().split(',').map(str::trim).filter(|r| !r.is_empty()) {
+        let (a, b) = r.split_once('-').unwrap_or((r, r));
+        let (a, b): (u16, u16) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+        if a > b {
+            return None;
+        }
+        set[a as usize..=b as usize].fill(true);
+    }
+    Some(set)
+}
+
+/// The ports of `set` as the kernel writes them: ascending ranges.
+fn port_list(set: &[bool; 65536]) -> String {
+    let mut out = Vec::new();
+    let mut p = 0usize;
+    while p < set.len() {
+        if !set[p] {
+            p += 1;
+            continue;
+        }
+        let start = p;
+        while p + 1 < set.len() && set[p + 1] {
+            p += 1;
+        }
+        out.push(if start == p { start.to_string() } else { format!("{start}-{p}") });
+        p += 1;
+    }
+    out.join(",")
+}
+
+/// What reserving `min..=max` in the list `current` makes: the new list,
+/// and the ports it adds (those not reserved before), as lists; None where
+/// it adds nothing.
+fn reserve_in(current: &str, min: u16, max: u16) -> Option<(String, String)> {
+    let mut set = port_set(current)?;
+    let mut added = Box::new([false; 65536]);
+    for p in min as usize..=max as usize {
+        added[p] = !set[p];
+        set[p] = true;
+    }
+    added.contains(&true).then(|| (port_list(&set), port_list(&added)))
+}
+
+/// The list `current` without the ports of the list `added`.
+fn unreserve_in(current: &str, added: &str) -> Option<String> {
+    let mut set = port_set(current)?;
+    let added = port_set(added)?;
+    for (s, a) in set.iter_mut().zip(added.iter()) {
+        *s &= !a;
+    }
+    Some(port_list(&set))
+}
+
 /// Keep the NodePort range out of the ephemeral ports the kernel hands out
 /// in this netns (ip_local_reserved_ports), so an outgoing connection never
 /// takes a NodePort. Explicit bind()s are refused by the post_bind hook.
+/// What it adds is recorded by port, not as the range: the kernel merges a
+/// range touching or overlapping the operator's into one, and teardown
+/// takes out exactly the ports lb added, wherever they now lie.
 pub fn reserve_ports(min: u16, max: u16, bpffs: &std::path::Path) -> Result<()> {
     let current = std::fs::read_to_string(RESERVED).with_context(|| format!("read {RESERVED}"))?;
-    let range = format!("{min}-{max}");
-    if current.split(',').any(|r| r.trim() == range) {
+    let Some((new, added)) = reserve_in(&current, min, max) else {
+        if port_set(&current).is_none() {
+            anyhow::bail!("{RESERVED} holds {:?}, not a port list", current.trim());
+        }
         return Ok(());
-    }
-    let new = if current.trim().is_empty() { range.clone() } else { format!("{},{range}", current.trim()) };
+    };
     std::fs::write(RESERVED, &new).with_context(|| format!("write {RESERVED}"))?;
-    // Remember that lb added it, and in which netns (a directory in the pin
+    // Remember what lb added, and in which netns (a directory in the pin
     // dir: bpffs holds nothing else), so that teardown takes out exactly
     // that, and only there.
-    let marker = bpffs.join(format!("{RESERVED_MARKER}{}_{range}", netns_cookie()?));
+    let marker = bpffs.join(format!("{RESERVED_MARKER}{}_{added}", netns_cookie()?));
     if let Err(e) = std::fs::create_dir_all(&marker) {
-        tracing::warn!("cannot record {}: {e}; teardown will leave {range} in {RESERVED}", marker.display());
+        tracing::warn!("cannot record {}: {e}; teardown will leave {added} in {RESERVED}", marker.display());
     }
     Ok(())
 }
 
 const RESERVED: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
-/// The pin-dir entry that records a range lb added to ip_local_reserved_ports.
+/// The pin-dir entry that records the ports lb added to
+/// ip_local_reserved_ports.
 pub const RESERVED_MARKER: &str = "reserved_ports_";
 
-/// Take out the reserved port ranges this agent added (teardown): each has
-/// a marker in `bpffs`, removed with it. The sysctl is per network
+/// Take out the reserved ports this agent added (teardown): each marker in
+/// `bpffs` names them, and goes with them. The sysctl is per network
 /// namespace: run in the node's.
 pub fn unreserve_ports(bpffs: &std::path::Path) -> Result<()> {
     let Ok(rd) = std::fs::read_dir(bpffs) else { return Ok(()) };
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some((cookie, range)) = name.strip_prefix(RESERVED_MARKER).and_then(|r| r.split_once('_')) else { continue };
+        let Some((cookie, added)) = name.strip_prefix(RESERVED_MARKER).and_then(|r| r.split_once('_')) else { continue };
         if cookie != netns_cookie()?.to_string() {
-            tracing::warn!("{range} was reserved in another network namespace: run teardown in the node's to take it out of {RESERVED}");
+            tracing::warn!("{added} was reserved in another network namespace: run teardown in the node's to take it out of {RESERVED}");
             std::fs::remove_dir(e.path()).with_context(|| format!("remove {}", e.path().display()))?;
             continue;
         }
         let current = std::fs::read_to_string(RESERVED).with_context(|| format!("read {RESERVED}"))?;
-        let kept: Vec<&str> = current.trim().split(',').map(str::trim).filter(|r| !r.is_empty() && *r != range).collect();
+        let new = unreserve_in(&current, added).with_context(|| format!("{RESERVED} holds {:?}, or {} names no ports", current.trim(), e.path().display()))?;
         // The kernel refuses an empty write; a lone newline clears the list.
-        let new = if kept.is_empty() { "\n".to_string() } else { kept.join(",") };
+        let new = if new.is_empty() { "\n".to_string() } else { new };
         std::fs::write(RESERVED, &new).with_context(|| format!("write {RESERVED}"))?;
         std::fs::remove_dir(e.path()).with_context(|| format!("remove {}", e.path().display()))?;
     }
     Ok(())
+}
+
+/// The device sysctls lb sets on its NodePort devices, with its values: a
+/// SNATed flow's packets re-enter the stack with this node's own address
+/// as their source; accept them (as Cilium does).
+pub const DEVICE_SYSCTLS: [(&str, &str); 2] = [("accept_local", "1"), ("rp_filter", "0")];
+
+/// The pin-dir entry that records a device sysctl lb changed, with its
+/// value before: `sysctl:<netns cookie>:<knob>:<value>:<device>`. bpffs
+/// refuses a name with a dot, which a device's may have (a VLAN's
+/// `eth0.100`), and no device's has a colon: a dot there is a colon.
+pub const SYSCTL_MARKER: &str = "sysctl:";
+
+fn sysctl_marker_name(cookie: &str, knob: &str, before: &str, iface: &str) -> String {
+    format!("{SYSCTL_MARKER}{cookie}:{knob}:{before}:{}", iface.replace('.', ":"))
+}
+
+/// A sysctl marker's netns cookie, knob, value before and device.
+fn sysctl_marker(name: &str) -> Option<(String, String, String, String)> {
+    let mut w = name.strip_prefix(SYSCTL_MARKER)?.splitn(4, ':');
+    Some((w.next()?.into(), w.next()?.into(), w.next()?.into(), w.next()?.replace(':', ".")))
+}
+
+/// Set `DEVICE_SYSCTLS` on `iface`, first recording each one's value
+/// before in `bpffs` (once: a restarted agent finds lb's own value), so
+/// that teardown gives it back.
+pub fn set_device_sysctls(iface: &str, bpffs: &std::path::Path) {
+    let cookie = match netns_cookie() {
+        Ok(c) => c.to_string(),
+        Err(e) => {
+            tracing::warn!("{e:#}: the device sysctls lb changes are not recorded, and teardown leaves them");
+            String::new()
+        }
+    };
+    for (knob, value) in DEVICE_SYSCTLS {
+        let path = format!("/proc/sys/net/ipv4/conf/{iface}/{knob}");
+        let before = std::fs::read_to_string(&path).map(|v| v.trim().to_string()).unwrap_or_default();
+        if before == value {
+            continue;
+        }
+        let recorded = std::fs::read_dir(bpffs).into_iter().flatten().flatten().any(|e| {
+            sysctl_marker(&e.file_name().to_string_lossy()).is_some_and(|(c, k, _, d)| c == cookie && k == knob && d == iface)
+        });
+        if !recorded && !cookie.is_empty() && !before.is_empty() {
+            let marker = bpffs.join(sysctl_marker_name(&cookie, knob, &before, iface));
+            if let Err(e) = std::fs::create_dir_all(&marker) {
+                tracing::warn!("cannot record {}: {e}; teardown will leave {path} at {value}", marker.display());
+            }
+        }
+        if let Err(e) = std::fs::write(&path, value) {
+            tracing::warn!(iface, "cannot set {path} to {value}: {e}; SNATed NodePort flows may be dropped");
+        }
+    }
+}
+
+/// Give back the device sysctls lb changed (teardown): each to its value
+/// before, where lb's value is still there (an operator's change since
+/// stays) and the device still is.
+pub fn restore_device_sysctls(bpffs: &std::path::Path) -> Result<()> {
+    let Ok(rd) = std::fs::read_dir(bpffs) else { return Ok(()) };
+    let cookie = netns_cookie()?.to_string();
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some((c, knob, before, iface)) = sysctl_marker(&name) else { continue };
+        let path = format!("/proc/sys/net/ipv4/conf/{iface}/{knob}");
+        let ours = DEVICE_SYSCTLS.iter().find(|(k, _)| *k == knob).map(|(_, v)| *v);
+        let before = before.as_str();
+        if c != cookie {
+            tracing::warn!("{path} was changed in another network namespace: run teardown in the node's to give it back {before}");
+        } else if let Ok(now) = std::fs::read_to_string(&path) {
+            if Some(now.trim()) == ours {
+                std::fs::write(&path, before).with_context(|| format!("write {before} to {path}"))?;
+                tracing::info!("{path} is {before} again, as before lb");
+            } else {
+                tracing::info!("{path} is {} now, not lb's {}: left", now.trim(), ours.unwrap_or("?"));
+            }
+        }
+        std::fs::remove_dir(e.path()).with_context(|| format!("remove {}", e.path().display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lbs_ports_are_added_and_taken_out_by_port_whatever_the_kernel_merges() {
+        // Nothing before; then teardown leaves nothing.
+        assert_eq!(reserve_in("\n", 30000, 32767), Some(("30000-32767".into(), "30000-32767".into())));
+        assert_eq!(unreserve_in("30000-32767", "30000-32767").as_deref(), Some(""));
+        // Apart from the operator's: as before.
+        let (new, added) = reserve_in("2000-2001", 30000, 32767).unwrap();
+        assert_eq!((new.as_str(), added.as_str()), ("2000-2001,30000-32767", "30000-32767"));
+        assert_eq!(unreserve_in(&new, &added).as_deref(), Some("2000-2001"));
+        // Touching and inside: the kernel prints one range; the operator's
+        // ports stay, lb's go.
+        let (new, added) = reserve_in("29000-29999,31000-31010", 30000, 32767).unwrap();
+        assert_eq!((new.as_str(), added.as_str()), ("29000-32767", "30000-30999,31011-32767"));
+        assert_eq!(unreserve_in("29000-32767", &added).as_deref(), Some("29000-29999,31000-31010"));
+        // Overlapping at both ends, single ports.
+        let (_, added) = reserve_in("29990-30005,32767", 30000, 32767).unwrap();
+        assert_eq!(added, "30006-32766");
+        assert_eq!(unreserve_in("29990-32767", &added).as_deref(), Some("29990-30005,32767"));
+        // Already all reserved: nothing added, nothing recorded.
+        assert_eq!(reserve_in("1-40000", 30000, 32767), None);
+        // An older agent's marker (one range) reads the same.
+        assert_eq!(unreserve_in("2000-2001,30000-32767", "30000-32767").as_deref(), Some("2000-2001"));
+        // Not a port list.
+        assert_eq!(reserve_in("30000-x", 30000, 32767), None);
+        assert!(port_set("5-4").is_none() && port_set("70000").is_none());
+        assert_eq!(port_list(&port_set(" 1, 3-4 ,65535").unwrap()), "1,3-4,65535");
+    }
+
+    #[test]
+    fn a_sysctl_marker_names_the_netns_knob_value_and_device() {
+        let name = sysctl_marker_name("4096", "rp_filter", "2", "eth0.100");
+        assert_eq!(name, "sysctl:4096:rp_filter:2:eth0:100");
+        assert!(!name.contains('.'), "bpffs refuses dots");
+        let s = |v: &str| v.to_string();
+        assert_eq!(sysctl_marker(&name), Some((s("4096"), s("rp_filter"), s("2"), s("eth0.100"))));
+        assert_eq!(sysctl_marker("sysctl:4096:accept_local:0:eth0"), Some((s("4096"), s("accept_local"), s("0"), s("eth0"))));
+        assert_eq!(sysctl_marker("sysctl:4096:rp_filter"), None);
+        assert_eq!(sysctl_marker("reserved_ports_1_30000-32767"), None);
+    }
 }
