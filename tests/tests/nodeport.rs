@@ -378,6 +378,52 @@ fn node_ports_are_on_every_node_address_unless_nodeport_addresses_narrow_them() 
     Ok(())
 }
 
+/// A device that is no NodePort device any more loses lb's programs: one
+/// whose address went (a macvlan NIC, found by its address), and one an earlier agent
+/// served that `--nodeport-interface` leaves out; the served device keeps
+/// them and its NodePort answers. Before, they stayed on such a device
+/// for good, translating its traffic from then on.
+#[test]
+fn devices_no_longer_served_lose_lbs_programs() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]), &[])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    let n1 = w.c.nodes[0].netns.clone();
+    for cmd in [
+        vec!["ip", "link", "add", "link", "eth0", "name", "np2", "type", "macvlan", "mode", "bridge"],
+        vec!["ip", "link", "set", "np2", "up"],
+        vec!["ip", "addr", "add", "192.168.88.11/24", "dev", "np2"],
+    ] {
+        w.c.in_netns(&n1, &cmd)?;
+    }
+    // Asked of the kernel: TCX links (this bpftool does not list them),
+    // else clsact filters (--tc-attach netlink).
+    let tcx = std::env::var("LB_TC_ATTACH").map_or(true, |m| m != "netlink");
+    let has = |w: &World, dev: &str| -> Result<bool> {
+        if tcx {
+            use aya::programs::{SchedClassifier, TcAttachType};
+            let (_, progs) = lbtest::with_netns(Some(&n1), || Ok(SchedClassifier::query_tcx(dev, TcAttachType::Ingress)?))?;
+            // A program's name is cut to 15 bytes.
+            return Ok(progs.iter().any(|i| i.name_as_str() == Some("lb_nodeport_ing")));
+        }
+        Ok(w.c.in_netns(&n1, &["bpftool", "net", "show", "dev", dev])?.contains("lb_nodeport_ingress"))
+    };
+    w.c.wait_for("lb's programs on the device with a node address", Duration::from_secs(5), || has(&w, "np2"))?;
+    w.c.in_netns(&n1, &["ip", "addr", "del", "192.168.88.11/24", "dev", "np2"])?;
+    w.c.wait_for("lb's programs off the device whose address went", Duration::from_secs(5), || Ok(!has(&w, "np2")?))?;
+    assert!(has(&w, "eth0")?);
+    // Back; then an agent told to serve eth0 only.
+    w.c.in_netns(&n1, &["ip", "addr", "add", "192.168.88.11/24", "dev", "np2"])?;
+    w.c.wait_for("lb's programs on the device again", Duration::from_secs(5), || has(&w, "np2"))?;
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &["--nodeport-interface", "eth0"])?;
+    wait_nodeport(&w.c, 1, 2)?;
+    assert!(!has(&w, "np2")?, "an earlier agent's programs on a device this one does not serve are taken off");
+    assert!(has(&w, "eth0")?);
+    let s = tcp(&w.c, &w.outside, "192.168.77.11:30080", 5)?;
+    assert_eq!(s.ok, 5, "{s:?}");
+    Ok(())
+}
+
 /// lb sets accept_local and rp_filter on its NodePort devices (its SNATed
 /// packets come back with the node's own address as their source);
 /// teardown gives each back the value it had before lb, also after a

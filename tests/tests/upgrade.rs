@@ -66,7 +66,7 @@ fn upgrades_to_new_map_layouts_drop_no_connection_and_leave_no_pins() -> Result<
     let mut want: BTreeSet<String> = lb_common::maps::ALL.iter().map(|m| m.to_string()).collect();
     want.insert("links".into());
     want.insert("layout-99".into());
-    let extra: Vec<&String> = got.iter().filter(|p| !want.contains(*p) && !p.starts_with("reserved_ports_")).collect();
+    let extra: Vec<&String> = got.iter().filter(|p| !want.contains(*p) && !p.starts_with("reserved_ports_") && !p.starts_with("sysctl:")).collect();
     assert!(extra.is_empty(), "leftover pins: {extra:?}");
     let links: BTreeSet<String> =
         std::fs::read_dir(w.c.nodes[0].bpffs.join("links"))?.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();

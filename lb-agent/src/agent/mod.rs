@@ -412,10 +412,12 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         tc.drop_pod_programs(!forward && !per_packet && !keep_pods(&masq_watch));
     }
     // During an upgrade the programs attach once the new maps are filled.
-    if upgrade.is_none() {
+    if upgrade.is_none() && !cfg.nodeport_interfaces.is_empty() {
         for iface in &cfg.nodeport_interfaces {
             tc.attach_tc(iface)?;
         }
+        // An earlier agent's programs on devices these are not go.
+        tc.detach_unserved(&cfg.nodeport_interfaces);
     }
     if let Some((limit, usage)) = loader::memory_limit() {
         let room = limit.saturating_sub(usage) / loader::SOCK_STORAGE_BYTES;
@@ -893,6 +895,13 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             } else {
                 cfg.nodeport_interfaces.clone()
             };
+            // Devices that are no NodePort devices any more (an address
+            // gone, an upgrade that moved an earlier agent's devices, a
+            // flag narrowed) lose lb's programs, once the ones that are
+            // have theirs.
+            if rec.has_external {
+                tc.detach_unserved(&nodeport);
+            }
             if pods {
                 sync_pods(&mut tc, &nodeport);
             }

@@ -153,6 +153,8 @@ pub struct Tc {
     /// the index the device had then: a tunnel deleted and created again
     /// (a CNI restart) is a new device and needs them again.
     attached: std::collections::BTreeMap<String, u32>,
+    /// The NodePort devices (`pin_safe`) at the last `detach_unserved`.
+    served: Option<BTreeSet<String>>,
     /// The pod devices `POD_PROGRAM` is attached to, by name, with the
     /// index the device had then (a name may come back on a new device).
     pods: std::collections::BTreeMap<String, u32>,
@@ -347,6 +349,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         ebpf,
         bpffs: bpffs.to_path_buf(),
         attached: Default::default(),
+        served: None,
         pods: Default::default(),
         pod_egress: false,
         adopt,
@@ -881,6 +884,50 @@ impl Tc {
             tracing::info!(iface, "pod device: its pod's replies to outside clients are forwarded in BPF");
         }
         Ok(())
+    }
+
+    /// Take lb's NodePort programs off every device but `serving`: an
+    /// earlier agent's on a device this one does not serve (its
+    /// `--nodeport-interface` narrowed, a device that lost its node
+    /// address, the loopback device), a link pinned under a temporary name
+    /// by an agent killed while it renamed it. Their pinned links (TCX,
+    /// XDP) are unpinned, which detaches them, and their clsact filters
+    /// removed. Run once `serving` has its programs; each time the set
+    /// changes, not at every sync (the filters are looked for on every
+    /// device). Never while an upgrade moves the devices.
+    pub fn detach_unserved(&mut self, serving: &[String]) {
+        let keep: BTreeSet<String> = serving.iter().map(|s| pin_safe(s)).collect();
+        if self.served.as_ref() == Some(&keep) {
+            return;
+        }
+        let mut gone = BTreeSet::new();
+        for e in fs::read_dir(self.bpffs.join("links")).into_iter().flatten().flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            let Some(safe) = device_programs().find_map(|p| n.strip_prefix(p).and_then(|r| r.strip_prefix('_'))) else { continue };
+            if keep.contains(safe) {
+                continue;
+            }
+            match fs::remove_file(e.path()) {
+                Ok(()) => {
+                    gone.insert(safe.to_string());
+                }
+                Err(err) => tracing::warn!(link = n, "lb's program stays on a device it no longer serves: unpin {}: {err}", e.path().display()),
+            }
+        }
+        if let Ok(links) = crate::netdev::links() {
+            for l in links.iter().filter(|l| !keep.contains(&pin_safe(&l.name))) {
+                for (name, ty) in TC_PROGRAMS.into_iter().chain(L3_PROGRAMS) {
+                    if aya::programs::tc::qdisc_detach_program(&l.name, ty, name).is_ok() {
+                        gone.insert(pin_safe(&l.name));
+                    }
+                }
+            }
+        }
+        self.attached.retain(|iface, _| keep.contains(&pin_safe(iface)));
+        for dev in &gone {
+            tracing::info!(device = dev.as_str(), "lb's NodePort programs are taken off a device it no longer serves");
+        }
+        self.served = Some(keep);
     }
 
     /// Take off the pod programs an earlier agent attached (pinned TCX
