@@ -195,10 +195,12 @@ pub struct Endpoint {
 }
 
 /// An endpoint's address: its first, as kube-proxy takes it (the API
-/// says consumers use the first and may ignore the rest); none when that
-/// one does not parse.
+/// says consumers use the first and may ignore the rest), parsed as
+/// kube-proxy parses it (`ParseIPSloppy`: an IPv4 address with leading
+/// zeros, `10.244.001.005`, is 10.244.1.5); none when that one does not
+/// parse.
 fn parse_ips<'a>(v: impl IntoIterator<Item = &'a String>) -> SmallVec<[IpAddr; 1]> {
-    v.into_iter().next().and_then(|a| a.parse().ok()).into_iter().collect()
+    v.into_iter().next().and_then(|a| crate::model::parse_ip_sloppy(a)).into_iter().collect()
 }
 
 fn ip_addresses<'de, D: Deserializer<'de>>(d: D) -> Result<SmallVec<[IpAddr; 1]>, D::Error> {
@@ -281,6 +283,10 @@ mod tests {
         assert_eq!(e.metadata.labels, Labels { service_name: Some("web".into()), proxy_name: None, headless: None });
         assert_eq!(e.endpoints[0].addresses.as_slice(), ["10.0.0.1".parse::<IpAddr>().unwrap()]);
         assert!(e.endpoints[1].addresses.is_empty(), "the first address only");
+        // Leading zeros, as kube-proxy's ParseIPSloppy reads them.
+        let e: EndpointSlice =
+            serde_json::from_str(r#"{"metadata": {"name": "s"}, "addressType": "IPv4", "endpoints": [{"addresses": ["10.244.001.005"]}]}"#).unwrap();
+        assert_eq!(e.endpoints[0].addresses.as_slice(), ["10.244.1.5".parse::<IpAddr>().unwrap()]);
         let e: EndpointSlice = serde_json::from_str(r#"{"metadata": {"name": "s"}, "addressType": "IPv4", "endpoints": null}"#).unwrap();
         assert!(e.endpoints.is_empty());
     }
