@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use lbtest::Cluster;
+use lbtest::objects::Endpoint as E;
 use lbtest::world::*;
 
 fn pins(c: &Cluster) -> Result<BTreeSet<String>> {
@@ -187,6 +188,70 @@ fn affinity_from_before_its_protocol_field_is_carried_with_each_entrys_protocol(
     Ok(())
 }
 
+/// Pin node-1's IPv4 NAT table as an agent of another layout would have
+/// it (entries without `created_ns`: 24 bytes where this agent's have
+/// 32), holding the flows it held. Returns them, in this layout.
+fn pin_nat4_without_created_ns(pin: &std::path::Path) -> Result<Vec<([u8; 16], [u8; 32])>> {
+    use aya::maps::{HashMap, Map, MapData};
+    let entries: Vec<([u8; 16], [u8; 32])> = {
+        let m: HashMap<MapData, [u8; 16], [u8; 32]> = HashMap::try_from(Map::HashMap(MapData::from_pin(pin)?))?;
+        m.iter().collect::<Result<_, _>>()?
+    };
+    lbtest::btfmap::replace_with_layout_sized(
+        pin,
+        &[("saddr", "[u8;4]"), ("daddr", "[u8;4]"), ("sport", "u16"), ("dport", "u16"), ("proto", "u8"), ("_pad", "[u8;3]")],
+        &[
+            ("to_saddr", "[u8;4]"),
+            ("to_daddr", "[u8;4]"),
+            ("to_sport", "u16"),
+            ("to_dport", "u16"),
+            ("flags", "u8"),
+            ("state", "u8"),
+            ("rev_nat_id", "u16"),
+            ("last_seen_ns", "u64"),
+        ],
+    )?;
+    let mut old: HashMap<MapData, [u8; 16], [u8; 24]> = HashMap::try_from(Map::HashMap(MapData::from_pin(pin)?))?;
+    for (k, v) in &entries {
+        let mut narrow = [0u8; 24];
+        narrow[..16].copy_from_slice(&v[..16]);
+        narrow[16..].copy_from_slice(&v[24..]);
+        old.insert(k, narrow, 0)?;
+    }
+    Ok(entries)
+}
+
+/// An upgrade across a change of the NAT entry's layout, to an agent
+/// without `--bpf-forward`, after an agent without it too (whose flags no
+/// longer say `BPF_FORWARD`) kept the pod programs for flows an agent with
+/// it masqueraded in BPF: those flows cannot be counted in tables of
+/// another layout until the upgrade carries them, so the pod programs
+/// stay, and a connection masqueraded so goes on. Before 12-06's second
+/// session the new agent counted none, took the pod programs off at its
+/// start, and the connection's replies went to the node untranslated.
+#[test]
+fn an_upgrade_across_a_nat_layout_keeps_the_pod_programs_for_flows_masqueraded_in_bpf() -> Result<()> {
+    let gc = ["--nat-tcp-close-timeout", "1", "--nat-udp-timeout", "3", "--nat-gc-interval", "1"];
+    let mut w = world_with(&web("LoadBalancer", "", &[LB_IP]), &[&["--bpf-forward"][..], &gc].concat())?;
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(LB_IP, 80), "--hold-ms", "6000", "--interval-ms", "50", "--timeout-ms", "1000"])?;
+    let outside = w.outside.ip.clone();
+    w.c.wait_for("its flow", Duration::from_secs(5), || Ok(!flows_from(&w.c, &outside)?.is_empty()))?;
+    // An agent without --bpf-forward: the pod programs stay for the flow.
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &[&["--bpf-forward=false"][..], &gc].concat())?;
+    w.c.kill_agent(1);
+    let objects = w.c.objects.clone();
+    pin_nat4_without_created_ns(&w.c.nodes[0].bpffs.join(lb_common::maps::NAT4))?;
+    w.c.start_agent_env(1, &objects, &[&["--bpf-forward=false"][..], &gc].concat(), &[])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the connection masqueraded in BPF across the upgrade: {s:?}");
+    assert_eq!(s.replies.keys().map(|k| k.split(' ').next().unwrap_or_default()).collect::<Vec<_>>(), ["pod-1"], "{s:?}");
+    Ok(())
+}
+
 /// NAT flows pinned by an agent whose flow entry had a field fewer (here
 /// without `created_ns`, 24 bytes where this agent's have 32) are carried
 /// into this agent's table field by field, the new field at zero: outside
@@ -209,34 +274,8 @@ fn nat_flows_of_an_entry_layout_with_a_field_fewer_are_carried_by_name() -> Resu
     let objects = w.c.objects.clone();
     w.c.kill_agent(1);
     let pin = w.c.nodes[0].bpffs.join(lb_common::maps::NAT4);
-    let entries: Vec<([u8; 16], [u8; 32])> = {
-        let m: HashMap<MapData, [u8; 16], [u8; 32]> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
-        m.iter().collect::<Result<_, _>>()?
-    };
+    let entries = pin_nat4_without_created_ns(&pin)?;
     assert!(entries.len() >= 8, "two entries per flow: {}", entries.len());
-    lbtest::btfmap::replace_with_layout_sized(
-        &pin,
-        &[("saddr", "[u8;4]"), ("daddr", "[u8;4]"), ("sport", "u16"), ("dport", "u16"), ("proto", "u8"), ("_pad", "[u8;3]")],
-        &[
-            ("to_saddr", "[u8;4]"),
-            ("to_daddr", "[u8;4]"),
-            ("to_sport", "u16"),
-            ("to_dport", "u16"),
-            ("flags", "u8"),
-            ("state", "u8"),
-            ("rev_nat_id", "u16"),
-            ("last_seen_ns", "u64"),
-        ],
-    )?;
-    {
-        let mut old: HashMap<MapData, [u8; 16], [u8; 24]> = HashMap::try_from(Map::HashMap(MapData::from_pin(&pin)?))?;
-        for (k, v) in &entries {
-            let mut narrow = [0u8; 24];
-            narrow[..16].copy_from_slice(&v[..16]);
-            narrow[16..].copy_from_slice(&v[24..]);
-            old.insert(k, narrow, 0)?;
-        }
-    }
     // One more flow, written after the first copy (while the upgrade waits
     // before the programs move): the second copy carries it.
     // A UDP flow to pod-1, both its entries, seen now (CLOCK_MONOTONIC,

@@ -398,6 +398,19 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // programs translate their replies, so they stay (and are brought up
     // to this agent's) until the last such flow is gone (`MasqWatch`).
     let earlier_masq = earlier_flags & lb_common::node_flags::BPF_FORWARD != 0 && lb_common::node_flags::masq_of(earlier_flags) != 0;
+    // An upgrade across a layout change of the node config or the NAT
+    // tables: the earlier agent's flags and flows cannot be read as this
+    // agent's (the staged maps are empty until the first sync). Such flows
+    // may live: the watch waits, and counts them once the upgrade has
+    // carried them into this agent's tables.
+    let unreadable = |m: &str| {
+        upgrade.is_some() && !loader::upgrade_marks(&cfg.bpffs).0 && loader::staged_pin(&cfg.bpffs, m).is_some() && loader::old_pin(&cfg.bpffs, m).is_none()
+    };
+    let earlier_unknown = [lb_common::maps::NODE_CONFIG, lb_common::maps::NAT4, lb_common::maps::NAT6].into_iter().any(unreadable);
+    if earlier_unknown {
+        tracing::info!("an upgrade across a layout change: flows an earlier agent masqueraded in BPF may live; the pod programs stay until the upgrade has carried them and none is left");
+    }
+    let earlier_masq = earlier_masq || earlier_unknown;
     let mut masq_watch = masq_watch::MasqWatch::start(forward, bpf_masqueraded.last().1, earlier_masq);
     // Only the watch keeps the pod programs where no flag asks for them.
     let keep_pods = |w: &masq_watch::MasqWatch| w.pending() && !forward && !per_packet;
