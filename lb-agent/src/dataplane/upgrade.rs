@@ -515,14 +515,47 @@ fn copy_remapped(old: &Path, new: &Path, remap: &super::btf::Remap) -> Result<us
     // hold back the entries it lacks).
     let (present, _) = super::maps::lookup_all_raw(&to, key_size, remap.new_size).with_context(|| format!("read {}", new.display()))?;
     let present: std::collections::HashSet<&[u8]> = present.chunks_exact(key_size).collect();
-    let mut n = 0;
+    let (mut n, mut lost) = (0, Lost::default());
     for (k, v) in keys.chunks_exact(key_size).zip(values.chunks_exact(remap.old_size)).filter(|(k, _)| !present.contains(k)) {
         // BPF_NOEXIST: never overwrite what the new programs wrote.
-        if super::maps::update_raw(&to, k, &remap.apply(v), 1).is_ok() {
-            n += 1;
+        match super::maps::update_raw(&to, k, &remap.apply(v), 1) {
+            Ok(()) => n += 1,
+            Err(e) => lost.note(e),
         }
     }
+    lost.warn(new);
     Ok(n)
+}
+
+/// Entries a copy could not write, other than those the new programs
+/// wrote first (EEXIST: theirs stands): the new map full (a `--max-*`
+/// lowered below what the old one holds), say. Said once per map.
+#[derive(Default)]
+struct Lost {
+    count: usize,
+    first: Option<std::io::Error>,
+}
+
+impl Lost {
+    fn note(&mut self, e: std::io::Error) {
+        if e.raw_os_error() == Some(libc::EEXIST) {
+            return;
+        }
+        self.count += 1;
+        self.first.get_or_insert(e);
+    }
+
+    fn warn(self, new: &Path) {
+        if let Some(e) = self.first {
+            let map = new.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            tracing::warn!(
+                map,
+                entries = self.count,
+                "upgrade: entries not carried into the new map ({e}; full: a --max-* flag lowered below what the old map holds?): \
+                 their flows, affinities or translations start over once the programs move"
+            );
+        }
+    }
 }
 
 /// Copy the entries of hash map `old` into `new` (`lru`: LRU hash maps),
@@ -548,13 +581,16 @@ fn copy<K: aya::Pod + Default, V: aya::Pod + Default>(old: &Path, new: &Path, lr
         super::maps::lookup_all::<K, V>(&to).with_context(|| format!("read {}", new.display()))?.iter().map(|(k, _)| bytes(k)).collect();
     let wrap = |d: MapData| if lru { Map::LruHashMap(d) } else { Map::HashMap(d) };
     let mut to: HashMap<MapData, K, V> = HashMap::try_from(wrap(to))?;
-    let mut n = 0;
+    let (mut n, mut lost) = (0, Lost::default());
     for (k, v) in entries.into_iter().filter(|(k, _)| !present.contains(&bytes(k))) {
         // BPF_NOEXIST: never overwrite what the new programs wrote.
-        if to.insert(k, v, 1).is_ok() {
-            n += 1;
+        match to.insert(k, v, 1) {
+            Ok(()) => n += 1,
+            Err(aya::maps::MapError::SyscallError(e)) => lost.note(e.io_error),
+            Err(e) => lost.note(std::io::Error::other(e)),
         }
     }
+    lost.warn(new);
     Ok(n)
 }
 
