@@ -242,3 +242,62 @@ fn an_established_flows_frames_for_another_hosts_mac_are_not_sent_on_at_xdp() ->
     assert_eq!(s.ok, 5, "{s:?}");
     Ok(())
 }
+
+/// Packets of an established flow whose headers the stack would drop (a
+/// bad IPv4 header checksum, an IP length cutting the UDP header or
+/// beyond the frame; an IPv6 payload length likewise): XDP leaves them to
+/// TC, which leaves them to the stack, as it leaves a flow's first packet.
+/// Before 12-06's second session XDP translated them, sent them on to the
+/// backend and refreshed the flow with them.
+#[test]
+fn packets_of_a_flow_with_headers_the_stack_drops_are_not_sent_on_at_xdp() -> Result<()> {
+    use lbtest::raw::{ether, ipv4, ipv6, udp_datagram};
+    let w = world_wired(&web("NodePort", "", &[]), &["--nodeport-acceleration", "xdp"])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    let (dst, src) = (lbtest::raw::mac(&w.c, &w.c.nodes[0].netns, "eth0")?, lbtest::raw::mac(&w.c, &w.outside.netns, "eth0")?);
+    let send = |ethertype: u16, packets: Vec<Vec<u8>>| lbtest::raw::send(&w.outside.netns, "eth0", packets.iter().map(|p| ether(dst, src, ethertype, p)).collect());
+    let v6 = |s: &str| s.parse::<std::net::Ipv6Addr>().unwrap().octets();
+    let (client, node): ([u8; 4], [u8; 4]) = ([192, 168, 77, 100], [192, 168, 77, 11]);
+    let (client6, node6) = (v6(&w.outside.ip6), v6(NODE1_6));
+    let d4 = |payload: &[u8]| ipv4(client, node, 17, 5, 0x4000, 7, &udp_datagram(&client, &node, 45000, 30080, payload));
+    let d6 = |payload: &[u8]| ipv6(client6, node6, 17, &udp_datagram(&client6, &node6, 45001, 30080, payload));
+    // The flows (TC makes them), then one more datagram each, sent on at XDP.
+    send(0x0800, vec![d4(b"one")])?;
+    send(0x86dd, vec![d6(b"one")])?;
+    w.c.wait_for("the flows", std::time::Duration::from_secs(3), || {
+        Ok(!flows_from(&w.c, "192.168.77.100")?.is_empty() && !flows_from(&w.c, &w.outside.ip6)?.is_empty())
+    })?;
+    let before = datapath(&w.c, 1, "forwarded_xdp")?;
+    send(0x0800, vec![d4(b"two")])?;
+    send(0x86dd, vec![d6(b"two")])?;
+    w.c.wait_for("both sent on at XDP", std::time::Duration::from_secs(3), || Ok(datapath(&w.c, 1, "forwarded_xdp")? >= before + 2))?;
+    let sent = datapath(&w.c, 1, "forwarded_xdp")?;
+    let fix4 = |mut p: Vec<u8>| {
+        p[10..12].copy_from_slice(&[0, 0]);
+        let c = lbtest::raw::csum(&p[..20], 0);
+        p[10..12].copy_from_slice(&c.to_be_bytes());
+        p
+    };
+    let bad_csum = {
+        let mut p = d4(b"three");
+        p[10] ^= 0x5a;
+        p
+    };
+    let with_len4 = |len: u16| {
+        let mut p = d4(b"three");
+        p[2..4].copy_from_slice(&len.to_be_bytes());
+        fix4(p)
+    };
+    let with_len6 = |len: u16| {
+        let mut p = d6(b"three");
+        p[4..6].copy_from_slice(&len.to_be_bytes());
+        p
+    };
+    send(0x0800, vec![bad_csum, with_len4(24), with_len4(200)])?;
+    send(0x86dd, vec![with_len6(4), with_len6(200)])?;
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(datapath(&w.c, 1, "forwarded_xdp")?, sent, "none of them sent on at XDP");
+    Ok(())
+}

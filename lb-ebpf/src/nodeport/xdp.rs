@@ -7,6 +7,9 @@
 //! - a flow's first packet (a TCP SYN, a new UDP flow: the TC program
 //!   picks the backend and claims the SNAT port), RSTs and SYNs of known
 //!   flows aside, ICMP, fragments, IPv4 options, IPv6 extension headers;
+//! - a header the stack would drop (a bad IPv4 header checksum, an IP
+//!   length beyond the frame or cutting the L4 header): TC leaves it to
+//!   the stack, untranslated and counted nowhere in the flow;
 //! - flows to backends on this node, DSR flows;
 //! - a flow whose backend left (STALE: TC ends it);
 //! - a frame for another host's MAC (the stack drops it);
@@ -22,7 +25,7 @@
 use aya_ebpf::{
     bindings::{bpf_fib_lookup, xdp_md, xdp_action::{XDP_PASS, XDP_TX}, BPF_FIB_LKUP_RET_SUCCESS},
     btf_maps::HashMap,
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_xdp_get_buff_len},
     macros::{btf_map, xdp},
     programs::XdpContext,
 };
@@ -85,19 +88,43 @@ fn fix(check: u16, diff: u32) -> u16 {
 }
 
 /// Where L4 starts in a packet XDP translates (no IPv4 options, not a
-/// fragment; no IPv6 extension headers), and its protocol.
+/// fragment; no IPv6 extension headers), and its protocol. `len`: the
+/// frame's length. The headers must hold as the TC program's `parse`
+/// has them hold (else TC passes the packet to the stack, which drops
+/// it): an IPv4 header checksum that adds up, an IP length within the
+/// frame (not 0: a jumbogram's or BIG TCP's, which XDP never sees whole)
+/// that holds the L4 header (TCP's 20 bytes, UDP's 8).
 #[inline(always)]
-fn l4<F: Net>(pkt: Frame) -> Option<(usize, u8)> {
-    if F::ID == FAMILY_V4 {
-        let [vihl, _] = pkt.get::<[u8; 2]>(ETH_HLEN)?;
-        let frag = u16::from_be(pkt.get::<u16>(ETH_HLEN + 6)?);
-        if vihl != 0x45 || frag & 0x3fff != 0 {
+fn l4<F: Net>(pkt: Frame, len: usize) -> Option<(usize, u8)> {
+    let ip_len = if F::ID == FAMILY_V4 {
+        let h = pkt.get::<[u32; 5]>(ETH_HLEN)?;
+        let b0 = h[0].to_ne_bytes();
+        let frag = u16::from_be_bytes([h[1].to_ne_bytes()[2], h[1].to_ne_bytes()[3]]);
+        if b0[0] != 0x45 || frag & 0x3fff != 0 {
             return None;
         }
-    } else if pkt.get::<[u8; 2]>(ETH_HLEN)?[0] >> 4 != 6 {
+        let mut sum: u64 = 0;
+        for w in h {
+            sum += (w & 0xffff) as u64 + (w >> 16) as u64;
+        }
+        sum = (sum & 0xffff) + (sum >> 16);
+        sum = (sum & 0xffff) + (sum >> 16);
+        if sum != 0xffff {
+            return None;
+        }
+        u16::from_be_bytes([b0[2], b0[3]]) as usize
+    } else {
+        let h = pkt.get::<[u8; 6]>(ETH_HLEN)?;
+        if h[0] >> 4 != 6 {
+            return None;
+        }
+        F::IH + u16::from_be_bytes([h[4], h[5]]) as usize
+    };
+    let [proto, _] = pkt.get::<[u8; 2]>(ETH_HLEN + F::PROTO_OFF)?;
+    let hdr = if proto == PROTO_TCP { 20 } else { 8 };
+    if ip_len < F::IH + hdr || ETH_HLEN + ip_len > len {
         return None;
     }
-    let [proto, _] = pkt.get::<[u8; 2]>(ETH_HLEN + F::PROTO_OFF)?;
     Some((ETH_HLEN + F::IH, proto))
 }
 
@@ -112,7 +139,9 @@ fn ttl_off<F: Net>() -> usize {
 #[inline(never)]
 fn run<F: Net>(md: *mut xdp_md) -> u32 {
     let pkt = Frame::new(&XdpContext::new(md));
-    let Some((l4, proto)) = l4::<F>(pkt) else { return XDP_PASS };
+    // SAFETY: a plain helper on this program's own context.
+    let len = unsafe { bpf_xdp_get_buff_len(md) } as usize;
+    let Some((l4, proto)) = l4::<F>(pkt, len) else { return XDP_PASS };
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return XDP_PASS;
     }
