@@ -113,6 +113,29 @@ fn c_download(c: &Cluster, from: &Pod, addr: &str) -> Result<Summary> {
     c.probe(from, &["bulk", "--addr", addr, "--bytes", BYTES, "--timeout-ms", "3000"])
 }
 
+/// A client's IPv6 datagram, fragmented by the client, whose first
+/// fragment is too big for the path on to the backend: lb's "packet too
+/// big" quotes the fragment header and the UDP header after it, so that
+/// the client's kernel finds the socket and lowers its path MTU (Linux
+/// drops an error whose quote ends before the L4 header), and the next
+/// datagrams, fragmented smaller, arrive. Before 12-06's second session
+/// the quote ended with the fragment header and every datagram was lost.
+#[test]
+fn packet_too_big_about_a_clients_first_fragment_teaches_the_client() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    narrow_paths_to_pods(&w)?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    let client = w.c.add_outside("frag6", 112, &[])?;
+    let before = datapath(&w.c, 1, "nat_too_big")?;
+    let s = w.c.probe(&client, &["udp", "--addr", &hostport(NODE1_6, 30080), "--count", "5", "--size", "4000", "--timeout-ms", "500"])?;
+    assert!(datapath(&w.c, 1, "nat_too_big")? > before, "lb told the client");
+    assert!(s.ok >= 3, "the datagrams after the first arrive, fragmented for the path: {s:?}");
+    let route = w.c.in_netns(&client.netns, &["ip", "-6", "route", "get", NODE1_6])?;
+    assert!(route.contains("mtu 1300"), "the client's path MTU: {route}");
+    Ok(())
+}
+
 /// The routes LB_ROUTE_MTU of node-1 holds, as bpftool dumps them.
 fn route_mtu_entries(w: &World) -> Result<Vec<serde_json::Value>> {
     let pin = w.c.nodes[0].bpffs.join("LB_ROUTE_MTU");

@@ -276,6 +276,36 @@ impl<A: Copy> Pkt<A> {
 #[repr(C, align(4))]
 struct Buf<const N: usize>([u8; N]);
 
+/// An ICMPv6 error about the packet (`Ip6::icmp_reply`), `N` bytes in
+/// all: the IPv6 header (40), the ICMPv6 header (8), and the quote (`N` -
+/// 48 bytes of the packet from its IPv6 header on).
+#[inline(always)]
+fn icmp6_reply<const N: usize, const L: usize>(ctx: &TcContext, kind: (u8, u8), mtu: u32, l4: usize) -> Result<(), i64> {
+    let mut b = Buf([0u8; N]);
+    // SAFETY: offset 48 of an N-byte buffer, N - 48 bytes.
+    load_exact(ctx, L, unsafe { b.0.as_mut_ptr().add(48) }, (N - 48) as u32)?;
+    let payload = (N - 40) as u16;
+    b.0[0] = 0x60;
+    b.0[4..6].copy_from_slice(&payload.to_be_bytes());
+    b.0[6] = PROTO_ICMPV6;
+    b.0[7] = 64;
+    let mut src = [0u8; 16];
+    let mut dst = [0u8; 16];
+    src.copy_from_slice(&b.0[48 + 24..48 + 40]);
+    dst.copy_from_slice(&b.0[48 + 8..48 + 24]);
+    b.0[8..24].copy_from_slice(&src);
+    b.0[24..40].copy_from_slice(&dst);
+    (b.0[40], b.0[41]) = kind;
+    // The next hop's MTU (packet too big).
+    b.0[44..48].copy_from_slice(&mtu.to_be_bytes());
+    let pseudo = Buf([0, 0, (payload >> 8) as u8, payload as u8, 0, 0, 0, PROTO_ICMPV6]);
+    // SAFETY: offsets inside a 4-aligned buffer of N bytes.
+    let s = csum_add(unsafe { b.0.as_ptr().add(8) }, (N - 8) as u32, 0);
+    let s = csum_add(pseudo.0.as_ptr(), 8, s);
+    b.0[42..44].copy_from_slice(&csum_fold(s).to_ne_bytes());
+    emit::<_, L>(ctx, &b, l4)
+}
+
 /// Sum `len` bytes at `p` into the running checksum `seed` (not folded).
 #[inline(always)]
 fn csum_add(p: *const u8, len: u32, seed: u32) -> u32 {
@@ -927,30 +957,12 @@ impl<const L: usize> Net for Ip6<L> {
     }
     #[inline(always)]
     fn icmp_reply(ctx: &TcContext, kind: (u8, u8), mtu: u32, l4: usize) -> Result<(), i64> {
-        // IPv6 header (40), ICMPv6 header (8), the packet's IPv6 header and
-        // the first 8 bytes of its L4 header (48).
-        let mut b = Buf([0u8; 96]);
-        // SAFETY: offset 48 of a 96-byte buffer.
-        load_exact(ctx, L, unsafe { b.0.as_mut_ptr().add(48) }, 48)?;
-        b.0[0] = 0x60;
-        b.0[4..6].copy_from_slice(&56u16.to_be_bytes());
-        b.0[6] = PROTO_ICMPV6;
-        b.0[7] = 64;
-        let mut src = [0u8; 16];
-        let mut dst = [0u8; 16];
-        src.copy_from_slice(&b.0[48 + 24..48 + 40]);
-        dst.copy_from_slice(&b.0[48 + 8..48 + 24]);
-        b.0[8..24].copy_from_slice(&src);
-        b.0[24..40].copy_from_slice(&dst);
-        (b.0[40], b.0[41]) = kind;
-        // The next hop's MTU (packet too big).
-        b.0[44..48].copy_from_slice(&mtu.to_be_bytes());
-        let pseudo = Buf([0, 0, 0, 56, 0, 0, 0, PROTO_ICMPV6]);
-        // SAFETY: offsets inside a 4-aligned buffer of 96 bytes.
-        let s = csum_add(unsafe { b.0.as_ptr().add(8) }, 88, 0);
-        let s = csum_add(pseudo.0.as_ptr(), 8, s);
-        b.0[42..44].copy_from_slice(&csum_fold(s).to_ne_bytes());
-        emit::<_, L>(ctx, &b, l4)
+        // The quote: the packet's IPv6 header and 16 bytes after it where
+        // it has them, so that an extension header (a first fragment's)
+        // leaves the L4 ports in the quote, which the receiver needs to
+        // find the socket (Linux's icmpv6_notify drops an error whose
+        // quote ends with the extension header); else 8.
+        if ctx.len() as usize >= L + 56 { icmp6_reply::<104, L>(ctx, kind, mtu, l4) } else { icmp6_reply::<96, L>(ctx, kind, mtu, l4) }
     }
     #[inline(always)]
     fn tcp_reset(ctx: &TcContext, p: &Pkt<A6>, seq: u32, ack: u32, flags: u8) -> Result<(), i64> {
