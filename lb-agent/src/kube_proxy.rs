@@ -44,7 +44,8 @@ const CHAINS: &[&str] = &[
 const CLEANUP_TOO: &[&str] = &["KUBE-POSTROUTING", "KUBE-MARK-MASQ"];
 
 /// The ipsets of kube-proxy's IPVS mode (pkg/proxy/ipvs `ipsetInfo`). An
-/// IPv6 set's name has "KUBE-6-" for "KUBE-" (`newIPv6Set`).
+/// IPv6 set's name has "KUBE-6-" for "KUBE-", cut to ipset's 31
+/// characters (`newIPv6Set`: `KUBE-6-LOAD-BALANCER-SOURCE-CID`).
 const IPSETS: &[&str] = &[
     "KUBE-LOOP-BACK",
     "KUBE-CLUSTER-IP",
@@ -68,11 +69,12 @@ const IPSETS: &[&str] = &[
 /// kube-proxy's ipsets in `ipset list -n` output, in its order. Others
 /// named KUBE-* (kube-router's network policy sets, say) are not.
 pub fn ipsets_in_list(list: &str) -> Vec<String> {
-    list.lines()
-        .map(str::trim)
-        .filter(|n| IPSETS.contains(n) || n.strip_prefix("KUBE-6-").is_some_and(|rest| IPSETS.iter().any(|s| s.strip_prefix("KUBE-") == Some(rest))))
-        .map(str::to_string)
-        .collect()
+    let v6 = |s: &str| -> String {
+        let mut n = format!("KUBE-6-{}", s.strip_prefix("KUBE-").unwrap_or(s));
+        n.truncate(31);
+        n
+    };
+    list.lines().map(str::trim).filter(|n| IPSETS.contains(n) || IPSETS.iter().any(|s| v6(s) == *n)).map(str::to_string).collect()
 }
 
 /// kube-proxy's per-Service and per-endpoint chains (iptables mode).
@@ -231,14 +233,20 @@ pub fn cleanup(dry_run: bool) -> anyhow::Result<()> {
     }
     // IPVS mode's ipsets, once no rule refers to them (as kube-proxy
     // destroys them after its iptables clean-up); the IPv6 ones too.
+    let mut failed = Vec::new();
     for set in output("ipset", &["list", "-n"]).map(|l| ipsets_in_list(&l)).unwrap_or_default() {
         println!("ipset destroy {set}");
         removed += 1;
         if !dry_run {
+            // One still in use (by a rule of another tool) does not keep
+            // the others.
             let st = Command::new("ipset").args(["destroy", &set]).status().context("run ipset")?;
-            anyhow::ensure!(st.success(), "ipset destroy {set} failed ({st})");
+            if !st.success() {
+                failed.push(format!("{set} ({st})"));
+            }
         }
     }
+    anyhow::ensure!(failed.is_empty(), "ipset destroy failed for {}", failed.join(", "));
     if removed == 0 {
         println!("no kube-proxy rules on this node");
     }
@@ -295,18 +303,16 @@ pub fn detect() -> Vec<(&'static str, Found)> {
     out.push(("nftables", output("nft", &["list", "tables"]).map(|l| tables_in_nft(&l)).unwrap_or_default()));
     // IPVS mode's dummy device, which holds every ClusterIP as a local
     // address.
-    let mut ipvs: Vec<String> = match crate::netdev::links() {
+    let ipvs: Vec<String> = match crate::netdev::links() {
         Ok(links) => links.iter().filter(|l| l.name == "kube-ipvs0").map(|l| format!("device {}", l.name)).collect(),
         Err(e) => {
             tracing::debug!(error = format!("{e:#}"), "cannot list devices to look for kube-ipvs0");
             Vec::new()
         }
     };
-    // Its ipsets, where the ipset tool is installed.
-    let sets = output("ipset", &["list", "-n"]).map(|l| ipsets_in_list(&l).len()).unwrap_or(0);
-    if sets > 0 {
-        ipvs.push(format!("{sets} ipsets"));
-    }
+    // (Its ipsets are not looked for: alone, without the rules that use
+    // them, they act on nothing, and `kube-proxy --cleanup` itself leaves
+    // the IPv6 ones; `cleanup` destroys them.)
     out.push(("ipvs", Found { chains: ipvs, per_service: 0 }));
     out.retain(|(_, f)| !f.is_empty());
     out
@@ -444,8 +450,20 @@ mod tests {
 
     #[test]
     fn kube_proxys_ipsets_are_found_by_name_in_both_families() {
-        let list = "KUBE-CLUSTER-IP\nKUBE-6-CLUSTER-IP\nKUBE-NODE-PORT-LOCAL-SCTP-HASH\nKUBE-SRC-ABCDEF\nKUBE-6-SRC-ABC\nmy-set\n KUBE-IPVS-IPS \nKUBE-CLUSTER-IPX\n";
-        assert_eq!(ipsets_in_list(list), ["KUBE-CLUSTER-IP", "KUBE-6-CLUSTER-IP", "KUBE-NODE-PORT-LOCAL-SCTP-HASH", "KUBE-IPVS-IPS"]);
+        let list = "KUBE-CLUSTER-IP\nKUBE-6-CLUSTER-IP\nKUBE-NODE-PORT-LOCAL-SCTP-HASH\nKUBE-SRC-ABCDEF\nKUBE-6-SRC-ABC\nmy-set\n KUBE-IPVS-IPS \nKUBE-CLUSTER-IPX\n\
+                    KUBE-6-LOAD-BALANCER-SOURCE-CID\nKUBE-6-NODE-PORT-LOCAL-SCTP-HAS\nKUBE-6-LOAD-BALANCER-SOURCE-CIDR\n";
+        assert_eq!(
+            ipsets_in_list(list),
+            [
+                "KUBE-CLUSTER-IP",
+                "KUBE-6-CLUSTER-IP",
+                "KUBE-NODE-PORT-LOCAL-SCTP-HASH",
+                "KUBE-IPVS-IPS",
+                "KUBE-6-LOAD-BALANCER-SOURCE-CID",
+                "KUBE-6-NODE-PORT-LOCAL-SCTP-HAS"
+            ],
+            "IPv6 names are cut to 31 characters"
+        );
         assert!(ipsets_in_list("").is_empty());
     }
 

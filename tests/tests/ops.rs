@@ -693,7 +693,7 @@ fn kube_proxys_rules_on_a_node_are_named_in_a_warning_and_a_metric() -> Result<(
         "iptables-legacy (filter KUBE-IPVS-FILTER, nat KUBE-NODEPORTS, nat KUBE-SERVICES; 2 per-Service chains)",
         "iptables-nft (filter KUBE-FORWARD)",
         "nftables (table ip kube-proxy)",
-        "ipvs (device kube-ipvs0, 2 ipsets)",
+        "ipvs (device kube-ipvs0)",
         "kube-proxy --cleanup",
     ] {
         assert!(text.contains(want), "node-1's warning names {want}: {text}");
