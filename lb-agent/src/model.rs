@@ -215,8 +215,9 @@ pub struct Frontend {
     pub source_ranges: Vec<(IpAddr, u8)>,
     /// Endpoints in neither backend set whose connections are not stale
     /// either: serving ones (ready, or serving while terminating), and
-    /// for TCP terminating ones that no longer serve (draining). Sorted;
-    /// usually empty. See `serving`.
+    /// for TCP every one the slices list (draining, or failing its
+    /// readiness probe: kube-proxy never flushes TCP conntrack entries).
+    /// Sorted; usually empty. See `serving`.
     pub extra_serving: Vec<(IpAddr, u16)>,
     /// External frontends only: outside flows pick their backend by Maglev
     /// (`Algorithm::Maglev`).

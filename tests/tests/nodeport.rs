@@ -379,14 +379,20 @@ fn node_ports_are_on_every_node_address_unless_nodeport_addresses_narrow_them() 
 }
 
 /// A device that is no NodePort device any more loses lb's programs: one
-/// whose address went (a macvlan NIC, found by its address), and one an earlier agent
-/// served that `--nodeport-interface` leaves out; the served device keeps
-/// them and its NodePort answers. Before, they stayed on such a device
-/// for good, translating its traffic from then on.
+/// whose address went (a macvlan NIC, found by its address) once it has
+/// been gone a grace (30 s; 1.5 s here), its device sysctls given back;
+/// an address that goes and comes back within it keeps them (a DHCP
+/// renewal: the flows through it go on); and one an earlier agent served
+/// that `--nodeport-interface` leaves out, at once. The served device
+/// keeps them and its NodePort answers. Before 12-06's second session
+/// they stayed on such a device for good.
 #[test]
 fn devices_no_longer_served_lose_lbs_programs() -> Result<()> {
     let mut w = world(&web("NodePort", "", &[]), &[])?;
     wait_nodeport(&w.c, 1, 2)?;
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    w.c.start_agent_env(1, &objects, &[], &[("LB_UNSERVED_GRACE_MS", "1500")])?;
     let n1 = w.c.nodes[0].netns.clone();
     for cmd in [
         vec!["ip", "link", "add", "link", "eth0", "name", "np2", "type", "macvlan", "mode", "bridge"],
@@ -407,11 +413,22 @@ fn devices_no_longer_served_lose_lbs_programs() -> Result<()> {
         }
         Ok(w.c.in_netns(&n1, &["bpftool", "net", "show", "dev", dev])?.contains("lb_nodeport_ingress"))
     };
-    w.c.wait_for("lb's programs on the device with a node address", Duration::from_secs(5), || has(&w, "np2"))?;
+    let accept_local = |w: &World| -> Result<String> { Ok(w.c.in_netns(&n1, &["cat", "/proc/sys/net/ipv4/conf/np2/accept_local"])?.trim().to_string()) };
+    w.c.wait_for("lb's programs on the device with an address", Duration::from_secs(5), || has(&w, "np2"))?;
+    assert_eq!(accept_local(&w)?, "1");
+    // The address goes and comes back within the grace: they stay.
     w.c.in_netns(&n1, &["ip", "addr", "del", "192.168.88.11/24", "dev", "np2"])?;
-    w.c.wait_for("lb's programs off the device whose address went", Duration::from_secs(5), || Ok(!has(&w, "np2")?))?;
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(has(&w, "np2")?, "still there within the grace");
+    w.c.in_netns(&n1, &["ip", "addr", "add", "192.168.88.11/24", "dev", "np2"])?;
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(has(&w, "np2")?, "an address back within the grace keeps them");
+    // Gone for longer: off, and accept_local back as it was.
+    w.c.in_netns(&n1, &["ip", "addr", "del", "192.168.88.11/24", "dev", "np2"])?;
+    w.c.wait_for("lb's programs off the device whose address went", Duration::from_secs(6), || Ok(!has(&w, "np2")?))?;
     assert!(has(&w, "eth0")?);
-    // Back; then an agent told to serve eth0 only.
+    assert_eq!(accept_local(&w)?, "0", "given back");
+    // Back; then an agent told to serve eth0 only: at once.
     w.c.in_netns(&n1, &["ip", "addr", "add", "192.168.88.11/24", "dev", "np2"])?;
     w.c.wait_for("lb's programs on the device again", Duration::from_secs(5), || has(&w, "np2"))?;
     w.c.kill_agent(1);

@@ -406,7 +406,10 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let unreadable = |m: &str| {
         upgrade.is_some() && !loader::upgrade_marks(&cfg.bpffs).0 && loader::staged_pin(&cfg.bpffs, m).is_some() && loader::old_pin(&cfg.bpffs, m).is_none()
     };
-    let earlier_unknown = [lb_common::maps::NODE_CONFIG, lb_common::maps::NAT4, lb_common::maps::NAT6].into_iter().any(unreadable);
+    // (Only where pod programs run that could translate their replies:
+    // on a node where none does, no such flow lives on.)
+    let earlier_unknown =
+        [lb_common::maps::NODE_CONFIG, lb_common::maps::NAT4, lb_common::maps::NAT6].into_iter().any(unreadable) && tc.pod_programs_may_run();
     if earlier_unknown {
         tracing::info!("an upgrade across a layout change: flows an earlier agent masqueraded in BPF may live; the pod programs stay until the upgrade has carried them and none is left");
     }
@@ -430,7 +433,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             tc.attach_tc(iface)?;
         }
         // An earlier agent's programs on devices these are not go.
-        tc.detach_unserved(&cfg.nodeport_interfaces);
+        tc.detach_unserved(&cfg.nodeport_interfaces, None);
     }
     if let Some((limit, usage)) = loader::memory_limit() {
         let room = limit.saturating_sub(usage) / loader::SOCK_STORAGE_BYTES;
@@ -636,12 +639,23 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     resync.tick().await;
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let mut retry = tokio::time::interval(Duration::from_secs(1));
-    let mut hc_retry = tokio::time::interval(Duration::from_secs(1));
+    // The ticks of a branch that is off are not taken (its interval is not
+    // polled): each tick late is skipped, not made up for in a burst when
+    // the branch turns on (a failed sync after a quiet month would have
+    // run millions of syncs back to back).
+    let ticks = |period: Duration| {
+        let mut i = tokio::time::interval(period);
+        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        i
+    };
+    let mut retry = ticks(Duration::from_secs(1));
+    let mut hc_retry = ticks(Duration::from_secs(1));
     // XDP on a veth whose peer cannot take its frames: see Tc::check_xdp.
-    let mut xdp_check = tokio::time::interval(Duration::from_secs(2));
+    let mut xdp_check = ticks(Duration::from_secs(2));
     // Whether the flows masqueraded in BPF that kept the pod programs ended.
-    let mut pods_check = tokio::time::interval(Duration::from_secs(1));
+    let mut pods_check = ticks(Duration::from_secs(1));
+    // Devices waiting out their grace before they lose lb's programs.
+    let mut unserved_check = ticks(Duration::from_secs(1));
     let mut last: Option<Arc<Update>> = None;
     let mut dirty = false;
     // Whether load balancers may send here (`model::node_eligible`).
@@ -690,6 +704,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             _ = hc_retry.tick(), if !dirty && health_checks.failing() > 0 => {
                 let failed = health_checks.reconcile(&rec.health_checks, rec.health_check_on.as_deref()).await;
                 metrics.health_check_failed.set(failed as i64);
+                continue;
+            }
+            _ = unserved_check.tick(), if upgrade.is_none() && cfg.nodeport_interfaces.is_empty() && tc.unserved_waiting() => {
+                let nodeport = crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses);
+                tc.detach_unserved(&nodeport, Some(unserved_grace()));
                 continue;
             }
             _ = xdp_check.tick(), if cfg.xdp => {
@@ -841,6 +860,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             for iface in &cfg.nodeport_interfaces {
                 tc.attach_tc(iface)?;
             }
+            // The earlier agent's devices these are not (moved above with
+            // the rest) go now.
+            if !cfg.nodeport_interfaces.is_empty() {
+                tc.detach_unserved(&cfg.nodeport_interfaces, None);
+            }
             // The first sync's sweep judged the staged maps, which held no
             // flow and no socket's UDP entry yet: the old programs' ones
             // came along just now, those to endpoints that left while no
@@ -908,12 +932,12 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             } else {
                 cfg.nodeport_interfaces.clone()
             };
-            // Devices that are no NodePort devices any more (an address
-            // gone, an upgrade that moved an earlier agent's devices, a
-            // flag narrowed) lose lb's programs, once the ones that are
-            // have theirs.
-            if rec.has_external {
-                tc.detach_unserved(&nodeport);
+            // Devices that are no NodePort devices any more (an upgrade
+            // that moved an earlier agent's devices, an address gone for
+            // longer than a grace) lose lb's programs, once the ones that
+            // are have theirs.
+            if rec.has_external && cfg.nodeport_interfaces.is_empty() {
+                tc.detach_unserved(&nodeport, Some(unserved_grace()));
             }
             if pods {
                 sync_pods(&mut tc, &nodeport);
@@ -929,6 +953,15 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     source.abort();
     tracing::info!("exiting; programs stay attached and maps stay pinned");
     Ok(())
+}
+
+/// How long a device this agent served keeps lb's programs once it is no
+/// NodePort device (its address gone): 30 s, so that an address that
+/// comes back (a DHCP renewal, a network manager reapplying its
+/// configuration) keeps its flows. `LB_UNSERVED_GRACE_MS` sets it (for the
+/// tests only).
+fn unserved_grace() -> Duration {
+    std::env::var("LB_UNSERVED_GRACE_MS").ok().and_then(|v| v.parse().ok()).map_or(Duration::from_secs(30), Duration::from_millis)
 }
 
 /// Seconds since the Unix epoch, for kube-proxy's timestamp gauges.

@@ -155,6 +155,9 @@ pub struct Tc {
     attached: std::collections::BTreeMap<String, u32>,
     /// The NodePort devices (`pin_safe`) at the last `detach_unserved`.
     served: Option<BTreeSet<String>>,
+    /// Devices this agent served that are no NodePort devices now, since
+    /// when: their programs stay a grace (`detach_unserved`).
+    unserved: std::collections::BTreeMap<String, std::time::Instant>,
     /// The pod devices `POD_PROGRAM` is attached to, by name, with the
     /// index the device had then (a name may come back on a new device).
     pods: std::collections::BTreeMap<String, u32>,
@@ -350,6 +353,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         bpffs: bpffs.to_path_buf(),
         attached: Default::default(),
         served: None,
+        unserved: Default::default(),
         pods: Default::default(),
         pod_egress: false,
         adopt,
@@ -886,25 +890,63 @@ impl Tc {
         Ok(())
     }
 
+    /// Whether pod programs an earlier agent attached may run on this
+    /// node's pod devices: their TCX links are pinned, or (netlink
+    /// filters, which are not pinned) it cannot be told cheaply.
+    pub fn pod_programs_may_run(&self) -> bool {
+        if !self.tcx() {
+            return true;
+        }
+        let prefix = format!("{POD_PROGRAM}_");
+        fs::read_dir(self.bpffs.join("links")).into_iter().flatten().flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+    }
+
+    /// Whether a device waits out its grace (`detach_unserved`).
+    pub fn unserved_waiting(&self) -> bool {
+        !self.unserved.is_empty()
+    }
+
     /// Take lb's NodePort programs off every device but `serving`: an
     /// earlier agent's on a device this one does not serve (its
-    /// `--nodeport-interface` narrowed, a device that lost its node
-    /// address, the loopback device), a link pinned under a temporary name
-    /// by an agent killed while it renamed it. Their pinned links (TCX,
-    /// XDP) are unpinned, which detaches them, and their clsact filters
-    /// removed. Run once `serving` has its programs; each time the set
-    /// changes, not at every sync (the filters are looked for on every
-    /// device). Never while an upgrade moves the devices.
-    pub fn detach_unserved(&mut self, serving: &[String]) {
+    /// `--nodeport-interface` narrowed, the loopback device), a link
+    /// pinned under a temporary name by an agent killed while it renamed
+    /// it, and one this agent served that is no NodePort device any more
+    /// (its address gone) once it has not been one for `grace` (None: at
+    /// once): an address that goes and comes back (a DHCP renewal, a
+    /// network manager reapplying) keeps its flows. Their pinned links
+    /// (TCX, XDP) are unpinned, which detaches them, their clsact filters
+    /// removed, and the device sysctls lb changed on them given back. Run
+    /// once `serving` has its programs; again when the set changed or a
+    /// device waits out its grace, not at every sync (the filters are
+    /// looked for on every device). Nothing is taken off where the
+    /// devices cannot be listed, or none is served. Never while an upgrade
+    /// moves the devices.
+    pub fn detach_unserved(&mut self, serving: &[String], grace: Option<std::time::Duration>) {
         let keep: BTreeSet<String> = serving.iter().map(|s| pin_safe(s)).collect();
-        if self.served.as_ref() == Some(&keep) {
+        // No device at all is a failed read of the node's addresses more
+        // likely than a node without any: nothing is taken off then.
+        if keep.is_empty() || self.served.as_ref() == Some(&keep) && self.unserved.is_empty() {
             return;
         }
+        let Ok(links) = crate::netdev::links() else { return };
+        let now = std::time::Instant::now();
+        // This agent's devices that lost their service wait out the grace.
+        let ours: BTreeSet<String> = self.attached.keys().map(|i| pin_safe(i)).collect();
+        let mut waiting = std::collections::BTreeMap::new();
+        let mut due = |safe: &str| -> bool {
+            let Some(g) = grace.filter(|_| ours.contains(safe)) else { return true };
+            let since = self.unserved.get(safe).copied().unwrap_or(now);
+            let due = now.duration_since(since) >= g;
+            if !due {
+                waiting.insert(safe.to_string(), since);
+            }
+            due
+        };
         let mut gone = BTreeSet::new();
         for e in fs::read_dir(self.bpffs.join("links")).into_iter().flatten().flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
             let Some(safe) = device_programs().find_map(|p| n.strip_prefix(p).and_then(|r| r.strip_prefix('_'))) else { continue };
-            if keep.contains(safe) {
+            if keep.contains(safe) || !due(safe) {
                 continue;
             }
             match fs::remove_file(e.path()) {
@@ -914,19 +956,25 @@ impl Tc {
                 Err(err) => tracing::warn!(link = n, "lb's program stays on a device it no longer serves: unpin {}: {err}", e.path().display()),
             }
         }
-        if let Ok(links) = crate::netdev::links() {
-            for l in links.iter().filter(|l| !keep.contains(&pin_safe(&l.name))) {
-                for (name, ty) in TC_PROGRAMS.into_iter().chain(L3_PROGRAMS) {
-                    if aya::programs::tc::qdisc_detach_program(&l.name, ty, name).is_ok() {
-                        gone.insert(pin_safe(&l.name));
-                    }
+        for l in links.iter().filter(|l| !keep.contains(&pin_safe(&l.name))) {
+            let safe = pin_safe(&l.name);
+            if !due(&safe) {
+                continue;
+            }
+            for (name, ty) in TC_PROGRAMS.into_iter().chain(L3_PROGRAMS) {
+                if aya::programs::tc::qdisc_detach_program(&l.name, ty, name).is_ok() {
+                    gone.insert(safe.clone());
                 }
             }
         }
-        self.attached.retain(|iface, _| keep.contains(&pin_safe(iface)));
+        self.attached.retain(|iface, _| !gone.contains(&pin_safe(iface)) && (keep.contains(&pin_safe(iface)) || waiting.contains_key(&pin_safe(iface))));
         for dev in &gone {
             tracing::info!(device = dev.as_str(), "lb's NodePort programs are taken off a device it no longer serves");
+            if let Some(l) = links.iter().find(|l| pin_safe(&l.name) == *dev) {
+                crate::nodeport::restore_device_sysctls_of(&self.bpffs, Some(&l.name));
+            }
         }
+        self.unserved = waiting;
         self.served = Some(keep);
     }
 

@@ -9,4 +9,4 @@ mod node;
 
 pub use healthcheck::HealthChecks;
 pub use nat::{Ending, NatTimeouts, count_bpf_masqueraded, monotonic_ns, nat_pass};
-pub use node::{Addresses, interfaces_for, netns_cookie, reserve_ports, restore_device_sysctls, set_device_sysctls, unreserve_ports};
+pub use node::{Addresses, interfaces_for, netns_cookie, reserve_ports, restore_device_sysctls, restore_device_sysctls_of, set_device_sysctls, unreserve_ports};

@@ -271,11 +271,32 @@ pub fn reserve_ports(min: u16, max: u16, bpffs: &std::path::Path) -> Result<()> 
     // Remember what lb added, and in which netns (a directory in the pin
     // dir: bpffs holds nothing else), so that teardown takes out exactly
     // that, and only there.
-    let marker = bpffs.join(format!("{RESERVED_MARKER}{}_{added}", netns_cookie()?));
-    if let Err(e) = std::fs::create_dir_all(&marker) {
-        tracing::warn!("cannot record {}: {e}; teardown will leave {added} in {RESERVED}", marker.display());
+    // One marker per piece of the list that fits a file name (an
+    // operator's many ranges inside lb's leave many pieces).
+    let cookie = netns_cookie()?;
+    for piece in marker_pieces(&added) {
+        let marker = bpffs.join(format!("{RESERVED_MARKER}{cookie}_{piece}"));
+        if let Err(e) = std::fs::create_dir_all(&marker) {
+            tracing::warn!("cannot record {}: {e}; teardown will leave {piece} in {RESERVED}", marker.display());
+        }
     }
     Ok(())
+}
+
+/// A port list cut between its ranges into pieces of at most 200 bytes,
+/// each a marker's name (a file name has at most 255).
+fn marker_pieces(list: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for r in list.split(',').filter(|r| !r.is_empty()) {
+        match out.last_mut() {
+            Some(p) if p.len() + 1 + r.len() <= 200 => {
+                p.push(',');
+                p.push_str(r);
+            }
+            _ => out.push(r.to_string()),
+        }
+    }
+    out
 }
 
 const RESERVED: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
@@ -361,29 +382,42 @@ pub fn set_device_sysctls(iface: &str, bpffs: &std::path::Path) {
 
 /// Give back the device sysctls lb changed (teardown): each to its value
 /// before, where lb's value is still there (an operator's change since
-/// stays) and the device still is.
+/// stays) and the device still is. What cannot be given back is said,
+/// and keeps nothing else back.
 pub fn restore_device_sysctls(bpffs: &std::path::Path) -> Result<()> {
-    let Ok(rd) = std::fs::read_dir(bpffs) else { return Ok(()) };
-    let cookie = netns_cookie()?.to_string();
+    restore_device_sysctls_of(bpffs, None);
+    Ok(())
+}
+
+/// `restore_device_sysctls` for device `only` (None: every one), whose
+/// markers go.
+pub fn restore_device_sysctls_of(bpffs: &std::path::Path, only: Option<&str>) {
+    let Ok(rd) = std::fs::read_dir(bpffs) else { return };
+    let mut cookie = None;
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let Some((c, knob, before, iface)) = sysctl_marker(&name) else { continue };
+        if only.is_some_and(|o| o != iface) {
+            continue;
+        }
         let path = format!("/proc/sys/net/ipv4/conf/{iface}/{knob}");
         let ours = DEVICE_SYSCTLS.iter().find(|(k, _)| *k == knob).map(|(_, v)| *v);
-        let before = before.as_str();
-        if c != cookie {
+        let here = cookie.get_or_insert_with(|| netns_cookie().map(|c| c.to_string()).unwrap_or_default());
+        if c != *here {
             tracing::warn!("{path} was changed in another network namespace: run teardown in the node's to give it back {before}");
         } else if let Ok(now) = std::fs::read_to_string(&path) {
-            if Some(now.trim()) == ours {
-                std::fs::write(&path, before).with_context(|| format!("write {before} to {path}"))?;
-                tracing::info!("{path} is {before} again, as before lb");
-            } else {
+            if Some(now.trim()) != ours {
                 tracing::info!("{path} is {} now, not lb's {}: left", now.trim(), ours.unwrap_or("?"));
+            } else if let Err(err) = std::fs::write(&path, &before) {
+                tracing::warn!("cannot give {path} back its {before}: {err}");
+            } else {
+                tracing::info!("{path} is {before} again, as before lb");
             }
         }
-        std::fs::remove_dir(e.path()).with_context(|| format!("remove {}", e.path().display()))?;
+        if let Err(err) = std::fs::remove_dir(e.path()) {
+            tracing::warn!("remove {}: {err}", e.path().display());
+        }
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -408,6 +442,17 @@ mod tests {
         let (_, added) = reserve_in("29990-30005,32767", 30000, 32767).unwrap();
         assert_eq!(added, "30006-32766");
         assert_eq!(unreserve_in("29990-32767", &added).as_deref(), Some("29990-30005,32767"));
+        // Many pieces: markers of at most 200 bytes, which give back the whole.
+        let holes: Vec<String> = (0..100).map(|i| (30001 + 20 * i).to_string()).collect();
+        let (_, added) = reserve_in(&holes.join(","), 30000, 32767).unwrap();
+        let pieces = marker_pieces(&added);
+        assert!(pieces.len() > 1 && pieces.iter().all(|p| p.len() <= 200), "{pieces:?}");
+        assert_eq!(pieces.join(","), added);
+        let mut left = "30000-32767".to_string();
+        for p in &pieces {
+            left = unreserve_in(&left, p).unwrap();
+        }
+        assert_eq!(left, holes.join(","), "the operator's ports stay");
         // Already all reserved: nothing added, nothing recorded.
         assert_eq!(reserve_in("1-40000", 30000, 32767), None);
         // An older agent's marker (one range) reads the same.
