@@ -528,8 +528,10 @@ fn copy_remapped(old: &Path, new: &Path, remap: &super::btf::Remap) -> Result<us
 }
 
 /// Entries a copy could not write, other than those the new programs
-/// wrote first (EEXIST: theirs stands): the new map full (a `--max-*`
-/// lowered below what the old one holds), say. Said once per map.
+/// wrote first (EEXIST: theirs stands): the new hash map full (a `--max-*`
+/// lowered below what the old one holds), say. Said per map and pass. (An
+/// LRU map, the socket rev-NAT's, takes every write: a smaller one evicts
+/// its least recently used entries instead, which no error tells.)
 #[derive(Default)]
 struct Lost {
     count: usize,
