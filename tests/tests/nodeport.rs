@@ -416,13 +416,17 @@ fn devices_no_longer_served_lose_lbs_programs() -> Result<()> {
     let accept_local = |w: &World| -> Result<String> { Ok(w.c.in_netns(&n1, &["cat", "/proc/sys/net/ipv4/conf/np2/accept_local"])?.trim().to_string()) };
     w.c.wait_for("lb's programs on the device with an address", Duration::from_secs(5), || has(&w, "np2"))?;
     assert_eq!(accept_local(&w)?, "1");
-    // The address goes and comes back within the grace: they stay.
+    // The address goes and comes back within the grace: they stay, never
+    // taken off and attached again.
+    let attached = |w: &World| -> Result<usize> { Ok(std::fs::read_to_string(w.c.agent_log(1))?.matches(r#"NodePort programs attached iface="np2""#).count()) };
+    let once = attached(&w)?;
     w.c.in_netns(&n1, &["ip", "addr", "del", "192.168.88.11/24", "dev", "np2"])?;
     std::thread::sleep(Duration::from_millis(500));
     assert!(has(&w, "np2")?, "still there within the grace");
     w.c.in_netns(&n1, &["ip", "addr", "add", "192.168.88.11/24", "dev", "np2"])?;
     std::thread::sleep(Duration::from_millis(2500));
     assert!(has(&w, "np2")?, "an address back within the grace keeps them");
+    assert_eq!(attached(&w)?, once, "not taken off and attached again");
     // Gone for longer: off, and accept_local back as it was.
     w.c.in_netns(&n1, &["ip", "addr", "del", "192.168.88.11/24", "dev", "np2"])?;
     w.c.wait_for("lb's programs off the device whose address went", Duration::from_secs(6), || Ok(!has(&w, "np2")?))?;

@@ -930,6 +930,9 @@ impl Tc {
         }
         let Ok(links) = crate::netdev::links() else { return };
         let now = std::time::Instant::now();
+        // The served set unchanged: only the devices in their grace are
+        // looked at (not every pod veth's filters again, each second).
+        let only_waiting: Option<BTreeSet<String>> = (self.served.as_ref() == Some(&keep)).then(|| self.unserved.keys().cloned().collect());
         // This agent's devices that lost their service wait out the grace.
         let ours: BTreeSet<String> = self.attached.keys().map(|i| pin_safe(i)).collect();
         let mut waiting = std::collections::BTreeMap::new();
@@ -958,7 +961,7 @@ impl Tc {
         }
         for l in links.iter().filter(|l| !keep.contains(&pin_safe(&l.name))) {
             let safe = pin_safe(&l.name);
-            if !due(&safe) {
+            if only_waiting.as_ref().is_some_and(|w| !w.contains(&safe)) || !due(&safe) {
                 continue;
             }
             for (name, ty) in TC_PROGRAMS.into_iter().chain(L3_PROGRAMS) {

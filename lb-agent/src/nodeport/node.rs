@@ -393,7 +393,7 @@ pub fn restore_device_sysctls(bpffs: &std::path::Path) -> Result<()> {
 /// markers go.
 pub fn restore_device_sysctls_of(bpffs: &std::path::Path, only: Option<&str>) {
     let Ok(rd) = std::fs::read_dir(bpffs) else { return };
-    let mut cookie = None;
+    let mut cookie: Option<String> = None;
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let Some((c, knob, before, iface)) = sysctl_marker(&name) else { continue };
@@ -402,8 +402,19 @@ pub fn restore_device_sysctls_of(bpffs: &std::path::Path, only: Option<&str>) {
         }
         let path = format!("/proc/sys/net/ipv4/conf/{iface}/{knob}");
         let ours = DEVICE_SYSCTLS.iter().find(|(k, _)| *k == knob).map(|(_, v)| *v);
-        let here = cookie.get_or_insert_with(|| netns_cookie().map(|c| c.to_string()).unwrap_or_default());
-        if c != *here {
+        if cookie.is_none() {
+            match netns_cookie() {
+                Ok(c) => cookie = Some(c.to_string()),
+                Err(err) => {
+                    // Which netns the markers are of cannot be told: they
+                    // stay, for a teardown that can.
+                    tracing::warn!("{err:#}: the device sysctls lb changed are not given back");
+                    return;
+                }
+            }
+        }
+        let here = cookie.as_deref().unwrap_or_default();
+        if c != here {
             tracing::warn!("{path} was changed in another network namespace: run teardown in the node's to give it back {before}");
         } else if let Ok(now) = std::fs::read_to_string(&path) {
             if Some(now.trim()) != ours {
