@@ -293,6 +293,22 @@ struct AgentLaunch {
 
 /// Run `f` on a thread inside netns `netns` (None: this one): sockets it
 /// opens live there. The caller's threads stay where they are.
+/// Whether lb's TC program `prog` is on `dev`'s ingress in `netns`: asked
+/// of the kernel, as TCX links (this machine's bpftool does not list them)
+/// unless the tests run with `LB_TC_ATTACH=netlink`, then as clsact filters.
+pub fn tc_program_on(netns: &str, dev: &str, prog: &str) -> Result<bool> {
+    let tcx = std::env::var("LB_TC_ATTACH").map_or(true, |m| m != "netlink");
+    if tcx {
+        use aya::programs::{SchedClassifier, TcAttachType};
+        let (_, progs) = with_netns(Some(netns), || Ok(SchedClassifier::query_tcx(dev, TcAttachType::Ingress)?))?;
+        // The kernel keeps 15 bytes of a program's name.
+        let cut = &prog[..prog.len().min(15)];
+        return Ok(progs.iter().any(|i| i.name_as_str() == Some(cut)));
+    }
+    let out = run("nsenter", &[&format!("--net=/run/netns/{netns}"), "--", "bpftool", "net", "show", "dev", dev])?;
+    Ok(out.contains(prog))
+}
+
 pub fn with_netns<T: Send>(netns: Option<&str>, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
     std::thread::scope(|s| {
         let h = s.spawn(|| {

@@ -401,18 +401,7 @@ fn devices_no_longer_served_lose_lbs_programs() -> Result<()> {
     ] {
         w.c.in_netns(&n1, &cmd)?;
     }
-    // Asked of the kernel: TCX links (this bpftool does not list them),
-    // else clsact filters (--tc-attach netlink).
-    let tcx = std::env::var("LB_TC_ATTACH").map_or(true, |m| m != "netlink");
-    let has = |w: &World, dev: &str| -> Result<bool> {
-        if tcx {
-            use aya::programs::{SchedClassifier, TcAttachType};
-            let (_, progs) = lbtest::with_netns(Some(&n1), || Ok(SchedClassifier::query_tcx(dev, TcAttachType::Ingress)?))?;
-            // A program's name is cut to 15 bytes.
-            return Ok(progs.iter().any(|i| i.name_as_str() == Some("lb_nodeport_ing")));
-        }
-        Ok(w.c.in_netns(&n1, &["bpftool", "net", "show", "dev", dev])?.contains("lb_nodeport_ingress"))
-    };
+    let has = |_: &World, dev: &str| lbtest::tc_program_on(&n1, dev, "lb_nodeport_ingress");
     let accept_local = |w: &World| -> Result<String> { Ok(w.c.in_netns(&n1, &["cat", "/proc/sys/net/ipv4/conf/np2/accept_local"])?.trim().to_string()) };
     w.c.wait_for("lb's programs on the device with an address", Duration::from_secs(5), || has(&w, "np2"))?;
     assert_eq!(accept_local(&w)?, "1");

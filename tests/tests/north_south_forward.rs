@@ -92,19 +92,10 @@ fn translated_outside_traffic_skips_the_stacks_forwarding_path() -> Result<()> {
     wait_only(&w.c, NODE1_6, 30080, &p3)?;
     local_pod(&w, &p3)?;
     let dev = |p: &Pod| format!("v{}", p.ip.rsplit('.').next().unwrap_or_default());
-    // Asked of the kernel: TCX links (this bpftool does not list them),
-    // else netlink filters. TCX links are pinned too.
+    // TCX links are pinned too.
     let tcx = std::env::var("LB_TC_ATTACH").map_or(true, |m| m != "netlink");
     let links = w.c.nodes[0].bpffs.join("links");
-    let on_dev = |w: &World, p: &Pod| -> Result<bool> {
-        let node = &w.c.nodes[0].netns;
-        if tcx {
-            use aya::programs::{SchedClassifier, TcAttachType};
-            let (_, progs) = lbtest::with_netns(Some(node), || Ok(SchedClassifier::query_tcx(&dev(p), TcAttachType::Ingress)?))?;
-            return Ok(progs.iter().any(|i| i.name_as_str() == Some("lb_pod_ingress")));
-        }
-        Ok(w.c.in_netns(node, &["bpftool", "net", "show", "dev", &dev(p)])?.contains("lb_pod_ingress"))
-    };
+    let on_dev = |w: &World, p: &Pod| lbtest::tc_program_on(&w.c.nodes[0].netns, &dev(p), "lb_pod_ingress");
     assert!(on_dev(&w, &p3)?, "the pod program on {}", dev(&p3));
     assert_eq!(links.join(format!("lb_pod_ingress_{}", dev(&p3))).exists(), tcx, "pinned with TCX");
     let pin = links.join(format!("lb_pod_ingress_{}", dev(&p3)));
