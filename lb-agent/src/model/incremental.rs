@@ -144,25 +144,25 @@ struct ObjectDiff {
     new_svcs: Vec<Arc<Service>>,
     gone_slices: Vec<Arc<EndpointSlice>>,
     new_slices: Vec<Arc<EndpointSlice>>,
-    /// Objects decoded anew with the same content: the copy kept (the one
-    /// the groups hold), by the new one's address.
-    kept_svcs: Kept<Service>,
-    kept_slices: Kept<EndpointSlice>,
+    /// Objects decoded anew with the same content: (the copy the groups
+    /// hold, the new copy that takes its place).
+    same_svcs: Vec<(Arc<Service>, Arc<Service>)>,
+    same_slices: Vec<(Arc<EndpointSlice>, Arc<EndpointSlice>)>,
 }
-
-type Kept<T> = HashMap<*const T, Arc<T>>;
 
 impl ObjectDiff {
     fn of(old_svcs: &[Arc<Service>], svcs: &[Arc<Service>], old_slices: &[Arc<EndpointSlice>], slices: &[Arc<EndpointSlice>]) -> Self {
-        let (gone_svcs, new_svcs, kept_svcs) = diff(old_svcs, svcs, |s: &Service| &s.metadata);
-        let (gone_slices, new_slices, kept_slices) = diff(old_slices, slices, |s: &EndpointSlice| &s.metadata);
-        ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices, kept_svcs, kept_slices }
+        let (gone_svcs, new_svcs, same_svcs) = diff(old_svcs, svcs, |s: &Service| &s.metadata);
+        let (gone_slices, new_slices, same_slices) = diff(old_slices, slices, |s: &EndpointSlice| &s.metadata);
+        ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices, same_svcs, same_slices }
     }
 }
 
-/// `objs`, each replaced by the copy `kept` names for it.
-fn with_kept<T>(objs: &[Arc<T>], kept: &Kept<T>) -> Vec<Arc<T>> {
-    objs.iter().map(|o| kept.get(&Arc::as_ptr(o)).cloned().unwrap_or_else(|| o.clone())).collect()
+/// Put `new` where `old` is in `held` (by identity).
+fn swap_in<T>(held: &mut [Arc<T>], old: &Arc<T>, new: &Arc<T>) {
+    if let Some(x) = held.iter_mut().find(|x| Arc::ptr_eq(x, old)) {
+        *x = new.clone();
+    }
 }
 
 /// The objects of `old` not in `new`, and those of `new` not in `old`: the
@@ -172,9 +172,13 @@ fn with_kept<T>(objs: &[Arc<T>], kept: &Kept<T>) -> Vec<Arc<T>> {
 /// uses (its change trackers compare with DeepEqual), so a relist neither
 /// recomputes every Service nor observes every slice's old trigger time
 /// in `kubeproxy_network_programming_duration_seconds`. The third part
-/// names, for each such new copy, the old one, which stays in use.
-fn diff<T: PartialEq>(old: &[Arc<T>], new: &[Arc<T>], meta: fn(&T) -> &super::objects::Meta) -> (Vec<Arc<T>>, Vec<Arc<T>>, Kept<T>) {
-    let (mut gone, mut added, mut kept) = (Vec::new(), Vec::new(), Kept::default());
+/// pairs each such old object with its new copy, which takes its place in
+/// the model: the source's store holds the new one, so the next snapshot
+/// is the same allocation again (keeping the old one would compare it in
+/// full on every later sync, and hold both copies).
+#[allow(clippy::type_complexity)]
+fn diff<T: PartialEq>(old: &[Arc<T>], new: &[Arc<T>], meta: fn(&T) -> &super::objects::Meta) -> (Vec<Arc<T>>, Vec<Arc<T>>, Vec<(Arc<T>, Arc<T>)>) {
+    let (mut gone, mut added, mut same) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..old.len().max(new.len()) {
         match (old.get(i), new.get(i)) {
             (Some(a), Some(b)) if Arc::ptr_eq(a, b) => {}
@@ -204,23 +208,25 @@ fn diff<T: PartialEq>(old: &[Arc<T>], new: &[Arc<T>], meta: fn(&T) -> &super::ob
             was.entry(key(o)).or_default().push(i);
         }
         let mut matched = vec![false; gone.len()];
+        let mut paired: HashSet<*const T> = HashSet::default();
         for o in &added {
             let Some(candidates) = was.get(&key(o)) else { continue };
             if let Some(&i) = candidates.iter().find(|&&i| !matched[i] && *gone[i] == **o) {
                 matched[i] = true;
-                kept.insert(Arc::as_ptr(o), gone[i].clone());
+                paired.insert(Arc::as_ptr(o));
+                same.push((gone[i].clone(), o.clone()));
             }
         }
-        if !kept.is_empty() {
+        if !same.is_empty() {
             let mut i = 0;
             gone.retain(|_| {
                 i += 1;
                 !matched[i - 1]
             });
-            added.retain(|o| !kept.contains_key(&Arc::as_ptr(o)));
+            added.retain(|o| !paired.contains(&Arc::as_ptr(o)));
         }
     }
-    (gone, added, kept)
+    (gone, added, same)
 }
 
 /// The contributions of the Services `refs` (empty for a reference with
@@ -307,10 +313,31 @@ impl Incremental {
     /// Take in the objects that went and came, and recompute the Services
     /// they touch and those in `affected`.
     fn apply(&mut self, services: &[Arc<Service>], slices: &[Arc<EndpointSlice>], objs: ObjectDiff, mut affected: BTreeSet<ServiceRef>, ch: &mut Changes) {
-        let ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices, kept_svcs, kept_slices } = objs;
-        // The copies the groups hold, so that a later change finds them.
-        self.services = with_kept(services, &kept_svcs);
-        self.slices = with_kept(slices, &kept_slices);
+        let ObjectDiff { gone_svcs, new_svcs, gone_slices, new_slices, same_svcs, same_slices } = objs;
+        self.services = services.to_vec();
+        self.slices = slices.to_vec();
+        // Unchanged objects decoded anew: the new copy in the old one's
+        // place, nothing recomputed.
+        for (old, new) in &same_svcs {
+            if let Some(g) = self.groups.get_mut(&service_ref(new)) {
+                swap_in(&mut g.services, old, new);
+            }
+        }
+        for (old, new) in &same_slices {
+            match slice_group(new) {
+                Ok(Some(r)) => {
+                    if let Some(g) = self.groups.get_mut(&r) {
+                        swap_in(&mut g.slices, old, new);
+                    }
+                }
+                Ok(None) => {}
+                Err(_) => {
+                    if let Some(x) = self.unowned.iter_mut().find(|(x, _)| Arc::ptr_eq(x, old)) {
+                        x.0 = new.clone();
+                    }
+                }
+            }
+        }
         for s in gone_svcs {
             let r = service_ref(&s);
             if let Some(g) = self.groups.get_mut(&r) {

@@ -208,16 +208,31 @@ fn ip_addresses<'de, D: Deserializer<'de>>(d: D) -> Result<SmallVec<[IpAddr; 1]>
     Ok(parse_ips(v.iter().flatten()))
 }
 
-/// One shared copy of each node name. The set only grows with the names
-/// of nodes ever seen: a few thousand strings at most.
+/// One shared copy of each node name. Names no object holds any more are
+/// dropped whenever the set has doubled since the last pass (node names
+/// come and go with autoscaled nodes): the set stays within twice the
+/// names in use, at amortised constant cost.
+struct Names {
+    set: HashSet<Arc<str>>,
+    prune_at: usize,
+}
+
+fn names() -> std::sync::MutexGuard<'static, Names> {
+    static NAMES: OnceLock<Mutex<Names>> = OnceLock::new();
+    NAMES.get_or_init(|| Mutex::new(Names { set: HashSet::new(), prune_at: 1024 })).lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn intern(name: &str) -> Arc<str> {
-    static NAMES: OnceLock<Mutex<HashSet<Arc<str>>>> = OnceLock::new();
-    let mut names = NAMES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(n) = names.get(name) {
+    let mut names = names();
+    if let Some(n) = names.set.get(name) {
         return n.clone();
     }
+    if names.set.len() >= names.prune_at {
+        names.set.retain(|n| Arc::strong_count(n) > 1);
+        names.prune_at = (names.set.len() * 2).max(1024);
+    }
     let n: Arc<str> = Arc::from(name);
-    names.insert(n.clone());
+    names.set.insert(n.clone());
     n
 }
 
@@ -289,5 +304,20 @@ mod tests {
         assert_eq!(e.endpoints[0].addresses.as_slice(), ["10.244.1.5".parse::<IpAddr>().unwrap()]);
         let e: EndpointSlice = serde_json::from_str(r#"{"metadata": {"name": "s"}, "addressType": "IPv4", "endpoints": null}"#).unwrap();
         assert!(e.endpoints.is_empty());
+    }
+
+    /// Node names no object holds are dropped: a cluster whose nodes are
+    /// replaced every day does not grow the agent for good; a name in use
+    /// stays one shared copy.
+    #[test]
+    fn node_names_no_object_holds_are_dropped() {
+        let kept = intern("node-kept-by-this-test");
+        for i in 0..10_000 {
+            drop(intern(&format!("node-autoscaled-{i}")));
+        }
+        let len = names().set.len();
+        // Other tests of this process intern names too, a few at a time.
+        assert!(len < 2_500, "{len} names held");
+        assert!(Arc::ptr_eq(&kept, &intern("node-kept-by-this-test")), "one copy of a name in use");
     }
 }

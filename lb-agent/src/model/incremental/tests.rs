@@ -232,6 +232,49 @@ fn counts_object_changes_and_collects_trigger_times() {
     assert_eq!(ch.triggers, [(humantime::parse_rfc3339("2026-12-01T10:00:02Z").unwrap(), "IPv6")]);
 }
 
+/// After a relist the model holds the new copies, as the source's store
+/// does: the old ones are freed (not held twice), and the next snapshot
+/// is the same allocations again (no comparison of content).
+#[test]
+fn a_relist_leaves_the_model_holding_the_new_copies() {
+    let opts = Options::default();
+    let svc = || {
+        let mut s = Service::default();
+        s.metadata.name = Some("a".into());
+        s.metadata.namespace = Some("ns".into());
+        Arc::new(s)
+    };
+    let slice = |owned: bool| {
+        let mut e = EndpointSlice { address_type: "IPv4".into(), ..Default::default() };
+        e.metadata.name = Some(if owned { "a-1" } else { "stray" }.into());
+        e.metadata.namespace = Some("ns".into());
+        if owned {
+            e.metadata.labels.service_name = Some("a".into());
+        }
+        Arc::new(e)
+    };
+    let mut inc = Incremental::new();
+    let (a, e, stray) = (svc(), slice(true), slice(false));
+    inc.update(std::slice::from_ref(&a), &[e.clone(), stray.clone()], &node(), &opts);
+    let old = [Arc::downgrade(&a)];
+    let old_slices = [Arc::downgrade(&e), Arc::downgrade(&stray)];
+    drop((a, e, stray));
+    let (a2, e2, stray2) = (svc(), slice(true), slice(false));
+    let ch = inc.update(std::slice::from_ref(&a2), &[e2.clone(), stray2.clone()], &node(), &opts);
+    assert!(ch.is_empty(), "{ch:?}");
+    assert!(old.iter().all(|w| w.upgrade().is_none()), "the old Service is freed");
+    assert!(old_slices.iter().all(|w| w.upgrade().is_none()), "the old slices are freed (the group's and the unowned one)");
+    // The groups hold the new copies: a change finds them by identity.
+    assert_eq!(Arc::strong_count(&a2), 3, "the caller's, the snapshot's, the group's");
+    assert_eq!(Arc::strong_count(&e2), 3);
+    assert_eq!(Arc::strong_count(&stray2), 3);
+    let (gone, added, same) = diff(&inc.services, std::slice::from_ref(&a2), |s: &Service| &s.metadata);
+    assert!(gone.is_empty() && added.is_empty() && same.is_empty());
+    inc.update(&[], &[], &node(), &opts);
+    assert_eq!(Arc::strong_count(&a2), 1, "dropped from the group when deleted");
+    assert_eq!(Arc::strong_count(&stray2), 1, "and from the unowned slices");
+}
+
 /// A node address that comes or goes recomputes the Services with
 /// NodePorts and touches only their frontends on it; a new primary address
 /// touches nothing; a new zone recomputes everything.
