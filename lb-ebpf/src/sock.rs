@@ -115,7 +115,13 @@ fn tracked(ctx: &SockAddrContext) -> SockXlate {
 /// that the reply comes from the peer a connected socket accepts
 /// (kube-proxy: the datagram has the connected flow's tuple, and conntrack
 /// its endpoint). The backend's address goes to `out`; returns its port
-/// with bit 16 set, or 0 when the socket is not connected there.
+/// with bit 16 set, or 0 when the socket is not connected there: the
+/// storage outlives a disconnect (`connect(AF_UNSPEC)`, or the agent's
+/// destroying of a socket whose backend left, which disconnects a UDP
+/// socket) and a connect to an address no Service has, and the socket
+/// must still be connected to that backend (else a datagram the
+/// application sends with the frontend's address after such an error
+/// would go to the backend that left, for good).
 #[inline(always)]
 fn connected_backend(ctx: &SockAddrContext, family: u8, asked: &[u32; 4], port: u16, out: &mut [u32; 4]) -> u32 {
     use core::ptr::{addr_of, read_volatile};
@@ -146,10 +152,32 @@ fn connected_backend(ctx: &SockAddrContext, family: u8, asked: &[u32; 4], port: 
         return 0;
     }
     // SAFETY: as above.
-    unsafe {
+    let backend_port = unsafe {
         *out = read_volatile(addr_of!((*p).backend).cast::<[u32; 4]>());
-        read_volatile(addr_of!((*p).backend_port)) as u32 | 1 << 16
+        read_volatile(addr_of!((*p).backend_port))
+    };
+    // SAFETY: ctx is this program's context; its socket (PTR_TO_SOCKET,
+    // never null) is readable field by field, each at its own size.
+    unsafe {
+        let sk = (*ctx.sock_addr).__bindgen_anon_1.sk;
+        // TCP_ESTABLISHED: a connected UDP socket's state.
+        if read_volatile(addr_of!((*sk).state)) != 1 || read_volatile(addr_of!((*sk).dst_port)) != backend_port {
+            return 0;
+        }
+        if family == FAMILY_V4 {
+            if read_volatile(addr_of!((*sk).dst_ip4)) != out[0] {
+                return 0;
+            }
+        } else {
+            let d = addr_of!((*sk).dst_ip6).cast::<u32>();
+            for i in 0..4 {
+                if read_volatile(d.add(i)) != out[i] {
+                    return 0;
+                }
+            }
+        }
     }
+    backend_port as u32 | 1 << 16
 }
 
 /// `connected_backend` for an AF_INET socket's datagram: the address

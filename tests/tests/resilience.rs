@@ -72,6 +72,26 @@ fn a_connected_udp_client_is_told_when_its_pod_is_replaced_and_reconnects() -> R
     Ok(())
 }
 
+/// A client that goes on with `sendto` to the ClusterIP on the socket the
+/// agent disconnected (its backend left) reaches a live backend: the
+/// socket's stored translation is for a connected socket only.
+#[test]
+fn sendto_on_a_udp_socket_disconnected_from_a_removed_backend_reaches_a_live_one() -> Result<()> {
+    let (mut c, p, client) = setup(&["old"], &[])?;
+    let bg = c.probe_bg(&client, &["udp-stream", "--addr", "10.96.0.10:53", "--sendto-after-error", "--interval-ms", "20", "--max-ms", "3000"])?;
+    std::thread::sleep(Duration::from_millis(700));
+    let new = c.add_pod(1, "new")?;
+    c.serve(&new, 8080)?;
+    // "old" still answers: only a stale translation would reach it.
+    set_endpoints(&c, &[&new])?;
+    let s = Cluster::finish(bg)?;
+    assert!(s.replies.get("old").is_some_and(|n| *n > 5), "{s:?}");
+    assert!(s.errors.contains_key("ECONNABORTED") || s.errors.contains_key("EDESTADDRREQ"), "told by an error: {s:?}");
+    assert!(s.replies.get("new").is_some_and(|n| *n > 20), "sendto on the same socket reaches the live pod: {s:?}");
+    drop(p);
+    Ok(())
+}
+
 /// A UDP socket connected to a ClusterIP before its Service existed was
 /// not translated, and its datagrams go where the ClusterIP routes
 /// (nowhere: a blackhole here, as a ClusterIP outside the cluster's

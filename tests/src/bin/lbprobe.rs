@@ -212,6 +212,11 @@ enum Cmd {
         /// only an error makes it connect again).
         #[arg(long)]
         keep_on_timeout: bool,
+        /// After an error keep the socket (the kernel may have disconnected
+        /// it) and send with the address (sendto) from then on, as a
+        /// client that disconnects and sends on does.
+        #[arg(long)]
+        sendto_after_error: bool,
         /// Write one JSON line per attempt here.
         #[arg(long)]
         trace_file: Option<std::path::PathBuf>,
@@ -1363,7 +1368,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        Cmd::UdpStream { addr, interval_ms, max_ms, keep_on_timeout, trace_file } => {
+        Cmd::UdpStream { addr, interval_ms, max_ms, keep_on_timeout, sendto_after_error, trace_file } => {
             let mut trace = Trace::open(trace_file.as_deref())?;
             let deadline = Instant::now() + Duration::from_millis(max_ms);
             let new_sock = || -> std::io::Result<UdpSocket> {
@@ -1374,11 +1379,17 @@ fn main() -> anyhow::Result<()> {
             };
             let mut sock = new_sock()?;
             let mut buf = [0u8; 1500];
+            let mut sendto = false;
             while Instant::now() < deadline {
                 s.attempts += 1;
                 let t = epoch_ms();
                 let before = s.ok;
-                match sock.send(b"hi").and_then(|_| sock.recv(&mut buf)) {
+                let once = if sendto {
+                    sock.send_to(b"hi", addr).and_then(|_| sock.recv_from(&mut buf).map(|(n, _)| n))
+                } else {
+                    sock.send(b"hi").and_then(|_| sock.recv(&mut buf))
+                };
+                match once {
                     Ok(n) => {
                         s.ok += 1;
                         let r = String::from_utf8_lossy(&buf[..n]).into_owned();
@@ -1389,7 +1400,9 @@ fn main() -> anyhow::Result<()> {
                         s.fail(&e, Instant::now());
                         // The socket is gone or stuck: a new one.
                         let timeout = matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut);
-                        if !(keep_on_timeout && timeout) {
+                        if sendto_after_error && !timeout {
+                            sendto = true;
+                        } else if !(keep_on_timeout && timeout) {
                             sock = new_sock()?;
                         }
                     }
