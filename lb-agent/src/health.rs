@@ -318,6 +318,8 @@ pub struct Metrics {
     pub map_capacity: Family<[(&'static str, &'static str); 1], Gauge>,
     pub not_programmed: Gauge,
     pub sockets_destroyed: Counter,
+    /// Stale sockets the kernel refused to destroy, by errno.
+    pub sockets_destroy_failed: Family<[(&'static str, String); 1], Counter>,
     /// kube-proxy's metrics, under its names, labels and meanings (those
     /// with `ip_family` once per family this node reports: see
     /// `Reconciler::ip_families`).
@@ -379,6 +381,7 @@ impl Metrics {
             map_capacity: Family::default(),
             not_programmed: Gauge::default(),
             sockets_destroyed: Counter::default(),
+            sockets_destroy_failed: Family::default(),
             kp_sync_duration: Family::new_with_constructor(sync_buckets),
             kp_sync_full_duration: Family::new_with_constructor(sync_buckets),
             kp_sync_partial_duration: Family::new_with_constructor(sync_buckets),
@@ -426,6 +429,11 @@ impl Metrics {
                 "lb_sockets_destroyed",
                 "Connected sockets destroyed because their backend left the Service",
                 m.sockets_destroyed.clone(),
+            );
+            r.register(
+                "lb_sockets_destroy_failed",
+                "Stale sockets the kernel refused to destroy, by errno (EOPNOTSUPP: a kernel built without CONFIG_INET_DIAG_DESTROY, where clients of a removed endpoint wait for their timeouts)",
+                m.sockets_destroy_failed.clone(),
             );
             r.register(
                 "kubeproxy_sync_proxy_rules_duration_seconds",

@@ -528,6 +528,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 &cfg.bpffs,
                 cfg.cgroup.clone(),
                 metrics.sockets_destroyed.clone(),
+                metrics.sockets_destroy_failed.clone(),
                 metrics.cgroup_invisible.clone(),
             )?)
         } else {

@@ -375,6 +375,11 @@ fn add_frontend<A: Addr>(t: &mut Builder<A>, key: &model::FrontendKey, front: &m
         let mut n = 0u16;
         for b in backends {
             let Some(baddr) = A::from_ip(b.addr) else { continue };
+            // Slots are numbered in 16 bits: the first 65,535 backends
+            // (a count that wrapped would name a few and overwrite them).
+            if n == u16::MAX {
+                break;
+            }
             let mut flags = 0;
             if b.local {
                 flags |= backend_flags::LOCAL;

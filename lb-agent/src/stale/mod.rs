@@ -38,7 +38,7 @@ pub use crate::model::Pair;
 use crate::model::{FrontendKey, Proto};
 pub use sock_diag::send;
 use netns::{check_visibility, netns_sockets};
-use sock_diag::{Conn, connected_to, destroy_one, xlate_pair};
+use sock_diag::{Conn, Destroyed, connected_to, destroy_one, xlate_pair};
 
 /// A connected socket (named by `T`), its protocol, its peer address and
 /// port, and the frontend our hook translated it from (None: not ours).
@@ -103,10 +103,16 @@ struct Worker {
     udp: SockMap<u64, lb_common::SockXlate>,
     cgroup: std::path::PathBuf,
     destroyed: prometheus_client::metrics::counter::Counter,
+    refused: Refused,
     invisible: prometheus_client::metrics::gauge::Gauge,
     /// The "cannot see the processes" error was logged.
     logged_blind: bool,
+    /// The errnos of refusals logged as errors (each once).
+    logged_refusals: BTreeSet<i32>,
 }
+
+/// `lb_sockets_destroy_failed`, by errno.
+pub type Refused = prometheus_client::metrics::family::Family<[(&'static str, String); 1], prometheus_client::metrics::counter::Counter>;
 
 /// How long after the maps changed the sockets to endpoints that left are
 /// looked for.
@@ -202,8 +208,22 @@ impl Worker {
         for i in stale(&candidates, &judged).into_iter().chain(untranslated) {
             let c = &conns[i];
             match destroy_one(sock, c.req.clone()) {
-                Ok(true) => n += 1,
-                Ok(false) => {}
+                Ok(Destroyed::Yes) => n += 1,
+                Ok(Destroyed::Gone) => {}
+                Ok(Destroyed::Refused(errno)) => {
+                    self.refused.get_or_create(&[("errno", format!("{errno:?}"))]).inc();
+                    if self.logged_refusals.insert(errno as i32) {
+                        tracing::error!(
+                            errno = ?errno,
+                            "the kernel refused to destroy a socket connected to a removed endpoint ({}): such clients wait for \
+                             their own timeouts instead of failing at once{}; counted in lb_sockets_destroy_failed_total (logged once)",
+                            errno.desc(),
+                            if errno == nix::errno::Errno::EOPNOTSUPP { " (a kernel built without CONFIG_INET_DIAG_DESTROY)" } else { "" }
+                        );
+                    } else {
+                        tracing::debug!(errno = ?errno, "SOCK_DESTROY refused");
+                    }
+                }
                 Err(e) => tracing::warn!("destroying a stale socket in the netns of pid {pid}: {e:#}"),
             }
             // Gone (or closing): forget its translation (a socket's storage
@@ -255,13 +275,15 @@ impl Worker {
 }
 
 impl Destroyer {
-    /// `destroyed` counts the sockets (the `lb_sockets_destroyed` metric).
+    /// `destroyed` counts the sockets (the `lb_sockets_destroyed` metric),
+    /// `refused` those the kernel would not destroy.
     /// `invisible` is the number of the cgroup's processes the agent cannot see
     /// (the `lb_cgroup_processes_invisible` metric).
     pub fn spawn(
         bpffs: &Path,
         cgroup: std::path::PathBuf,
         destroyed: prometheus_client::metrics::counter::Counter,
+        refused: Refused,
         invisible: prometheus_client::metrics::gauge::Gauge,
     ) -> Result<Self> {
         use lb_common::maps;
@@ -277,8 +299,10 @@ impl Destroyer {
             },
             cgroup,
             destroyed,
+            refused,
             invisible,
             logged_blind: false,
+            logged_refusals: Default::default(),
         };
         let (tx, rx) = std::sync::mpsc::channel::<Work>();
         std::thread::Builder::new().name("stale-sockets".into()).spawn(move || worker.run(rx))?;

@@ -182,18 +182,55 @@ pub(super) fn connected_to(sock: &Socket, peers: Option<&BTreeSet<(IpAddr, u16)>
     Ok(found)
 }
 
-/// Destroy one socket; false when it had closed meanwhile.
-pub(super) fn destroy_one(sock: &Socket, req: InetRequest) -> Result<bool> {
+/// What became of one SOCK_DESTROY.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Destroyed {
+    Yes,
+    /// It had closed meanwhile (ENOENT).
+    Gone,
+    /// The kernel refused, with this errno (EOPNOTSUPP: built without
+    /// CONFIG_INET_DIAG_DESTROY).
+    Refused(nix::errno::Errno),
+}
+
+/// Destroy one socket.
+pub(super) fn destroy_one(sock: &Socket, req: InetRequest) -> Result<Destroyed> {
     send(sock, NLM_F_REQUEST | NLM_F_ACK, SockDiagDestroy::new(SockDiagMessage::InetRequest(req)))?;
     let mut buf = vec![0u8; 4096];
     let len = sock.recv(&mut &mut buf[..], 0)?;
     let msg = NetlinkMessage::<SockDiagMessage>::deserialize(&buf[..len]).context("sock_diag ack")?;
-    match msg.payload {
-        NetlinkPayload::Error(e) if e.code.is_some() => {
-            // ENOENT: it closed meanwhile.
-            tracing::debug!("SOCK_DESTROY: {e:?}");
-            Ok(false)
-        }
-        _ => Ok(true),
+    Ok(ack(&msg.payload))
+}
+
+fn ack(payload: &NetlinkPayload<SockDiagMessage>) -> Destroyed {
+    match payload {
+        NetlinkPayload::Error(e) => match e.code {
+            None => Destroyed::Yes,
+            Some(code) => match nix::errno::Errno::from_raw(-code.get()) {
+                nix::errno::Errno::ENOENT => Destroyed::Gone,
+                errno => Destroyed::Refused(errno),
+            },
+        },
+        _ => Destroyed::Yes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An ACK destroyed it; ENOENT: it had closed; any other errno is a
+    /// refusal to report (EOPNOTSUPP: no CONFIG_INET_DIAG_DESTROY).
+    #[test]
+    fn destroy_acks_are_told_apart() {
+        let err = |code: i32| {
+            let mut e = netlink_packet_core::ErrorMessage::default();
+            e.code = std::num::NonZeroI32::new(code);
+            NetlinkPayload::<SockDiagMessage>::Error(e)
+        };
+        assert_eq!(ack(&err(0)), Destroyed::Yes);
+        assert_eq!(ack(&err(-2)), Destroyed::Gone);
+        assert_eq!(ack(&err(-95)), Destroyed::Refused(nix::errno::Errno::EOPNOTSUPP));
+        assert_eq!(ack(&err(-1)), Destroyed::Refused(nix::errno::Errno::EPERM));
     }
 }
