@@ -213,11 +213,14 @@ pub struct Frontend {
     pub host_only: bool,
     /// loadBalancerSourceRanges (LoadBalancer IPs only): (network, prefix length).
     pub source_ranges: Vec<(IpAddr, u8)>,
-    /// Endpoints in neither backend set whose connections are not stale
-    /// either: serving ones (ready, or serving while terminating), and
-    /// for TCP every one the slices list (draining, or failing its
-    /// readiness probe: kube-proxy never flushes TCP conntrack entries).
-    /// Sorted; usually empty. See `serving`.
+    /// Ready endpoints in neither backend set (left out by topology
+    /// hints, internalTrafficPolicy Local, or externalTrafficPolicy
+    /// Local): their connections are not stale. Sorted; usually empty.
+    pub extra_ready: Vec<(IpAddr, u16)>,
+    /// The other endpoints whose connections are not stale either: serving
+    /// while terminating, and for TCP every one the slices list (draining,
+    /// or failing its readiness probe: kube-proxy never flushes TCP
+    /// conntrack entries). Sorted; usually empty. See `serving`.
     pub extra_serving: Vec<(IpAddr, u16)>,
     /// External frontends only: outside flows pick their backend by Maglev
     /// (`Algorithm::Maglev`).
@@ -243,6 +246,7 @@ impl Frontend {
             no_socket: false,
             host_only: false,
             source_ranges: Vec::new(),
+            extra_ready: Vec::new(),
             extra_serving: Vec::new(),
             maglev: false,
             dsr: false,
@@ -257,6 +261,7 @@ impl Frontend {
             .iter()
             .chain(&self.local_backends)
             .map(|b| (b.addr, b.port))
+            .chain(self.extra_ready.iter().copied())
             .chain(self.extra_serving.iter().copied())
             .collect();
         all.into_iter().collect()
@@ -265,7 +270,20 @@ impl Frontend {
     /// Whether `addr:port` still serves this frontend.
     pub fn serves(&self, addr: IpAddr, port: u16) -> bool {
         self.backends.iter().chain(&self.local_backends).any(|b| b.addr == addr && b.port == port)
+            || self.extra_ready.contains(&(addr, port))
             || self.extra_serving.contains(&(addr, port))
+    }
+
+    /// Whether `addr:port` is a ready endpoint (neither terminating nor
+    /// failing its readiness probe). A TCP connection to one that leaves
+    /// the Service is kept, as kube-proxy's conntrack keeps it: its pod
+    /// still runs (a selector switched to other pods, a blue/green
+    /// rollout, a targetPort changed) and its connections are its own to
+    /// finish. Those to an endpoint that was not ready when it left (its
+    /// pod deleted: terminating first; or failing) are ended.
+    pub fn ready(&self, addr: IpAddr, port: u16) -> bool {
+        self.backends.iter().chain(&self.local_backends).any(|b| b.addr == addr && b.port == port && !b.terminating)
+            || self.extra_ready.contains(&(addr, port))
     }
 }
 
@@ -293,6 +311,17 @@ impl Desired {
         self.frontends
             .iter()
             .flat_map(|(k, f)| f.serving().into_iter().map(move |(a, p)| (k.addr, k.port, k.proto, a, p)))
+            .collect()
+    }
+
+    /// The pairs of `alive_pairs` whose connections end when they leave:
+    /// all but the ready TCP endpoints' (`Frontend::ready`).
+    pub fn stale_when_gone(&self) -> BTreeSet<Pair> {
+        self.frontends
+            .iter()
+            .flat_map(|(k, f)| {
+                f.serving().into_iter().filter(move |(a, p)| !(k.proto == Proto::Tcp && f.ready(*a, *p))).map(move |(a, p)| (k.addr, k.port, k.proto, a, p))
+            })
             .collect()
     }
 }

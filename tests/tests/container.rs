@@ -415,9 +415,9 @@ fn a_sigkilled_agent_container_drops_no_connect_and_the_next_pod_adopts_the_pins
 }
 
 /// (6) A connection held through the ClusterIP to a pod whose endpoint
-/// leaves is destroyed by the agent in its container (hostPID: it finds the
-/// client's netns through /proc): it fails at once with ECONNABORTED or
-/// ECONNRESET, not after a timeout.
+/// leaves (not ready first, as a dying pod's is) is destroyed by the agent
+/// in its container (hostPID: it finds the client's netns through /proc):
+/// it fails at once with ECONNABORTED or ECONNRESET, not after a timeout.
 #[test]
 fn the_containerized_agent_destroys_a_held_connection_to_a_removed_endpoint() -> Result<()> {
     let w = setup()?;
@@ -439,6 +439,10 @@ fn the_containerized_agent_destroys_a_held_connection_to_a_removed_endpoint() ->
     let other = w.pods.iter().find(|p| p.name != target.name).unwrap().clone();
     std::thread::sleep(Duration::from_millis(300));
 
+    // Not ready first (kept: kube-proxy keeps TCP to an endpoint that
+    // is not ready, and to a ready one that leaves), then gone.
+    w.c.write_object("slice.yaml", &slice("web", "web-1", EP, &[(target.ip.as_str(), "node-1", false), (other.ip.as_str(), "node-1", true)]))?;
+    w.wait_backends(&[&other], 10)?;
     let removed = Instant::now();
     w.c.write_object("slice.yaml", &slice_for(&[&other]))?;
     w.wait_backends(&[&other], 10)?;

@@ -218,11 +218,14 @@ fn a_tcp_flow_to_an_endpoint_that_left_gets_a_reset_and_a_draining_one_keeps_goi
         // Masqueraded (externalTrafficPolicy Cluster, a local backend).
         assert_eq!(s.replies.keys().collect::<Vec<_>>(), [format!("pod-1 {}", if node_addr == NODE1 { NODE1_BRIDGE } else { NODE1_BRIDGE6 }).as_str()]);
 
-        // Gone for good: the next packet of the flow is answered with a RST.
+        // Gone for good (draining, then out of the slice: a deleted pod):
+        // the next packet of the flow is answered with a RST.
         set_endpoints(&w, &[(&w.p1, E::ready)])?;
         wait_only(&w.c, node_addr, 30080, &w.p1)?;
         let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &addr, "--hold-ms", "3000", "--interval-ms", "50", "--timeout-ms", "5000"])?;
         std::thread::sleep(Duration::from_millis(500));
+        set_endpoints(&w, &[(&w.p1, E::draining), (&w.p2, E::ready)])?;
+        wait_only(&w.c, node_addr, 30080, &w.p2)?;
         set_endpoints(&w, &[(&w.p2, E::ready)])?;
         let s = Cluster::finish(held)?;
         assert!(s.replies.keys().all(|k| k.starts_with("pod-1")), "{s:?}");
@@ -233,6 +236,51 @@ fn a_tcp_flow_to_an_endpoint_that_left_gets_a_reset_and_a_draining_one_keeps_goi
         assert!(s.ok == 3 && s.replies.keys().all(|k| k.starts_with("pod-2")), "{s:?}");
     }
     assert!(datapath(&w.c, 1, "nat_reset")? >= 2);
+    Ok(())
+}
+
+/// kube-proxy's conntrack keeps a TCP flow to an endpoint that fails its
+/// readiness probe, and to a ready one that leaves the Service (its pod
+/// still runs: the selector switched to other pods, a blue/green rollout);
+/// it flushes UDP flows to an endpoint that stops serving. So does lb.
+#[test]
+fn node_port_tcp_flows_outlive_a_readiness_failure_and_a_selector_switch_and_udp_flows_move() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    let addr = hostport(NODE1, 30080);
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &addr, "--hold-ms", "3000", "--interval-ms", "50"])?;
+    let udp = w.c.probe_bg(&w.outside, &["udp", "--addr", &addr, "--one-socket", "--count", "30", "--interval-ms", "100"])?;
+    std::thread::sleep(Duration::from_millis(600));
+    // pod-1 fails its readiness probe (listed, not ready, not terminating):
+    // kube-proxy's conntrack keeps its TCP flows and flushes its UDP ones.
+    set_endpoints(&w, &[(&w.p1, E::not_ready), (&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    let s = tcp(&w.c, &w.outside, &addr, 5)?;
+    assert!(s.ok == 5 && s.replies.keys().all(|k| k.starts_with("pod-2")), "new connections go to the ready pod: {s:?}");
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the held connection keeps going: {s:?}");
+    assert!(s.replies.keys().all(|k| k.starts_with("pod-1")), "{s:?}");
+    let u = Cluster::finish(udp)?;
+    let to = |p: &str| u.replies.iter().filter(|(k, _)| k.starts_with(p)).map(|(_, n)| *n).sum::<u32>();
+    assert!(to("pod-1") >= 3 && to("pod-2") >= 10, "the UDP flow moves to the ready pod: {u:?}");
+
+    // Ready, switched out of the Service: the flow goes on.
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &addr, "--hold-ms", "3000", "--interval-ms", "50"])?;
+    let udp = w.c.probe_bg(&w.outside, &["udp", "--addr", &addr, "--one-socket", "--count", "30", "--interval-ms", "100"])?;
+    std::thread::sleep(Duration::from_millis(600));
+    let resets = datapath(&w.c, 1, "nat_reset")?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the held connection keeps going: {s:?}");
+    assert!(s.replies.keys().all(|k| k.starts_with("pod-1")), "{s:?}");
+    let u = Cluster::finish(udp)?;
+    let to = |p: &str| u.replies.iter().filter(|(k, _)| k.starts_with(p)).map(|(_, n)| *n).sum::<u32>();
+    assert!(to("pod-1") >= 3 && to("pod-2") >= 10, "the UDP flow moves: {u:?}");
+    assert_eq!(datapath(&w.c, 1, "nat_reset")?, resets, "no flow was reset");
     Ok(())
 }
 

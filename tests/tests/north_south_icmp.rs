@@ -323,10 +323,12 @@ fn answers_lb_builds_from_partially_checksummed_packets_hold_on_the_wire() -> Re
             // "Time exceeded" for a datagram whose TTL runs out at node-1.
             let s = icmp_seen(&w.c, &w.outside, &addr, Some("1"))?;
             assert_eq!(s.errors.get("EHOSTUNREACH"), Some(&2), "{addr}: {s:?}");
-            // pod-2 leaves while a connection to it is open: its next
-            // segment gets lb's RST.
+            // pod-2 goes (draining, then out of the slice) while a
+            // connection to it is open: its next segment gets lb's RST.
             let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &addr, "--hold-ms", "3000", "--interval-ms", "50", "--timeout-ms", "5000"])?;
             std::thread::sleep(std::time::Duration::from_millis(500));
+            set_endpoints(&w, &[(&w.p2, E::draining), (&w.p1, E::ready)])?;
+            wait_only(&w.c, node, 30080, &w.p1)?;
             set_endpoints(&w, &[(&w.p1, E::ready)])?;
             let s = Cluster::finish(held)?;
             assert_eq!(s.errors.keys().collect::<Vec<_>>(), ["ECONNRESET"], "{addr}: lb's RST was taken: {s:?}");

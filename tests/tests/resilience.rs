@@ -28,6 +28,18 @@ fn set_endpoints(c: &Cluster, pods: &[&Pod]) -> Result<()> {
     c.wait_programmed(VIP, 80, "TCP", Some(&want))
 }
 
+/// `gone`'s endpoint leaves as a deleted pod's does: terminating (no
+/// longer serving) first, then out of the slice; `stay` are ready.
+fn delete_endpoint(c: &Cluster, gone: &Pod, stay: &[&Pod]) -> Result<()> {
+    let mut eps: Vec<E> = stay.iter().map(|p| E::ready(&p.ip, &format!("node-{}", p.node))).collect();
+    eps.push(E::draining(&gone.ip, &format!("node-{}", gone.node)));
+    c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &eps))?;
+    let want: Vec<String> = stay.iter().map(|p| be(p)).collect();
+    let want: Vec<&str> = want.iter().map(String::as_str).collect();
+    c.wait_programmed(VIP, 80, "TCP", Some(&want))?;
+    set_endpoints(c, stay)
+}
+
 /// One node with backend pods `names` serving on 8080, a client, the agent.
 fn setup(names: &[&str], agent: &[&str]) -> Result<(Cluster, Vec<Pod>, Pod)> {
     let (mut c, pods, client) = Cluster::one_node(names)?;
@@ -131,7 +143,7 @@ fn a_keepalive_tcp_client_fails_fast_and_other_connections_are_untouched() -> Re
     let direct = c.probe_bg(&client, &["tcp", "--addr", &be(&p[0]), "--hold-ms", "3000", "--interval-ms", "20"])?;
     let udp = c.probe_bg(&client, &["udp", "--addr", "10.96.0.10:53", "--one-socket", "--count", "120", "--interval-ms", "25"])?;
     std::thread::sleep(Duration::from_millis(600));
-    set_endpoints(&c, &[&p[1]])?;
+    delete_endpoint(&c, &p[0], &[&p[1]])?;
 
     let mut cut = 0;
     for h in via_vip {
@@ -152,6 +164,33 @@ fn a_keepalive_tcp_client_fails_fast_and_other_connections_are_untouched() -> Re
     assert!(u.replies.contains_key("pod-b") || u.replies.len() == 1, "{u:?}");
     let (_, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
     assert!(m.lines().any(|l| l.starts_with("lb_sockets_destroyed_total ") && !l.ends_with(" 0")), "{m}");
+    Ok(())
+}
+
+/// A ready pod whose endpoint leaves the Service while it runs (the
+/// selector switched to other pods: a blue/green rollout, which then
+/// waits before it scales the old pods down so that their connections
+/// drain) keeps its TCP connections, as kube-proxy's conntrack keeps them;
+/// a connected UDP socket to it is told, as kube-proxy flushes its
+/// conntrack entries. New connections go to the Service's pods.
+#[test]
+fn a_ready_pod_switched_out_of_its_service_keeps_its_tcp_connections() -> Result<()> {
+    let (mut c, p, client) = setup(&["blue"], &[])?;
+    let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "2500", "--interval-ms", "20"])?;
+    let udp = c.probe_bg(&client, &["udp-stream", "--addr", "10.96.0.10:53", "--interval-ms", "20", "--max-ms", "1500"])?;
+    std::thread::sleep(Duration::from_millis(400));
+    let green = c.add_pod(1, "green")?;
+    c.serve(&green, 8080)?;
+    set_endpoints(&c, &[&green])?;
+    let fresh = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "20"])?;
+    assert!(fresh.failed() == 0 && fresh.replies.keys().eq(["green"]), "new connections go to green: {fresh:?}");
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "kept to its end: {s:?}");
+    assert_eq!(s.replies.keys().collect::<Vec<_>>(), ["blue"], "{s:?}");
+    let u = Cluster::finish(udp)?;
+    assert!(u.errors.contains_key("ECONNABORTED") || u.errors.contains_key("EDESTADDRREQ"), "a connected UDP socket to it is told: {u:?}");
+    assert!(u.replies.get("green").is_some_and(|n| *n > 5), "and connects again, to green: {u:?}");
+    drop(p);
     Ok(())
 }
 
@@ -462,7 +501,8 @@ fn udp_socks(c: &Cluster) -> Result<usize> {
 /// Hold `tcp` TCP and `udp` connected UDP sockets to the Service from
 /// `client` (`lbprobe hold`), run `between`, then check: every held socket
 /// reports its ClusterIP (getpeername); each connected UDP socket is in
-/// LB_SOCK_UDP; when pod-a leaves, every socket to it is destroyed and
+/// LB_SOCK_UDP; when pod-a leaves (as a deleted pod's endpoint does),
+/// every socket to it is destroyed and
 /// every other one still works; closed, they leave LB_SOCK_UDP empty (the
 /// sock_release hook).
 fn hold_then_remove_pod_a(c: &Cluster, p: &[Pod], client: &Pod, tcp: usize, udp: usize, between: impl FnOnce() -> Result<()>) -> Result<()> {
@@ -475,7 +515,7 @@ fn hold_then_remove_pod_a(c: &Cluster, p: &[Pod], client: &Pod, tcp: usize, udp:
     std::fs::write(dir.join("churned"), "")?;
     c.wait_for("getpeername of every held socket", Duration::from_secs(30), || Ok(dir.join("checked").exists()))?;
     assert_eq!(udp_socks(c)?, udp);
-    set_endpoints(c, &[&p[1]])?;
+    delete_endpoint(c, &p[0], &[&p[1]])?;
     std::fs::write(dir.join("removed"), "pod-a")?;
     let s = Cluster::finish(held)?;
     let n = |k: &str| s.replies.get(k).copied().unwrap_or(0);

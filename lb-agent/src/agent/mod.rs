@@ -505,6 +505,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         node_flags: cfg.node_flags | if forward || masq_watch.pending() { 0 } else { lb_common::node_flags::NO_BPF_MASQUERADED },
         sock_egress: tc.sock_egress(),
         config_written: false,
+        swept_tcp: false,
         addresses: crate::nodeport::Addresses::watch(forward || per_packet)?,
         maglev: cfg.maglev,
         maglev4: crate::dataplane::maglev::MaglevTables::open(&cfg.bpffs, lb_common::maps::MAGLEV4)?,
@@ -870,7 +871,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             // flow and no socket's UDP entry yet: the old programs' ones
             // came along just now, those to endpoints that left while no
             // agent ran too.
-            rec.sweep();
+            rec.sweep(true);
         }
         // loadBalancerSourceRanges for the sockets the hooks translate: the
         // egress program is attached while some frontend has them (before

@@ -252,6 +252,9 @@ pub(super) struct Reconciler {
     /// The node config holds this agent's flags (its first full sync wrote
     /// it).
     pub(super) config_written: bool,
+    /// A sweep judged TCP connections (the first full sync's): later
+    /// ones judge UDP only (`sweep`).
+    pub(super) swept_tcp: bool,
     /// The interface addresses, from rtnetlink events.
     pub(super) addresses: crate::nodeport::Addresses,
     /// Maglev table size and seed, and the tables written per family.
@@ -605,7 +608,8 @@ impl Reconciler {
         // And the NAT tables' flows (outside clients', and pods' under
         // --per-packet-lb) to backends that went meanwhile.
         if full {
-            self.sweep();
+            self.sweep(!self.swept_tcp);
+            self.swept_tcp = true;
         }
         // After a full sync the sweep judges by the whole state.
         let joined = if full { BTreeSet::new() } else { std::mem::take(&mut self.pending_joined) };
@@ -638,14 +642,19 @@ impl Reconciler {
     /// Judge every translated socket and NAT flow by the whole state (after
     /// a full sync, and after an upgrade moved the programs to maps that
     /// the old ones filled until then): those to a backend no frontend
-    /// serves any more are ended.
-    pub(super) fn sweep(&self) {
+    /// serves any more are ended. TCP ones only with `tcp`: at the start,
+    /// for endpoints that went while no agent watched, whose last state is
+    /// not known (those that left while ready, their pods still running,
+    /// are ended too, unlike under a watching agent: `Frontend::ready`).
+    /// Later, a watching agent has judged each TCP pair as it left, and
+    /// kept those of ready endpoints: a sweep must not end them after all.
+    pub(super) fn sweep(&self, tcp: bool) {
         let desired = self.model.desired();
         if let Some(d) = &self.destroyer {
-            d.sweep(desired.frontends.iter().map(|(k, f)| (*k, f.clone())).collect());
+            d.sweep(desired.frontends.iter().map(|(k, f)| (*k, f.clone())).collect(), tcp);
         }
         let fronts = desired.frontends.keys().map(|k| (k.addr, k.port)).collect();
-        let _ = self.nat_left.send(crate::nodeport::Ending::Sweep { fronts, alive: desired.alive_pairs() });
+        let _ = self.nat_left.send(crate::nodeport::Ending::Sweep { fronts, alive: desired.alive_pairs(), tcp });
     }
 
     /// Log each warning once, for as long as it holds.

@@ -24,7 +24,8 @@ pub(super) struct Sets {
     pub(super) topology: bool,
     /// On this node (the node-local set, with its own terminating fallback).
     pub(super) local: Vec<Backend>,
-    /// In neither set, yet not stale (`sets`).
+    /// In neither set, yet not stale (`sets`): ready ones, and the others.
+    pub(super) extra_ready: Vec<(IpAddr, u16)>,
     pub(super) extra: Vec<(IpAddr, u16)>,
 }
 
@@ -75,9 +76,12 @@ impl PortEndpoints<'_> {
         // of an endpoint that stopped serving, and lb destroys the
         // connected sockets likewise.
         let keeps = |c: &Conditions| c.serving || self.proto == Proto::Tcp;
-        let extra: Vec<(IpAddr, u16)> =
-            all.iter().filter(|(b, c)| keeps(c) && !picked(b.addr, b.port)).map(|(b, _)| (b.addr, b.port)).collect();
-        Sets { cluster, topology: hint.is_some(), local, extra }
+        let (extra_ready, extra) = all
+            .iter()
+            .filter(|(b, c)| keeps(c) && !picked(b.addr, b.port))
+            .partition::<Vec<_>, _>(|(_, c)| c.ready && !c.terminating);
+        let pairs = |v: Vec<&(Backend, Conditions)>| v.into_iter().map(|(b, _)| (b.addr, b.port)).collect();
+        Sets { cluster, topology: hint.is_some(), local, extra_ready: pairs(extra_ready), extra: pairs(extra) }
     }
 }
 

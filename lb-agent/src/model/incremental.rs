@@ -286,7 +286,7 @@ impl Incremental {
         let NodeInfo { name, zone, addresses: _, primary: _ } = node;
         let same_node = self.node.name == *name && self.node.zone == *zone;
         if !self.primed || !same_node || self.opts != *opts {
-            let before = self.primed.then(|| self.desired.alive_pairs());
+            let before = self.primed.then(|| self.desired.stale_when_gone());
             *self = Incremental { primed: true, node: node.clone(), opts: opts.clone(), ..Default::default() };
             ch.full = true;
             let all = ObjectDiff::of(&[], services, &[], slices);
@@ -479,7 +479,10 @@ impl Incremental {
                 ch.frontends.insert(k);
                 if let Some(b) = &before {
                     for (a, p) in b.serving() {
-                        if !now.as_ref().is_some_and(|f| f.serves(a, p)) {
+                        // A ready TCP endpoint that leaves keeps its
+                        // connections (`Frontend::ready`).
+                        let kept = now.as_ref().is_some_and(|f| f.serves(a, p)) || (k.proto == Proto::Tcp && b.ready(a, p));
+                        if !kept {
                             left.push((k, a, p));
                         }
                     }

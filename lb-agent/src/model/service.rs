@@ -222,8 +222,8 @@ fn base_frontend(sref: &ServiceRef, spec: &ServiceSpec, sp: &ServicePort) -> Fro
 fn cluster_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>, p: &Port<'_>, vips: &[IpAddr]) {
     let local_only = p.spec.internal_traffic_policy.as_deref() == Some("Local");
     for vip in vips {
-        let Sets { cluster, topology, local, extra } = p.eps.sets(vip.is_ipv4(), !local_only);
-        let front = Frontend { backends: cluster, local_only, local_backends: local, topology, extra_serving: extra, ..p.base.clone() };
+        let Sets { cluster, topology, local, extra_ready, extra } = p.eps.sets(vip.is_ipv4(), !local_only);
+        let front = Frontend { backends: cluster, local_only, local_backends: local, topology, extra_ready, extra_serving: extra, ..p.base.clone() };
         out.claim(claimed, p.sref, FrontendKey { addr: *vip, port: p.port, proto: p.proto }, front, Claim::ClusterIp);
     }
 }
@@ -325,7 +325,7 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
     let ext_local = reachable && p.spec.external_traffic_policy.as_deref() == Some("Local");
     let ranges = source_ranges(p.sref, p.spec, &mut out.warnings);
     for e in external {
-        let Sets { cluster, topology, local, extra } = p.eps.sets(e.addr.is_ipv4(), true);
+        let Sets { cluster, topology, local, extra_ready, extra } = p.eps.sets(e.addr.is_ipv4(), true);
         let source_ranges: Vec<(IpAddr, u8)> =
             if e.lb_ip { ranges.iter().filter(|(a, _)| a.is_ipv4() == e.addr.is_ipv4()).copied().collect() } else { Vec::new() };
         let front = Frontend {
@@ -337,6 +337,7 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
             no_socket: e.no_socket,
             host_only: e.host_only,
             source_ranges,
+            extra_ready,
             extra_serving: extra,
             // Outside traffic only: a localhost NodePort (the node's own
             // sockets) needs no Maglev table and never leaves by DSR.

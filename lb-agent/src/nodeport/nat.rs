@@ -20,8 +20,9 @@ pub enum Ending {
     /// After a full sync: every pair of these frontends that is not among
     /// the serving ones, so that endpoints that went while no agent
     /// watched (a restart, an upgrade) end their flows too. Flows to an
-    /// address no frontend has are left to expire.
-    Sweep { fronts: BTreeSet<(std::net::IpAddr, u16)>, alive: BTreeSet<Pair> },
+    /// address no frontend has are left to expire. TCP flows only with
+    /// `tcp` (`Reconciler::sweep`).
+    Sweep { fronts: BTreeSet<(std::net::IpAddr, u16)>, alive: BTreeSet<Pair>, tcp: bool },
 }
 
 impl Ending {
@@ -31,7 +32,7 @@ impl Ending {
             Ending::Left(left) => left.contains(p),
             // A frontend at the flow's address and port, of either
             // protocol (one whose protocol went ends its flows).
-            Ending::Sweep { fronts, alive } => fronts.contains(&(p.0, p.1)) && !alive.contains(p),
+            Ending::Sweep { fronts, alive, tcp } => (*tcp || p.2 == Proto::Udp) && fronts.contains(&(p.0, p.1)) && !alive.contains(p),
         }
     }
 }
@@ -536,7 +537,16 @@ mod tests {
         let m = table(&[(k, e), (rk, r)]);
         let other = (pair.0, pair.1, pair.2, "10.9.9.9".parse().unwrap(), 80);
         let front = (pair.0, pair.1);
-        let sweep = |fronts: &[(std::net::IpAddr, u16)], alive: &[Pair]| Ending::Sweep { fronts: fronts.iter().copied().collect(), alive: alive.iter().copied().collect() };
+        let sweep_of = |fronts: &[(std::net::IpAddr, u16)], alive: &[Pair], tcp: bool| Ending::Sweep {
+            fronts: fronts.iter().copied().collect(),
+            alive: alive.iter().copied().collect(),
+            tcp,
+        };
+        let sweep = |fronts: &[(std::net::IpAddr, u16)], alive: &[Pair]| sweep_of(fronts, alive, true);
+        assert_eq!(pair.2, Proto::Tcp);
+        // A later sweep judges UDP only: a watching agent judged each TCP
+        // pair as it left (and kept ready endpoints').
+        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep_of(&[front], &[other], false)), []);
         assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[front], &[other])), [Step::MarkStale(k, 100 * S)]);
         assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[front], &[pair, other])), []);
         // The same pair alive in the other protocol only (a draining

@@ -70,8 +70,8 @@ enum Work {
     Changed { left: BTreeSet<Pair>, joined: BTreeSet<Pair> },
     /// Every frontend after a full sync: any translated socket to a pair
     /// none of them serves is stale (an endpoint removed while no agent
-    /// ran, say).
-    Sweep(Vec<(FrontendKey, std::sync::Arc<crate::model::Frontend>)>),
+    /// ran, say). TCP sockets only with the flag (`Reconciler::sweep`).
+    Sweep(Vec<(FrontendKey, std::sync::Arc<crate::model::Frontend>)>, bool),
     /// UDP frontends that got backends: a connected UDP socket whose peer
     /// is one of them itself was connected while it had none (or did not
     /// exist), untranslated, and its datagrams go nowhere.
@@ -82,7 +82,9 @@ enum Work {
 #[derive(Default)]
 struct Round {
     left: BTreeSet<Pair>,
-    fronts: Option<(Fronts, BTreeSet<Pair>)>,
+    /// The newest sweep's frontends, the pairs that joined since, and
+    /// whether TCP sockets are judged (any sweep merged asked for it).
+    fronts: Option<(Fronts, BTreeSet<Pair>, bool)>,
     udp_served: BTreeSet<(IpAddr, u16)>,
 }
 
@@ -124,6 +126,7 @@ const GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 fn merge(works: impl Iterator<Item = Work>) -> Round {
     let mut left = BTreeSet::new();
     let mut sweep = None;
+    let mut tcp = false;
     let mut back = BTreeSet::new();
     let mut udp_served = BTreeSet::new();
     for w in works {
@@ -137,7 +140,8 @@ fn merge(works: impl Iterator<Item = Work>) -> Round {
                 back.extend(joined);
                 left.extend(l);
             }
-            Work::Sweep(f) => {
+            Work::Sweep(f, t) => {
+                tcp |= t;
                 sweep = Some(f);
                 back.clear();
             }
@@ -145,7 +149,7 @@ fn merge(works: impl Iterator<Item = Work>) -> Round {
     }
     let fronts = sweep.map(|s| {
         let by_key: Fronts = s.into_iter().collect();
-        (by_key, back)
+        (by_key, back, tcp)
     });
     Round { left, fronts, udp_served }
 }
@@ -193,10 +197,12 @@ impl Worker {
         let proto = |c: &Conn| if c.req.protocol == sock_diag::IPPROTO_UDP { Proto::Udp } else { Proto::Tcp };
         let candidates: Vec<Candidate<usize>> = conns.iter().enumerate().map(|(i, c)| (i, proto(c), c.peer, c.port, self.translated_from(c))).collect();
         let mut judged = left.clone();
-        if let Some((fronts, back)) = fronts {
+        if let Some((fronts, back, tcp)) = fronts {
             let alive = |pair: &Pair| {
                 let (addr, port, proto, b, bp) = *pair;
-                back.contains(pair) || (!left.contains(pair) && fronts.get(&FrontendKey { addr, port, proto }).is_some_and(|f| f.serves(b, bp)))
+                (proto == Proto::Tcp && !tcp)
+                    || back.contains(pair)
+                    || (!left.contains(pair) && fronts.get(&FrontendKey { addr, port, proto }).is_some_and(|f| f.serves(b, bp)))
             };
             judged.extend(candidates.iter().filter_map(|(_, proto, b, bp, f)| f.map(|(v, vp)| (v, vp, *proto, *b, *bp))).filter(|pair| !alive(pair)));
         }
@@ -321,8 +327,8 @@ impl Destroyer {
     }
 
     /// Hand over every frontend after a full sync.
-    pub fn sweep(&self, fronts: Vec<(FrontendKey, std::sync::Arc<crate::model::Frontend>)>) {
-        let _ = self.tx.send(Work::Sweep(fronts));
+    pub fn sweep(&self, fronts: Vec<(FrontendKey, std::sync::Arc<crate::model::Frontend>)>, tcp: bool) {
+        let _ = self.tx.send(Work::Sweep(fronts, tcp));
     }
 }
 
@@ -344,11 +350,16 @@ mod tests {
         assert_eq!(left, [a].into());
         // After a sweep, what joined since counts as alive; what joined
         // before it is in the sweep's own snapshot.
-        let Round { fronts, .. } = merge([changed(&[], &[b]), Work::Sweep(Vec::new()), changed(&[], &[a])].into_iter());
+        let Round { fronts, .. } = merge([changed(&[], &[b]), Work::Sweep(Vec::new(), true), changed(&[], &[a])].into_iter());
         assert_eq!(fronts.unwrap().1, [a].into());
         // Joined after the sweep, then left again: not alive.
-        let Round { left, fronts, .. } = merge([Work::Sweep(Vec::new()), changed(&[], &[a]), changed(&[a], &[])].into_iter());
+        let Round { left, fronts, .. } = merge([Work::Sweep(Vec::new(), true), changed(&[], &[a]), changed(&[a], &[])].into_iter());
         assert_eq!((left, fronts.unwrap().1), ([a].into(), BTreeSet::new()));
+        // Two sweeps in one round: TCP judged if either asked.
+        let Round { fronts, .. } = merge([Work::Sweep(Vec::new(), true), Work::Sweep(Vec::new(), false)].into_iter());
+        assert!(fronts.unwrap().2);
+        let Round { fronts, .. } = merge([Work::Sweep(Vec::new(), false)].into_iter());
+        assert!(!fronts.unwrap().2);
         // Frontends that got backends, from every work of the round.
         let served = |v: &[(IpAddr, u16)]| Work::UntranslatedUdp(v.iter().copied().collect());
         let r = merge([served(&[(a.0, 53)]), changed(&[b], &[]), served(&[(b.0, 54)])].into_iter());
