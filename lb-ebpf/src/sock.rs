@@ -160,8 +160,9 @@ fn connected_backend(ctx: &SockAddrContext, family: u8, asked: &[u32; 4], port: 
     // never null) is readable field by field, each at its own size.
     unsafe {
         let sk = (*ctx.sock_addr).__bindgen_anon_1.sk;
-        // TCP_ESTABLISHED: a connected UDP socket's state.
-        if read_volatile(addr_of!((*sk).state)) != 1 || read_volatile(addr_of!((*sk).dst_port)) != backend_port {
+        // TCP_ESTABLISHED: a connected UDP socket's state. (Its port in
+        // network order; the storage's in host order.)
+        if read_volatile(addr_of!((*sk).state)) != 1 || u16::from_be(read_volatile(addr_of!((*sk).dst_port))) != backend_port {
             return 0;
         }
         if family == FAMILY_V4 {
