@@ -213,9 +213,12 @@ impl Worker {
         let mut n = 0;
         for i in stale(&candidates, &judged).into_iter().chain(untranslated) {
             let c = &conns[i];
-            match destroy_one(sock, c.req.clone()) {
-                Ok(Destroyed::Yes) => n += 1,
-                Ok(Destroyed::Gone) => {}
+            let refused = match destroy_one(sock, c.req.clone()) {
+                Ok(Destroyed::Yes) => {
+                    n += 1;
+                    false
+                }
+                Ok(Destroyed::Gone) => false,
                 Ok(Destroyed::Refused(errno)) => {
                     self.refused.get_or_create(&[("errno", format!("{errno:?}"))]).inc();
                     if self.logged_refusals.insert(errno as i32) {
@@ -229,12 +232,16 @@ impl Worker {
                     } else {
                         tracing::debug!(errno = ?errno, "SOCK_DESTROY refused");
                     }
+                    true
                 }
-                Err(e) => tracing::warn!("destroying a stale socket in the netns of pid {pid}: {e:#}"),
-            }
+                Err(e) => {
+                    tracing::warn!("destroying a stale socket in the netns of pid {pid}: {e:#}");
+                    false
+                }
+            };
             // Gone (or closing): forget its translation (a socket's storage
-            // goes with the socket).
-            if c.xlate.is_none() {
+            // goes with the socket). One the kernel refused lives on.
+            if c.xlate.is_none() && !refused {
                 self.forget(c);
             }
         }
