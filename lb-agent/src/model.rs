@@ -184,6 +184,9 @@ pub struct Backend {
     pub local: bool,
     /// Serving but terminating: only used because nothing is ready.
     pub terminating: bool,
+    /// The endpoint's terminating condition (its pod is being deleted),
+    /// also where a Service's publishNotReadyAddresses keeps it ready.
+    pub pod_terminating: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -269,9 +272,10 @@ impl Frontend {
 
     /// Whether `addr:port` still serves this frontend.
     pub fn serves(&self, addr: IpAddr, port: u16) -> bool {
-        self.backends.iter().chain(&self.local_backends).any(|b| b.addr == addr && b.port == port)
-            || self.extra_ready.contains(&(addr, port))
-            || self.extra_serving.contains(&(addr, port))
+        find(&self.backends, addr, port).is_some()
+            || find(&self.local_backends, addr, port).is_some()
+            || self.extra_ready.binary_search(&(addr, port)).is_ok()
+            || self.extra_serving.binary_search(&(addr, port)).is_ok()
     }
 
     /// Whether `addr:port` is a ready endpoint (neither terminating nor
@@ -282,9 +286,16 @@ impl Frontend {
     /// finish. Those to an endpoint that was not ready when it left (its
     /// pod deleted: terminating first; or failing) are ended.
     pub fn ready(&self, addr: IpAddr, port: u16) -> bool {
-        self.backends.iter().chain(&self.local_backends).any(|b| b.addr == addr && b.port == port && !b.terminating)
-            || self.extra_ready.contains(&(addr, port))
+        let ready = |v: &[Backend]| find(v, addr, port).is_some_and(|b| !b.terminating && !b.pod_terminating);
+        ready(&self.backends) || ready(&self.local_backends) || self.extra_ready.binary_search(&(addr, port)).is_ok()
     }
+}
+
+/// The backend at `addr:port` in `v` (sorted, each address and port once):
+/// a binary search, as a Service may have thousands of endpoints.
+fn find(v: &[Backend], addr: IpAddr, port: u16) -> Option<&Backend> {
+    let i = v.partition_point(|b| (b.addr, b.port) < (addr, port));
+    v.get(i).filter(|b| b.addr == addr && b.port == port)
 }
 
 /// The desired dataplane state.

@@ -176,14 +176,18 @@ fn a_keepalive_tcp_client_fails_fast_and_other_connections_are_untouched() -> Re
 #[test]
 fn a_ready_pod_switched_out_of_its_service_keeps_its_tcp_connections() -> Result<()> {
     let (mut c, p, client) = setup(&["blue"], &[])?;
-    let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "2500", "--interval-ms", "20"])?;
-    let udp = c.probe_bg(&client, &["udp-stream", "--addr", "10.96.0.10:53", "--interval-ms", "20", "--max-ms", "1500"])?;
-    std::thread::sleep(Duration::from_millis(400));
     let green = c.add_pod(1, "green")?;
     c.serve(&green, 8080)?;
+    let started = std::time::Instant::now();
+    let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "4000", "--interval-ms", "20"])?;
+    let udp = c.probe_bg(&client, &["udp-stream", "--addr", "10.96.0.10:53", "--interval-ms", "20", "--max-ms", "3000"])?;
+    std::thread::sleep(Duration::from_millis(400));
     set_endpoints(&c, &[&green])?;
     let fresh = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "20"])?;
     assert!(fresh.failed() == 0 && fresh.replies.keys().eq(["green"]), "new connections go to green: {fresh:?}");
+    // The destroyer acts 100 ms after the maps changed: the held
+    // connection must outlast that by far for the test to mean anything.
+    assert!(started.elapsed() < Duration::from_millis(3000), "switched too late to judge: {:?}", started.elapsed());
     let s = Cluster::finish(held)?;
     assert_eq!(s.failed(), 0, "kept to its end: {s:?}");
     assert_eq!(s.replies.keys().collect::<Vec<_>>(), ["blue"], "{s:?}");

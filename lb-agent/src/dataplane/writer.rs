@@ -172,7 +172,7 @@ mod tests {
         for (vip, port, backends, local_only) in services {
             let bs: Vec<model::Backend> = backends
                 .iter()
-                .map(|b| model::Backend { addr: b.parse().unwrap(), port: 8080, local: true, terminating: false })
+                .map(|b| model::Backend { addr: b.parse().unwrap(), port: 8080, local: true, terminating: false, pod_terminating: false })
                 .collect();
             d.frontends.insert(
                 FrontendKey { addr: vip.parse().unwrap(), port: *port, proto: Proto::Tcp },

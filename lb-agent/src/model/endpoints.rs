@@ -50,7 +50,8 @@ impl PortEndpoints<'_> {
                     if addr.is_ipv4() != v4 || !usable_ip(&addr) {
                         continue;
                     }
-                    all.push((Backend { addr, port: target, local, terminating: false }, conditions(ep)));
+                    let c = conditions(ep);
+                    all.push((Backend { addr, port: target, local, terminating: false, pod_terminating: c.terminating }, c));
                 }
             }
         }

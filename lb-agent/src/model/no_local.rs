@@ -94,7 +94,7 @@ mod tests {
     }
 
     fn backend(addr: &str, local: bool) -> Backend {
-        Backend { addr: addr.parse().unwrap(), port: 8080, local, terminating: false }
+        Backend { addr: addr.parse().unwrap(), port: 8080, local, terminating: false, pod_terminating: false }
     }
 
     fn svc(name: &str) -> ServiceRef {

@@ -395,6 +395,54 @@ fn a_draining_endpoint_keeps_its_tcp_connections_until_it_leaves() {
     assert_eq!(ch.left, BTreeSet::from([(vip, 53, udp, a, 8053)]), "{ch:?}");
 }
 
+/// Which TCP pairs end when their endpoint leaves: not a ready one's (its
+/// pod runs on), in every set (picked, narrowed away by topology hints or
+/// a Local policy); but one whose pod was terminating, also where
+/// publishNotReadyAddresses kept it ready.
+#[test]
+fn a_tcp_pair_ends_when_its_endpoint_leaves_unless_it_was_ready() {
+    let opts = Options::default();
+    let svc = |extra: serde_json::Value| -> Arc<Service> {
+        let mut spec = serde_json::json!({"type": "NodePort", "clusterIP": "10.96.0.10", "ports": [{"name": "http", "port": 80, "protocol": "TCP", "nodePort": 30080}]});
+        spec.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        Arc::new(serde_json::from_value(serde_json::json!({"metadata": {"name": "web", "namespace": "default"}, "spec": spec})).unwrap())
+    };
+    let slice = |eps: serde_json::Value| -> Arc<EndpointSlice> {
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "web-1", "namespace": "default", "labels": {"kubernetes.io/service-name": "web"}},
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+                "endpoints": eps
+            }))
+            .unwrap(),
+        )
+    };
+    let n = node();
+    let ep = |ip: &str, node: &str, cond: serde_json::Value| serde_json::json!({"addresses": [ip], "nodeName": node, "conditions": cond});
+    let ready = serde_json::json!({"ready": true});
+    // publishNotReadyAddresses: the controller publishes a terminating
+    // pod as ready.
+    let pnr = serde_json::json!({"ready": true, "serving": true, "terminating": true});
+    let other = "other-node";
+    for (what, extra, cond, node_name, ends) in [
+        ("ready, picked", serde_json::json!({}), ready.clone(), n.name.as_str(), false),
+        ("ready, elsewhere under internalTrafficPolicy Local", serde_json::json!({"internalTrafficPolicy": "Local"}), ready.clone(), other, false),
+        ("ready, elsewhere under externalTrafficPolicy Local", serde_json::json!({"externalTrafficPolicy": "Local"}), ready.clone(), other, false),
+        ("terminating, published as ready", serde_json::json!({}), pnr.clone(), n.name.as_str(), true),
+        ("terminating under a Local policy, published as ready", serde_json::json!({"internalTrafficPolicy": "Local"}), pnr.clone(), other, true),
+    ] {
+        let s = [svc(extra)];
+        let stay = ep("10.1.0.9", n.name.as_str(), ready.clone());
+        let mut inc = Incremental::new();
+        inc.update(&s, &[slice(serde_json::json!([ep("10.1.0.1", node_name, cond), stay.clone()]))], &n, &opts);
+        let ch = inc.update(&s, &[slice(serde_json::json!([stay]))], &n, &opts);
+        let a: IpAddr = "10.1.0.1".parse().unwrap();
+        let gone: Vec<&Pair> = ch.left.iter().filter(|p| p.3 == a).collect();
+        assert_eq!(!gone.is_empty(), ends, "{what}: {gone:?}");
+    }
+}
+
 /// `udp_served`: the UDP frontends the socket hooks translate that got
 /// backends, having had none (or not existed); never on a full update,
 /// never a TCP frontend, never an externalIP left to the stack.
