@@ -99,7 +99,9 @@ enum Cmd {
         max_sock_revnat: u32,
         /// Capacity of each NAT table (IPv4, IPv6) for outside traffic, in
         /// entries (two per flow). A full table refuses new flows (counted
-        /// as nat_failed, and logged), as conntrack does.
+        /// as nat_failed, and logged), as conntrack does, and the agent
+        /// then drops its unassured flows idle for a second every second
+        /// until it is no longer under pressure (conntrack's early drop).
         #[arg(long, default_value_t = lb_common::capacity::NAT)]
         max_nat: u32,
         /// This node's primary address (repeatable, both families): where

@@ -82,6 +82,14 @@ pub struct RunConfig {
 /// must not wait for a walk of a large table): every `nat_gc_interval` it
 /// expires flows, and at once when endpoints leave it ends their flows (UDP
 /// removed, TCP marked for a RST). It logs when new flows were refused.
+/// A table under pressure (new flows refused since the last look, checked
+/// every second, or a pass that found it 90% full) gets a pass at once and
+/// then every second that drops unassured flows idle for `EARLY_DROP_IDLE`
+/// (never answered, or a TCP client that never acknowledged the answer),
+/// as conntrack's early drop makes room for new connections by dropping
+/// unassured entries: a spoofed SYN flood that fills the table would
+/// otherwise refuse every new flow until its own entries reached
+/// `--nat-unreplied-timeout`.
 /// Also returns how many flows masqueraded in BPF the tables hold (read
 /// at once, then at each pass). What is sent to it starts a pass at once.
 fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodeport::Ending>, Arc<BpfMasqueraded>)> {
@@ -120,18 +128,37 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
         + old_nat.as_ref().map_or(0, |(o4, o6)| crate::nodeport::count_bpf_masqueraded(o4) + crate::nodeport::count_bpf_masqueraded(o6));
     let masqueraded = Arc::new(BpfMasqueraded { started: Default::default(), last: std::sync::Mutex::new((0, at_start)) });
     let count = masqueraded.clone();
+    let capacity = cfg.capacity.nat as usize;
     std::thread::Builder::new().name("nat".into()).spawn(move || {
         let mut seen_failed = failed();
         let mut next = Instant::now() + every;
+        // Early drop: the refusals last looked at, whether the last pass
+        // found a table nearly full, and whether a spell was logged.
+        let (mut drop_seen, mut full, mut dropping) = (seen_failed, false, false);
+        let look = every.min(Duration::from_secs(1));
         loop {
-            let left = match rx.recv_timeout(next.saturating_duration_since(Instant::now())) {
-                Ok(left) => left,
+            let wake = next.min(Instant::now() + look);
+            let (left, refused) = match rx.recv_timeout(wake.saturating_duration_since(Instant::now())) {
+                Ok(left) => (left, false),
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                    next = Instant::now() + every;
-                    crate::nodeport::Ending::Nothing
+                    let now_failed = failed();
+                    // (During an upgrade the old agent's counts are added
+                    // on: no refusal.)
+                    let refused = staged.is_none() && now_failed > drop_seen;
+                    drop_seen = now_failed;
+                    let due = Instant::now() >= next;
+                    if !due && !refused && !full {
+                        continue;
+                    }
+                    if due {
+                        next = Instant::now() + every;
+                    }
+                    (crate::nodeport::Ending::Nothing, refused)
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
             };
+            let early = refused || full;
+            let timeouts = if early { crate::nodeport::NatTimeouts { unreplied: timeouts.unreplied.min(EARLY_DROP_IDLE), ..timeouts } } else { timeouts };
             let pass = count.started.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
             // The old tables first (until the programs move: the staged pin
             // goes when they have), so that what a pass ends there is not
@@ -142,6 +169,21 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
             let old_pass = old_nat.as_mut().map(|(o4, o6)| (crate::nodeport::nat_pass(o4, &timeouts, &left), crate::nodeport::nat_pass(o6, &timeouts, &left)));
             let p4 = crate::nodeport::nat_pass(&mut nat4, &timeouts, &left);
             let p6 = crate::nodeport::nat_pass(&mut nat6, &timeouts, &left);
+            // Nearly full after the pass: the next look drops early too.
+            let was_full = full;
+            full = [(p4.entries, p4.expired), (p6.entries, p6.expired)].iter().any(|(n, gone)| n.saturating_sub(gone * 2) * 10 >= capacity * 9);
+            if early && !dropping {
+                tracing::warn!(
+                    flows = p4.expired + p6.expired,
+                    refused_since = refused,
+                    nearly_full = was_full,
+                    "NAT table under pressure (new flows refused, or 90% full: --max-nat): dropping unassured flows idle \
+                     for {EARLY_DROP_IDLE:?} every second, as conntrack's early drop does, until it is not"
+                );
+            } else if !early && dropping {
+                tracing::info!("NAT table no longer under pressure");
+            }
+            dropping = early;
             let (mut expired, mut flushed, mut marked) = (p4.expired + p6.expired, p4.flushed + p6.flushed, p4.marked + p6.marked);
             let mut masq = p4.bpf_masqueraded + p6.bpf_masqueraded;
             if let Some((q4, q6)) = old_pass {
@@ -179,6 +221,9 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
     })?;
     Ok((tx, masqueraded))
 }
+
+/// Under pressure (`spawn_nat_gc`), how long an unassured flow may be idle.
+const EARLY_DROP_IDLE: Duration = Duration::from_secs(1);
 
 /// The flows masqueraded in BPF (`nat_flags::LOCAL`) the NAT thread
 /// counted, and when.

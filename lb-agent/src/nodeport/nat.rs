@@ -129,6 +129,8 @@ pub struct NatPass {
     pub marked: usize,
     /// Flows masqueraded in BPF (`bpf_masqueraded`) the table held.
     pub bpf_masqueraded: usize,
+    /// Entries the table held before the pass.
+    pub entries: usize,
 }
 
 /// How many flows in `entries` are masqueraded in BPF to a backend on this
@@ -306,6 +308,7 @@ where
     let steps = plan(&entries, now, t, ending);
     let mut pass = apply(nat, &steps, now, t);
     pass.bpf_masqueraded = bpf_masqueraded(entries.values());
+    pass.entries = entries.len();
     pass
 }
 
