@@ -293,7 +293,7 @@ impl Frontend {
 
 /// The backend at `addr:port` in `v` (sorted, each address and port once):
 /// a binary search, as a Service may have thousands of endpoints.
-fn find(v: &[Backend], addr: IpAddr, port: u16) -> Option<&Backend> {
+pub(crate) fn find(v: &[Backend], addr: IpAddr, port: u16) -> Option<&Backend> {
     let i = v.partition_point(|b| (b.addr, b.port) < (addr, port));
     v.get(i).filter(|b| b.addr == addr && b.port == port)
 }

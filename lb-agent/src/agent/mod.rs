@@ -132,8 +132,9 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
     std::thread::Builder::new().name("nat".into()).spawn(move || {
         let mut seen_failed = failed();
         let mut next = Instant::now() + every;
-        // Early drop: the refusals last looked at, whether the last pass
-        // found a table nearly full, and whether a spell was logged.
+        // Early drop: the refusals last looked at, whether a spell goes on
+        // (its last pass dropped flows and left a table nearly full), and
+        // whether a spell was logged.
         let (mut drop_seen, mut full, mut dropping) = (seen_failed, false, false);
         let look = every.min(Duration::from_secs(1));
         loop {
@@ -169,16 +170,18 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
             let old_pass = old_nat.as_mut().map(|(o4, o6)| (crate::nodeport::nat_pass(o4, &timeouts, &left), crate::nodeport::nat_pass(o6, &timeouts, &left)));
             let p4 = crate::nodeport::nat_pass(&mut nat4, &timeouts, &left);
             let p6 = crate::nodeport::nat_pass(&mut nat6, &timeouts, &left);
-            // Nearly full after the pass: the next look drops early too.
-            let was_full = full;
-            full = [(p4.entries, p4.expired), (p6.entries, p6.expired)].iter().any(|(n, gone)| n.saturating_sub(gone * 2) * 10 >= capacity * 9);
+            // A spell starts only with refusals (a table full of assured
+            // flows is no flood: conntrack too early-drops only when an
+            // insert fails), and goes on while its passes drop flows and
+            // leave a table nearly full: the next look drops early too.
+            let nearly_full = [(p4.entries, p4.expired), (p6.entries, p6.expired)].iter().any(|(n, gone)| n.saturating_sub(gone * 2) * 10 >= capacity * 9);
+            full = early && nearly_full && p4.expired + p6.expired > 0;
             if early && !dropping {
                 tracing::warn!(
                     flows = p4.expired + p6.expired,
-                    refused_since = refused,
-                    nearly_full = was_full,
-                    "NAT table under pressure (new flows refused, or 90% full: --max-nat): dropping unassured flows idle \
-                     for {EARLY_DROP_IDLE:?} every second, as conntrack's early drop does, until it is not"
+                    "NAT: new flows refused (the table full: --max-nat; or no free SNAT port: --snat-ports): dropping \
+                     unassured flows idle for {EARLY_DROP_IDLE:?} every second, as conntrack's early drop does, while \
+                     refusals go on or the table stays nearly full (NAT table under pressure)"
                 );
             } else if !early && dropping {
                 tracing::info!("NAT table no longer under pressure");
@@ -207,14 +210,22 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
                 seen_failed = failed();
                 if finished {
                     staged = None;
+                    // The old agent's counts added on are no refusal.
+                    drop_seen = seen_failed;
                 }
             }
             let now_failed = failed();
             if !upgrading && now_failed > seen_failed {
-                tracing::warn!(
-                    refused = now_failed - seen_failed,
-                    "outside flows refused: no free SNAT port for their backend (--snat-ports) or the NAT table is full (--max-nat); see lb_datapath_nat_failed"
-                );
+                // (During an early-drop spell, logged once for the spell,
+                // not every second.)
+                if dropping {
+                    tracing::debug!(refused = now_failed - seen_failed, "outside flows refused");
+                } else {
+                    tracing::warn!(
+                        refused = now_failed - seen_failed,
+                        "outside flows refused: no free SNAT port for their backend (--snat-ports) or the NAT table is full (--max-nat); see lb_datapath_nat_failed"
+                    );
+                }
                 seen_failed = now_failed;
             }
         }

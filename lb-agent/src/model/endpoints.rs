@@ -65,7 +65,7 @@ impl PortEndpoints<'_> {
         let cluster = usable(&all, hint);
         let local_candidates: Vec<_> = all.iter().filter(|(b, _)| b.local).cloned().collect();
         let local = usable(&local_candidates, None);
-        let picked = |a: IpAddr, p: u16| cluster.iter().chain(&local).any(|b| b.addr == a && b.port == p);
+        let picked = |a: IpAddr, p: u16| super::find(&cluster, a, p).is_some() || super::find(&local, a, p).is_some();
         // Not picked, yet not stale. For TCP, every endpoint the slices
         // still list: a pod that fails its readiness probe (a passing
         // failure, or on purpose to drain while it shuts down) still runs,

@@ -236,11 +236,12 @@ impl Worker {
                 }
                 Err(e) => {
                     tracing::warn!("destroying a stale socket in the netns of pid {pid}: {e:#}");
-                    false
+                    true
                 }
             };
             // Gone (or closing): forget its translation (a socket's storage
-            // goes with the socket). One the kernel refused lives on.
+            // goes with the socket). One the kernel refused (or whose fate
+            // is unknown) may live on.
             if c.xlate.is_none() && !refused {
                 self.forget(c);
             }
