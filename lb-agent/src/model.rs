@@ -289,6 +289,12 @@ impl Frontend {
         let ready = |v: &[Backend]| find(v, addr, port).is_some_and(|b| !b.terminating && !b.pod_terminating);
         ready(&self.backends) || ready(&self.local_backends) || self.extra_ready.binary_search(&(addr, port)).is_ok()
     }
+
+    /// Whether connections of `proto` to `addr:port` are kept when it
+    /// leaves this frontend: TCP ones to a ready endpoint (`ready`).
+    pub fn keeps(&self, proto: Proto, addr: IpAddr, port: u16) -> bool {
+        proto == Proto::Tcp && self.ready(addr, port)
+    }
 }
 
 /// The backend at `addr:port` in `v` (sorted, each address and port once):
@@ -326,13 +332,21 @@ impl Desired {
     }
 
     /// The pairs of `alive_pairs` whose connections end when they leave:
-    /// all but the ready TCP endpoints' (`Frontend::ready`).
+    /// all but the ready TCP endpoints' (`Frontend::keeps`).
     pub fn stale_when_gone(&self) -> BTreeSet<Pair> {
+        self.when_gone(false)
+    }
+
+    /// The pairs of `alive_pairs` whose connections are kept when they
+    /// leave (`Frontend::keeps`).
+    pub fn kept_when_gone(&self) -> BTreeSet<Pair> {
+        self.when_gone(true)
+    }
+
+    fn when_gone(&self, kept: bool) -> BTreeSet<Pair> {
         self.frontends
             .iter()
-            .flat_map(|(k, f)| {
-                f.serving().into_iter().filter(move |(a, p)| !(k.proto == Proto::Tcp && f.ready(*a, *p))).map(move |(a, p)| (k.addr, k.port, k.proto, a, p))
-            })
+            .flat_map(|(k, f)| f.serving().into_iter().filter(move |(a, p)| f.keeps(k.proto, *a, *p) == kept).map(move |(a, p)| (k.addr, k.port, k.proto, a, p)))
             .collect()
     }
 }

@@ -284,6 +284,33 @@ fn node_port_tcp_flows_outlive_a_readiness_failure_and_a_selector_switch_and_udp
     Ok(())
 }
 
+/// An outside client's TCP flow kept when its ready pod was switched out
+/// of the Service outlives a restart of the agent: the new agent's first
+/// sweep of the NAT table keeps the pair the old one recorded.
+#[test]
+fn a_node_port_tcp_flow_kept_on_a_selector_switch_outlives_an_agent_restart() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    set_endpoints(&w, &[(&w.p1, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    let addr = hostport(NODE1, 30080);
+    let started = std::time::Instant::now();
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &addr, "--hold-ms", "6000", "--interval-ms", "50"])?;
+    std::thread::sleep(Duration::from_millis(600));
+    let resets = datapath(&w.c, 1, "nat_reset")?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    w.c.kill_agent(1);
+    w.c.start_agent(1)?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(started.elapsed() < Duration::from_millis(5500), "restarted too late to judge: {:?}", started.elapsed());
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the held connection keeps going through the restart: {s:?}");
+    assert!(!s.replies.is_empty() && s.replies.keys().all(|k| k.starts_with("pod-1")), "{s:?}");
+    assert_eq!(datapath(&w.c, 1, "nat_reset")?, resets, "no flow was reset");
+    Ok(())
+}
+
 #[test]
 fn a_direct_flow_to_a_pod_may_reuse_the_source_port_of_a_finished_node_port_flow() -> Result<()> {
     let mut w = world(&web("NodePort", "", &[]))?;

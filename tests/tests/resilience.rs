@@ -198,6 +198,49 @@ fn a_ready_pod_switched_out_of_its_service_keeps_its_tcp_connections() -> Result
     Ok(())
 }
 
+/// The pairs an agent kept, as `lb-agent` records them in its pin dir.
+fn kept_records(c: &Cluster) -> Vec<String> {
+    let dir = c.nodes[0].bpffs.join("kept_tcp");
+    let mut v: Vec<String> = std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+/// A TCP connection kept when its ready pod was switched out of the
+/// Service outlives a restart of the agent (a DaemonSet rollout within a
+/// blue/green drain window): the agent recorded the pair, and the next
+/// one's first sweep keeps it. A restart that finds no connection to the
+/// pair left forgets it.
+#[test]
+fn a_tcp_connection_kept_when_its_ready_pod_left_outlives_an_agent_restart() -> Result<()> {
+    let (mut c, p, client) = setup(&["blue"], &[])?;
+    let green = c.add_pod(1, "green")?;
+    c.serve(&green, 8080)?;
+    let started = std::time::Instant::now();
+    let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "6000", "--interval-ms", "20"])?;
+    std::thread::sleep(Duration::from_millis(400));
+    set_endpoints(&c, &[&green])?;
+    let record = format!("tcp_10-96-0-10_80_{}_8080", p[0].ip.replace('.', "-"));
+    c.wait_for("the kept pair recorded", Duration::from_secs(5), || Ok(kept_records(&c) == [record.as_str()]))?;
+    c.kill_agent(1);
+    c.start_agent(1)?;
+    c.wait_programmed(VIP, 80, "TCP", Some(&[&be(&green)]))?;
+    // The new agent's sweep runs 100 ms after it programmed the maps.
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(started.elapsed() < Duration::from_millis(5500), "restarted too late to judge: {:?}", started.elapsed());
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "kept through the restart: {s:?}");
+    assert_eq!(s.replies.keys().collect::<Vec<_>>(), ["blue"], "{s:?}");
+    assert_eq!(kept_records(&c), [record.as_str()], "recorded until a sweep finds no connection to it");
+    // Its connection closed: the next agent forgets the pair.
+    c.kill_agent(1);
+    c.start_agent(1)?;
+    c.wait_programmed(VIP, 80, "TCP", Some(&[&be(&green)]))?;
+    c.wait_for("the pair without connections forgotten", Duration::from_secs(5), || Ok(kept_records(&c).is_empty()))?;
+    drop(p);
+    Ok(())
+}
+
 #[test]
 fn a_connection_to_an_endpoint_removed_while_no_agent_ran_is_destroyed_after_the_restart() -> Result<()> {
     let (mut c, p, client) = setup(&["pod-a"], &[])?;

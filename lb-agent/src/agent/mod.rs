@@ -189,9 +189,14 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
             dropping = early;
             let (mut expired, mut flushed, mut marked) = (p4.expired + p6.expired, p4.flushed + p6.flushed, p4.marked + p6.marked);
             let mut masq = p4.bpf_masqueraded + p6.bpf_masqueraded;
+            let mut kept_used: std::collections::BTreeSet<_> = p4.kept_used.into_iter().chain(p6.kept_used).collect();
             if let Some((q4, q6)) = old_pass {
                 (expired, flushed, marked) = (expired + q4.expired + q6.expired, flushed + q4.flushed + q6.flushed, marked + q4.marked + q6.marked);
                 masq += q4.bpf_masqueraded + q6.bpf_masqueraded;
+                kept_used.extend(q4.kept_used.into_iter().chain(q6.kept_used));
+            }
+            if let crate::nodeport::Ending::Sweep { census: Some(c), .. } = &left {
+                c.report(crate::stale::kept::Source::Nat, kept_used);
             }
             *count.last.lock().unwrap_or_else(|e| e.into_inner()) = (pass, masq);
             if expired > 0 {
@@ -562,6 +567,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         sock_egress: tc.sock_egress(),
         config_written: false,
         swept_tcp: false,
+        kept: crate::stale::kept::Kept::load(&cfg.bpffs),
         addresses: crate::nodeport::Addresses::watch(forward || per_packet)?,
         maglev: cfg.maglev,
         maglev4: crate::dataplane::maglev::MaglevTables::open(&cfg.bpffs, lb_common::maps::MAGLEV4)?,

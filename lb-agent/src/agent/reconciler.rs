@@ -255,6 +255,9 @@ pub(super) struct Reconciler {
     /// A sweep judged TCP connections (the first full sync's): later
     /// ones judge UDP only (`sweep`).
     pub(super) swept_tcp: bool,
+    /// The TCP pairs kept when their ready endpoints left, recorded for the
+    /// next agent (`stale::kept`).
+    pub(super) kept: std::sync::Arc<crate::stale::kept::Kept>,
     /// The interface addresses, from rtnetlink events.
     pub(super) addresses: crate::nodeport::Addresses,
     /// Maglev table size and seed, and the tables written per family.
@@ -499,6 +502,13 @@ impl Reconciler {
         for p in &ch.joined {
             self.pending_left.remove(p);
         }
+        // Recorded before the maps change: an agent killed in between keeps
+        // them too.
+        self.kept.add(&ch.kept);
+        self.kept.remove(&ch.joined);
+        if ch.full {
+            self.kept.remove_alive(&self.model.desired().alive_pairs());
+        }
         self.pending_joined.extend(ch.joined.iter().copied());
         self.pending_udp_served.extend(ch.udp_served.iter().map(|k| (k.addr, k.port)));
         // loadBalancerSourceRanges on the socket path: the egress program is
@@ -648,13 +658,18 @@ impl Reconciler {
     /// are ended too, unlike under a watching agent: `Frontend::ready`).
     /// Later, a watching agent has judged each TCP pair as it left, and
     /// kept those of ready endpoints: a sweep must not end them after all.
+    /// TCP connections to the pairs an agent kept (`stale::kept`) are kept
+    /// by such a sweep too; those it finds none to are forgotten.
     pub(super) fn sweep(&self, tcp: bool) {
+        use crate::stale::kept::Source;
         let desired = self.model.desired();
+        let sources: &[Source] = if self.destroyer.is_some() { &[Source::Sockets, Source::Nat] } else { &[Source::Nat] };
+        let census = tcp.then(|| self.kept.census(sources));
         if let Some(d) = &self.destroyer {
-            d.sweep(desired.frontends.iter().map(|(k, f)| (*k, f.clone())).collect(), tcp);
+            d.sweep(desired.frontends.iter().map(|(k, f)| (*k, f.clone())).collect(), census.clone());
         }
         let fronts = desired.frontends.keys().map(|k| (k.addr, k.port)).collect();
-        let _ = self.nat_left.send(crate::nodeport::Ending::Sweep { fronts, alive: desired.alive_pairs(), tcp });
+        let _ = self.nat_left.send(crate::nodeport::Ending::Sweep { fronts, alive: desired.alive_pairs(), census });
     }
 
     /// Log each warning once, for as long as it holds.

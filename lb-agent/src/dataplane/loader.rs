@@ -1297,6 +1297,10 @@ pub fn teardown(bpffs: &Path, wait: std::time::Duration, last: impl FnOnce() -> 
             fs::remove_dir(e.path())?;
         }
     }
+    let kept = bpffs.join(crate::stale::kept::DIR);
+    if kept.exists() {
+        fs::remove_dir_all(&kept).with_context(|| format!("remove {}", kept.display()))?;
+    }
     for m in maps::ALL {
         let p = bpffs.join(m);
         if p.exists() {

@@ -48,6 +48,10 @@ pub struct Changes {
     /// (frontend, backend) pairs that started serving (again): a pair that
     /// left a moment ago and is back is not stale.
     pub joined: BTreeSet<Pair>,
+    /// (frontend, backend) pairs that stopped serving whose TCP
+    /// connections are kept (`Frontend::keeps`): their endpoint was ready
+    /// when it left.
+    pub kept: BTreeSet<Pair>,
     /// UDP frontends the socket hooks translate that have backends now and
     /// had none (or did not exist) before: a connected UDP socket connected
     /// to one meanwhile was not translated, and never will be (kube-proxy
@@ -286,7 +290,7 @@ impl Incremental {
         let NodeInfo { name, zone, addresses: _, primary: _ } = node;
         let same_node = self.node.name == *name && self.node.zone == *zone;
         if !self.primed || !same_node || self.opts != *opts {
-            let before = self.primed.then(|| self.desired.stale_when_gone());
+            let before = self.primed.then(|| (self.desired.stale_when_gone(), self.desired.kept_when_gone()));
             *self = Incremental { primed: true, node: node.clone(), opts: opts.clone(), ..Default::default() };
             ch.full = true;
             let all = ObjectDiff::of(&[], services, &[], slices);
@@ -296,8 +300,10 @@ impl Incremental {
             // sockets an earlier agent or kube-proxy left are not touched.
             ch.joined = BTreeSet::new();
             ch.udp_served = BTreeSet::new();
-            if let Some(before) = before {
-                ch.left = before.difference(&self.desired.alive_pairs()).copied().collect();
+            if let Some((stale, kept)) = before {
+                let alive = self.desired.alive_pairs();
+                ch.left = stale.difference(&alive).copied().collect();
+                ch.kept = kept.difference(&alive).copied().collect();
             }
         } else {
             let mut affected = BTreeSet::new();
@@ -479,10 +485,14 @@ impl Incremental {
                 ch.frontends.insert(k);
                 if let Some(b) = &before {
                     for (a, p) in b.serving() {
+                        if now.as_ref().is_some_and(|f| f.serves(a, p)) {
+                            continue;
+                        }
                         // A ready TCP endpoint that leaves keeps its
-                        // connections (`Frontend::ready`).
-                        let kept = now.as_ref().is_some_and(|f| f.serves(a, p)) || (k.proto == Proto::Tcp && b.ready(a, p));
-                        if !kept {
+                        // connections (`Frontend::keeps`).
+                        if b.keeps(k.proto, a, p) {
+                            ch.kept.insert((k.addr, k.port, k.proto, a, p));
+                        } else {
                             left.push((k, a, p));
                         }
                     }

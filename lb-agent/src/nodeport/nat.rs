@@ -8,6 +8,7 @@ use lb_common::{NatEntry, NatKey, PROTO_UDP, nat_flags, nat_state};
 
 use crate::dataplane::writer::Addr;
 use crate::model::{Pair, Proto};
+use crate::stale::kept::Census;
 
 /// Which flows a pass ends, by their (frontend, backend) pair.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -20,9 +21,10 @@ pub enum Ending {
     /// After a full sync: every pair of these frontends that is not among
     /// the serving ones, so that endpoints that went while no agent
     /// watched (a restart, an upgrade) end their flows too. Flows to an
-    /// address no frontend has are left to expire. TCP flows only with
-    /// `tcp` (`Reconciler::sweep`).
-    Sweep { fronts: BTreeSet<(std::net::IpAddr, u16)>, alive: BTreeSet<Pair>, tcp: bool },
+    /// address no frontend has are left to expire. TCP flows only with a
+    /// census of the kept pairs (their flows kept too, and reported:
+    /// `Reconciler::sweep`).
+    Sweep { fronts: BTreeSet<(std::net::IpAddr, u16)>, alive: BTreeSet<Pair>, census: Option<Census> },
 }
 
 impl Ending {
@@ -32,8 +34,29 @@ impl Ending {
             Ending::Left(left) => left.contains(p),
             // A frontend at the flow's address and port, of either
             // protocol (one whose protocol went ends its flows).
-            Ending::Sweep { fronts, alive, tcp } => (*tcp || p.2 == Proto::Udp) && fronts.contains(&(p.0, p.1)) && !alive.contains(p),
+            Ending::Sweep { fronts, alive, census } => {
+                let judged = match census {
+                    Some(c) => !c.pairs.contains(p),
+                    None => p.2 == Proto::Udp,
+                };
+                judged && fronts.contains(&(p.0, p.1)) && !alive.contains(p)
+            }
         }
+    }
+
+    /// The kept pairs of a sweep's census that flows in `entries` (live at
+    /// `now`) still use.
+    fn kept_in_use<A: Addr>(&self, entries: &BTreeMap<NatKey<A>, NatEntry<A>>, now: u64, t: &NatTimeouts) -> BTreeSet<Pair> {
+        let Ending::Sweep { census: Some(c), .. } = self else { return BTreeSet::new() };
+        entries
+            .iter()
+            .filter(|(k, e)| e.flags & nat_flags::REPLY == 0 && c.pairs.contains(&pair_of(k, e)))
+            .filter(|(k, e)| {
+                let reply = if e.flags & nat_flags::DSR != 0 { None } else { partner(k, e, |ok| entries.get(ok).copied()) };
+                !flow_gone(k, e, reply.as_ref(), now, t)
+            })
+            .map(|(k, e)| pair_of(k, e))
+            .collect()
     }
 }
 
@@ -131,6 +154,9 @@ pub struct NatPass {
     pub bpf_masqueraded: usize,
     /// Entries the table held before the pass.
     pub entries: usize,
+    /// The kept pairs of the sweep's census (`Ending::Sweep`) that live
+    /// flows use.
+    pub kept_used: BTreeSet<Pair>,
 }
 
 /// How many flows in `entries` are masqueraded in BPF to a backend on this
@@ -309,6 +335,7 @@ where
     let mut pass = apply(nat, &steps, now, t);
     pass.bpf_masqueraded = bpf_masqueraded(entries.values());
     pass.entries = entries.len();
+    pass.kept_used = ending.kept_in_use(&entries, now, t);
     pass
 }
 
@@ -540,10 +567,12 @@ mod tests {
         let m = table(&[(k, e), (rk, r)]);
         let other = (pair.0, pair.1, pair.2, "10.9.9.9".parse().unwrap(), 80);
         let front = (pair.0, pair.1);
+        let dir = std::env::temp_dir().join(format!("lb-nat-sweep-{}", std::process::id()));
+        let kept = crate::stale::kept::Kept::load(&dir);
         let sweep_of = |fronts: &[(std::net::IpAddr, u16)], alive: &[Pair], tcp: bool| Ending::Sweep {
             fronts: fronts.iter().copied().collect(),
             alive: alive.iter().copied().collect(),
-            tcp,
+            census: tcp.then(|| kept.census(&[])),
         };
         let sweep = |fronts: &[(std::net::IpAddr, u16)], alive: &[Pair]| sweep_of(fronts, alive, true);
         assert_eq!(pair.2, Proto::Tcp);
@@ -557,6 +586,17 @@ mod tests {
         let udp = (pair.0, pair.1, Proto::Udp, pair.3, pair.4);
         assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[front], &[udp])), [Step::MarkStale(k, 100 * S)]);
         assert_eq!(plan(&snapshot(&m), 101 * S, &T, &sweep(&[], &[])), [], "no frontend at its address: left to expire");
+        // A pair an earlier agent kept (its endpoint left while ready) is
+        // kept by the sweep, and told in use while its flow lives.
+        let mut held = crate::stale::kept::Census::of([pair].into());
+        let ending = Ending::Sweep { fronts: [front].into(), alive: [other].into(), census: Some(held.clone()) };
+        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &ending), []);
+        assert_eq!(ending.kept_in_use(&snapshot(&m), 101 * S, &T), [pair].into());
+        assert_eq!(ending.kept_in_use(&snapshot(&m), 201 * S, &T), [].into(), "expired: not in use");
+        held = crate::stale::kept::Census::of([other].into());
+        let ending = Ending::Sweep { fronts: [front].into(), alive: [].into(), census: Some(held) };
+        assert_eq!(plan(&snapshot(&m), 101 * S, &T, &ending), [Step::MarkStale(k, 100 * S)]);
+        assert_eq!(ending.kept_in_use(&snapshot(&m), 101 * S, &T), [].into());
     }
 
     /// A flow whose reply key a new flow took (its SNAT port freed and

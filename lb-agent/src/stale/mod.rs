@@ -24,6 +24,7 @@
 //!   socket rev-NAT map is looked up per candidate, never walked. A sweep
 //!   after a full sync (endpoints removed while no agent ran) lists every
 //!   connected socket once, with its storage.
+pub mod kept;
 mod netns;
 mod sock_diag;
 
@@ -70,8 +71,9 @@ enum Work {
     Changed { left: BTreeSet<Pair>, joined: BTreeSet<Pair> },
     /// Every frontend after a full sync: any translated socket to a pair
     /// none of them serves is stale (an endpoint removed while no agent
-    /// ran, say). TCP sockets only with the flag (`Reconciler::sweep`).
-    Sweep(Vec<(FrontendKey, std::sync::Arc<crate::model::Frontend>)>, bool),
+    /// ran, say). TCP sockets only with a census of the kept pairs (their
+    /// connections kept too, and reported: `Reconciler::sweep`).
+    Sweep(Vec<(FrontendKey, std::sync::Arc<crate::model::Frontend>)>, Option<kept::Census>),
     /// UDP frontends that got backends: a connected UDP socket whose peer
     /// is one of them itself was connected while it had none (or did not
     /// exist), untranslated, and its datagrams go nowhere.
@@ -83,8 +85,9 @@ enum Work {
 struct Round {
     left: BTreeSet<Pair>,
     /// The newest sweep's frontends, the pairs that joined since, and
-    /// whether TCP sockets are judged (any sweep merged asked for it).
-    fronts: Option<(Fronts, BTreeSet<Pair>, bool)>,
+    /// whether TCP sockets are judged (any sweep merged asked for it: the
+    /// newest such sweep's census).
+    fronts: Option<(Fronts, BTreeSet<Pair>, Option<kept::Census>)>,
     udp_served: BTreeSet<(IpAddr, u16)>,
 }
 
@@ -126,7 +129,7 @@ const GRACE: std::time::Duration = std::time::Duration::from_millis(100);
 fn merge(works: impl Iterator<Item = Work>) -> Round {
     let mut left = BTreeSet::new();
     let mut sweep = None;
-    let mut tcp = false;
+    let mut tcp = None;
     let mut back = BTreeSet::new();
     let mut udp_served = BTreeSet::new();
     for w in works {
@@ -141,7 +144,7 @@ fn merge(works: impl Iterator<Item = Work>) -> Round {
                 left.extend(l);
             }
             Work::Sweep(f, t) => {
-                tcp |= t;
+                tcp = t.or(tcp);
                 sweep = Some(f);
                 back.clear();
             }
@@ -170,7 +173,22 @@ impl Worker {
                 continue;
             }
             check_visibility(&self.cgroup, &self.invisible, &mut self.logged_blind);
-            let n: u64 = netns_sockets(&self.cgroup).into_iter().map(|(pid, sock)| self.netns(pid, &sock, &round)).sum();
+            // A census is told only what every netns showed (a process
+            // the agent cannot see may hold a kept connection).
+            let mut complete = self.invisible.get() == 0;
+            let mut used = BTreeSet::new();
+            let mut n = 0;
+            for (pid, sock) in netns_sockets(&self.cgroup) {
+                match self.netns(pid, &sock, &round, &mut used) {
+                    Some(k) => n += k,
+                    None => complete = false,
+                }
+            }
+            if let Some((_, _, Some(census))) = &round.fronts
+                && complete
+            {
+                census.report(kept::Source::Sockets, used);
+            }
             self.destroyed.inc_by(n);
             if n > 0 {
                 tracing::info!(sockets = n, "destroyed sockets connected to removed backends");
@@ -182,7 +200,9 @@ impl Worker {
     /// `left`, or (a sweep) to a pair none of `fronts` serves; and the
     /// connected UDP sockets our hooks did not translate whose peer is a
     /// frontend in `udp_served`.
-    fn netns(&mut self, pid: u32, sock: &netlink_sys::Socket, round: &Round) -> u64 {
+    /// The kept pairs of a census with sockets go into `used`; false: the
+    /// netns could not be listed.
+    fn netns(&mut self, pid: u32, sock: &netlink_sys::Socket, round: &Round, used: &mut BTreeSet<Pair>) -> Option<u64> {
         use std::os::fd::AsFd as _;
         let Round { left, fronts, udp_served } = round;
         let fronts = fronts.as_ref();
@@ -191,20 +211,28 @@ impl Worker {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!("stale sockets: the netns of pid {pid}: {e:#}");
-                return 0;
+                return None;
             }
         };
         let proto = |c: &Conn| if c.req.protocol == sock_diag::IPPROTO_UDP { Proto::Udp } else { Proto::Tcp };
         let candidates: Vec<Candidate<usize>> = conns.iter().enumerate().map(|(i, c)| (i, proto(c), c.peer, c.port, self.translated_from(c))).collect();
         let mut judged = left.clone();
-        if let Some((fronts, back, tcp)) = fronts {
+        if let Some((fronts, back, census)) = fronts {
+            let kept = |pair: &Pair| census.as_ref().is_some_and(|c| c.pairs.contains(pair));
             let alive = |pair: &Pair| {
                 let (addr, port, proto, b, bp) = *pair;
-                (proto == Proto::Tcp && !tcp)
+                (proto == Proto::Tcp && census.is_none())
                     || back.contains(pair)
-                    || (!left.contains(pair) && fronts.get(&FrontendKey { addr, port, proto }).is_some_and(|f| f.serves(b, bp)))
+                    || (!left.contains(pair) && (kept(pair) || fronts.get(&FrontendKey { addr, port, proto }).is_some_and(|f| f.serves(b, bp))))
             };
-            judged.extend(candidates.iter().filter_map(|(_, proto, b, bp, f)| f.map(|(v, vp)| (v, vp, *proto, *b, *bp))).filter(|pair| !alive(pair)));
+            let translated = candidates.iter().filter_map(|(_, proto, b, bp, f)| f.map(|(v, vp)| (v, vp, *proto, *b, *bp)));
+            for pair in translated {
+                if !alive(&pair) {
+                    judged.insert(pair);
+                } else if kept(&pair) {
+                    used.insert(pair);
+                }
+            }
         }
         let untranslated = candidates
             .iter()
@@ -246,7 +274,7 @@ impl Worker {
                 self.forget(c);
             }
         }
-        n
+        Some(n)
     }
 
     /// Which frontend our hook translated a socket from: its storage, else
@@ -334,9 +362,10 @@ impl Destroyer {
         let _ = self.tx.send(Work::UntranslatedUdp(fronts));
     }
 
-    /// Hand over every frontend after a full sync.
-    pub fn sweep(&self, fronts: Vec<(FrontendKey, std::sync::Arc<crate::model::Frontend>)>, tcp: bool) {
-        let _ = self.tx.send(Work::Sweep(fronts, tcp));
+    /// Hand over every frontend after a full sync; TCP sockets are judged
+    /// with a census of the kept pairs.
+    pub fn sweep(&self, fronts: Vec<(FrontendKey, std::sync::Arc<crate::model::Frontend>)>, census: Option<kept::Census>) {
+        let _ = self.tx.send(Work::Sweep(fronts, census));
     }
 }
 
@@ -358,16 +387,18 @@ mod tests {
         assert_eq!(left, [a].into());
         // After a sweep, what joined since counts as alive; what joined
         // before it is in the sweep's own snapshot.
-        let Round { fronts, .. } = merge([changed(&[], &[b]), Work::Sweep(Vec::new(), true), changed(&[], &[a])].into_iter());
+        let dir = std::env::temp_dir().join(format!("lb-merge-{}", std::process::id()));
+        let census = || Some(kept::Kept::load(&dir).census(&[]));
+        let Round { fronts, .. } = merge([changed(&[], &[b]), Work::Sweep(Vec::new(), census()), changed(&[], &[a])].into_iter());
         assert_eq!(fronts.unwrap().1, [a].into());
         // Joined after the sweep, then left again: not alive.
-        let Round { left, fronts, .. } = merge([Work::Sweep(Vec::new(), true), changed(&[], &[a]), changed(&[a], &[])].into_iter());
+        let Round { left, fronts, .. } = merge([Work::Sweep(Vec::new(), census()), changed(&[], &[a]), changed(&[a], &[])].into_iter());
         assert_eq!((left, fronts.unwrap().1), ([a].into(), BTreeSet::new()));
         // Two sweeps in one round: TCP judged if either asked.
-        let Round { fronts, .. } = merge([Work::Sweep(Vec::new(), true), Work::Sweep(Vec::new(), false)].into_iter());
-        assert!(fronts.unwrap().2);
-        let Round { fronts, .. } = merge([Work::Sweep(Vec::new(), false)].into_iter());
-        assert!(!fronts.unwrap().2);
+        let Round { fronts, .. } = merge([Work::Sweep(Vec::new(), census()), Work::Sweep(Vec::new(), None)].into_iter());
+        assert!(fronts.unwrap().2.is_some());
+        let Round { fronts, .. } = merge([Work::Sweep(Vec::new(), None)].into_iter());
+        assert!(fronts.unwrap().2.is_none());
         // Frontends that got backends, from every work of the round.
         let served = |v: &[(IpAddr, u16)]| Work::UntranslatedUdp(v.iter().copied().collect());
         let r = merge([served(&[(a.0, 53)]), changed(&[b], &[]), served(&[(b.0, 54)])].into_iter());

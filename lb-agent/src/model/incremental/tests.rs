@@ -129,6 +129,8 @@ fn run(services: Vec<K8sService>, slices: Vec<K8sSlice>, edits: Vec<Edit>) -> Re
                 }
                 let gone: BTreeSet<Pair> = last.stale_when_gone().difference(&want.alive_pairs()).copied().collect();
                 prop_assert_eq!(&ch.left, &gone);
+                let kept: BTreeSet<Pair> = last.kept_when_gone().difference(&want.alive_pairs()).copied().collect();
+                prop_assert_eq!(&ch.kept, &kept);
                 last = want;
             }
         }
@@ -440,6 +442,11 @@ fn a_tcp_pair_ends_when_its_endpoint_leaves_unless_it_was_ready() {
         let a: IpAddr = "10.1.0.1".parse().unwrap();
         let gone: Vec<&Pair> = ch.left.iter().filter(|p| p.3 == a).collect();
         assert_eq!(!gone.is_empty(), ends, "{what}: {gone:?}");
+        // The others are told as kept (the agent records them for the next
+        // one), the TCP ones of the pairs that left.
+        let kept: Vec<&Pair> = ch.kept.iter().filter(|p| p.3 == a).collect();
+        assert_eq!(kept.is_empty(), ends, "{what}: kept {kept:?}");
+        assert!(kept.iter().all(|p| p.2 == Proto::Tcp), "{what}: {kept:?}");
     }
 }
 
