@@ -1065,6 +1065,28 @@ mod tests {
         slice("web", "s", "IPv4", WEB_EP, &[Ep { node: "node-a", ..ep("10.0.0.1") }, ep("10.0.0.2")])
     }
 
+    /// Every node must build a Maglev frontend's table from the same
+    /// endpoints: zone hints narrow the ClusterIP's set, not the
+    /// NodePort's, and the Service is warned about by name.
+    #[test]
+    fn topology_hints_are_not_applied_to_maglev_frontends() {
+        let eps = [Ep { zones: &["zone-a"], ..ep("10.0.0.1") }, Ep { zones: &["zone-b"], ..ep("10.0.0.2") }];
+        for (algorithm, hinted) in [(Algorithm::Random, true), (Algorithm::Maglev, false)] {
+            let services = [objects::Service::from(&external_svc("NodePort"))];
+            let slices = [objects::EndpointSlice::from(&slice("web", "s", "IPv4", WEB_EP, &eps))];
+            let d = compute_with(&services, &slices, &node(), &Options { nodeport_algorithm: algorithm, ..Options::default() });
+            let cluster_ip = &d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)];
+            assert!(cluster_ip.topology, "{algorithm:?}");
+            assert_eq!(addrs(&cluster_ip.backends), ["10.0.0.1:8080"], "{algorithm:?}");
+            let np = &d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)];
+            assert_eq!(np.topology, hinted, "{algorithm:?}");
+            let want: &[&str] = if hinted { &["10.0.0.1:8080"] } else { &["10.0.0.1:8080", "10.0.0.2:8080"] };
+            assert_eq!(addrs(&np.backends), want, "{algorithm:?}");
+            let warned = d.warnings.iter().filter(|w| w.contains("default/web") && w.contains("topology hints")).count();
+            assert_eq!(warned, usize::from(!hinted), "{algorithm:?}: {:?}", d.warnings);
+        }
+    }
+
     #[test]
     fn maglev_follows_the_flag_and_the_services_annotation_for_external_frontends_only() {
         let with = |annotation: Option<&str>, default: Algorithm| {

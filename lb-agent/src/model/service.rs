@@ -324,8 +324,27 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
     let reachable = matches!(p.spec.type_.as_deref(), Some("NodePort" | "LoadBalancer")) || p.spec.external_ips.as_ref().is_some_and(|e| !e.is_empty());
     let ext_local = reachable && p.spec.external_traffic_policy.as_deref() == Some("Local");
     let ranges = source_ranges(p.sref, p.spec, &mut out.warnings);
+    let mut warned_hints = false;
     for e in external {
-        let Sets { cluster, topology, local, extra_ready, extra } = p.eps.sets(e.addr.is_ipv4(), true);
+        // Outside traffic only: a localhost NodePort (the node's own
+        // sockets) needs no Maglev table and never leaves by DSR.
+        let maglev = p.maglev && !e.host_only;
+        // Every node builds a Maglev frontend's table from the same
+        // endpoints, so that a flow an upstream router moves to another
+        // node keeps its pod: topology hints (which narrow the set per zone
+        // or node) are not applied to it, where kube-proxy applies them.
+        let mut sets = p.eps.sets(e.addr.is_ipv4(), true);
+        if maglev && sets.topology {
+            sets = p.eps.sets(e.addr.is_ipv4(), false);
+            if !std::mem::replace(&mut warned_hints, true) {
+                out.warnings.push(format!(
+                    "Service {}: its endpoints' topology hints (trafficDistribution) are not applied to its Maglev frontends \
+                     (NodePort, LoadBalancer IPs, externalIPs): every node must pick the same endpoint for a flow",
+                    p.sref
+                ));
+            }
+        }
+        let Sets { cluster, topology, local, extra_ready, extra } = sets;
         let source_ranges: Vec<(IpAddr, u8)> =
             if e.lb_ip { ranges.iter().filter(|(a, _)| a.is_ipv4() == e.addr.is_ipv4()).copied().collect() } else { Vec::new() };
         let front = Frontend {
@@ -339,9 +358,7 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
             source_ranges,
             extra_ready,
             extra_serving: extra,
-            // Outside traffic only: a localhost NodePort (the node's own
-            // sockets) needs no Maglev table and never leaves by DSR.
-            maglev: p.maglev && !e.host_only,
+            maglev,
             // Local never leaves the node.
             dsr: p.dsr && !ext_local && !e.host_only,
             ..p.base.clone()
