@@ -861,7 +861,12 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         match rec.sync(&upd.snapshot, attach) {
             Ok(()) => {
                 dirty = false;
-                health.synced(upd.since, &rec.ip_families);
+                // Ready only once an upgrade's programs moved (below): one
+                // that cannot move them exits, and a rollout that saw it
+                // ready would go on to the next node.
+                if upgrade.is_none() {
+                    health.synced(upd.since, &rec.ip_families);
+                }
                 let took = started.elapsed().as_secs_f64();
                 metrics.sync_duration.observe(took);
                 metrics.event_to_programmed.observe(upd.since.elapsed().as_secs_f64());
@@ -924,6 +929,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             for iface in &cfg.nodeport_interfaces {
                 tc.attach_tc(iface)?;
             }
+            health.synced(upd.since, &rec.ip_families);
             // The earlier agent's devices these are not (moved above with
             // the rest) go now.
             if !cfg.nodeport_interfaces.is_empty() {
