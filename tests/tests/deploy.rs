@@ -16,8 +16,60 @@ fn docs(file: &str) -> Vec<serde_json::Value> {
     serde_saphyr::from_multiple::<serde_json::Value>(&deploy(file)).unwrap().into_iter().filter(|v| !v.is_null()).collect()
 }
 
-fn typed<T: serde::de::DeserializeOwned>(v: &serde_json::Value) -> T {
-    serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{e}: {v:?}"))
+/// `v` as a `T`, every key of it known to `T`: k8s-openapi skips keys it
+/// does not know, so a misspelled one (`priorityClasName`) would pass
+/// unseen; each key must come back when the value is written again.
+fn typed<T: serde::de::DeserializeOwned + serde::Serialize>(v: &serde_json::Value) -> T {
+    let t: T = serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{e}: {v:?}"));
+    let back = serde_json::to_value(&t).unwrap();
+    let lost = lost_keys(v, &back, "");
+    assert!(lost.is_empty(), "keys the API does not know: {lost:?}");
+    t
+}
+
+/// The keys of `orig` (paths) that `back` has not.
+fn lost_keys(orig: &serde_json::Value, back: &serde_json::Value, at: &str) -> Vec<String> {
+    use serde_json::Value;
+    match (orig, back) {
+        (Value::Object(o), Value::Object(b)) => o
+            .iter()
+            .flat_map(|(k, v)| match b.get(k) {
+                Some(w) => lost_keys(v, w, &format!("{at}.{k}")),
+                None => vec![format!("{at}.{k}")],
+            })
+            .collect(),
+        (Value::Array(o), Value::Array(b)) => o.iter().zip(b).enumerate().flat_map(|(i, (v, w))| lost_keys(v, w, &format!("{at}[{i}]"))).collect(),
+        _ => Vec::new(),
+    }
+}
+
+#[test]
+fn a_misspelled_key_is_caught() {
+    let v = serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "x", "namspace": "y"}});
+    let back = serde_json::to_value(serde_json::from_value::<ServiceAccount>(v.clone()).unwrap()).unwrap();
+    assert_eq!(lost_keys(&v, &back, ""), [".metadata.namspace"]);
+}
+
+/// What keeps the agent on every node through a rollout, as kube-proxy's
+/// DaemonSet: every taint tolerated, the node-critical priority, one node
+/// at a time, and time to exit on SIGTERM.
+#[test]
+fn the_daemon_set_runs_everywhere_one_node_at_a_time() {
+    let ds: DaemonSet = typed(&docs("daemonset.yaml")[0]);
+    let spec = ds.spec.unwrap();
+    let strategy = spec.update_strategy.unwrap();
+    assert_eq!(strategy.type_.as_deref(), Some("RollingUpdate"));
+    let rolling = strategy.rolling_update.unwrap();
+    assert_eq!(rolling.max_unavailable, Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(1)));
+    assert_eq!(rolling.max_surge, None, "a second agent on a node would fight the first over the pins");
+    let pod = spec.template.spec.unwrap();
+    assert_eq!(pod.priority_class_name.as_deref(), Some("system-node-critical"));
+    let tolerations = pod.tolerations.unwrap();
+    assert!(tolerations.iter().any(|t| t.operator.as_deref() == Some("Exists") && t.key.is_none() && t.effect.is_none()), "{tolerations:?}");
+    assert!(pod.termination_grace_period_seconds.is_some_and(|s| s >= 10), "{:?}", pod.termination_grace_period_seconds);
+    for c in pod.init_containers.iter().flatten().chain(&pod.containers) {
+        assert_eq!(c.security_context.as_ref().and_then(|s| s.privileged), Some(true), "{}: bidirectional mount propagation", c.name);
+    }
 }
 
 #[test]

@@ -287,7 +287,8 @@ mod tests {
         assert_eq!(stage("bins").0, "FROM ${BINS} AS bins");
         assert_eq!(stage("prebuilt").0, "FROM scratch AS prebuilt");
         assert!(!stage("runtime").1.contains("lbprobe"));
-        for tool in ["bpftool", "util-linux", "mount", "iproute2", "coreutils"] {
+        // (iptables, nft and ipset: the firewall rules and kube-proxy's clean-up.)
+        for tool in ["bpftool", "util-linux", "mount", "iproute2", "coreutils", "iptables", "nftables", "ipset"] {
             assert!(stage("runtime").1.contains(tool), "{tool}");
         }
         assert_eq!(stage("e2e").0, "FROM runtime AS e2e");
