@@ -517,3 +517,40 @@ fn a_forged_rst_and_option_do_not_take_a_live_local_flow() -> Result<()> {
     assert_eq!(s.failed(), 0, "the held flow went on: {s:?}");
     Ok(())
 }
+
+/// A pod on the backend's node (node-2) connects to node-1's NodePort, its
+/// packets not masqueraded (pod addresses route between the nodes, as with
+/// most CNIs for pod-to-node traffic): node-1 sends the flow to pod-2 by
+/// DSR, and pod-2's replies go to the client inside node-2, through no
+/// NodePort device. They are translated on their way into the client's pod
+/// (the pod programs' egress side, attached for DSR), so the client sees
+/// the NodePort answer.
+#[test]
+fn a_pod_on_the_backends_node_reaches_a_dsr_node_port_of_another_node() -> Result<()> {
+    let mut w = world_with(&web("NodePort", "", &[]), &["--nodeport-mode", "dsr"])?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
+    let client = w.c.add_pod(2, "client")?;
+    for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080)] {
+        let ip = if addr.starts_with('[') { &client.ip6 } else { &client.ip };
+        let s = tcp(&w.c, &client, &addr, 5)?;
+        assert_eq!(s.ok, 5, "{addr}: {s:?}");
+        assert_eq!(keys(&s), [format!("pod-2 {ip}").as_str()].into(), "pod-2 sees the client: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr.as_str()], "the answer comes from the NodePort: {s:?}");
+        let s = w.c.probe(&client, &["udp", "--addr", &addr, "--count", "5"])?;
+        assert_eq!(s.ok, 5, "{addr}: {s:?}");
+        assert_eq!(s.peers.keys().collect::<Vec<_>>(), [addr.as_str()], "{s:?}");
+    }
+    assert!(datapath(&w.c, 2, "dsr_received")? >= 2 * (5 * 3 + 5), "the flows came by DSR");
+    // A restart of node-2's agent keeps the pod devices' programs: a
+    // connection held through it goes on.
+    let held = w.c.probe_bg(&client, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "4000", "--interval-ms", "50"])?;
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    w.c.kill_agent(2);
+    w.c.start_agent_with(2, &["--nodeport-mode", "dsr"])?;
+    let s = lbtest::Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "through node-2's restart: {s:?}");
+    assert_eq!(s.peers.keys().collect::<Vec<_>>(), [hostport(NODE1, 30080).as_str()], "{s:?}");
+    Ok(())
+}

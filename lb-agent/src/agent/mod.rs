@@ -484,9 +484,12 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             "flows masqueraded in BPF by an agent with --bpf-forward live: the pod programs stay until they end"
         );
     }
-    tc.verify_optional(forward || per_packet || keep_pods(&masq_watch))?;
+    tc.pod_ingress = forward || per_packet || keep_pods(&masq_watch);
+    tc.verify_optional(tc.pod_ingress)?;
+    // (An earlier agent's egress ones stay until the first sync tells
+    // whether some frontend sends by DSR: `has_dsr`.)
     if !forward || !per_packet {
-        tc.drop_pod_programs(!forward && !per_packet && !keep_pods(&masq_watch));
+        tc.drop_pod_programs(!tc.pod_ingress, false);
     }
     // During an upgrade the programs attach once the new maps are filled.
     if upgrade.is_none() && !cfg.nodeport_interfaces.is_empty() {
@@ -578,6 +581,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         health_check_on: None,
         node_addresses: Vec::new(),
         has_external: false,
+        has_dsr: false,
         not_programmed: 0,
         model: model::Incremental::new(),
         full_needed: true,
@@ -727,6 +731,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // NodePort devices whose programs could not be attached, with why.
     let mut attach_failed: std::collections::HashMap<String, String> = std::collections::HashMap::new();
     let mut first = true;
+    // Whether an earlier agent's egress pod programs were judged (`pod_programs`).
+    let mut pod_egress_unjudged = true;
     let addresses_changed = rec.addresses.changed();
     // What an earlier agent left in LB_LOCAL4 may be out of date (an
     // address moved while no agent ran): put right before any sync.
@@ -793,7 +799,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                     masq_watch::Look::Done => {
                         if !per_packet {
                             tracing::info!("the last flow masqueraded in BPF ended: the pod programs go");
-                            tc.drop_pod_programs(true);
+                            tc.pod_ingress = false;
+                            tc.drop_pod_programs(true, false);
                         }
                         // On failure the bit is still in this agent's
                         // flags: its next write of the config has it.
@@ -920,11 +927,12 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             } else {
                 Vec::new()
             };
-            let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods(&masq_watch);
+            let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods(&masq_watch) || rec.has_dsr;
             let pod_devices = match crate::netdev::links() {
                 Ok(links) if pods => crate::netdev::pod_devices(&links, &nodeport),
                 _ => Vec::new(),
             };
+            pod_programs(&mut tc, forward || per_packet || keep_pods(&masq_watch), per_packet || rec.has_dsr);
             tc.finish_upgrade(&replaced, &nodeport, &pod_devices)?;
             for iface in &cfg.nodeport_interfaces {
                 tc.attach_tc(iface)?;
@@ -975,7 +983,12 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         // Service addresses is translated there, as soon as a Service
         // exists. New pods' devices are picked up here: a veth coming up
         // wakes this loop (`Addresses`).
-        let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods(&masq_watch);
+        let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods(&masq_watch) || rec.has_dsr;
+        if upgrade.is_none() && !dirty && !per_packet && !rec.has_dsr && !tc.pod_egress && std::mem::take(&mut pod_egress_unjudged) {
+            // No frontend sends by DSR: an earlier agent's egress pod
+            // programs go.
+            tc.drop_pod_programs(false, true);
+        }
         if upgrade.is_none() && (rec.has_external || pods) {
             let nodeport = if cfg.nodeport_interfaces.is_empty() {
                 let found = crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses);
@@ -1010,6 +1023,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
                 tc.detach_unserved(&nodeport, Some(unserved_grace()));
             }
             if pods {
+                pod_programs(&mut tc, forward || per_packet || keep_pods(&masq_watch), per_packet || rec.has_dsr);
+                rec.addresses.track_veths();
                 sync_pods(&mut tc, &nodeport);
             }
         }
@@ -1037,6 +1052,21 @@ fn unserved_grace() -> Duration {
 /// Seconds since the Unix epoch, for kube-proxy's timestamp gauges.
 fn unix_seconds(t: std::time::SystemTime) -> f64 {
     t.duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Which pod programs the pod devices get: the ingress one (what a pod
+/// sends: `--bpf-forward`, `--per-packet-lb`, flows masqueraded in BPF),
+/// the egress one (what goes into a pod: `--per-packet-lb`, and DSR, whose
+/// replies to a client on this node pass no NodePort device). Devices that
+/// had another set get the new one at the next `sync_pods`. The egress one
+/// stays once attached (a DSR frontend may come back).
+fn pod_programs(tc: &mut crate::dataplane::loader::Tc, ingress: bool, egress: bool) {
+    let egress = egress || tc.pod_egress;
+    if (tc.pod_ingress, tc.pod_egress) != (ingress, egress) {
+        tc.pod_ingress = ingress;
+        tc.pod_egress = egress;
+        tc.forget_pods();
+    }
 }
 
 /// Put the pod programs on the pod devices: every veth but the NodePort

@@ -275,6 +275,10 @@ pub(super) struct Reconciler {
     /// Some frontend takes traffic from outside (NodePort, LB IP,
     /// externalIP; any, with `--external-cluster-ip`).
     pub(super) has_external: bool,
+    /// Some frontend sends its outside flows by DSR: the replies of this
+    /// node's backends to a client on this node (a pod on another node's
+    /// NodePort, not masqueraded) are translated on the pod devices.
+    pub(super) has_dsr: bool,
     /// Services left out of the last sync because they could not be written.
     pub(super) not_programmed: usize,
     /// The model, updated one Service at a time.
@@ -595,6 +599,7 @@ impl Reconciler {
             // ClusterIPs routed here from outside count where they are served.
             let cluster_ips = self.node_flags & lb_common::node_flags::EXTERNAL_CLUSTER_IP != 0;
             self.has_external = desired.frontends.values().any(|f| f.external || cluster_ips);
+            self.has_dsr = desired.frontends.values().any(|f| f.dsr);
         }
         match (&mut self.names_changed, full) {
             (_, true) => self.names_changed = None,

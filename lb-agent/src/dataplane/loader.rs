@@ -158,10 +158,14 @@ pub struct Tc {
     /// Devices this agent served that are no NodePort devices now, since
     /// when: their programs stay a grace (`detach_unserved`).
     unserved: std::collections::BTreeMap<String, std::time::Instant>,
-    /// The pod devices `POD_PROGRAM` is attached to, by name, with the
+    /// The pod devices the pod programs are attached to, by name, with the
     /// index the device had then (a name may come back on a new device).
     pods: std::collections::BTreeMap<String, u32>,
-    /// `--per-packet-lb`: `POD_EGRESS_PROGRAM` goes on the pod devices too.
+    /// `POD_PROGRAM` goes on the pod devices (`--bpf-forward`,
+    /// `--per-packet-lb`, flows masqueraded in BPF).
+    pub pod_ingress: bool,
+    /// `POD_EGRESS_PROGRAM` goes on the pod devices (`--per-packet-lb`,
+    /// DSR frontends).
     pub pod_egress: bool,
     /// This upgrade's new programs see the old NAT tables (`NAT4_PREV`).
     adopt: bool,
@@ -355,6 +359,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         served: None,
         unserved: Default::default(),
         pods: Default::default(),
+        pod_ingress: false,
         pod_egress: false,
         adopt,
         _lock: lock,
@@ -627,11 +632,14 @@ impl Tc {
             tracing::info!(ms = pause.as_millis() as u64, "upgrade: paused before the pod devices move (LB_UPGRADE_PAUSE_PODS_MS)");
             std::thread::sleep(pause);
         }
-        // The pod devices an earlier agent forwarded from.
-        let pod_prefix = format!("{POD_PROGRAM}_");
-        let pods: Vec<String> = fs::read_dir(&links)?
+        // The pod devices an earlier agent forwarded from (or translated
+        // DSR replies on).
+        let pods: BTreeSet<String> = fs::read_dir(&links)?
             .flatten()
-            .filter_map(|e| e.file_name().to_string_lossy().strip_prefix(&pod_prefix).map(str::to_string))
+            .filter_map(|e| {
+                let n = e.file_name().to_string_lossy().into_owned();
+                POD_PROGRAMS.iter().find_map(|(p, _)| n.strip_prefix(p)?.strip_prefix('_').map(str::to_string))
+            })
             .collect();
         for safe in pods {
             let Some((iface, ifindex)) = device(&safe) else { continue };
@@ -856,16 +864,16 @@ impl Tc {
         }
     }
 
-    /// Attach the pod programs to `iface` (TC ingress: what its pod sends;
-    /// with `pod_egress`, TC egress: what goes into it), replacing an
-    /// earlier agent's without a gap.
+    /// Attach the pod programs to `iface` (with `pod_ingress`, TC ingress:
+    /// what its pod sends; with `pod_egress`, TC egress: what goes into
+    /// it), replacing an earlier agent's without a gap.
     fn attach_pod(&mut self, iface: &str, ifindex: u32) -> Result<()> {
         if self.pods.get(iface) == Some(&ifindex) {
             return Ok(());
         }
         let tcx = self.tcx();
-        let n = if self.pod_egress { 2 } else { 1 };
-        for (name, ty) in &POD_PROGRAMS[..n] {
+        let wanted = [self.pod_ingress, self.pod_egress];
+        for (name, ty) in POD_PROGRAMS.iter().zip(wanted).filter(|(_, w)| *w).map(|(p, _)| p) {
             let prog: &mut SchedClassifier = self.ebpf.program_mut(name).context("TC program")?.try_into()?;
             if prog.fd().is_err() {
                 verify(name, || prog.load())?;
@@ -882,12 +890,19 @@ impl Tc {
             drop_other_mode(iface, *ty, tcx, &self.bpffs, &pin, &[name]);
         }
         self.pods.insert(iface.to_string(), ifindex);
-        if self.pod_egress {
-            tracing::info!(iface, "pod device: what its pod sends to a Service address is translated here, and the replies");
-        } else {
-            tracing::info!(iface, "pod device: its pod's replies to outside clients are forwarded in BPF");
+        match (self.pod_ingress, self.pod_egress) {
+            (true, true) => tracing::info!(iface, "pod device: what its pod sends is translated or forwarded here, and what it gets"),
+            (true, false) => tracing::info!(iface, "pod device: its pod's replies to outside clients are forwarded in BPF"),
+            (false, true) => tracing::info!(iface, "pod device: replies to its pod from flows lb sent by DSR are translated here"),
+            (false, false) => {}
         }
         Ok(())
+    }
+
+    /// Attach the pod programs again at the next `sync_pod_devices` (the
+    /// set `pod_ingress` and `pod_egress` name changed).
+    pub fn forget_pods(&mut self) {
+        self.pods.clear();
     }
 
     /// Whether pod programs an earlier agent attached may run on this
@@ -981,14 +996,13 @@ impl Tc {
         self.served = Some(keep);
     }
 
-    /// Take off the pod programs an earlier agent attached (pinned TCX
-    /// links, netlink filters) that this one does not use: both without
-    /// `--bpf-forward` and `--per-packet-lb`, the egress one without
-    /// `--per-packet-lb`.
-    pub fn drop_pod_programs(&mut self, ingress_too: bool) {
+    /// Take off the pod programs (pinned TCX links, netlink filters) this
+    /// agent does not use, an earlier agent's or its own: the ingress one
+    /// with `ingress`, the egress one with `egress` (unless `pod_egress`).
+    pub fn drop_pod_programs(&mut self, ingress: bool, egress: bool) {
         let mut n = 0;
         for (prog, ty) in POD_PROGRAMS {
-            if prog == POD_PROGRAM && !ingress_too || prog == POD_EGRESS_PROGRAM && self.pod_egress {
+            if prog == POD_PROGRAM && !ingress || prog == POD_EGRESS_PROGRAM && (!egress || self.pod_egress) {
                 continue;
             }
             let prefix = format!("{prog}_");
@@ -1007,7 +1021,7 @@ impl Tc {
                 }
             }
         }
-        if ingress_too {
+        if ingress || egress {
             self.pods.clear();
         }
         if n > 0 {

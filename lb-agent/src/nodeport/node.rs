@@ -69,12 +69,14 @@ fn route_mtus() -> RouteMtus {
 /// device holding an address going up or down (link events): a tunnel
 /// usually gets its address before it comes up, and the TC programs go on
 /// it then. So does a route that sets an MTU, added, changed or removed
-/// (`route_mtus`). With `veths` (the pod programs are in use), so does a
-/// veth coming up or going: a pod's device, which they go on.
+/// (`route_mtus`). With `veths` (the pod programs are in use; or later,
+/// `track_veths`), so does a veth coming up or going: a pod's device, which
+/// they go on.
 pub struct Addresses {
     current: std::sync::Arc<std::sync::Mutex<Vec<(String, IpAddr)>>>,
     routes: std::sync::Arc<std::sync::Mutex<RouteMtus>>,
     changed: std::sync::Arc<tokio::sync::Notify>,
+    veths: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Addresses {
@@ -85,8 +87,9 @@ impl Addresses {
         let groups = RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV6_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_ROUTE;
         sock.bind(&SocketAddr::new(0, groups)).context("rtnetlink bind to the link, address and route groups")?;
         let (addrs, mut up) = interface_state();
-        let track = veths;
-        let mut veths = if track { up_veths() } else { Vec::new() };
+        let track = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(veths));
+        let tracking = track.clone();
+        let mut veths = if veths { up_veths() } else { Vec::new() };
         let current = std::sync::Arc::new(std::sync::Mutex::new(addrs));
         let routes = std::sync::Arc::new(std::sync::Mutex::new(route_mtus()));
         let changed = std::sync::Arc::new(tokio::sync::Notify::new());
@@ -127,7 +130,7 @@ impl Addresses {
                         ch.notify_one();
                     }
                     drop(held);
-                    let now_veths = if track { up_veths() } else { Vec::new() };
+                    let now_veths = if tracking.load(std::sync::atomic::Ordering::Relaxed) { up_veths() } else { Vec::new() };
                     if veths != now_veths {
                         tracing::debug!(veths = ?now_veths, "veths came up or went");
                         veths = now_veths;
@@ -136,7 +139,13 @@ impl Addresses {
                 }
             })
             .context("spawn the address watcher")?;
-        Ok(Self { current, routes, changed })
+        Ok(Self { current, routes, changed, veths: track })
+    }
+
+    /// Wake the agent at veths coming up or going from now on too (the pod
+    /// programs came into use).
+    pub fn track_veths(&self) {
+        self.veths.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The routes that set an MTU, as of the last event.
