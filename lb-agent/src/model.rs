@@ -297,6 +297,9 @@ impl Frontend {
     }
 }
 
+/// The most backends a frontend takes: its slots are numbered in 16 bits.
+pub const MAX_BACKENDS: usize = u16::MAX as usize;
+
 /// The backend at `addr:port` in `v` (sorted, each address and port once):
 /// a binary search, as a Service may have thousands of endpoints.
 pub(crate) fn find(v: &[Backend], addr: IpAddr, port: u16) -> Option<&Backend> {
@@ -1063,6 +1066,20 @@ mod tests {
 
     fn local_and_remote() -> EndpointSlice {
         slice("web", "s", "IPv4", WEB_EP, &[Ep { node: "node-a", ..ep("10.0.0.1") }, ep("10.0.0.2")])
+    }
+
+    /// More endpoints than a frontend takes: the Service is warned about by
+    /// name, and its frontend holds the first 65,535.
+    #[test]
+    fn a_service_with_more_endpoints_than_a_frontend_takes_is_warned_about() {
+        let ips: Vec<String> = (0..65_536u32).map(|i| std::net::Ipv4Addr::from(0x0a00_0000 + i).to_string()).collect();
+        let eps: Vec<Ep> = ips.iter().map(|ip| ep(ip)).collect();
+        let d = compute(&[svc("web", "10.96.0.10", &[(Some("http"), 80, "TCP")])], &[slice("web", "s", "IPv4", WEB_EP, &eps)], &node());
+        assert_eq!(d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends.len(), 65_536, "the model keeps them all; the maps take the first");
+        assert!(d.warnings.iter().any(|w| w.contains("default/web") && w.contains("65536 endpoints") && w.contains("65535")), "{:?}", d.warnings);
+        let eps = &eps[..65_535];
+        let d = compute(&[svc("web", "10.96.0.10", &[(Some("http"), 80, "TCP")])], &[slice("web", "s", "IPv4", WEB_EP, eps)], &node());
+        assert!(d.warnings.is_empty(), "{:?}", d.warnings);
     }
 
     /// Every node must build a Maglev frontend's table from the same

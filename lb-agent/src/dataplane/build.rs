@@ -377,7 +377,7 @@ fn add_frontend<A: Addr>(t: &mut Builder<A>, key: &model::FrontendKey, front: &m
             let Some(baddr) = A::from_ip(b.addr) else { continue };
             // Slots are numbered in 16 bits: the first 65,535 backends
             // (a count that wrapped would name a few and overwrite them).
-            if n == u16::MAX {
+            if usize::from(n) == crate::model::MAX_BACKENDS {
                 break;
             }
             let mut flags = 0;

@@ -188,6 +188,24 @@ mod tests {
         d
     }
 
+    /// A frontend's slots are numbered in 16 bits: it takes the first
+    /// 65,535 backends, and every one of its slots resolves (a count that
+    /// wrapped named 4,464 of 70,000 and left the rest written for none).
+    #[test]
+    fn a_frontend_takes_at_most_65535_backends_and_every_slot_resolves() {
+        let mut d = desired(&[("10.96.0.1", 80, &[], false)]);
+        let k = *d.frontends.keys().next().unwrap();
+        let bs: Vec<model::Backend> = (0..70_000u32)
+            .map(|i| model::Backend { addr: std::net::Ipv4Addr::from(0x0a00_0000 + i).into(), port: 8080, local: false, terminating: false, pod_terminating: false })
+            .collect();
+        std::sync::Arc::make_mut(d.frontends.get_mut(&k).unwrap()).backends = bs;
+        let t = build::<[u8; 4]>(&d, &Table::default(), &mut Cursors::default()).table;
+        let Seen::Backends(seen) = resolve(&t, v4("10.96.0.1"), 80, PROTO_TCP) else { panic!("{:?}", resolve(&t, v4("10.96.0.1"), 80, PROTO_TCP)) };
+        assert_eq!(seen.len(), 65_535);
+        assert!(seen.contains(&(v4("10.0.0.0"), 8080)) && seen.contains(&(v4("10.0.255.254"), 8080)) && !seen.contains(&(v4("10.0.255.255"), 8080)));
+        assert_eq!(t.services.keys().filter(|s| s.slot > 0).count(), 65_535, "no slot beyond the count");
+    }
+
     /// Apply every step of the plan from `a` to `b` and check, in every
     /// intermediate state, what a connect to each frontend would see. The
     /// plan for the changed frontends alone must be as safe and reach the

@@ -223,6 +223,15 @@ fn cluster_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>, 
     let local_only = p.spec.internal_traffic_policy.as_deref() == Some("Local");
     for vip in vips {
         let Sets { cluster, topology, local, extra_ready, extra } = p.eps.sets(vip.is_ipv4(), !local_only);
+        let most = cluster.len().max(local.len());
+        if most > crate::model::MAX_BACKENDS {
+            out.warnings.push(format!(
+                "Service {}: {most} endpoints for port {}: a frontend takes the first {} (by address), the rest get no traffic",
+                p.sref,
+                p.port,
+                crate::model::MAX_BACKENDS
+            ));
+        }
         let front = Frontend { backends: cluster, local_only, local_backends: local, topology, extra_ready, extra_serving: extra, ..p.base.clone() };
         out.claim(claimed, p.sref, FrontendKey { addr: *vip, port: p.port, proto: p.proto }, front, Claim::ClusterIp);
     }
