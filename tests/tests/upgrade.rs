@@ -1044,3 +1044,37 @@ fn switching_the_attach_mode_leaves_lbs_programs_of_one_mode_on_a_device() -> Re
     }
     Ok(())
 }
+
+/// TCP connections kept when their ready pod was switched out of the
+/// Service (recorded in the pin dir) outlive an upgrade that replaces every
+/// map (a new layout version): both the first sync's sweep and the one
+/// after the programs moved keep them. (Where the NAT entries' layout
+/// changes too, the first sweep cannot see the old tables' flows: its
+/// census prunes nothing during an upgrade, `Reconciler::upgrading`; not
+/// shown here.)
+#[test]
+fn connections_kept_on_a_selector_switch_outlive_an_upgrade_of_every_map() -> Result<()> {
+    let mut w = world(&web("NodePort", "", &[]))?;
+    let client = w.c.add_pod(1, "client")?;
+    set_endpoints(&w, &[(&w.p1, lbtest::objects::Endpoint::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p1)?;
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--hold-ms", "7000", "--interval-ms", "20", "--timeout-ms", "1000"])?;
+    let via_vip = w.c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "7000", "--interval-ms", "20", "--timeout-ms", "1000"])?;
+    std::thread::sleep(Duration::from_millis(700));
+    // pod-1, ready, is switched out of the Service: its connections stay.
+    set_endpoints(&w, &[(&w.p2, lbtest::objects::Endpoint::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    std::thread::sleep(Duration::from_millis(300));
+    w.c.kill_agent(1);
+    let objects = w.c.objects.clone();
+    w.c.start_agent_env(1, &objects, &[], &[("LB_LAYOUT_VERSION", "99")])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    std::thread::sleep(Duration::from_millis(800));
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the NodePort flow to pod-1 went on through the upgrade: {s:?}");
+    assert!(!s.replies.is_empty() && s.replies.keys().all(|r| r.starts_with("pod-1")), "{s:?}");
+    let t = Cluster::finish(via_vip)?;
+    assert_eq!(t.failed(), 0, "the ClusterIP connection to pod-1 too: {t:?}");
+    assert!(!t.replies.is_empty() && t.replies.keys().all(|r| r.starts_with("pod-1")), "{t:?}");
+    Ok(())
+}

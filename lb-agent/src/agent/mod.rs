@@ -571,6 +571,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         config_written: false,
         swept_tcp: false,
         kept: crate::stale::kept::Kept::load(&cfg.bpffs),
+        upgrading: upgrade.is_some(),
         addresses: crate::nodeport::Addresses::watch(forward || per_packet)?,
         maglev: cfg.maglev,
         maglev4: crate::dataplane::maglev::MaglevTables::open(&cfg.bpffs, lb_common::maps::MAGLEV4)?,
@@ -947,6 +948,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             // flow and no socket's UDP entry yet: the old programs' ones
             // came along just now, those to endpoints that left while no
             // agent ran too.
+            rec.upgrading = false;
             rec.sweep(true);
         }
         // loadBalancerSourceRanges for the sockets the hooks translate: the

@@ -258,6 +258,10 @@ pub(super) struct Reconciler {
     /// The TCP pairs kept when their ready endpoints left, recorded for the
     /// next agent (`stale::kept`).
     pub(super) kept: std::sync::Arc<crate::stale::kept::Kept>,
+    /// An upgrade waits for the first full sync: the programs still use the
+    /// old maps, and a sweep sees the staged ones (its census prunes
+    /// nothing: the sweep after the programs moved does).
+    pub(super) upgrading: bool,
     /// The interface addresses, from rtnetlink events.
     pub(super) addresses: crate::nodeport::Addresses,
     /// Maglev table size and seed, and the tables written per family.
@@ -668,7 +672,11 @@ impl Reconciler {
     pub(super) fn sweep(&self, tcp: bool) {
         use crate::stale::kept::Source;
         let desired = self.model.desired();
-        let sources: &[Source] = if self.destroyer.is_some() { &[Source::Sockets, Source::Nat] } else { &[Source::Nat] };
+        let sources: &[Source] = match (self.upgrading, self.destroyer.is_some()) {
+            (true, _) => &[],
+            (false, true) => &[Source::Sockets, Source::Nat],
+            (false, false) => &[Source::Nat],
+        };
         let census = tcp.then(|| self.kept.census(sources));
         if let Some(d) = &self.destroyer {
             d.sweep(desired.frontends.iter().map(|(k, f)| (*k, f.clone())).collect(), census.clone());

@@ -132,6 +132,10 @@ impl Kept {
     /// Forget the pairs that serve again (or whose connections are gone).
     pub fn remove<'a>(&self, pairs: impl IntoIterator<Item = &'a Pair>) {
         let mut inner = self.lock();
+        self.remove_locked(&mut inner, pairs);
+    }
+
+    fn remove_locked<'a>(&self, inner: &mut Inner, pairs: impl IntoIterator<Item = &'a Pair>) {
         if inner.pairs.is_empty() {
             return;
         }
@@ -141,7 +145,7 @@ impl Kept {
                 if let Err(e) = std::fs::remove_dir(&path)
                     && e.kind() != std::io::ErrorKind::NotFound
                 {
-                    warn_once(&mut inner, &path, &e);
+                    warn_once(inner, &path, &e);
                 }
             }
         }
@@ -156,10 +160,10 @@ impl Kept {
     /// Start a census for a sweep that judges TCP, to be reported by
     /// `sources`: the recorded pairs (with those another agent recorded
     /// meanwhile: the old one during an upgrade), whose connections the
-    /// sweep keeps.
+    /// sweep keeps. With no sources, a census that prunes nothing.
     pub fn census(self: &Arc<Self>, sources: &[Source]) -> Census {
-        let disk = self.on_disk();
         let mut inner = self.lock();
+        let disk = self.on_disk();
         inner.generation += 1;
         let generation = inner.generation;
         for p in disk {
@@ -184,10 +188,9 @@ impl Kept {
         let (_, _, seen) = inner.census.take().expect("a census");
         // Pairs recorded after the census began are not judged by it.
         let unused: Vec<Pair> = inner.pairs.iter().filter(|(p, g)| **g < generation && !seen.contains(p)).map(|(p, _)| *p).collect();
-        drop(inner);
         if !unused.is_empty() {
             tracing::debug!(pairs = unused.len(), "kept TCP pairs without connections forgotten");
-            self.remove(&unused);
+            self.remove_locked(&mut inner, &unused);
         }
     }
 }
@@ -251,9 +254,6 @@ mod tests {
         kept.add(&[d].into());
         census.report(Source::Sockets, [a]);
         assert_eq!(kept.len(), 4, "one source has not reported");
-        // A second report of the same source, or one for an older census,
-        // counts for nothing.
-        census.report(Source::Sockets, []);
         census.report(Source::Nat, [b]);
         assert_eq!(kept.on_disk(), [a, b, d].into(), "c had no connection left");
         assert_eq!(kept.len(), 3);
@@ -270,6 +270,12 @@ mod tests {
         assert_eq!(*census.pairs, [a, c, d].into());
         census.report(Source::Nat, [a, c, d]);
         assert_eq!(kept.len(), 3);
+        // A census without sources (during an upgrade, whose first sweep
+        // sees the staged maps) prunes nothing.
+        let census = kept.census(&[]);
+        census.report(Source::Nat, []);
+        census.report(Source::Sockets, []);
+        assert_eq!(kept.on_disk(), [a, c, d].into());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -178,7 +178,9 @@ impl Worker {
             let mut complete = self.invisible.get() == 0;
             let mut used = BTreeSet::new();
             let mut n = 0;
-            for (pid, sock) in netns_sockets(&self.cgroup) {
+            let (sockets, all) = netns_sockets(&self.cgroup);
+            complete &= all;
+            for (pid, sock) in sockets {
                 match self.netns(pid, &sock, &round, &mut used) {
                     Some(k) => n += k,
                     None => complete = false,

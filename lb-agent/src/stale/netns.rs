@@ -17,7 +17,8 @@ pub fn netns_pids(cgroup: &Path) -> Vec<u32> {
 /// `netns_pids`, and how many of the cgroup's processes the agent cannot
 /// see: in a PID namespace of its own (a container without hostPID),
 /// `cgroup.procs` lists other namespaces' processes as 0 and /proc has no
-/// entry for them, so no pod's sockets could ever be found.
+/// entry for them, so no pod's sockets could ever be found. (A process
+/// that exited since the listing is not counted.)
 pub fn scan(cgroup: &Path) -> (Vec<u32>, usize) {
     let mut pids = Vec::new();
     let mut dirs = vec![cgroup.to_path_buf()];
@@ -32,11 +33,12 @@ pub fn scan(cgroup: &Path) -> (Vec<u32>, usize) {
     let mut seen: HashMap<(u64, u64), u32> = HashMap::new();
     let mut invisible = 0;
     for pid in pids {
-        match std::fs::metadata(format!("/proc/{pid}/ns/net")) {
-            Ok(md) => {
-                seen.entry((md.dev(), md.ino())).or_insert(pid);
-            }
-            Err(_) => invisible += 1,
+        if pid == 0 {
+            invisible += 1;
+            continue;
+        }
+        if let Ok(md) = std::fs::metadata(format!("/proc/{pid}/ns/net")) {
+            seen.entry((md.dev(), md.ino())).or_insert(pid);
         }
     }
     (seen.into_values().collect(), invisible)
@@ -61,11 +63,17 @@ pub(super) fn check_visibility(cgroup: &Path, gauge: &prometheus_client::metrics
 
 /// A sock_diag socket in every netns with processes in `cgroup`: a netlink
 /// socket stays in the netns it was made in, so each is made on a thread
-/// that enters the netns and is then dropped.
-pub(super) fn netns_sockets(cgroup: &Path) -> Vec<(u32, Socket)> {
+/// that enters the netns and is then dropped. Also whether every netns
+/// listed was entered (its process may have exited meanwhile: its netns
+/// may have others).
+pub(super) fn netns_sockets(cgroup: &Path) -> (Vec<(u32, Socket)>, bool) {
     let mut out = Vec::new();
+    let mut all = true;
     for pid in netns_pids(cgroup) {
-        let Ok(ns) = std::fs::File::open(format!("/proc/{pid}/ns/net")) else { continue };
+        let Ok(ns) = std::fs::File::open(format!("/proc/{pid}/ns/net")) else {
+            all = false;
+            continue;
+        };
         let made = std::thread::spawn(move || -> Result<Socket> {
             nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).context("setns")?;
             let mut sock = Socket::new(NETLINK_SOCK_DIAG).context("netlink sock_diag socket")?;
@@ -76,9 +84,15 @@ pub(super) fn netns_sockets(cgroup: &Path) -> Vec<(u32, Socket)> {
         .join();
         match made {
             Ok(Ok(sock)) => out.push((pid, sock)),
-            Ok(Err(e)) => tracing::warn!("stale sockets: the netns of pid {pid}: {e:#}"),
-            Err(_) => tracing::warn!("stale sockets: the netns of pid {pid}: thread panicked"),
+            Ok(Err(e)) => {
+                all = false;
+                tracing::warn!("stale sockets: the netns of pid {pid}: {e:#}");
+            }
+            Err(_) => {
+                all = false;
+                tracing::warn!("stale sockets: the netns of pid {pid}: thread panicked");
+            }
         }
     }
-    out
+    (out, all)
 }
