@@ -575,6 +575,7 @@ mod tests {
         }
     }
 
+    #[derive(Clone, Copy)]
     struct Ep<'a> {
         ip: &'a str,
         node: &'a str,
@@ -1077,9 +1078,18 @@ mod tests {
         let d = compute(&[svc("web", "10.96.0.10", &[(Some("http"), 80, "TCP")])], &[slice("web", "s", "IPv4", WEB_EP, &eps)], &node());
         assert_eq!(d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends.len(), 65_536, "the model keeps them all; the maps take the first");
         assert!(d.warnings.iter().any(|w| w.contains("default/web") && w.contains("65536 endpoints") && w.contains("65535")), "{:?}", d.warnings);
-        let eps = &eps[..65_535];
-        let d = compute(&[svc("web", "10.96.0.10", &[(Some("http"), 80, "TCP")])], &[slice("web", "s", "IPv4", WEB_EP, eps)], &node());
+        let few = &eps[..65_535];
+        let d = compute(&[svc("web", "10.96.0.10", &[(Some("http"), 80, "TCP")])], &[slice("web", "s", "IPv4", WEB_EP, few)], &node());
         assert!(d.warnings.is_empty(), "{:?}", d.warnings);
+        // Zone hints narrow the ClusterIP's set to one endpoint; the Maglev
+        // NodePort takes them all, and is warned about.
+        let zoned: Vec<Ep> = eps.iter().enumerate().map(|(i, e)| Ep { zones: if i == 0 { &["zone-a"] } else { &["zone-b"] }, ..*e }).collect();
+        let services = [objects::Service::from(&external_svc("NodePort"))];
+        let slices = [objects::EndpointSlice::from(&slice("web", "s", "IPv4", WEB_EP, &zoned))];
+        let d = compute_with(&services, &slices, &node(), &Options { nodeport_algorithm: Algorithm::Maglev, ..Options::default() });
+        assert_eq!(d.frontends[&fk("10.96.0.10", 80, Proto::Tcp)].backends.len(), 1);
+        assert_eq!(d.frontends[&fk("192.168.0.1", 30080, Proto::Tcp)].backends.len(), 65_536);
+        assert_eq!(d.warnings.iter().filter(|w| w.contains("65536 endpoints")).count(), 1, "{:?}", d.warnings);
     }
 
     /// Every node must build a Maglev frontend's table from the same

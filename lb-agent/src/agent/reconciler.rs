@@ -670,14 +670,8 @@ impl Reconciler {
     /// TCP connections to the pairs an agent kept (`stale::kept`) are kept
     /// by such a sweep too; those it finds none to are forgotten.
     pub(super) fn sweep(&self, tcp: bool) {
-        use crate::stale::kept::Source;
         let desired = self.model.desired();
-        let sources: &[Source] = match (self.upgrading, self.destroyer.is_some()) {
-            (true, _) => &[],
-            (false, true) => &[Source::Sockets, Source::Nat],
-            (false, false) => &[Source::Nat],
-        };
-        let census = tcp.then(|| self.kept.census(sources));
+        let census = tcp.then(|| self.kept.census(crate::stale::kept::sources(self.upgrading, self.destroyer.is_some())));
         if let Some(d) = &self.destroyer {
             d.sweep(desired.frontends.iter().map(|(k, f)| (*k, f.clone())).collect(), census.clone());
         }

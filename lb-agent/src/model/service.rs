@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::ServicePort;
 use super::endpoints::{PortEndpoints, Sets, conditions};
 use super::objects::ServiceSpec;
 use super::{
-    ANNOTATION_NODEPORT_ALGORITHM, ANNOTATION_NODEPORT_MODE, Algorithm, DEFAULT_AFFINITY_TIMEOUT, Mode, EndpointSlice, Frontend, FrontendKey, HealthCheck, NodeInfo, Options, Proto, Service, ServiceRef,
+    ANNOTATION_NODEPORT_ALGORITHM, ANNOTATION_NODEPORT_MODE, Algorithm, Backend, DEFAULT_AFFINITY_TIMEOUT, Mode, EndpointSlice, Frontend, FrontendKey, HealthCheck, NodeInfo, Options, Proto, Service, ServiceRef,
     parse_cidr, parse_ip_sloppy, parse_proto, skip_reason, usable_ip, valid_port,
 };
 
@@ -223,17 +223,27 @@ fn cluster_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>, 
     let local_only = p.spec.internal_traffic_policy.as_deref() == Some("Local");
     for vip in vips {
         let Sets { cluster, topology, local, extra_ready, extra } = p.eps.sets(vip.is_ipv4(), !local_only);
-        let most = cluster.len().max(local.len());
-        if most > crate::model::MAX_BACKENDS {
-            out.warnings.push(format!(
-                "Service {}: {most} endpoints for port {}: a frontend takes the first {} (by address), the rest get no traffic",
-                p.sref,
-                p.port,
-                crate::model::MAX_BACKENDS
-            ));
-        }
+        warn_too_many(out, p, &cluster, &local);
         let front = Frontend { backends: cluster, local_only, local_backends: local, topology, extra_ready, extra_serving: extra, ..p.base.clone() };
         out.claim(claimed, p.sref, FrontendKey { addr: *vip, port: p.port, proto: p.proto }, front, Claim::ClusterIp);
+    }
+}
+
+/// A frontend takes at most `MAX_BACKENDS` (its slots are numbered in 16
+/// bits): more are warned about, naming the Service (once: the warnings
+/// are logged once while they hold).
+fn warn_too_many(out: &mut ServiceOut, p: &Port<'_>, cluster: &[Backend], local: &[Backend]) {
+    let most = cluster.len().max(local.len());
+    if most > crate::model::MAX_BACKENDS {
+        let w = format!(
+            "Service {}: {most} endpoints for port {}: a frontend takes the first {} (by address), the rest get no traffic",
+            p.sref,
+            p.port,
+            crate::model::MAX_BACKENDS
+        );
+        if !out.warnings.contains(&w) {
+            out.warnings.push(w);
+        }
     }
 }
 
@@ -354,6 +364,7 @@ fn external_frontends(out: &mut ServiceOut, claimed: &mut BTreeSet<FrontendKey>,
             }
         }
         let Sets { cluster, topology, local, extra_ready, extra } = sets;
+        warn_too_many(out, p, &cluster, &local);
         let source_ranges: Vec<(IpAddr, u8)> =
             if e.lb_ip { ranges.iter().filter(|(a, _)| a.is_ipv4() == e.addr.is_ipv4()).copied().collect() } else { Vec::new() };
         let front = Frontend {

@@ -30,6 +30,19 @@ pub enum Source {
     Nat = 2,
 }
 
+/// Who reports to a census: the NAT thread, and the destroyer where it
+/// runs (`--destroy-stale-sockets`). Nobody during an upgrade: its first
+/// sweep sees the staged maps, which may not show the old tables' flows
+/// (a NAT entry layout changed), and the sweep after the programs moved
+/// judges them.
+pub fn sources(upgrading: bool, destroyer: bool) -> &'static [Source] {
+    match (upgrading, destroyer) {
+        (true, _) => &[],
+        (false, true) => &[Source::Sockets, Source::Nat],
+        (false, false) => &[Source::Nat],
+    }
+}
+
 /// The kept pairs, on disk and in memory.
 pub struct Kept {
     dir: PathBuf,
@@ -166,8 +179,10 @@ impl Kept {
         let disk = self.on_disk();
         inner.generation += 1;
         let generation = inner.generation;
+        // Those another agent recorded meanwhile are judged by this census
+        // too (they are in its pairs).
         for p in disk {
-            inner.pairs.entry(p).or_insert(generation);
+            inner.pairs.entry(p).or_insert(generation - 1);
         }
         let waiting = sources.iter().fold(0, |m, s| m | *s as u8);
         inner.census = Some((generation, waiting, BTreeSet::new()));
@@ -271,8 +286,12 @@ mod tests {
         census.report(Source::Nat, [a, c, d]);
         assert_eq!(kept.len(), 3);
         // A census without sources (during an upgrade, whose first sweep
-        // sees the staged maps) prunes nothing.
-        let census = kept.census(&[]);
+        // sees the staged maps) prunes nothing; without the destroyer, the
+        // NAT thread alone judges.
+        assert_eq!(sources(true, true), []);
+        assert_eq!(sources(false, false), [Source::Nat]);
+        assert_eq!(sources(false, true), [Source::Sockets, Source::Nat]);
+        let census = kept.census(sources(true, true));
         census.report(Source::Nat, []);
         census.report(Source::Sockets, []);
         assert_eq!(kept.on_disk(), [a, c, d].into());

@@ -8,9 +8,9 @@ use std::path::Path;
 use anyhow::{Context as _, Result};
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_SOCK_DIAG};
 
-/// One process per network namespace with processes in `cgroup` (and the
-/// cgroups below it).
-pub fn netns_pids(cgroup: &Path) -> Vec<u32> {
+/// The processes of each network namespace with processes in `cgroup` (and
+/// the cgroups below it), the oldest (lowest pid) first.
+pub fn netns_pids(cgroup: &Path) -> Vec<Vec<u32>> {
     scan(cgroup).0
 }
 
@@ -18,8 +18,9 @@ pub fn netns_pids(cgroup: &Path) -> Vec<u32> {
 /// see: in a PID namespace of its own (a container without hostPID),
 /// `cgroup.procs` lists other namespaces' processes as 0 and /proc has no
 /// entry for them, so no pod's sockets could ever be found. (A process
-/// that exited since the listing is not counted.)
-pub fn scan(cgroup: &Path) -> (Vec<u32>, usize) {
+/// that exited since the listing is not counted; one whose netns cannot be
+/// read for another reason is.)
+pub fn scan(cgroup: &Path) -> (Vec<Vec<u32>>, usize) {
     let mut pids = Vec::new();
     let mut dirs = vec![cgroup.to_path_buf()];
     while let Some(d) = dirs.pop() {
@@ -30,15 +31,18 @@ pub fn scan(cgroup: &Path) -> (Vec<u32>, usize) {
             dirs.extend(rd.flatten().filter(|e| e.file_type().is_ok_and(|t| t.is_dir())).map(|e| e.path()));
         }
     }
-    let mut seen: HashMap<(u64, u64), u32> = HashMap::new();
+    pids.sort_unstable();
+    let mut seen: HashMap<(u64, u64), Vec<u32>> = HashMap::new();
     let mut invisible = 0;
     for pid in pids {
         if pid == 0 {
             invisible += 1;
             continue;
         }
-        if let Ok(md) = std::fs::metadata(format!("/proc/{pid}/ns/net")) {
-            seen.entry((md.dev(), md.ino())).or_insert(pid);
+        match std::fs::metadata(format!("/proc/{pid}/ns/net")) {
+            Ok(md) => seen.entry((md.dev(), md.ino())).or_default().push(pid),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !Path::new(&format!("/proc/{pid}")).exists() => {}
+            Err(_) => invisible += 1,
         }
     }
     (seen.into_values().collect(), invisible)
@@ -69,8 +73,10 @@ pub(super) fn check_visibility(cgroup: &Path, gauge: &prometheus_client::metrics
 pub(super) fn netns_sockets(cgroup: &Path) -> (Vec<(u32, Socket)>, bool) {
     let mut out = Vec::new();
     let mut all = true;
-    for pid in netns_pids(cgroup) {
-        let Ok(ns) = std::fs::File::open(format!("/proc/{pid}/ns/net")) else {
+    for pids in netns_pids(cgroup) {
+        // The first of its processes still there (one may exit meanwhile:
+        // an exec probe's).
+        let Some((pid, ns)) = pids.iter().find_map(|pid| Some((*pid, std::fs::File::open(format!("/proc/{pid}/ns/net")).ok()?))) else {
             all = false;
             continue;
         };
