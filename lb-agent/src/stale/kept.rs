@@ -279,10 +279,15 @@ mod tests {
         let _new = kept.census(&[Source::Nat]);
         old.report(Source::Nat, []);
         assert_eq!(kept.on_disk(), [a, d].into());
-        // A record another agent made is taken in by the next census.
+        // A record another agent made is taken in by the next census, and
+        // judged by it.
         std::fs::create_dir(dir.join(DIR).join(name(&c))).unwrap();
         let census = kept.census(&[Source::Nat]);
         assert_eq!(*census.pairs, [a, c, d].into());
+        census.report(Source::Nat, [a, d]);
+        assert_eq!(kept.on_disk(), [a, d].into());
+        std::fs::create_dir(dir.join(DIR).join(name(&c))).unwrap();
+        let census = kept.census(&[Source::Nat]);
         census.report(Source::Nat, [a, c, d]);
         assert_eq!(kept.len(), 3);
         // A census without sources (during an upgrade, whose first sweep

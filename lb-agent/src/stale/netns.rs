@@ -18,7 +18,8 @@ pub fn netns_pids(cgroup: &Path) -> Vec<Vec<u32>> {
 /// see: in a PID namespace of its own (a container without hostPID),
 /// `cgroup.procs` lists other namespaces' processes as 0 and /proc has no
 /// entry for them, so no pod's sockets could ever be found. (A process
-/// that exited since the listing is not counted; one whose netns cannot be
+/// that exited since the listing, or is exiting, is not counted: its
+/// namespaces are gone, and its files closed; one whose netns cannot be
 /// read for another reason is.)
 pub fn scan(cgroup: &Path) -> (Vec<Vec<u32>>, usize) {
     let mut pids = Vec::new();
@@ -41,7 +42,7 @@ pub fn scan(cgroup: &Path) -> (Vec<Vec<u32>>, usize) {
         }
         match std::fs::metadata(format!("/proc/{pid}/ns/net")) {
             Ok(md) => seen.entry((md.dev(), md.ino())).or_default().push(pid),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !Path::new(&format!("/proc/{pid}")).exists() => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(_) => invisible += 1,
         }
     }
