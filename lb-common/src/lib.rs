@@ -509,6 +509,126 @@ impl<A: Copy> NatEntry<A> {
 pub type Nat4Entry = NatEntry<[u8; 4]>;
 pub type Nat6Entry = NatEntry<[u8; 16]>;
 
+/// How long NAT flows live, in nanoseconds (the agent's `--nat-*-timeout`
+/// flags), for the expiry rules both the agent and the kernel's own expiry
+/// apply (`nat_expired`, `nat_expired_dsr`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatTimeouts {
+    /// An established TCP flow without packets.
+    pub tcp_ns: u64,
+    /// A TCP flow after FIN in both directions or a RST.
+    pub tcp_closed_ns: u64,
+    /// A DSR flow on its frontend's node after the client's FIN.
+    pub dsr_fin_ns: u64,
+    /// A UDP flow without packets.
+    pub udp_ns: u64,
+    /// A flow that was never answered (a SYN flood, a dead backend).
+    pub unreplied_ns: u64,
+}
+
+/// Whether a flow (its original-direction entry and its reply entry, when
+/// there is one) has expired at `now_ns` (CLOCK_MONOTONIC, as
+/// bpf_ktime_get_ns): idle longer than its state's timeout. Assured, in
+/// conntrack's words (answered, and for TCP the client went on after its
+/// SYN: the handshake's ACK), or it lives `unreplied_ns` at most: a SYN
+/// flood from spoofed addresses, answered by the backend, never gets
+/// there and expires like an unanswered one.
+#[inline(always)]
+pub fn nat_expired<A>(proto: u8, fwd: &NatEntry<A>, reply: Option<&NatEntry<A>>, now_ns: u64, t: &NatTimeouts) -> bool {
+    let last = match reply {
+        Some(r) if r.last_seen_ns > fwd.last_seen_ns => r.last_seen_ns,
+        _ => fwd.last_seen_ns,
+    };
+    let idle = now_ns.saturating_sub(last);
+    let reply_state = match reply {
+        Some(r) => r.state,
+        None => 0,
+    };
+    let replied = reply.is_some() && reply_state & nat_state::SEEN != 0 && (proto == PROTO_UDP || fwd.state & nat_state::SEEN != 0);
+    let mut timeout = if proto == PROTO_UDP {
+        t.udp_ns
+    } else {
+        let rst = (fwd.state | reply_state) & nat_state::RST != 0;
+        let fin_both = fwd.state & nat_state::FIN != 0 && reply_state & nat_state::FIN != 0;
+        if rst || fin_both { t.tcp_closed_ns } else { t.tcp_ns }
+    };
+    if !replied && t.unreplied_ns < timeout {
+        timeout = t.unreplied_ns;
+    }
+    idle > timeout
+}
+
+/// Whether a DSR flow's one entry on this node has expired. The frontend's
+/// node sees only the client's packets: SEEN (the client went on after its
+/// SYN, so it was answered) assures the flow, and after the client's FIN
+/// the flow may still be half open (the backend sending), so it lives
+/// `dsr_fin_ns` idle. The backend's node (a reply entry) marks it SEEN only
+/// from the backend's packets; the client's refresh it (and note FIN /
+/// RST) but cannot assure it. It sees both ways' FINs (`FIN_REPLY` is the
+/// backend's): one FIN leaves the flow established, as without DSR.
+#[inline(always)]
+pub fn nat_expired_dsr<A>(proto: u8, e: &NatEntry<A>, now_ns: u64, t: &NatTimeouts) -> bool {
+    let idle = now_ns.saturating_sub(e.last_seen_ns);
+    let backends_node = e.flags & nat_flags::REPLY != 0;
+    let both_fins = nat_state::FIN | nat_state::FIN_REPLY;
+    let mut timeout = if proto == PROTO_UDP {
+        t.udp_ns
+    } else if e.state & nat_state::RST != 0 || backends_node && e.state & both_fins == both_fins {
+        t.tcp_closed_ns
+    } else if !backends_node && e.state & nat_state::FIN != 0 {
+        if t.dsr_fin_ns < t.tcp_ns { t.dsr_fin_ns } else { t.tcp_ns }
+    } else {
+        t.tcp_ns
+    };
+    if e.state & nat_state::SEEN == 0 && t.unreplied_ns < timeout {
+        timeout = t.unreplied_ns;
+    }
+    idle > timeout
+}
+
+/// Value of the `LB_NAT_GC` array (index 0), written by the agent: what
+/// the kernel's own NAT expiry needs. The NAT tables are plain hash maps
+/// that the agent expires; while no agent runs (a crash loop, a rollout's
+/// image pull) a timer in the kernel (`LB_NAT_TIMER`) expires them by the
+/// same rules, so new outside flows do not fill them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatGc {
+    /// CLOCK_MONOTONIC of the agent's NAT thread's last look (it looks
+    /// every second).
+    pub heartbeat_ns: u64,
+    /// The kernel expires flows itself once the heartbeat is older than
+    /// this.
+    pub stale_ns: u64,
+    /// How often it walks the tables then (the agent's
+    /// `--nat-gc-interval`); 0: never (not configured yet).
+    pub interval_ns: u64,
+    pub timeouts: NatTimeouts,
+}
+
+/// `struct bpf_timer` as the kernel's BTF names it (the kernel finds a
+/// map value's timer by that name and size).
+#[allow(non_camel_case_types)]
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct bpf_timer {
+    pub opaque: [u64; 2],
+}
+
+/// Value of the `LB_NAT_TIMER` array (index 0): the kernel's NAT expiry
+/// timer, armed by the agent (`lb_nat_gc_arm`). Never written from user
+/// space: an update of an array element cancels its timer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct NatTimer {
+    pub timer: bpf_timer,
+    /// CLOCK_MONOTONIC of the kernel's last walk of the NAT tables.
+    pub last_walk_ns: u64,
+    /// How long that walk took.
+    pub last_walk_took_ns: u64,
+}
+
 /// Data of the `LB_SRC_RANGE` LPM trie key (after its prefix length): the
 /// prefix length counts bits of `rev_nat_id`, `family`, `_pad` and `addr`,
 /// so the entry for prefix a/n of frontend `rev_nat_id` has prefix length
@@ -639,7 +759,12 @@ pub mod stats {
     /// one (made just before the programs moved), copied over on its first
     /// packet (`LB_ADOPT`).
     pub const NAT_ADOPTED: u32 = 31;
-    pub const COUNT: u32 = 32;
+    /// NAT flows the kernel expired itself while no agent ran (its
+    /// heartbeat stale: `NatGc`).
+    pub const NAT_EXPIRED_WITHOUT_AGENT: u32 = 32;
+    /// The kernel's walks of the NAT tables while no agent ran.
+    pub const NAT_WALKS_WITHOUT_AGENT: u32 = 33;
+    pub const COUNT: u32 = 34;
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
         "refused_no_endpoints",
@@ -673,6 +798,8 @@ pub mod stats {
         "monitor_lost_4",
         "icmp_limited",
         "nat_adopted",
+        "nat_expired_without_agent",
+        "nat_walks_without_agent",
     ];
 }
 
@@ -728,11 +855,15 @@ pub mod maps {
     /// claiming one is dropped, as the stack drops it without the
     /// accept_local lb sets.
     pub const LOCAL4: &str = "LB_LOCAL4";
-    pub const ALL: [&str; 33] = [
+    /// The kernel's own NAT expiry while no agent runs: its settings and
+    /// the agent's heartbeat (`NatGc`), and its timer (`NatTimer`).
+    pub const NAT_GC: &str = "LB_NAT_GC";
+    pub const NAT_TIMER: &str = "LB_NAT_TIMER";
+    pub const ALL: [&str; 35] = [
         SERVICES4, BACKENDS4, REVNAT4, SOCK_REVNAT4, SERVICES6, BACKENDS6, REVNAT6, SOCK_REVNAT6,
         AFFINITY, AFFINITY_MATCH, STATS, NAT4, NAT6, SRC_RANGE, NODEPORTS, NODE_CONFIG, SOCK_XLATE,
         SVC_STATS, MONITOR, EVENTS[0], EVENTS[1], EVENTS[2], EVENTS[3], MAGLEV4, MAGLEV6, SOCK_UDP, XDP_DEVS,
-        FRAG4, FRAG6, ROUTE_MTU, SOCK_CHECK, SOCK_PENDING, LOCAL4,
+        FRAG4, FRAG6, ROUTE_MTU, SOCK_CHECK, SOCK_PENDING, LOCAL4, NAT_GC, NAT_TIMER,
     ];
 }
 
@@ -975,6 +1106,8 @@ mod user {
     unsafe impl aya::Pod for FragKey {}
     unsafe impl aya::Pod for Frag6Key {}
     unsafe impl aya::Pod for FragPorts {}
+    unsafe impl aya::Pod for NatGc {}
+    unsafe impl aya::Pod for NatTimer {}
 }
 
 // Layouts are part of the pinned-map ABI: a change must be deliberate.

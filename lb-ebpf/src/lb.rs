@@ -384,6 +384,15 @@ impl Family for V6 {
     }
 }
 
+/// Count `n` datapath events at once (`event`).
+#[inline(always)]
+pub fn events(index: u32, n: u64) {
+    if let Some(p) = LB_STATS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot, only this CPU writes it while we run.
+        unsafe { *p += n };
+    }
+}
+
 /// Count one datapath event (`lb_common::stats`, the per-CPU `LB_STATS`
 /// array behind `lb_datapath_events_total`); not to be confused with a
 /// frontend's backend count (`SvcValue::count`) or its connection counters

@@ -114,6 +114,62 @@ fn a_syn_flood_that_fills_the_nat_table_is_dropped_early_for_new_flows() -> Resu
     Ok(())
 }
 
+/// While no agent runs (a crash loop, a rollout's image pull), the kernel
+/// expires the NAT tables itself, by the agent's rules and timeouts: a
+/// timer the agent arms walks them once its heartbeat is 10 s old. A
+/// spoofed SYN flood's flows and closed connections of both families go;
+/// an assured flow held meanwhile stays. Before, nothing expired them
+/// until an agent ran again: a node taking 1,000 new outside flows a
+/// second filled its tables in about two minutes, then refused new
+/// flows. Once an agent runs again, the kernel leaves the tables to it.
+#[test]
+fn nat_flows_expire_in_the_kernel_while_no_agent_runs() -> Result<()> {
+    let flags = ["--nat-unreplied-timeout", "2", "--nat-tcp-close-timeout", "1", "--nat-gc-interval", "1"];
+    let mut w = world_with(&web("NodePort", "", &[]), &flags)?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    let (np, np6) = (hostport(NODE1, 30080), hostport(NODE1_6, 30080));
+    w.c.kill_agent(1);
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "20000", "--interval-ms", "200"])?;
+    assert_eq!(tcp(&w.c, &w.outside, &np6, 5)?.ok, 5);
+    let wire = Wire::new(&w.c, &w.outside)?;
+    let flood_of = |from: u16| -> Vec<Vec<u8>> {
+        (0..300u16).map(|i| ipv4(FLOOD, NODE1_B, 6, 5, 0x4000, i, &tcp_syn(&FLOOD, &NODE1_B, from + i, 30080))).collect()
+    };
+    wire.send4_twice(&flood_of(10000), 100)?;
+    let flood = "192.168.77.201";
+    w.c.wait_for("the flood's flows", Duration::from_secs(5), || Ok(flows_from(&w.c, flood)?.len() >= 290))?;
+    assert_eq!(flows_from(&w.c, CLIENT6)?.len(), 5, "the closed IPv6 connections' flows, not expired yet");
+    let killed = std::time::Instant::now();
+    w.c.wait_for("the kernel to expire them, no agent running", Duration::from_secs(30), || {
+        Ok(flows_from(&w.c, flood)?.is_empty() && flows_from(&w.c, CLIENT6)?.is_empty())
+    })?;
+    eprintln!("expired {:.1?} after the agent was killed", killed.elapsed());
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the assured flow held meanwhile stays: {s:?}");
+    assert!(s.ok > 50, "{s:?}");
+    w.c.start_agent_with(1, &flags)?;
+    let started = std::time::Instant::now();
+    let count = |what: &str| datapath(&w.c, 1, what);
+    w.c.wait_for("the agent's metrics", Duration::from_secs(10), || Ok(count("nat_walks_without_agent")? > 0))?;
+    let (expired, walks) = (count("nat_expired_without_agent")?, count("nat_walks_without_agent")?);
+    assert!(expired >= 305, "the flood's 300 flows and the 5 closed ones, counted: {expired}");
+    // With an agent: the agent expires a second flood, the kernel does not walk.
+    wire.send4_twice(&flood_of(20000), 100)?;
+    w.c.wait_for("the flood's flows", Duration::from_secs(5), || Ok(flows_from(&w.c, flood)?.len() >= 290))?;
+    w.c.wait_for("the agent to expire them", Duration::from_secs(10), || Ok(flows_from(&w.c, flood)?.is_empty()))?;
+    // (Past the 10 s after which a heartbeat counts as stale.)
+    std::thread::sleep(Duration::from_secs(13).saturating_sub(started.elapsed()));
+    assert_eq!((count("nat_expired_without_agent")?, count("nat_walks_without_agent")?), (expired, walks), "no walk while an agent runs");
+    // The restarted agent took the timer over: gone again, the kernel
+    // expires a third flood.
+    w.c.kill_agent(1);
+    wire.send4_twice(&flood_of(30000), 100)?;
+    w.c.wait_for("the flood's flows", Duration::from_secs(5), || Ok(flows_from(&w.c, flood)?.len() >= 290))?;
+    w.c.wait_for("the kernel to expire them again", Duration::from_secs(30), || Ok(flows_from(&w.c, flood)?.is_empty()))?;
+    Ok(())
+}
+
 /// The same through DSR: the backend's node never sees the client's
 /// handshake, and pod-2 answers every spoofed SYN. Those answers do not
 /// assure its entries, which go after --nat-unreplied-timeout (before

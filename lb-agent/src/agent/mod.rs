@@ -100,6 +100,21 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
     let mut nat6: HashMap<MapData, lb_common::Nat6Key, lb_common::Nat6Entry> = HashMap::try_from(Map::HashMap(open(lb_common::maps::NAT6)?))?;
     let stats: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(open(lb_common::maps::STATS)?))?;
     let (timeouts, every) = (cfg.nat_timeouts, cfg.nat_gc_interval);
+    // The kernel's own expiry takes over once this thread's heartbeat is
+    // stale (`lb_common::NatGc`).
+    let mut gc: aya::maps::Array<MapData, lb_common::NatGc> = aya::maps::Array::try_from(Map::Array(open(lb_common::maps::NAT_GC)?))?;
+    let gc_cfg = lb_common::NatGc {
+        heartbeat_ns: 0,
+        stale_ns: NAT_HEARTBEAT_STALE.max(2 * every).as_nanos() as u64,
+        interval_ns: every.as_nanos() as u64,
+        timeouts: timeouts.ns(),
+    };
+    let mut heartbeat = move || {
+        if let Err(e) = gc.set(0, lb_common::NatGc { heartbeat_ns: crate::nodeport::monotonic_ns(), ..gc_cfg }, 0) {
+            tracing::warn!("NAT: cannot write the heartbeat to {}: {e}", lb_common::maps::NAT_GC);
+        }
+    };
+    heartbeat();
     let (tx, rx) = std::sync::mpsc::channel::<crate::nodeport::Ending>();
     let failed = move || -> u64 { stats.get(&lb_common::stats::NAT_FAILED, 0).map(|v| v.iter().sum()).unwrap_or(0) };
     // Counters staged by an upgrade: the old agent's are added on when it
@@ -138,6 +153,7 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
         let (mut drop_seen, mut full, mut dropping) = (seen_failed, false, false);
         let look = every.min(Duration::from_secs(1));
         loop {
+            heartbeat();
             let wake = next.min(Instant::now() + look);
             let (left, refused) = match rx.recv_timeout(wake.saturating_duration_since(Instant::now())) {
                 Ok(left) => (left, false),
@@ -237,6 +253,11 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
     })?;
     Ok((tx, masqueraded))
 }
+
+/// How old the NAT thread's heartbeat (written every second) may grow
+/// before the kernel expires the NAT tables itself (at least two
+/// `--nat-gc-interval`s: a pass over a full table takes seconds).
+const NAT_HEARTBEAT_STALE: Duration = Duration::from_secs(10);
 
 /// Under pressure (`spawn_nat_gc`), how long an unassured flow may be idle.
 const EARLY_DROP_IDLE: Duration = Duration::from_secs(1);
@@ -455,6 +476,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         .and_then(|a| a.get(&0, 0).ok())
         .map_or(0, |c| c.flags);
     let (nat_left, bpf_masqueraded) = spawn_nat_gc(&cfg)?;
+    // The kernel's own NAT expiry, for when this agent is gone (its
+    // settings and first heartbeat written by spawn_nat_gc).
+    if let Err(e) = tc.arm_nat_gc() {
+        tracing::warn!("the kernel's NAT expiry is not armed: while no agent runs, nothing expires outside flows and new ones are refused once the NAT tables fill: {e:#}");
+    }
     // Flows an agent with --bpf-forward masqueraded in BPF: the pod
     // programs translate their replies, so they stay (and are brought up
     // to this agent's) until the last such flow is gone (`MasqWatch`).

@@ -51,6 +51,10 @@ pub const SOCK_PROGRAMS: [&str; 3] = ["lb_post_bind4", "lb_post_bind6", "lb_sock
 /// hooks sent to a frontend with ranges.
 pub const EGRESS_PROGRAM: &str = "lb_sock_egress";
 
+/// The kernel's own NAT expiry while no agent runs: never attached, run
+/// once at each start to arm its timer (`Tc::arm_nat_gc`).
+pub const NAT_GC_PROGRAM: &str = "lb_nat_gc_arm";
+
 /// The TC programs, attached to each NodePort interface.
 pub const TC_PROGRAMS: [(&str, TcAttachType); 2] =
     [("lb_nodeport_ingress", TcAttachType::Ingress), ("lb_nodeport_egress", TcAttachType::Egress)];
@@ -324,7 +328,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
     // `attach_xdp`): most nodes need none of them, and verifying them cost
     // every start about 0.6 s (`lb_pod_ingress` alone 0.5 s).
     let heavy = TC_PROGRAMS[0].0;
-    let names: Vec<&str> = PROGRAMS.iter().chain(&SOCK_PROGRAMS).copied().chain([EGRESS_PROGRAM]).chain(TC_PROGRAMS.map(|(n, _)| n)).collect();
+    let names: Vec<&str> = PROGRAMS.iter().chain(&SOCK_PROGRAMS).copied().chain([EGRESS_PROGRAM, NAT_GC_PROGRAM]).chain(TC_PROGRAMS.map(|(n, _)| n)).collect();
     for name in &names {
         ebpf.program(name).with_context(|| format!("program {name} missing from the object"))?;
     }
@@ -536,6 +540,30 @@ impl Tc {
     }
 
     /// Whether `lb_sock_egress` is attached (its link pinned).
+    /// Arm the kernel's NAT expiry timer (`LB_NAT_TIMER`): run
+    /// `lb_nat_gc_arm` once (BPF_PROG_TEST_RUN). An earlier agent's timer
+    /// is taken over: its callback becomes this load's, which walks this
+    /// load's tables. The settings (`LB_NAT_GC`) must be written first.
+    pub fn arm_nat_gc(&mut self) -> Result<()> {
+        use aya::programs::{TestRun, TestRunOptions};
+        let prog: &mut SchedClassifier = self.ebpf.program_mut(NAT_GC_PROGRAM).context("NAT expiry program")?.try_into()?;
+        // A frame's worth of zeros: the program looks at no packet.
+        let frame = [0u8; 64];
+        let r = prog
+            .test_run(TestRunOptions { data_in: Some(&frame), ..TestRunOptions::new() })
+            .with_context(|| format!("run {NAT_GC_PROGRAM} (BPF_PROG_TEST_RUN) to arm the kernel's NAT expiry timer"))?;
+        let step = ["", "no element in LB_NAT_TIMER", "bpf_timer_init", "bpf_timer_set_callback", "bpf_timer_start"];
+        match r.return_value {
+            0 => Ok(()),
+            1 => anyhow::bail!("{NAT_GC_PROGRAM}: {}", step[1]),
+            v => anyhow::bail!(
+                "{NAT_GC_PROGRAM}: {} failed: {}",
+                step.get((v / 256) as usize).unwrap_or(&"?"),
+                std::io::Error::from_raw_os_error((v % 256) as i32)
+            ),
+        }
+    }
+
     pub fn sock_egress(&self) -> bool {
         self.bpffs.join("links").join(EGRESS_PROGRAM).exists()
     }

@@ -291,7 +291,7 @@ pub(super) fn mark_layout(dir: &Path, version: &str) -> Result<()> {
 
 /// Every map with the type, key size, value size and max_entries this agent
 /// gives it.
-pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 33] {
+pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapType, usize, usize, u32); 35] {
     use aya::maps::MapType as T;
     use lb_common::capacity as c;
     let revnat = cap.services.min(u16::MAX as u32);
@@ -329,6 +329,8 @@ pub(super) fn expected_layout(cap: &Capacity) -> [(&'static str, aya::maps::MapT
         (maps::FRAG6, T::LruHash, size_of::<lb_common::Frag6Key>(), size_of::<lb_common::FragPorts>(), c::FRAG),
         (maps::ROUTE_MTU, T::LpmTrie, 4 + size_of::<lb_common::RouteKey>(), size_of::<lb_common::RouteMtu>(), c::ROUTE_MTU),
         (maps::LOCAL4, T::Hash, 4, size_of::<u8>(), c::LOCAL4),
+        (maps::NAT_GC, T::Array, size_of::<u32>(), size_of::<lb_common::NatGc>(), 1),
+        (maps::NAT_TIMER, T::Array, size_of::<u32>(), size_of::<lb_common::NatTimer>(), 1),
     ]
 }
 

@@ -82,53 +82,32 @@ pub struct NatTimeouts {
     pub unreplied: Duration,
 }
 
-/// Whether a flow (its original-direction entry and its reply entry, when
-/// there is one) has expired at `now_ns` (CLOCK_MONOTONIC, as bpf_ktime_get_ns).
-pub fn expired<A>(proto: u8, fwd: &NatEntry<A>, reply: Option<&NatEntry<A>>, now_ns: u64, t: &NatTimeouts) -> bool {
-    let last = reply.map_or(fwd.last_seen_ns, |r| r.last_seen_ns.max(fwd.last_seen_ns));
-    let idle = Duration::from_nanos(now_ns.saturating_sub(last));
-    // Assured, in conntrack's words: answered, and for TCP the client went
-    // on after its SYN (the handshake's ACK). A SYN flood from spoofed
-    // addresses, answered by the backend, never gets there and expires
-    // like an unanswered one.
-    let replied = reply.is_some_and(|r| r.state & nat_state::SEEN != 0) && (proto == PROTO_UDP || fwd.state & nat_state::SEEN != 0);
-    let mut timeout = if proto == PROTO_UDP {
-        t.udp
-    } else {
-        let rst = fwd.state & nat_state::RST != 0 || reply.is_some_and(|r| r.state & nat_state::RST != 0);
-        let fin_both = fwd.state & nat_state::FIN != 0 && reply.is_some_and(|r| r.state & nat_state::FIN != 0);
-        if rst || fin_both { t.tcp_closed } else { t.tcp }
-    };
-    if !replied {
-        timeout = timeout.min(t.unreplied);
+impl NatTimeouts {
+    /// In nanoseconds, as the rules (`lb_common::nat_expired`) and the
+    /// kernel's own expiry (`NatGc`) take them.
+    pub fn ns(&self) -> lb_common::NatTimeouts {
+        let ns = |d: Duration| d.as_nanos().min(u64::MAX as u128) as u64;
+        lb_common::NatTimeouts {
+            tcp_ns: ns(self.tcp),
+            tcp_closed_ns: ns(self.tcp_closed),
+            dsr_fin_ns: ns(self.dsr_fin),
+            udp_ns: ns(self.udp),
+            unreplied_ns: ns(self.unreplied),
+        }
     }
-    idle > timeout
 }
 
-/// Whether a DSR flow's one entry on this node has expired. The frontend's
-/// node sees only the client's packets: SEEN (the client went on after its
-/// SYN, so it was answered) assures the flow, and after the client's FIN
-/// the flow may still be half open (the backend sending), so it lives
-/// `dsr_fin` idle. The backend's node (a reply entry) marks it SEEN only
-/// from the backend's packets; the client's refresh it (and note FIN /
-/// RST) but cannot assure it. It sees both ways' FINs (`FIN_REPLY` is the
-/// backend's): one FIN leaves the flow established, as without DSR.
+/// Whether a flow has expired at `now_ns` (CLOCK_MONOTONIC, as
+/// bpf_ktime_get_ns): `lb_common::nat_expired`, the rules the kernel's own
+/// expiry applies while no agent runs.
+pub fn expired<A>(proto: u8, fwd: &NatEntry<A>, reply: Option<&NatEntry<A>>, now_ns: u64, t: &NatTimeouts) -> bool {
+    lb_common::nat_expired(proto, fwd, reply, now_ns, &t.ns())
+}
+
+/// Whether a DSR flow's one entry on this node has expired:
+/// `lb_common::nat_expired_dsr`.
 pub fn expired_dsr<A>(proto: u8, e: &NatEntry<A>, now_ns: u64, t: &NatTimeouts) -> bool {
-    let idle = Duration::from_nanos(now_ns.saturating_sub(e.last_seen_ns));
-    let backends_node = e.flags & nat_flags::REPLY != 0;
-    let mut timeout = if proto == PROTO_UDP {
-        t.udp
-    } else if e.state & nat_state::RST != 0 || backends_node && e.state & (nat_state::FIN | nat_state::FIN_REPLY) == nat_state::FIN | nat_state::FIN_REPLY {
-        t.tcp_closed
-    } else if !backends_node && e.state & nat_state::FIN != 0 {
-        t.dsr_fin.min(t.tcp)
-    } else {
-        t.tcp
-    };
-    if e.state & nat_state::SEEN == 0 {
-        timeout = timeout.min(t.unreplied);
-    }
-    idle > timeout
+    lb_common::nat_expired_dsr(proto, e, now_ns, &t.ns())
 }
 
 pub fn monotonic_ns() -> u64 {

@@ -50,6 +50,7 @@ use crate::lb::{self, Client, ECONNREFUSED, Family, NO_PREALLOC, V4, V6, Verdict
 
 mod dsr;
 mod fib;
+mod gc;
 mod icmp;
 mod xdp;
 

@@ -1,0 +1,148 @@
+//! The NAT tables' own expiry while no agent runs. The tables are plain
+//! hash maps (a flow's two entries live and die together, no LRU evicts
+//! one), which the agent's NAT thread expires. Without an agent (a crash
+//! loop, a rollout's image pull, a node whose agent cannot reach the API
+//! server and exits) nothing would, and a node taking new outside flows
+//! would fill them within minutes, then refuse new flows. conntrack
+//! expires in the kernel; so does this.
+//!
+//! A timer (`LB_NAT_TIMER`, armed by the agent through `lb_nat_gc_arm`,
+//! which it runs once with BPF_PROG_TEST_RUN) fires every second. While
+//! the agent's heartbeat (`NatGc`, written by its NAT thread every
+//! second) is fresh it does nothing more. Once it is older than
+//! `stale_ns`, the timer walks both tables every `interval_ns` and removes
+//! the flows that expired by the agent's rules (`lb_common::nat_expired`,
+//! `nat_expired_dsr`, with the agent's timeouts): both entries of a flow,
+//! the reply entry first. What only the agent does (ending the flows of
+//! endpoints that left, early drop under pressure) waits for an agent.
+//! The timer lives as long as the pinned maps: `lb-agent teardown`
+//! unpinning them cancels it.
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    btf_maps::Array,
+    helpers::{bpf_for_each_map_elem, bpf_ktime_get_ns, bpf_timer_init, bpf_timer_set_callback, bpf_timer_start},
+    macros::{btf_map, classifier},
+    programs::TcContext,
+};
+use lb_common::{NatEntry, NatGc, NatKey, NatTimeouts, NatTimer, nat_expired, nat_expired_dsr, nat_flags, stats};
+
+use super::{A4, A6, LB4_NAT, LB6_NAT};
+
+#[btf_map]
+static LB_NAT_GC: Array<NatGc, 1> = Array::new();
+#[btf_map]
+static LB_NAT_TIMER: Array<NatTimer, 1> = Array::new();
+
+const CLOCK_MONOTONIC: u64 = 1;
+const EBUSY: i64 = 16;
+/// How often the timer looks at the agent's heartbeat.
+const LOOK_NS: u64 = 1_000_000_000;
+
+/// Arm the timer (or take it over from an earlier agent's programs: the
+/// callback becomes this load's). Returns 0, or the step that failed
+/// (1: no element; 2 init, 3 callback, 4 start: times 256, plus the errno).
+#[classifier]
+pub fn lb_nat_gc_arm(_ctx: TcContext) -> i32 {
+    let Some(t) = LB_NAT_TIMER.get_ptr_mut(0) else { return 1 };
+    // SAFETY: a map value, alive while the map is (RCU for this run).
+    let timer = unsafe { core::ptr::addr_of_mut!((*t).timer) }.cast();
+    let map = core::ptr::addr_of!(LB_NAT_TIMER).cast_mut().cast();
+    let r = unsafe { bpf_timer_init(timer, map, CLOCK_MONOTONIC) };
+    if r != 0 && r != -EBUSY {
+        return 2 * 256 + (-r) as i32;
+    }
+    let r = unsafe { bpf_timer_set_callback(timer, tick as *const () as *mut c_void) };
+    if r != 0 {
+        return 3 * 256 + (-r) as i32;
+    }
+    let r = unsafe { bpf_timer_start(timer, LOOK_NS, 0) };
+    if r != 0 {
+        return 4 * 256 + (-r) as i32;
+    }
+    0
+}
+
+/// What a walk carries to each entry.
+#[repr(C)]
+struct Walk {
+    now: u64,
+    t: NatTimeouts,
+    expired: u64,
+}
+
+/// The timer: walk the tables when the agent's heartbeat is stale, then
+/// fire again in a second.
+#[inline(never)]
+extern "C" fn tick(_map: *mut c_void, _key: *mut u32, t: *mut NatTimer) -> i64 {
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Some(cfg) = LB_NAT_GC.get_ptr(0) {
+        // SAFETY: map values, alive for this run.
+        let cfg = unsafe { *cfg };
+        let last = unsafe { (*t).last_walk_ns };
+        if cfg.interval_ns != 0 && now.saturating_sub(cfg.heartbeat_ns) > cfg.stale_ns && now.saturating_sub(last) >= cfg.interval_ns {
+            unsafe { (*t).last_walk_ns = now };
+            let mut w = Walk { now, t: cfg.timeouts, expired: 0 };
+            let ctx = core::ptr::addr_of_mut!(w).cast();
+            unsafe {
+                bpf_for_each_map_elem(core::ptr::addr_of!(LB4_NAT).cast_mut().cast(), walk4 as *const () as *mut c_void, ctx, 0);
+                bpf_for_each_map_elem(core::ptr::addr_of!(LB6_NAT).cast_mut().cast(), walk6 as *const () as *mut c_void, ctx, 0);
+            }
+            unsafe { (*t).last_walk_took_ns = bpf_ktime_get_ns().saturating_sub(now) };
+            crate::lb::event(stats::NAT_WALKS_WITHOUT_AGENT);
+            crate::lb::events(stats::NAT_EXPIRED_WITHOUT_AGENT, w.expired);
+        }
+    }
+    unsafe { bpf_timer_start(core::ptr::addr_of_mut!((*t).timer).cast(), LOOK_NS, 0) };
+    0
+}
+
+/// One entry of a walk: remove its flow if it expired. A reply entry is
+/// judged with its forward entry (skipped while that one is there), a DSR
+/// entry on its own.
+macro_rules! walk_fn {
+    ($name:ident, $a:ty, $map:ident) => {
+        #[inline(never)]
+        extern "C" fn $name(_map: *mut c_void, k: *mut NatKey<$a>, e: *mut NatEntry<$a>, w: *mut Walk) -> i64 {
+            // SAFETY: the helper's key, value and context, alive for this call.
+            let (k, e, w) = unsafe { (*k, *e, &mut *w) };
+            let proto = k.proto;
+            if e.flags & nat_flags::DSR != 0 {
+                if nat_expired_dsr(proto, &e, w.now, &w.t) {
+                    let _ = $map.remove(&k);
+                    w.expired += 1;
+                }
+                return 0;
+            }
+            let other = e.other_key(proto);
+            // The other half only if its rewrite leads back here (a key
+            // that lost its half may have been taken by a new flow).
+            let partner = match $map.get_ptr(&other) {
+                Some(p) => {
+                    let o = unsafe { *p };
+                    if o.other_key(proto) == k { Some(o) } else { None }
+                }
+                None => None,
+            };
+            if e.flags & nat_flags::REPLY != 0 {
+                // An orphaned reply entry (its flow half-removed).
+                if partner.is_none() && nat_expired(proto, &e, None, w.now, &w.t) {
+                    let _ = $map.remove(&k);
+                }
+                return 0;
+            }
+            if nat_expired(proto, &e, partner.as_ref(), w.now, &w.t) {
+                // The reply entry first: a packet never finds a forward
+                // entry without its reply entry.
+                if partner.is_some() {
+                    let _ = $map.remove(&other);
+                }
+                let _ = $map.remove(&k);
+                w.expired += 1;
+            }
+            0
+        }
+    };
+}
+walk_fn!(walk4, A4, LB4_NAT);
+walk_fn!(walk6, A6, LB6_NAT);
