@@ -604,6 +604,9 @@ pub struct NatGc {
     /// How often it walks the tables then (the agent's
     /// `--nat-gc-interval`); 0: never (not configured yet).
     pub interval_ns: u64,
+    /// The entries each table holds at most (`--max-nat`): a walk that
+    /// leaves one 90% full goes on dropping early.
+    pub capacity: u64,
     pub timeouts: NatTimeouts,
 }
 
@@ -627,6 +630,12 @@ pub struct NatTimer {
     pub last_walk_ns: u64,
     /// How long that walk took.
     pub last_walk_took_ns: u64,
+    /// `nat_failed` (summed over the CPUs) when the timer last looked:
+    /// more now means new flows were refused since.
+    pub failed_seen: u64,
+    /// 1 while an early-drop spell goes on (its last walk dropped flows
+    /// and left a table 90% full).
+    pub pressure: u64,
 }
 
 /// Data of the `LB_SRC_RANGE` LPM trie key (after its prefix length): the
@@ -1107,11 +1116,13 @@ mod user {
     unsafe impl aya::Pod for Frag6Key {}
     unsafe impl aya::Pod for FragPorts {}
     unsafe impl aya::Pod for NatGc {}
-    unsafe impl aya::Pod for NatTimer {}
 }
 
 // Layouts are part of the pinned-map ABI: a change must be deliberate.
 const _: () = {
+    assert!(core::mem::size_of::<NatGc>() == 72);
+    assert!(core::mem::size_of::<NatTimer>() == 48);
+    assert!(core::mem::size_of::<bpf_timer>() == 16);
     assert!(core::mem::size_of::<Svc4Key>() == 12);
     assert!(core::mem::size_of::<SvcValue>() == 16);
     assert!(core::mem::size_of::<Backend4>() == 8);
@@ -1205,6 +1216,9 @@ mod layout_tests {
             ("FragKey", core::mem::size_of::<FragKey>(), &[core::mem::offset_of!(FragKey, saddr), core::mem::offset_of!(FragKey, daddr), core::mem::offset_of!(FragKey, id), core::mem::offset_of!(FragKey, proto), core::mem::offset_of!(FragKey, _pad)]),
             ("Frag6Key", core::mem::size_of::<Frag6Key>(), &[core::mem::offset_of!(Frag6Key, saddr), core::mem::offset_of!(Frag6Key, daddr), core::mem::offset_of!(Frag6Key, id), core::mem::offset_of!(Frag6Key, proto), core::mem::offset_of!(Frag6Key, _pad)]),
             ("FragPorts", core::mem::size_of::<FragPorts>(), &[core::mem::offset_of!(FragPorts, sport), core::mem::offset_of!(FragPorts, dport)]),
+            ("NatGc", core::mem::size_of::<NatGc>(), &[core::mem::offset_of!(NatGc, heartbeat_ns), core::mem::offset_of!(NatGc, stale_ns), core::mem::offset_of!(NatGc, interval_ns), core::mem::offset_of!(NatGc, capacity), core::mem::offset_of!(NatGc, timeouts)]),
+            ("NatTimeouts", core::mem::size_of::<NatTimeouts>(), &[core::mem::offset_of!(NatTimeouts, tcp_ns), core::mem::offset_of!(NatTimeouts, tcp_closed_ns), core::mem::offset_of!(NatTimeouts, dsr_fin_ns), core::mem::offset_of!(NatTimeouts, udp_ns), core::mem::offset_of!(NatTimeouts, unreplied_ns)]),
+            ("NatTimer", core::mem::size_of::<NatTimer>(), &[core::mem::offset_of!(NatTimer, timer), core::mem::offset_of!(NatTimer, last_walk_ns), core::mem::offset_of!(NatTimer, last_walk_took_ns), core::mem::offset_of!(NatTimer, failed_seen), core::mem::offset_of!(NatTimer, pressure)]),
         ];
         // FNV-1a over names, sizes and offsets.
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -1224,5 +1238,5 @@ mod layout_tests {
         assert_eq!((LAYOUT_VERSION, h), (5, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION (unless only sizes changed, or the BTF of the maps shows the change) and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0x6234_39c5_5bb8_ba1c;
+    const FINGERPRINT: u64 = 0x5e82_234d_4941_3f40;
 }

@@ -134,6 +134,13 @@ pub fn agent_metric(c: &Cluster, node: usize, series: &str) -> Result<u64> {
     Ok(m.lines().find_map(|l| l.strip_prefix(&name)?.parse().ok()).unwrap_or(0))
 }
 
+/// How many entries the map pinned as `name` on node `node` holds (a
+/// table's raw entries, both of each flow).
+pub fn map_entries(c: &Cluster, node: usize, name: &str) -> Result<usize> {
+    let out = crate::run("bpftool", &["-j", "map", "dump", "pinned", c.nodes[node - 1].bpffs.join(name).to_str().unwrap()])?;
+    Ok(serde_json::from_str::<Vec<serde_json::Value>>(&out)?.len())
+}
+
 /// The NAT flows node-1 lists (`lb-agent nat`) from source `src`.
 pub fn flows_from(c: &Cluster, src: &str) -> Result<Vec<String>> {
     let nat = crate::run(crate::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", c.nodes[0].bpffs.to_str().unwrap()])?;

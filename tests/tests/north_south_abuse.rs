@@ -130,7 +130,9 @@ fn nat_flows_expire_in_the_kernel_while_no_agent_runs() -> Result<()> {
     wait_only(&w.c, NODE1, 30080, &w.p2)?;
     let (np, np6) = (hostport(NODE1, 30080), hostport(NODE1_6, 30080));
     w.c.kill_agent(1);
-    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "20000", "--interval-ms", "200"])?;
+    // An assured flow, idle 4 s at a time: longer than the unreplied and
+    // the close timeouts, which the walks must not apply to it.
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "22000", "--interval-ms", "4000"])?;
     assert_eq!(tcp(&w.c, &w.outside, &np6, 5)?.ok, 5);
     let wire = Wire::new(&w.c, &w.outside)?;
     let flood_of = |from: u16| -> Vec<Vec<u8>> {
@@ -145,9 +147,12 @@ fn nat_flows_expire_in_the_kernel_while_no_agent_runs() -> Result<()> {
         Ok(flows_from(&w.c, flood)?.is_empty() && flows_from(&w.c, CLIENT6)?.is_empty())
     })?;
     eprintln!("expired {:.1?} after the agent was killed", killed.elapsed());
+    // Both entries of each flow: only the held flow's two are left.
+    let nat = |name| map_entries(&w.c, 1, name);
+    assert_eq!((nat(lb_common::maps::NAT4)?, nat(lb_common::maps::NAT6)?), (2, 0), "the held flow's entries only");
     let s = Cluster::finish(held)?;
     assert_eq!(s.failed(), 0, "the assured flow held meanwhile stays: {s:?}");
-    assert!(s.ok > 50, "{s:?}");
+    assert!(s.ok >= 5, "{s:?}");
     w.c.start_agent_with(1, &flags)?;
     let started = std::time::Instant::now();
     let count = |what: &str| datapath(&w.c, 1, what);
@@ -161,12 +166,47 @@ fn nat_flows_expire_in_the_kernel_while_no_agent_runs() -> Result<()> {
     // (Past the 10 s after which a heartbeat counts as stale.)
     std::thread::sleep(Duration::from_secs(13).saturating_sub(started.elapsed()));
     assert_eq!((count("nat_expired_without_agent")?, count("nat_walks_without_agent")?), (expired, walks), "no walk while an agent runs");
+    let log = std::fs::read_to_string(w.c.agent_log(1))?;
+    assert!(log.contains("the kernel's NAT expiry is armed") && !log.contains("not armed"), "the restarted agent armed the timer");
     // The restarted agent took the timer over: gone again, the kernel
     // expires a third flood.
     w.c.kill_agent(1);
     wire.send4_twice(&flood_of(30000), 100)?;
     w.c.wait_for("the flood's flows", Duration::from_secs(5), || Ok(flows_from(&w.c, flood)?.len() >= 290))?;
     w.c.wait_for("the kernel to expire them again", Duration::from_secs(30), || Ok(flows_from(&w.c, flood)?.is_empty()))?;
+    Ok(())
+}
+
+/// The kernel's early drop: a spoofed SYN flood that fills the NAT table
+/// while no agent runs keeps new flows out only for a moment, as with an
+/// agent (above), not until its entries reach --nat-unreplied-timeout (60
+/// s): the timer sees `nat_failed` grow and drops unassured flows idle
+/// for a second at once. An assured flow held through it stays.
+#[test]
+fn a_syn_flood_that_fills_the_nat_table_while_no_agent_runs_is_dropped_early() -> Result<()> {
+    let flags = ["--max-nat", "1024", "--nat-gc-interval", "5"];
+    let mut w = world_with(&web("NodePort", "", &[]), &flags)?;
+    set_endpoints(&w, &[(&w.p2, E::ready)])?;
+    wait_only(&w.c, NODE1, 30080, &w.p2)?;
+    let np = hostport(NODE1, 30080);
+    w.c.kill_agent(1);
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "30000", "--interval-ms", "50"])?;
+    // Past the 10 s after which the agent's heartbeat counts as stale.
+    std::thread::sleep(Duration::from_secs(11));
+    let wire = Wire::new(&w.c, &w.outside)?;
+    let syns: Vec<Vec<u8>> = (0..3000u16).map(|i| ipv4(FLOOD, NODE1_B, 6, 5, 0x4000, i, &tcp_syn(&FLOOD, &NODE1_B, 10000 + i, 30080))).collect();
+    wire.send4_twice(&syns, 200)?;
+    let flooded = std::time::Instant::now();
+    w.c.wait_for("a new flow through the flooded table, no agent running", Duration::from_secs(15), || Ok(tcp(&w.c, &w.outside, &np, 1)?.ok == 1))?;
+    eprintln!("a new flow got through {:.1?} after the flood", flooded.elapsed());
+    let s = tcp(&w.c, &w.outside, &np, 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    let s = Cluster::finish(held)?;
+    assert_eq!(s.failed(), 0, "the assured flow held through the flood stays: {s:?}");
+    w.c.start_agent_with(1, &flags)?;
+    w.c.wait_for("the agent's metrics", Duration::from_secs(10), || Ok(datapath(&w.c, 1, "nat_walks_without_agent")? > 0))?;
+    assert!(datapath(&w.c, 1, "nat_failed")? > 1000, "the flood filled the table (512 flows)");
+    assert!(datapath(&w.c, 1, "nat_expired_without_agent")? > 0);
     Ok(())
 }
 

@@ -723,11 +723,6 @@ fn flows_and_sockets_to_endpoints_that_left_before_an_upgrade_are_ended_after_it
 
 /// Entries in the pinned map `name` of node-1 (the one the running
 /// programs use, not a staged one).
-fn live_entries(c: &Cluster, name: &str) -> Result<usize> {
-    let out = lbtest::run("bpftool", &["-j", "map", "dump", "pinned", c.nodes[0].bpffs.join(name).to_str().unwrap()])?;
-    Ok(serde_json::from_str::<Vec<serde_json::Value>>(&out)?.len())
-}
-
 /// While an upgrade waits for its first sync (an API server failing every
 /// request here), the old programs still make flows in the old NAT
 /// tables: the new agent expires them there too (before, only the staged
@@ -746,16 +741,22 @@ fn the_live_nat_tables_are_expired_while_an_upgrade_waits_for_its_first_sync() -
     assert!(w.c.nodes[0].bpffs.join("next").join(lb_common::maps::NAT4).exists(), "staged, not finished");
     let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3"])?;
     assert_eq!(s.ok, 3, "the old programs serve: {s:?}");
-    assert!(live_entries(&w.c, lb_common::maps::NAT4)? >= 3, "their flows are in the old table");
+    assert!(map_entries(&w.c, 1, lb_common::maps::NAT4)? >= 3, "their flows are in the old table");
     // ... which `lb-agent nat` shows (before 12-05: the staged one, empty).
     let outside = w.outside.ip.clone();
     assert_eq!(flows_from(&w.c, &outside)?.len(), 3, "{:?}", flows_from(&w.c, &outside)?);
-    w.c.wait_for("the old table's idle flows to expire", Duration::from_secs(8), || Ok(live_entries(&w.c, lb_common::maps::NAT4)? == 0))?;
+    w.c.wait_for("the old table's idle flows to expire", Duration::from_secs(8), || Ok(map_entries(&w.c, 1, lb_common::maps::NAT4)? == 0))?;
     assert!(w.c.nodes[0].bpffs.join("next").exists(), "still waiting for the first sync");
     api.control("/lbtest/fail?code=500&count=0")?;
     w.c.wait_for("the upgrade", Duration::from_secs(30), || Ok(upgrades_in_log(&w.c)? >= 1))?;
     let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3"])?;
     assert_eq!(s.ok, 3, "{s:?}");
+    // The kernel's own expiry was armed on the new maps once the programs
+    // moved (the old timer went with the old maps): with no agent, it
+    // expires their flows.
+    assert!(map_entries(&w.c, 1, lb_common::maps::NAT4)? >= 3);
+    w.c.kill_agent(1);
+    w.c.wait_for("the kernel to expire the new table's flows", Duration::from_secs(30), || Ok(map_entries(&w.c, 1, lb_common::maps::NAT4)? == 0))?;
     Ok(())
 }
 

@@ -105,13 +105,29 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
     let mut gc: aya::maps::Array<MapData, lb_common::NatGc> = aya::maps::Array::try_from(Map::Array(open(lb_common::maps::NAT_GC)?))?;
     let gc_cfg = lb_common::NatGc {
         heartbeat_ns: 0,
-        stale_ns: NAT_HEARTBEAT_STALE.max(2 * every).as_nanos() as u64,
+        stale_ns: NAT_HEARTBEAT_STALE.as_nanos() as u64,
         interval_ns: every.as_nanos() as u64,
+        capacity: cfg.capacity.nat as u64,
         timeouts: timeouts.ns(),
     };
+    // During an upgrade that stages new settings, the earlier timer (which
+    // walks the live tables until the programs move) reads the old ones:
+    // the heartbeat goes there too, where their layout is this agent's,
+    // until the upgrade finishes (the staged pin moved in place).
+    let staged_gc = loader::staged_pin(&cfg.bpffs, lb_common::maps::NAT_GC);
+    let mut old_gc: Option<aya::maps::Array<MapData, lb_common::NatGc>> = loader::old_pin(&cfg.bpffs, lb_common::maps::NAT_GC)
+        .and_then(|p| MapData::from_pin(p).ok())
+        .and_then(|d| aya::maps::Array::try_from(Map::Array(d)).ok());
     let mut heartbeat = move || {
-        if let Err(e) = gc.set(0, lb_common::NatGc { heartbeat_ns: crate::nodeport::monotonic_ns(), ..gc_cfg }, 0) {
+        let now = lb_common::NatGc { heartbeat_ns: crate::nodeport::monotonic_ns(), ..gc_cfg };
+        if let Err(e) = gc.set(0, now, 0) {
             tracing::warn!("NAT: cannot write the heartbeat to {}: {e}", lb_common::maps::NAT_GC);
+        }
+        if old_gc.is_some() && !staged_gc.as_ref().is_some_and(|p| p.exists()) {
+            old_gc = None;
+        }
+        if let Some(old) = old_gc.as_mut() {
+            let _ = old.set(0, now, 0);
         }
     };
     heartbeat();
@@ -183,8 +199,17 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
             if old_nat.is_some() && !staged_nat.as_ref().is_some_and(|p| p.exists()) {
                 old_nat = None;
             }
-            let old_pass = old_nat.as_mut().map(|(o4, o6)| (crate::nodeport::nat_pass(o4, &timeouts, &left), crate::nodeport::nat_pass(o6, &timeouts, &left)));
+            // (The heartbeat between passes: one over a full table takes
+            // seconds.)
+            let old_pass = old_nat.as_mut().map(|(o4, o6)| {
+                let q4 = crate::nodeport::nat_pass(o4, &timeouts, &left);
+                heartbeat();
+                let q6 = crate::nodeport::nat_pass(o6, &timeouts, &left);
+                heartbeat();
+                (q4, q6)
+            });
             let p4 = crate::nodeport::nat_pass(&mut nat4, &timeouts, &left);
+            heartbeat();
             let p6 = crate::nodeport::nat_pass(&mut nat6, &timeouts, &left);
             // A spell starts only with refusals (a table full of assured
             // flows is no flood: conntrack too early-drops only when an
@@ -254,10 +279,21 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
     Ok((tx, masqueraded))
 }
 
-/// How old the NAT thread's heartbeat (written every second) may grow
-/// before the kernel expires the NAT tables itself (at least two
-/// `--nat-gc-interval`s: a pass over a full table takes seconds).
+/// How old the NAT thread's heartbeat (written every second, and between
+/// the passes over each table) may grow before the kernel expires the NAT
+/// tables itself.
 const NAT_HEARTBEAT_STALE: Duration = Duration::from_secs(10);
+
+/// Arm the kernel's NAT expiry (`Tc::arm_nat_gc`), saying what failing means.
+fn arm_nat_gc(tc: &mut loader::Tc) {
+    match tc.arm_nat_gc() {
+        Ok(()) => tracing::info!("the kernel's NAT expiry is armed: it expires the NAT tables while no agent runs"),
+        Err(e) => tracing::warn!(
+            "the kernel's NAT expiry is not armed: should this agent go, outside flows expire only by an earlier agent's timer, if one \
+             runs, or not at all (new ones are refused once the NAT tables fill): {e:#}"
+        ),
+    }
+}
 
 /// Under pressure (`spawn_nat_gc`), how long an unassured flow may be idle.
 const EARLY_DROP_IDLE: Duration = Duration::from_secs(1);
@@ -477,9 +513,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         .map_or(0, |c| c.flags);
     let (nat_left, bpf_masqueraded) = spawn_nat_gc(&cfg)?;
     // The kernel's own NAT expiry, for when this agent is gone (its
-    // settings and first heartbeat written by spawn_nat_gc).
-    if let Err(e) = tc.arm_nat_gc() {
-        tracing::warn!("the kernel's NAT expiry is not armed: while no agent runs, nothing expires outside flows and new ones are refused once the NAT tables fill: {e:#}");
+    // settings and first heartbeat written by spawn_nat_gc). During an
+    // upgrade, once the programs moved (the earlier timer walks the live
+    // tables until then).
+    if upgrade.is_none() {
+        arm_nat_gc(&mut tc);
     }
     // Flows an agent with --bpf-forward masqueraded in BPF: the pod
     // programs translate their replies, so they stay (and are brought up
@@ -961,6 +999,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             };
             pod_programs(&mut tc, forward || per_packet || keep_pods(&masq_watch), per_packet || rec.has_dsr);
             tc.finish_upgrade(&replaced, &nodeport, &pod_devices)?;
+            arm_nat_gc(&mut tc);
             for iface in &cfg.nodeport_interfaces {
                 tc.attach_tc(iface)?;
             }

@@ -539,11 +539,12 @@ impl Tc {
         Ok(())
     }
 
-    /// Whether `lb_sock_egress` is attached (its link pinned).
     /// Arm the kernel's NAT expiry timer (`LB_NAT_TIMER`): run
     /// `lb_nat_gc_arm` once (BPF_PROG_TEST_RUN). An earlier agent's timer
     /// is taken over: its callback becomes this load's, which walks this
-    /// load's tables. The settings (`LB_NAT_GC`) must be written first.
+    /// load's tables. The settings (`LB_NAT_GC`) must be written first;
+    /// during an upgrade, only once the programs moved to the new tables
+    /// (until then the earlier timer walks the live ones).
     pub fn arm_nat_gc(&mut self) -> Result<()> {
         use aya::programs::{TestRun, TestRunOptions};
         let prog: &mut SchedClassifier = self.ebpf.program_mut(NAT_GC_PROGRAM).context("NAT expiry program")?.try_into()?;
@@ -564,6 +565,7 @@ impl Tc {
         }
     }
 
+    /// Whether `lb_sock_egress` is attached (its link pinned).
     pub fn sock_egress(&self) -> bool {
         self.bpffs.join("links").join(EGRESS_PROGRAM).exists()
     }

@@ -13,8 +13,10 @@
 //! `stale_ns`, the timer walks both tables every `interval_ns` and removes
 //! the flows that expired by the agent's rules (`lb_common::nat_expired`,
 //! `nat_expired_dsr`, with the agent's timeouts): both entries of a flow,
-//! the reply entry first. What only the agent does (ending the flows of
-//! endpoints that left, early drop under pressure) waits for an agent.
+//! the reply entry first. A table under pressure (new flows refused) is
+//! walked at once and its unassured flows idle for a second dropped, as
+//! the agent's early drop does. What only the agent knows (which
+//! endpoints left: their flows are not ended) waits for an agent.
 //! The timer lives as long as the pinned maps: `lb-agent teardown`
 //! unpinning them cancels it.
 use core::ffi::c_void;
@@ -63,34 +65,64 @@ pub fn lb_nat_gc_arm(_ctx: TcContext) -> i32 {
     0
 }
 
-/// What a walk carries to each entry.
+/// What a walk carries to each entry, and what it counts in a table.
 #[repr(C)]
 struct Walk {
     now: u64,
     t: NatTimeouts,
+    entries: u64,
     expired: u64,
 }
 
+/// Under pressure, how long an unassured flow may be idle (the agent's
+/// `EARLY_DROP_IDLE`).
+const EARLY_DROP_IDLE_NS: u64 = 1_000_000_000;
+
+/// Whether a table of `capacity` that held `entries` before a walk that
+/// removed `expired` flows is still 90% full (the agent's rule).
+#[inline(always)]
+fn nearly_full(entries: u64, expired: u64, capacity: u64) -> bool {
+    entries.saturating_sub(expired * 2) * 10 >= capacity * 9
+}
+
 /// The timer: walk the tables when the agent's heartbeat is stale, then
-/// fire again in a second.
+/// fire again in a second. Every `interval_ns`, or at once when new flows
+/// were refused since the last look (a full table: `nat_failed` grew), as
+/// the agent's early drop does: unassured flows idle for a second go, and
+/// again every second while such walks drop flows and leave a table 90%
+/// full.
 #[inline(never)]
 extern "C" fn tick(_map: *mut c_void, _key: *mut u32, t: *mut NatTimer) -> i64 {
     let now = unsafe { bpf_ktime_get_ns() };
     if let Some(cfg) = LB_NAT_GC.get_ptr(0) {
         // SAFETY: map values, alive for this run.
-        let cfg = unsafe { *cfg };
-        let last = unsafe { (*t).last_walk_ns };
-        if cfg.interval_ns != 0 && now.saturating_sub(cfg.heartbeat_ns) > cfg.stale_ns && now.saturating_sub(last) >= cfg.interval_ns {
-            unsafe { (*t).last_walk_ns = now };
-            let mut w = Walk { now, t: cfg.timeouts, expired: 0 };
-            let ctx = core::ptr::addr_of_mut!(w).cast();
-            unsafe {
-                bpf_for_each_map_elem(core::ptr::addr_of!(LB4_NAT).cast_mut().cast(), walk4 as *const () as *mut c_void, ctx, 0);
-                bpf_for_each_map_elem(core::ptr::addr_of!(LB6_NAT).cast_mut().cast(), walk6 as *const () as *mut c_void, ctx, 0);
+        let (cfg, t) = unsafe { (*cfg, &mut *t) };
+        let failed = crate::lb::event_sum(stats::NAT_FAILED);
+        let refused = failed > t.failed_seen;
+        t.failed_seen = failed;
+        if cfg.interval_ns != 0 && now.saturating_sub(cfg.heartbeat_ns) > cfg.stale_ns {
+            let early = refused || t.pressure != 0;
+            if early || now.saturating_sub(t.last_walk_ns) >= cfg.interval_ns {
+                t.last_walk_ns = now;
+                let mut timeouts = cfg.timeouts;
+                if early && timeouts.unreplied_ns > EARLY_DROP_IDLE_NS {
+                    timeouts.unreplied_ns = EARLY_DROP_IDLE_NS;
+                }
+                let mut w = Walk { now, t: timeouts, entries: 0, expired: 0 };
+                let ctx = core::ptr::addr_of_mut!(w).cast();
+                unsafe { bpf_for_each_map_elem(core::ptr::addr_of!(LB4_NAT).cast_mut().cast(), walk4 as *const () as *mut c_void, ctx, 0) };
+                let (n4, x4) = (w.entries, w.expired);
+                (w.entries, w.expired) = (0, 0);
+                unsafe { bpf_for_each_map_elem(core::ptr::addr_of!(LB6_NAT).cast_mut().cast(), walk6 as *const () as *mut c_void, ctx, 0) };
+                let (n6, x6) = (w.entries, w.expired);
+                let full = nearly_full(n4, x4, cfg.capacity) || nearly_full(n6, x6, cfg.capacity);
+                t.pressure = (early && full && x4 + x6 > 0) as u64;
+                t.last_walk_took_ns = unsafe { bpf_ktime_get_ns() }.saturating_sub(now);
+                crate::lb::event(stats::NAT_WALKS_WITHOUT_AGENT);
+                crate::lb::events(stats::NAT_EXPIRED_WITHOUT_AGENT, x4 + x6);
             }
-            unsafe { (*t).last_walk_took_ns = bpf_ktime_get_ns().saturating_sub(now) };
-            crate::lb::event(stats::NAT_WALKS_WITHOUT_AGENT);
-            crate::lb::events(stats::NAT_EXPIRED_WITHOUT_AGENT, w.expired);
+        } else {
+            t.pressure = 0;
         }
     }
     unsafe { bpf_timer_start(core::ptr::addr_of_mut!((*t).timer).cast(), LOOK_NS, 0) };
@@ -106,6 +138,7 @@ macro_rules! walk_fn {
         extern "C" fn $name(_map: *mut c_void, k: *mut NatKey<$a>, e: *mut NatEntry<$a>, w: *mut Walk) -> i64 {
             // SAFETY: the helper's key, value and context, alive for this call.
             let (k, e, w) = unsafe { (*k, *e, &mut *w) };
+            w.entries += 1;
             let proto = k.proto;
             if e.flags & nat_flags::DSR != 0 {
                 if nat_expired_dsr(proto, &e, w.now, &w.t) {
