@@ -154,10 +154,12 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
     // At start, the flows the running programs hold: during an upgrade
     // the old tables' and (once the programs began to move) the staged
     // ones'.
-    let at_start = crate::nodeport::count_bpf_masqueraded(&nat4)
-        + crate::nodeport::count_bpf_masqueraded(&nat6)
-        + old_nat.as_ref().map_or(0, |(o4, o6)| crate::nodeport::count_bpf_masqueraded(o4) + crate::nodeport::count_bpf_masqueraded(o6));
-    let masqueraded = Arc::new(BpfMasqueraded { started: Default::default(), last: std::sync::Mutex::new((0, at_start)) });
+    let counts = [Some(crate::nodeport::count_at_start(&nat4)), Some(crate::nodeport::count_at_start(&nat6))]
+        .into_iter()
+        .chain(old_nat.as_ref().map(|(o4, o6)| [Some(crate::nodeport::count_at_start(o4)), Some(crate::nodeport::count_at_start(o6))]).into_iter().flatten())
+        .flatten();
+    let (at_start, dsr_at_start) = counts.fold((0, 0), |(m, d), (m2, d2)| (m + m2, d + d2));
+    let masqueraded = Arc::new(BpfMasqueraded { started: Default::default(), last: std::sync::Mutex::new((0, at_start)), dsr_at_start });
     let count = masqueraded.clone();
     let capacity = cfg.capacity.nat as usize;
     std::thread::Builder::new().name("nat".into()).spawn(move || {
@@ -305,6 +307,9 @@ struct BpfMasqueraded {
     started: std::sync::atomic::AtomicU64,
     /// The last pass that ended (0: the count read at start) and its count.
     last: std::sync::Mutex<(u64, usize)>,
+    /// DSR flows whose backend is on this node the tables held at start
+    /// (`nodeport::nat::dsr_replies`).
+    dsr_at_start: usize,
 }
 
 impl BpfMasqueraded {
@@ -798,6 +803,9 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mut first = true;
     // Whether an earlier agent's egress pod programs were judged (`pod_programs`).
     let mut pod_egress_unjudged = true;
+    // Whether they were kept for DSR flows an earlier agent's frontends
+    // (or another node's) sent here.
+    let mut dsr_kept = false;
     let addresses_changed = rec.addresses.changed();
     // What an earlier agent left in LB_LOCAL4 may be out of date (an
     // address moved while no agent ran): put right before any sync.
@@ -1052,10 +1060,24 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         // wakes this loop (`Addresses`).
         let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods(&masq_watch) || rec.has_dsr;
         if upgrade.is_none() && !dirty && !per_packet && !rec.has_dsr && !tc.pod_egress && std::mem::take(&mut pod_egress_unjudged) {
-            // No frontend sends by DSR: an earlier agent's egress pod
-            // programs go.
-            tc.drop_pod_programs(false, true);
+            if bpf_masqueraded.dsr_at_start > 0 {
+                // DSR flows to a backend here live (sent by an earlier
+                // agent's frontends, or another node's): a client pod here
+                // gets their replies only through these programs, which
+                // stay (egress ones stay once attached).
+                tracing::info!(
+                    flows = bpf_masqueraded.dsr_at_start,
+                    "DSR flows to backends on this node live: the egress pod programs stay though no frontend here sends by DSR"
+                );
+                tc.pod_egress = true;
+                dsr_kept = true;
+            } else {
+                // No frontend sends by DSR: an earlier agent's egress pod
+                // programs go.
+                tc.drop_pod_programs(false, true);
+            }
         }
+        let pods = pods || dsr_kept;
         if upgrade.is_none() && (rec.has_external || pods) {
             let nodeport = if cfg.nodeport_interfaces.is_empty() {
                 let found = crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses);

@@ -8,5 +8,5 @@ mod nat;
 mod node;
 
 pub use healthcheck::HealthChecks;
-pub use nat::{Ending, NatTimeouts, count_bpf_masqueraded, monotonic_ns, nat_pass};
+pub use nat::{Ending, NatTimeouts, count_at_start, monotonic_ns, nat_pass};
 pub use node::{Addresses, interfaces_for, netns_cookie, reserve_ports, restore_device_sysctls, restore_device_sysctls_of, set_device_sysctls, unreserve_ports};

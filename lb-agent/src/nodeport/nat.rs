@@ -277,13 +277,22 @@ where
     pass
 }
 
-/// `bpf_masqueraded` of a whole table, read now.
-pub fn count_bpf_masqueraded<A: Addr>(nat: &NatMap<A>) -> usize
+/// How many DSR flows in `entries` have their backend on this node (the
+/// reply entries the backend's node records): a client pod on this node
+/// gets their replies through the egress pod program.
+pub fn dsr_replies<'a, A: Addr + 'a>(entries: impl IntoIterator<Item = &'a NatEntry<A>>) -> usize {
+    let both = nat_flags::REPLY | nat_flags::DSR;
+    entries.into_iter().filter(|e| e.flags & both == both).count()
+}
+
+/// `bpf_masqueraded` and `dsr_replies` of a whole table, read now.
+pub fn count_at_start<A: Addr>(nat: &NatMap<A>) -> (usize, usize)
 where
     NatKey<A>: aya::Pod,
     NatEntry<A>: aya::Pod,
 {
-    bpf_masqueraded(snapshot(nat).values())
+    let all = snapshot(nat);
+    (bpf_masqueraded(all.values()), dsr_replies(all.values()))
 }
 
 /// The whole table, read now (in batches: at capacity this is half a
@@ -335,6 +344,16 @@ mod tests {
 
     fn entry(last: u64, state: u8) -> NatEntry<[u8; 4]> {
         NatEntry { last_seen_ns: last * S, state, ..Default::default() }
+    }
+
+    #[test]
+    fn dsr_flows_whose_backend_is_on_this_node_are_counted_by_their_reply_entries() {
+        let f = |flags: u8| NatEntry { flags, ..entry(1, 0) };
+        let (r, d, s) = (nat_flags::REPLY, nat_flags::DSR, nat_flags::SNAT);
+        // The backend's node's entry; the frontend's node's (no reply
+        // entry there); a SNATed flow's two.
+        assert_eq!(dsr_replies([f(r | d), f(d), f(s), f(r | s)].iter()), 1);
+        assert_eq!(dsr_replies([f(d), f(r)].iter()), 0);
     }
 
     #[test]
