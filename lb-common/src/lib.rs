@@ -630,9 +630,13 @@ pub struct NatTimer {
     pub last_walk_ns: u64,
     /// How long that walk took.
     pub last_walk_took_ns: u64,
-    /// `nat_failed` (summed over the CPUs) when the timer last looked:
-    /// more now means new flows were refused since.
-    pub failed_seen: u64,
+    /// New flows the TC programs refused (where they count `nat_failed`),
+    /// added to atomically: the per-CPU counter's sum cannot be read from
+    /// BPF before Linux 5.19.
+    pub refused: u64,
+    /// `refused` when the timer last looked: more now means new flows were
+    /// refused since.
+    pub refused_seen: u64,
     /// 1 while an early-drop spell goes on (its last walk dropped flows
     /// and left a table 90% full).
     pub pressure: u64,
@@ -1121,7 +1125,7 @@ mod user {
 // Layouts are part of the pinned-map ABI: a change must be deliberate.
 const _: () = {
     assert!(core::mem::size_of::<NatGc>() == 72);
-    assert!(core::mem::size_of::<NatTimer>() == 48);
+    assert!(core::mem::size_of::<NatTimer>() == 56);
     assert!(core::mem::size_of::<bpf_timer>() == 16);
     assert!(core::mem::size_of::<Svc4Key>() == 12);
     assert!(core::mem::size_of::<SvcValue>() == 16);
@@ -1218,7 +1222,7 @@ mod layout_tests {
             ("FragPorts", core::mem::size_of::<FragPorts>(), &[core::mem::offset_of!(FragPorts, sport), core::mem::offset_of!(FragPorts, dport)]),
             ("NatGc", core::mem::size_of::<NatGc>(), &[core::mem::offset_of!(NatGc, heartbeat_ns), core::mem::offset_of!(NatGc, stale_ns), core::mem::offset_of!(NatGc, interval_ns), core::mem::offset_of!(NatGc, capacity), core::mem::offset_of!(NatGc, timeouts)]),
             ("NatTimeouts", core::mem::size_of::<NatTimeouts>(), &[core::mem::offset_of!(NatTimeouts, tcp_ns), core::mem::offset_of!(NatTimeouts, tcp_closed_ns), core::mem::offset_of!(NatTimeouts, dsr_fin_ns), core::mem::offset_of!(NatTimeouts, udp_ns), core::mem::offset_of!(NatTimeouts, unreplied_ns)]),
-            ("NatTimer", core::mem::size_of::<NatTimer>(), &[core::mem::offset_of!(NatTimer, timer), core::mem::offset_of!(NatTimer, last_walk_ns), core::mem::offset_of!(NatTimer, last_walk_took_ns), core::mem::offset_of!(NatTimer, failed_seen), core::mem::offset_of!(NatTimer, pressure)]),
+            ("NatTimer", core::mem::size_of::<NatTimer>(), &[core::mem::offset_of!(NatTimer, timer), core::mem::offset_of!(NatTimer, last_walk_ns), core::mem::offset_of!(NatTimer, last_walk_took_ns), core::mem::offset_of!(NatTimer, refused), core::mem::offset_of!(NatTimer, refused_seen), core::mem::offset_of!(NatTimer, pressure)]),
         ];
         // FNV-1a over names, sizes and offsets.
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -1238,5 +1242,5 @@ mod layout_tests {
         assert_eq!((LAYOUT_VERSION, h), (5, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION (unless only sizes changed, or the BTF of the maps shows the change) and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0x5e82_234d_4941_3f40;
+    const FINGERPRINT: u64 = 0x9492_7b2b_2aa7_e078;
 }

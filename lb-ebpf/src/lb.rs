@@ -384,26 +384,6 @@ impl Family for V6 {
     }
 }
 
-/// A datapath counter summed over the CPUs (`bpf_map_lookup_percpu_elem`,
-/// Linux 5.19+; up to 4,096 CPUs).
-#[inline(always)]
-pub fn event_sum(index: u32) -> u64 {
-    let map = core::ptr::addr_of!(LB_STATS).cast_mut().cast();
-    let mut sum = 0u64;
-    let mut cpu = 0u32;
-    while cpu < 4096 {
-        // SAFETY: the helper returns a value of this map or null (past
-        // the last CPU).
-        let p = unsafe { aya_ebpf::helpers::bpf_map_lookup_percpu_elem(map, core::ptr::addr_of!(index).cast(), cpu) } as *const u64;
-        if p.is_null() {
-            break;
-        }
-        sum += unsafe { *p };
-        cpu += 1;
-    }
-    sum
-}
-
 /// Count `n` datapath events at once (`event`).
 #[inline(always)]
 pub fn events(index: u32, n: u64) {

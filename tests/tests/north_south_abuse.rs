@@ -190,7 +190,9 @@ fn a_syn_flood_that_fills_the_nat_table_while_no_agent_runs_is_dropped_early() -
     wait_only(&w.c, NODE1, 30080, &w.p2)?;
     let np = hostport(NODE1, 30080);
     w.c.kill_agent(1);
-    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "30000", "--interval-ms", "50"])?;
+    // Assured, idle 2 s at a time: longer than an unassured flow may be
+    // under pressure.
+    let held = w.c.probe_bg(&w.outside, &["tcp", "--addr", &np, "--hold-ms", "30000", "--interval-ms", "2000"])?;
     // Past the 10 s after which the agent's heartbeat counts as stale.
     std::thread::sleep(Duration::from_secs(11));
     let wire = Wire::new(&w.c, &w.outside)?;

@@ -737,6 +737,7 @@ fn the_live_nat_tables_are_expired_while_an_upgrade_waits_for_its_first_sync() -
     w.c.start_agent_kube(1, &api.kubeconfig, &flags)?;
     api.control("/lbtest/fail?code=500&count=1000000")?;
     w.c.kill_agent(1);
+    let killed = std::time::Instant::now();
     w.c.start_agent_kube_unsynced(1, &api.kubeconfig, &flags, &[("LB_LAYOUT_VERSION", "99")])?;
     assert!(w.c.nodes[0].bpffs.join("next").join(lb_common::maps::NAT4).exists(), "staged, not finished");
     let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3"])?;
@@ -746,6 +747,12 @@ fn the_live_nat_tables_are_expired_while_an_upgrade_waits_for_its_first_sync() -
     let outside = w.outside.ip.clone();
     assert_eq!(flows_from(&w.c, &outside)?.len(), 3, "{:?}", flows_from(&w.c, &outside)?);
     w.c.wait_for("the old table's idle flows to expire", Duration::from_secs(8), || Ok(map_entries(&w.c, 1, lb_common::maps::NAT4)? == 0))?;
+    // The old agent's kernel timer walks the live tables once its
+    // heartbeat is 10 s old: the new agent writes that one too, so it
+    // stays idle while an agent runs (the metrics read the live counters).
+    let walks = datapath(&w.c, 1, "nat_walks_without_agent")?;
+    std::thread::sleep(Duration::from_secs(13).saturating_sub(killed.elapsed()));
+    assert_eq!(datapath(&w.c, 1, "nat_walks_without_agent")?, walks, "no walk of the live tables while the new agent runs");
     assert!(w.c.nodes[0].bpffs.join("next").exists(), "still waiting for the first sync");
     api.control("/lbtest/fail?code=500&count=0")?;
     w.c.wait_for("the upgrade", Duration::from_secs(30), || Ok(upgrades_in_log(&w.c)? >= 1))?;

@@ -519,9 +519,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let (nat_left, bpf_masqueraded) = spawn_nat_gc(&cfg)?;
     // The kernel's own NAT expiry, for when this agent is gone (its
     // settings and first heartbeat written by spawn_nat_gc). During an
-    // upgrade, once the programs moved (the earlier timer walks the live
-    // tables until then).
-    if upgrade.is_none() {
+    // upgrade that stages a timer of its own too (the earlier one, if any,
+    // walks the live tables until the programs move, then goes with its
+    // map); where the upgrade shares the earlier timer, once the programs
+    // moved (taken over now, it would walk only the staged tables).
+    if upgrade.is_none() || loader::staged_pin(&cfg.bpffs, lb_common::maps::NAT_TIMER).is_some() {
         arm_nat_gc(&mut tc);
     }
     // Flows an agent with --bpf-forward masqueraded in BPF: the pod

@@ -65,12 +65,27 @@ pub fn lb_nat_gc_arm(_ctx: TcContext) -> i32 {
     0
 }
 
+/// A new flow was refused (counted as `nat_failed` too): the timer's early
+/// drop starts at its next look.
+#[inline(always)]
+pub(super) fn refused() {
+    use core::intrinsics::{AtomicOrdering::Relaxed, atomic_xadd};
+    if let Some(t) = LB_NAT_TIMER.get_ptr_mut(0) {
+        // SAFETY: a map value, alive for this run; other CPUs add to it
+        // at the same time, hence the atomic add.
+        unsafe { atomic_xadd::<u64, u64, { Relaxed }>(core::ptr::addr_of_mut!((*t).refused), 1) };
+    }
+}
+
 /// What a walk carries to each entry, and what it counts in a table.
 #[repr(C)]
 struct Walk {
     now: u64,
     t: NatTimeouts,
-    entries: u64,
+    /// Entries the walk left in the table (a flow's two counted at its
+    /// forward entry).
+    kept: u64,
+    /// Flows it removed.
     expired: u64,
 }
 
@@ -78,16 +93,17 @@ struct Walk {
 /// `EARLY_DROP_IDLE`).
 const EARLY_DROP_IDLE_NS: u64 = 1_000_000_000;
 
-/// Whether a table of `capacity` that held `entries` before a walk that
-/// removed `expired` flows is still 90% full (the agent's rule).
+/// Whether a table of `capacity` that a walk left holding `kept` entries
+/// is still 90% full (the agent's rule).
 #[inline(always)]
-fn nearly_full(entries: u64, expired: u64, capacity: u64) -> bool {
-    entries.saturating_sub(expired * 2) * 10 >= capacity * 9
+fn nearly_full(kept: u64, capacity: u64) -> bool {
+    kept * 10 >= capacity * 9
 }
 
 /// The timer: walk the tables when the agent's heartbeat is stale, then
 /// fire again in a second. Every `interval_ns`, or at once when new flows
-/// were refused since the last look (a full table: `nat_failed` grew), as
+/// were refused since the last look (`refused`: a full table, no free SNAT
+/// port), as
 /// the agent's early drop does: unassured flows idle for a second go, and
 /// again every second while such walks drop flows and leave a table 90%
 /// full.
@@ -97,9 +113,9 @@ extern "C" fn tick(_map: *mut c_void, _key: *mut u32, t: *mut NatTimer) -> i64 {
     if let Some(cfg) = LB_NAT_GC.get_ptr(0) {
         // SAFETY: map values, alive for this run.
         let (cfg, t) = unsafe { (*cfg, &mut *t) };
-        let failed = crate::lb::event_sum(stats::NAT_FAILED);
-        let refused = failed > t.failed_seen;
-        t.failed_seen = failed;
+        let seen = unsafe { core::ptr::read_volatile(core::ptr::addr_of!(t.refused)) };
+        let refused = seen != t.refused_seen;
+        t.refused_seen = seen;
         if cfg.interval_ns != 0 && now.saturating_sub(cfg.heartbeat_ns) > cfg.stale_ns {
             let early = refused || t.pressure != 0;
             if early || now.saturating_sub(t.last_walk_ns) >= cfg.interval_ns {
@@ -108,14 +124,14 @@ extern "C" fn tick(_map: *mut c_void, _key: *mut u32, t: *mut NatTimer) -> i64 {
                 if early && timeouts.unreplied_ns > EARLY_DROP_IDLE_NS {
                     timeouts.unreplied_ns = EARLY_DROP_IDLE_NS;
                 }
-                let mut w = Walk { now, t: timeouts, entries: 0, expired: 0 };
+                let mut w = Walk { now, t: timeouts, kept: 0, expired: 0 };
                 let ctx = core::ptr::addr_of_mut!(w).cast();
                 unsafe { bpf_for_each_map_elem(core::ptr::addr_of!(LB4_NAT).cast_mut().cast(), walk4 as *const () as *mut c_void, ctx, 0) };
-                let (n4, x4) = (w.entries, w.expired);
-                (w.entries, w.expired) = (0, 0);
+                let (n4, x4) = (w.kept, w.expired);
+                (w.kept, w.expired) = (0, 0);
                 unsafe { bpf_for_each_map_elem(core::ptr::addr_of!(LB6_NAT).cast_mut().cast(), walk6 as *const () as *mut c_void, ctx, 0) };
-                let (n6, x6) = (w.entries, w.expired);
-                let full = nearly_full(n4, x4, cfg.capacity) || nearly_full(n6, x6, cfg.capacity);
+                let (n6, x6) = (w.kept, w.expired);
+                let full = nearly_full(n4, cfg.capacity) || nearly_full(n6, cfg.capacity);
                 t.pressure = (early && full && x4 + x6 > 0) as u64;
                 t.last_walk_took_ns = unsafe { bpf_ktime_get_ns() }.saturating_sub(now);
                 crate::lb::event(stats::NAT_WALKS_WITHOUT_AGENT);
@@ -138,12 +154,13 @@ macro_rules! walk_fn {
         extern "C" fn $name(_map: *mut c_void, k: *mut NatKey<$a>, e: *mut NatEntry<$a>, w: *mut Walk) -> i64 {
             // SAFETY: the helper's key, value and context, alive for this call.
             let (k, e, w) = unsafe { (*k, *e, &mut *w) };
-            w.entries += 1;
             let proto = k.proto;
             if e.flags & nat_flags::DSR != 0 {
                 if nat_expired_dsr(proto, &e, w.now, &w.t) {
                     let _ = $map.remove(&k);
                     w.expired += 1;
+                } else {
+                    w.kept += 1;
                 }
                 return 0;
             }
@@ -159,8 +176,12 @@ macro_rules! walk_fn {
             };
             if e.flags & nat_flags::REPLY != 0 {
                 // An orphaned reply entry (its flow half-removed).
-                if partner.is_none() && nat_expired(proto, &e, None, w.now, &w.t) {
-                    let _ = $map.remove(&k);
+                if partner.is_none() {
+                    if nat_expired(proto, &e, None, w.now, &w.t) {
+                        let _ = $map.remove(&k);
+                    } else {
+                        w.kept += 1;
+                    }
                 }
                 return 0;
             }
@@ -172,6 +193,8 @@ macro_rules! walk_fn {
                 }
                 let _ = $map.remove(&k);
                 w.expired += 1;
+            } else {
+                w.kept += 1 + partner.is_some() as u64;
             }
             0
         }

@@ -1715,6 +1715,7 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
         let Some(cfg) = lb::node_config() else { return drop_packet() };
         let addr = if sc.snat_src != F::A::default() { sc.snat_src } else { F::snat_addr(&cfg) };
         if cfg.snat_port_min == 0 || addr == F::A::default() {
+            // (No SNAT address: no room the early drop could make.)
             lb::event(stats::NAT_FAILED);
             return TC_ACT_SHOT;
         }
@@ -1727,6 +1728,7 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
         if port == 0 {
             // Counted; the agent logs it. The client retries its SYN.
             lb::event(stats::NAT_FAILED);
+            gc::refused();
             return TC_ACT_SHOT;
         }
         sc.fwd.to_sport = port;
@@ -1753,6 +1755,7 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
             let port = if cfg.snat_port_min == 0 { 0 } else { claim_port::<F>(&mut sc.rkey, &sc.reply, sc.hash, cfg.snat_port_min, cfg.snat_port_max) };
             if port == 0 {
                 lb::event(stats::NAT_FAILED);
+                gc::refused();
                 return TC_ACT_SHOT;
             }
             sc.fwd.to_sport = port;
