@@ -767,6 +767,31 @@ fn the_live_nat_tables_are_expired_while_an_upgrade_waits_for_its_first_sync() -
     Ok(())
 }
 
+/// An upgrade that replaces only the NAT tables (`--max-nat` changed)
+/// shares the earlier kernel expiry timer: the new agent takes it over
+/// once the programs moved to the new tables, so that it then walks
+/// those (not the old ones, which its earlier program would go on walking
+/// and holding), and their flows expire once no agent runs.
+#[test]
+fn the_kernel_expiry_follows_nat_tables_an_upgrade_replaced() -> Result<()> {
+    let flags = ["--nat-udp-timeout", "2", "--nat-gc-interval", "1"];
+    let mut w = world_with(&web("NodePort", "", &[]), &flags)?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let timer = aya::maps::MapInfo::from_pin(w.c.nodes[0].bpffs.join(lb_common::maps::NAT_TIMER))?.id();
+    w.c.kill_agent(1);
+    w.c.start_agent_with(1, &[&flags[..], &["--max-nat", "100000"]].concat())?;
+    w.c.wait_for("the upgrade", Duration::from_secs(20), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    assert_eq!(max_entries(&w.c, lb_common::maps::NAT4)?, 100000);
+    let same = aya::maps::MapInfo::from_pin(w.c.nodes[0].bpffs.join(lb_common::maps::NAT_TIMER))?.id();
+    assert_eq!(same, timer, "the timer's map was kept (shared by the upgrade)");
+    let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3"])?;
+    assert_eq!(s.ok, 3, "{s:?}");
+    assert!(map_entries(&w.c, 1, lb_common::maps::NAT4)? >= 3);
+    w.c.kill_agent(1);
+    w.c.wait_for("the kernel to expire the new table's flows", Duration::from_secs(30), || Ok(map_entries(&w.c, 1, lb_common::maps::NAT4)? == 0))?;
+    Ok(())
+}
+
 /// Connections the old programs make just before they move to new NAT
 /// tables (after the first copy) have no flow there until the second
 /// copy: the new programs take such a flow from the old table on its
