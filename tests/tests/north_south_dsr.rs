@@ -546,22 +546,27 @@ fn a_pod_on_the_backends_node_reaches_a_dsr_node_port_of_another_node() -> Resul
     // A restart of node-2's agent keeps the pod devices' programs: a
     // connection held through it goes on.
     let np = hostport(NODE1, 30080);
-    let held_through_restart = |w: &mut World, mode: &str| -> Result<lbtest::Summary> {
+    let objects = w.c.objects.clone();
+    let held_through_restart = |w: &mut World, mode: &str, env: &[(&str, &str)]| -> Result<lbtest::Summary> {
         let held = w.c.probe_bg(&client, &["tcp", "--addr", &np, "--hold-ms", "5000", "--interval-ms", "50"])?;
         std::thread::sleep(std::time::Duration::from_millis(400));
         w.c.kill_agent(2);
-        w.c.start_agent_with(2, &["--nodeport-mode", mode])?;
+        w.c.start_agent_env(2, &objects, &["--nodeport-mode", mode], env)?;
         lbtest::Cluster::finish(held)
     };
-    let s = held_through_restart(&mut w, "dsr")?;
+    let s = held_through_restart(&mut w, "dsr", &[])?;
     assert_eq!(s.failed(), 0, "through node-2's restart: {s:?}");
     assert_eq!(s.peers.keys().collect::<Vec<_>>(), [np.as_str()], "{s:?}");
     // Node-2's agent restarted without DSR (a mode switch rolling out,
     // node-1 still sending by DSR): the egress programs stay while DSR
     // flows to node-2's backends live (before, its first sync took them
     // off and such a connection stalled).
-    let s = held_through_restart(&mut w, "snat")?;
+    let s = held_through_restart(&mut w, "snat", &[])?;
     assert_eq!(s.failed(), 0, "through node-2's restart without DSR: {s:?}");
+    // Likewise through an upgrade (a new layout: the staged tables cannot
+    // tell which flows live until the programs move).
+    let s = held_through_restart(&mut w, "snat", &[("LB_LAYOUT_VERSION", "99")])?;
+    assert_eq!(s.failed(), 0, "through node-2's upgrade without DSR: {s:?}");
     let log = std::fs::read_to_string(w.c.agent_log(2))?;
     assert!(log.contains("the egress pod programs stay though no frontend here sends by DSR"), "said in the log");
     Ok(())

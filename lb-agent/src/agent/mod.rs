@@ -522,8 +522,11 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // upgrade that stages a timer of its own too (the earlier one, if any,
     // walks the live tables until the programs move, then goes with its
     // map); where the upgrade shares the earlier timer, once the programs
-    // moved (taken over now, it would walk only the staged tables).
-    if upgrade.is_none() || loader::staged_pin(&cfg.bpffs, lb_common::maps::NAT_TIMER).is_some() {
+    // moved (taken over now, it would walk only the staged tables), or
+    // where they began to move (an upgrade resumed after that: the staged
+    // tables are live).
+    let moving = loader::upgrade_marks(&cfg.bpffs).0;
+    if upgrade.is_none() || moving || loader::staged_pin(&cfg.bpffs, lb_common::maps::NAT_TIMER).is_some() {
         arm_nat_gc(&mut tc);
     }
     // Flows an agent with --bpf-forward masqueraded in BPF: the pod
@@ -806,8 +809,14 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // Whether an earlier agent's egress pod programs were judged (`pod_programs`).
     let mut pod_egress_unjudged = true;
     // Whether they were kept for DSR flows an earlier agent's frontends
-    // (or another node's) sent here.
-    let mut dsr_kept = false;
+    // (or another node's) sent here. During an upgrade, wherever the
+    // earlier agent's may run: its DSR flows may live, and the staged
+    // tables (empty until the programs move) cannot tell; the upgrade
+    // moves them with the rest.
+    let mut dsr_kept = upgrade.is_some() && (bpf_masqueraded.dsr_at_start > 0 || tc.pod_egress_may_run());
+    if dsr_kept {
+        tc.pod_egress = true;
+    }
     let addresses_changed = rec.addresses.changed();
     // What an earlier agent left in LB_LOCAL4 may be out of date (an
     // address moved while no agent ran): put right before any sync.
@@ -1002,7 +1011,7 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             } else {
                 Vec::new()
             };
-            let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods(&masq_watch) || rec.has_dsr;
+            let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods(&masq_watch) || rec.has_dsr || dsr_kept;
             let pod_devices = match crate::netdev::links() {
                 Ok(links) if pods => crate::netdev::pod_devices(&links, &nodeport),
                 _ => Vec::new(),

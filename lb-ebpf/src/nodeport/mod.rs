@@ -1773,7 +1773,13 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
                 sc.fwd = unsafe { core::ptr::read_volatile(e) };
                 ACT_FORWARD
             }
-            None => TC_ACT_SHOT,
+            None => {
+                // The table refused it (full: a DSR flow has no reply
+                // entry to be refused first).
+                lb::event(stats::NAT_FAILED);
+                gc::refused();
+                TC_ACT_SHOT
+            }
         };
     }
     if !dsr {
