@@ -568,6 +568,8 @@ fn a_pod_on_the_backends_node_reaches_a_dsr_node_port_of_another_node() -> Resul
     let s = held_through_restart(&mut w, "snat", &[("LB_LAYOUT_VERSION", "99")])?;
     assert_eq!(s.failed(), 0, "through node-2's upgrade without DSR: {s:?}");
     let log = std::fs::read_to_string(w.c.agent_log(2))?;
+    assert!(log.contains("an upgrade: DSR flows to backends on this node may live"), "said in the log");
+    let log = std::fs::read_to_string(w.c.agent_log(2))?;
     assert!(log.contains("the egress pod programs stay though no frontend here sends by DSR"), "said in the log");
     Ok(())
 }

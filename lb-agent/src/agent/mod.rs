@@ -549,6 +549,8 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         tracing::info!("an upgrade across a layout change: flows an earlier agent masqueraded in BPF may live; the pod programs stay until the upgrade has carried them and none is left");
     }
     let earlier_masq = earlier_masq || earlier_unknown;
+    // Likewise the DSR flows to this node's backends (`dsr_kept`).
+    let nat_unreadable = [lb_common::maps::NAT4, lb_common::maps::NAT6].into_iter().any(unreadable);
     let mut masq_watch = masq_watch::MasqWatch::start(forward, bpf_masqueraded.last().1, earlier_masq);
     // Only the watch keeps the pod programs where no flag asks for them.
     let keep_pods = |w: &masq_watch::MasqWatch| w.pending() && !forward && !per_packet;
@@ -809,12 +811,18 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     // Whether an earlier agent's egress pod programs were judged (`pod_programs`).
     let mut pod_egress_unjudged = true;
     // Whether they were kept for DSR flows an earlier agent's frontends
-    // (or another node's) sent here. During an upgrade, wherever the
-    // earlier agent's may run: its DSR flows may live, and the staged
-    // tables (empty until the programs move) cannot tell; the upgrade
-    // moves them with the rest.
-    let mut dsr_kept = upgrade.is_some() && (bpf_masqueraded.dsr_at_start > 0 || tc.pod_egress_may_run());
+    // (or another node's) sent here. During an upgrade, where the tables
+    // counted at start held such flows (the old ones where they read as
+    // this agent's), or, across a change of the NAT entries' layout (the
+    // old tables unreadable, the staged ones empty until the programs
+    // move), wherever the earlier agent's egress programs may run; the
+    // upgrade moves them with the rest.
+    let mut dsr_kept = upgrade.is_some() && (bpf_masqueraded.dsr_at_start > 0 || (nat_unreadable && tc.pod_egress_may_run()));
     if dsr_kept {
+        tracing::info!(
+            flows = bpf_masqueraded.dsr_at_start,
+            "an upgrade: DSR flows to backends on this node may live; the egress pod programs stay and move with the rest"
+        );
         tc.pod_egress = true;
     }
     let addresses_changed = rec.addresses.changed();

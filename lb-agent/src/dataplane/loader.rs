@@ -935,9 +935,6 @@ impl Tc {
         self.pods.clear();
     }
 
-    /// Whether pod programs an earlier agent attached may run on this
-    /// node's pod devices: their TCX links are pinned, or (netlink
-    /// filters, which are not pinned) it cannot be told cheaply.
     /// Whether an earlier agent's egress pod programs may run (their links
     /// pinned; without TCX links this cannot be told: they may).
     pub fn pod_egress_may_run(&self) -> bool {
@@ -948,6 +945,9 @@ impl Tc {
         fs::read_dir(self.bpffs.join("links")).into_iter().flatten().flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
     }
 
+    /// Whether pod programs an earlier agent attached may run on this
+    /// node's pod devices: their TCX links are pinned, or (netlink
+    /// filters, which are not pinned) it cannot be told cheaply.
     pub fn pod_programs_may_run(&self) -> bool {
         if !self.tcx() {
             return true;

@@ -1774,8 +1774,10 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
                 ACT_FORWARD
             }
             None => {
-                // The table refused it (full: a DSR flow has no reply
-                // entry to be refused first).
+                // The table refused it: full (a DSR flow has no reply
+                // entry to be refused first; another flow may have taken
+                // the last slot between the two inserts), or rarely out
+                // of memory (NO_PREALLOC).
                 lb::event(stats::NAT_FAILED);
                 gc::refused();
                 TC_ACT_SHOT
