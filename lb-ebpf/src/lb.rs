@@ -399,10 +399,7 @@ pub fn events(index: u32, n: u64) {
 /// (`account`).
 #[inline(always)]
 pub fn event(index: u32) {
-    if let Some(p) = LB_STATS.get_ptr_mut(index) {
-        // SAFETY: per-CPU slot, only this CPU writes it while we run.
-        unsafe { *p += 1 };
-    }
+    events(index, 1);
 }
 
 /// The affine backend of this client for frontend `rev_nat_id`, if it is

@@ -756,15 +756,10 @@ fn the_live_nat_tables_are_expired_while_an_upgrade_waits_for_its_first_sync() -
     assert!(w.c.nodes[0].bpffs.join("next").exists(), "still waiting for the first sync");
     api.control("/lbtest/fail?code=500&count=0")?;
     w.c.wait_for("the upgrade", Duration::from_secs(30), || Ok(upgrades_in_log(&w.c)? >= 1))?;
-    let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3"])?;
-    assert_eq!(s.ok, 3, "{s:?}");
     // The kernel's own expiry was armed on the new maps once the programs
     // moved (the old timer went with the old maps): with no agent, it
     // expires their flows.
-    assert!(map_entries(&w.c, 1, lb_common::maps::NAT4)? >= 3);
-    w.c.kill_agent(1);
-    w.c.wait_for("the kernel to expire the new table's flows", Duration::from_secs(30), || Ok(map_entries(&w.c, 1, lb_common::maps::NAT4)? == 0))?;
-    Ok(())
+    kernel_expires_them(&mut w)
 }
 
 /// An upgrade that replaces only the NAT tables (`--max-nat` changed)
@@ -784,12 +779,17 @@ fn the_kernel_expiry_follows_nat_tables_an_upgrade_replaced() -> Result<()> {
     assert_eq!(max_entries(&w.c, lb_common::maps::NAT4)?, 100000);
     let same = aya::maps::MapInfo::from_pin(w.c.nodes[0].bpffs.join(lb_common::maps::NAT_TIMER))?.id();
     assert_eq!(same, timer, "the timer's map was kept (shared by the upgrade)");
+    kernel_expires_them(&mut w)
+}
+
+/// New UDP flows through node-1's NodePort (3), then node-1's agent
+/// killed: the kernel's NAT expiry removes them (`--nat-udp-timeout 2`).
+fn kernel_expires_them(w: &mut World) -> Result<()> {
     let s = w.c.probe(&w.outside, &["udp", "--addr", &hostport(NODE1, 30080), "--count", "3"])?;
     assert_eq!(s.ok, 3, "{s:?}");
     assert!(map_entries(&w.c, 1, lb_common::maps::NAT4)? >= 3);
     w.c.kill_agent(1);
-    w.c.wait_for("the kernel to expire the new table's flows", Duration::from_secs(30), || Ok(map_entries(&w.c, 1, lb_common::maps::NAT4)? == 0))?;
-    Ok(())
+    w.c.wait_for("the kernel to expire the new table's flows", Duration::from_secs(30), || Ok(map_entries(&w.c, 1, lb_common::maps::NAT4)? == 0))
 }
 
 /// Connections the old programs make just before they move to new NAT

@@ -154,11 +154,11 @@ fn spawn_nat_gc(cfg: &RunConfig) -> Result<(std::sync::mpsc::Sender<crate::nodep
     // At start, the flows the running programs hold: during an upgrade
     // the old tables' and (once the programs began to move) the staged
     // ones'.
-    let counts = [Some(crate::nodeport::count_at_start(&nat4)), Some(crate::nodeport::count_at_start(&nat6))]
-        .into_iter()
-        .chain(old_nat.as_ref().map(|(o4, o6)| [Some(crate::nodeport::count_at_start(o4)), Some(crate::nodeport::count_at_start(o6))]).into_iter().flatten())
-        .flatten();
-    let (at_start, dsr_at_start) = counts.fold((0, 0), |(m, d), (m2, d2)| (m + m2, d + d2));
+    let mut counts = vec![crate::nodeport::count_at_start(&nat4), crate::nodeport::count_at_start(&nat6)];
+    if let Some((o4, o6)) = &old_nat {
+        counts.extend([crate::nodeport::count_at_start(o4), crate::nodeport::count_at_start(o6)]);
+    }
+    let (at_start, dsr_at_start) = counts.iter().fold((0, 0), |(m, d), (m2, d2)| (m + m2, d + d2));
     let masqueraded = Arc::new(BpfMasqueraded { started: Default::default(), last: std::sync::Mutex::new((0, at_start)), dsr_at_start });
     let count = masqueraded.clone();
     let capacity = cfg.capacity.nat as usize;

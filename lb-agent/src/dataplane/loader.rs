@@ -935,24 +935,26 @@ impl Tc {
         self.pods.clear();
     }
 
-    /// Whether an earlier agent's egress pod programs may run (their links
-    /// pinned; without TCX links this cannot be told: they may).
+    /// Whether an earlier agent's egress pod programs may run (as
+    /// `pod_programs_may_run`).
     pub fn pod_egress_may_run(&self) -> bool {
-        if !self.tcx() {
-            return true;
-        }
-        let prefix = format!("{POD_EGRESS_PROGRAM}_");
-        fs::read_dir(self.bpffs.join("links")).into_iter().flatten().flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        self.may_run(POD_EGRESS_PROGRAM)
     }
 
     /// Whether pod programs an earlier agent attached may run on this
     /// node's pod devices: their TCX links are pinned, or (netlink
     /// filters, which are not pinned) it cannot be told cheaply.
     pub fn pod_programs_may_run(&self) -> bool {
+        self.may_run(POD_PROGRAM)
+    }
+
+    /// Whether links of program `prog` on some device are pinned (always
+    /// may without TCX).
+    fn may_run(&self, prog: &str) -> bool {
         if !self.tcx() {
             return true;
         }
-        let prefix = format!("{POD_PROGRAM}_");
+        let prefix = format!("{prog}_");
         fs::read_dir(self.bpffs.join("links")).into_iter().flatten().flatten().any(|e| e.file_name().to_string_lossy().starts_with(&prefix))
     }
 
