@@ -185,6 +185,10 @@ pub trait StatsSource: Send + Sync + std::fmt::Debug + 'static {
     fn per_service(&self) -> Vec<ServiceCounters> {
         Vec::new()
     }
+    /// The kernel's NAT expiry timer (`None`: unreadable).
+    fn nat_expiry(&self) -> Option<crate::dataplane::inspect::NatExpiry> {
+        None
+    }
 }
 
 /// The sockets holding a translation storage now: created less released
@@ -230,6 +234,28 @@ impl Collector for DatapathCollector {
                     prometheus_client::metrics::MetricType::Gauge,
                 )?;
                 prometheus_client::metrics::gauge::ConstGauge::new(n as i64).encode(m)?;
+            }
+        }
+        if let Some(e) = self.0.nat_expiry() {
+            use prometheus_client::metrics::{MetricType::Gauge, gauge::ConstGauge};
+            let m = encoder.encode_descriptor(
+                "lb_nat_kernel_expiry_armed",
+                "Whether the kernel's NAT expiry timer runs (it looked within 3 s): should the agent go, it expires the NAT tables of outside flows; 0: they would fill, then refuse new outside flows",
+                None,
+                Gauge,
+            )?;
+            ConstGauge::new(i64::from(e.armed)).encode(m)?;
+            if let Some(ago) = e.walked_s {
+                let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()) - ago;
+                let m = encoder.encode_descriptor(
+                    "lb_nat_kernel_expiry_last_walk_timestamp_seconds",
+                    "When the kernel's NAT expiry last walked the NAT tables (it walks while no agent runs; nat_walks_without_agent counts them)",
+                    None,
+                    Gauge,
+                )?;
+                ConstGauge::new(at).encode(m)?;
+                let m = encoder.encode_descriptor("lb_nat_kernel_expiry_last_walk_duration_seconds", "How long that walk took (in softirq)", None, Gauge)?;
+                ConstGauge::new(e.walk_took_s).encode(m)?;
             }
         }
         let per = self.0.per_service();

@@ -719,6 +719,21 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&flows)?);
             } else {
                 print!("{}", inspect::render_nat(&flows));
+                // The kernel's own expiry: whether it would expire these
+                // should the agent go, and what it did while none ran.
+                let expiry = inspect::nat_timer_at(&loader::live_pin(&bpffs, lb_common::maps::NAT_TIMER)).ok().map(|t| inspect::nat_expiry(&t, now));
+                let stats = aya::maps::MapData::from_pin(loader::live_pin(&bpffs, lb_common::maps::STATS))
+                    .ok()
+                    .and_then(|d| aya::maps::PerCpuArray::<_, u64>::try_from(aya::maps::Map::PerCpuArray(d)).ok());
+                let count = |i: u32| stats.as_ref().and_then(|m| m.get(&i, 0).ok()).map_or(0, |v| v.iter().sum());
+                print!(
+                    "{}",
+                    inspect::render_nat_expiry(
+                        expiry.as_ref(),
+                        count(lb_common::stats::NAT_WALKS_WITHOUT_AGENT),
+                        count(lb_common::stats::NAT_EXPIRED_WITHOUT_AGENT)
+                    )
+                );
             }
             Ok(())
         }

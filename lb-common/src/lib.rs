@@ -640,6 +640,10 @@ pub struct NatTimer {
     /// 1 while an early-drop spell goes on (its last walk dropped flows
     /// and left a table 90% full).
     pub pressure: u64,
+    /// CLOCK_MONOTONIC of the timer's last look (every second while it is
+    /// armed): how the agent, `lb-agent nat` and /metrics tell a running
+    /// timer from one never armed or cancelled.
+    pub last_look_ns: u64,
 }
 
 /// Data of the `LB_SRC_RANGE` LPM trie key (after its prefix length): the
@@ -1125,7 +1129,7 @@ mod user {
 // Layouts are part of the pinned-map ABI: a change must be deliberate.
 const _: () = {
     assert!(core::mem::size_of::<NatGc>() == 72);
-    assert!(core::mem::size_of::<NatTimer>() == 56);
+    assert!(core::mem::size_of::<NatTimer>() == 64);
     assert!(core::mem::size_of::<bpf_timer>() == 16);
     assert!(core::mem::size_of::<Svc4Key>() == 12);
     assert!(core::mem::size_of::<SvcValue>() == 16);
@@ -1222,7 +1226,7 @@ mod layout_tests {
             ("FragPorts", core::mem::size_of::<FragPorts>(), &[core::mem::offset_of!(FragPorts, sport), core::mem::offset_of!(FragPorts, dport)]),
             ("NatGc", core::mem::size_of::<NatGc>(), &[core::mem::offset_of!(NatGc, heartbeat_ns), core::mem::offset_of!(NatGc, stale_ns), core::mem::offset_of!(NatGc, interval_ns), core::mem::offset_of!(NatGc, capacity), core::mem::offset_of!(NatGc, timeouts)]),
             ("NatTimeouts", core::mem::size_of::<NatTimeouts>(), &[core::mem::offset_of!(NatTimeouts, tcp_ns), core::mem::offset_of!(NatTimeouts, tcp_closed_ns), core::mem::offset_of!(NatTimeouts, dsr_fin_ns), core::mem::offset_of!(NatTimeouts, udp_ns), core::mem::offset_of!(NatTimeouts, unreplied_ns)]),
-            ("NatTimer", core::mem::size_of::<NatTimer>(), &[core::mem::offset_of!(NatTimer, timer), core::mem::offset_of!(NatTimer, last_walk_ns), core::mem::offset_of!(NatTimer, last_walk_took_ns), core::mem::offset_of!(NatTimer, refused), core::mem::offset_of!(NatTimer, refused_seen), core::mem::offset_of!(NatTimer, pressure)]),
+            ("NatTimer", core::mem::size_of::<NatTimer>(), &[core::mem::offset_of!(NatTimer, timer), core::mem::offset_of!(NatTimer, last_walk_ns), core::mem::offset_of!(NatTimer, last_walk_took_ns), core::mem::offset_of!(NatTimer, refused), core::mem::offset_of!(NatTimer, refused_seen), core::mem::offset_of!(NatTimer, pressure), core::mem::offset_of!(NatTimer, last_look_ns)]),
         ];
         // FNV-1a over names, sizes and offsets.
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -1242,5 +1246,5 @@ mod layout_tests {
         assert_eq!((LAYOUT_VERSION, h), (5, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION (unless only sizes changed, or the BTF of the maps shows the change) and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0x9492_7b2b_2aa7_e078;
+    const FINGERPRINT: u64 = 0xc04d_6436_27a5_5e38;
 }

@@ -153,12 +153,29 @@ fn nat_flows_expire_in_the_kernel_while_no_agent_runs() -> Result<()> {
     let s = Cluster::finish(held)?;
     assert_eq!(s.failed(), 0, "the assured flow held meanwhile stays: {s:?}");
     assert!(s.ok >= 5, "{s:?}");
+    // What the operator sees with no agent: `lb-agent nat` says so.
+    let line = kernel_expiry(&w.c)?;
+    assert!(line.starts_with("kernel expiry: armed (looked ") && line.contains("; last walk ") && line.contains("s ago, took "), "{line}");
+    let counted: Vec<u64> = line.split(' ').filter_map(|w| w.parse().ok()).collect();
+    assert!(counted.len() == 2 && counted[0] > 0 && counted[1] >= 305, "walks, and the flood's 300 flows and the 5 closed ones: {line}");
     w.c.start_agent_with(1, &flags)?;
     let started = std::time::Instant::now();
     let count = |what: &str| datapath(&w.c, 1, what);
     w.c.wait_for("the agent's metrics", Duration::from_secs(10), || Ok(count("nat_walks_without_agent")? > 0))?;
     let (expired, walks) = (count("nat_expired_without_agent")?, count("nat_walks_without_agent")?);
     assert!(expired >= 305, "the flood's 300 flows and the 5 closed ones, counted: {expired}");
+    // And /metrics: armed, when the last walk was (within the last 30 s,
+    // the kernel's walks having stopped with the agent back), how long.
+    let gauge = |name: &str| -> Result<Option<f64>> {
+        let (_, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
+        Ok(m.lines().find_map(|l| l.strip_prefix(&format!("{name} "))?.parse().ok()))
+    };
+    assert_eq!(gauge("lb_nat_kernel_expiry_armed")?, Some(1.0));
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs_f64();
+    let at = gauge("lb_nat_kernel_expiry_last_walk_timestamp_seconds")?.expect("a last walk");
+    assert!(at <= now + 1.0 && now - at < 30.0, "the last walk at {at}, now {now}");
+    let took = gauge("lb_nat_kernel_expiry_last_walk_duration_seconds")?.expect("its duration");
+    assert!(took > 0.0 && took < 1.0, "{took}");
     // With an agent: the agent expires a second flood, the kernel does not walk.
     wire.send4_twice(&flood_of(20000), 100)?;
     w.c.wait_for("the flood's flows", Duration::from_secs(5), || Ok(flows_from(&w.c, flood)?.len() >= 290))?;
@@ -174,6 +191,58 @@ fn nat_flows_expire_in_the_kernel_while_no_agent_runs() -> Result<()> {
     wire.send4_twice(&flood_of(30000), 100)?;
     w.c.wait_for("the flood's flows", Duration::from_secs(5), || Ok(flows_from(&w.c, flood)?.len() >= 290))?;
     w.c.wait_for("the kernel to expire them again", Duration::from_secs(30), || Ok(flows_from(&w.c, flood)?.is_empty()))?;
+    Ok(())
+}
+
+/// `lb-agent nat`'s line on the kernel's NAT expiry, for node-1.
+fn kernel_expiry(c: &Cluster) -> Result<String> {
+    let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", c.nodes[0].bpffs.to_str().unwrap()])?;
+    Ok(nat.lines().find(|l| l.starts_with("kernel expiry: ")).unwrap_or_default().to_string())
+}
+
+/// The kernel's NAT expiry timer stopped (an update of its element from
+/// user space cancels it): the operator sees it (`lb-agent nat`, the
+/// `lb_nat_kernel_expiry_armed` gauge) and a running agent arms it again
+/// within about 5 s, saying so; a starting one arms it. Before, a timer
+/// that stopped or failed to arm showed only as a warning at start, and
+/// stayed stopped.
+#[test]
+fn a_stopped_kernel_nat_expiry_is_seen_and_armed_again() -> Result<()> {
+    let w = world(&web("NodePort", "", &[]))?;
+    let armed = |w: &World| -> Result<Option<String>> {
+        let (_, m) = w.c.http(1, "127.0.0.1:10249", "/metrics")?;
+        Ok(m.lines().find_map(|l| l.strip_prefix("lb_nat_kernel_expiry_armed ")).map(String::from))
+    };
+    w.c.wait_for("the timer's first look", Duration::from_secs(5), || Ok(kernel_expiry(&w.c)?.starts_with("kernel expiry: armed")))?;
+    assert_eq!(armed(&w)?.as_deref(), Some("1"));
+    assert!(kernel_expiry(&w.c)?.contains("; never walked; 0 walks and 0 flows expired while no agent ran"), "{}", kernel_expiry(&w.c)?);
+    // Cancel it as any writer of the element would.
+    let pin = w.c.nodes[0].bpffs.join(lb_common::maps::NAT_TIMER);
+    let cancel = || -> Result<()> {
+        let zeros = vec!["0"; size_of::<lb_common::NatTimer>()];
+        let mut args = vec!["map", "update", "pinned", pin.to_str().unwrap(), "key", "0", "0", "0", "0", "value"];
+        args.extend(zeros);
+        lbtest::run("bpftool", &args).map(drop)
+    };
+    cancel()?;
+    let log = |w: &World| -> Result<String> { Ok(std::fs::read_to_string(w.c.agent_log(1))?) };
+    w.c.wait_for("the agent to arm it again", Duration::from_secs(12), || Ok(log(&w)?.contains("the kernel's NAT expiry timer had stopped")))?;
+    let said = log(&w)?;
+    assert!(said.contains("it never looked; an update of LB_NAT_TIMER from user space cancels it): armed again"), "{said}");
+    w.c.wait_for("the timer looking again", Duration::from_secs(3), || Ok(kernel_expiry(&w.c)?.starts_with("kernel expiry: armed")))?;
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(kernel_expiry(&w.c)?.starts_with("kernel expiry: armed"), "it goes on: {}", kernel_expiry(&w.c)?);
+    assert_eq!(armed(&w)?.as_deref(), Some("1"));
+    assert_eq!(log(&w)?.matches("had stopped").count(), 1, "said once");
+    // No agent: stopped, and seen so; a new agent arms it.
+    let mut w = w;
+    w.c.kill_agent(1);
+    cancel()?;
+    std::thread::sleep(Duration::from_secs(4));
+    let line = kernel_expiry(&w.c)?;
+    assert!(line.starts_with("kernel expiry: NOT ARMED (its timer never looked): with no agent, outside flows do not expire"), "{line}");
+    w.c.start_agent_with(1, &[])?;
+    w.c.wait_for("the new agent's timer looking", Duration::from_secs(8), || Ok(kernel_expiry(&w.c)?.starts_with("kernel expiry: armed")))?;
     Ok(())
 }
 

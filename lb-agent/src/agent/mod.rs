@@ -297,6 +297,33 @@ fn arm_nat_gc(tc: &mut loader::Tc) {
     }
 }
 
+/// Every 5 s: the kernel's NAT expiry timer this agent armed stopped
+/// looking (`Tc::nat_gc_stopped`: its element written from user space,
+/// which cancels it, or an arm that failed): arm it again, saying so once
+/// until it is seen to go on (`stopped`: it was found stopped last time).
+fn check_nat_gc(tc: &mut loader::Tc, stopped: &mut bool) {
+    let Some(last) = tc.nat_gc_stopped() else {
+        *stopped = false;
+        return;
+    };
+    let looked = match last {
+        0 => "it never looked".to_string(),
+        ns => format!("it last looked {:.0} s ago", crate::nodeport::monotonic_ns().saturating_sub(ns) as f64 / 1e9),
+    };
+    let r = tc.arm_nat_gc();
+    let said = std::mem::replace(stopped, true);
+    match r {
+        Ok(()) if !said => tracing::warn!(
+            "the kernel's NAT expiry timer had stopped ({looked}; an update of LB_NAT_TIMER from user space cancels it): armed again"
+        ),
+        Err(e) if !said => tracing::warn!(
+            "the kernel's NAT expiry timer is stopped ({looked}) and cannot be armed (tried again every 5 s): should this agent go, outside \
+             flows do not expire and new ones are refused once the NAT tables fill: {e:#}"
+        ),
+        r => tracing::debug!(ok = r.is_ok(), "the kernel's NAT expiry timer is still stopped; armed again"),
+    }
+}
+
 /// Under pressure (`spawn_nat_gc`), how long an unassured flow may be idle.
 const EARLY_DROP_IDLE: Duration = Duration::from_secs(1);
 
@@ -385,6 +412,13 @@ impl crate::health::StatsSource for PinnedStats {
                 (*n, v)
             })
             .collect()
+    }
+
+    /// The timer of the tables the programs use (an upgrade's earlier one
+    /// until they move), where its layout is this agent's.
+    fn nat_expiry(&self) -> Option<crate::dataplane::inspect::NatExpiry> {
+        let t = crate::dataplane::inspect::nat_timer_at(&loader::live_pin(&self.bpffs, lb_common::maps::NAT_TIMER)).ok()?;
+        Some(crate::dataplane::inspect::nat_expiry(&t, crate::nodeport::monotonic_ns()))
     }
 
     fn per_service(&self) -> Vec<crate::health::ServiceCounters> {
@@ -801,6 +835,10 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let mut pods_check = ticks(Duration::from_secs(1));
     // Devices waiting out their grace before they lose lb's programs.
     let mut unserved_check = ticks(Duration::from_secs(1));
+    // Whether the kernel's NAT expiry timer this agent armed goes on
+    // (`check_nat_gc`); whether it was found stopped at the last look.
+    let mut nat_gc_check = ticks(Duration::from_secs(5));
+    let mut nat_gc_stopped = false;
     let mut last: Option<Arc<Update>> = None;
     let mut dirty = false;
     // Whether load balancers may send here (`model::node_eligible`).
@@ -871,6 +909,10 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
             _ = unserved_check.tick(), if upgrade.is_none() && cfg.nodeport_interfaces.is_empty() && tc.unserved_waiting() => {
                 let nodeport = crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses);
                 tc.detach_unserved(&nodeport, Some(unserved_grace()));
+                continue;
+            }
+            _ = nat_gc_check.tick() => {
+                check_nat_gc(&mut tc, &mut nat_gc_stopped);
                 continue;
             }
             _ = xdp_check.tick(), if cfg.xdp => {

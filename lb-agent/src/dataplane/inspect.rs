@@ -404,6 +404,85 @@ pub fn render_nat(flows: &[NatFlow]) -> String {
     s
 }
 
+/// `LB_NAT_TIMER`'s value, to be read only: an update of an array element
+/// from user space cancels its timer, so `NatTimer` is no `aya::Pod` and
+/// nothing may write this.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+pub struct NatTimerRead(pub lb_common::NatTimer);
+// SAFETY: `NatTimer` is repr(C) and all u64 (the timer two of them): no
+// padding, any bytes valid.
+unsafe impl aya::Pod for NatTimerRead {}
+
+/// Read the kernel's NAT expiry timer from its map (`Tc`'s own, or a pin).
+pub fn read_nat_timer<T: std::borrow::Borrow<aya::maps::MapData>>(a: &aya::maps::Array<T, NatTimerRead>) -> anyhow::Result<lb_common::NatTimer> {
+    Ok(a.get(&0, 0)?.0)
+}
+
+/// The same from the pin `path`.
+pub fn nat_timer_at(path: &std::path::Path) -> anyhow::Result<lb_common::NatTimer> {
+    use anyhow::Context as _;
+    let data = aya::maps::MapData::from_pin(path).with_context(|| format!("open pinned map {}", path.display()))?;
+    let a = aya::maps::Array::<_, NatTimerRead>::try_from(aya::maps::Map::Array(data)).with_context(|| format!("{}: not this agent's layout", path.display()))?;
+    read_nat_timer(&a)
+}
+
+/// How long after its last look the kernel's NAT expiry timer still counts
+/// as armed: it looks every second; the rest is room for a busy machine.
+pub const NAT_TIMER_LOOKS_WITHIN_NS: u64 = 3_000_000_000;
+
+/// The kernel's NAT expiry as its timer shows it (`lb-agent nat`, /metrics).
+#[derive(Debug, Serialize, PartialEq, Clone, Copy)]
+pub struct NatExpiry {
+    /// Its timer looked within `NAT_TIMER_LOOKS_WITHIN_NS`: should the
+    /// agent go, it expires the NAT tables.
+    pub armed: bool,
+    /// Seconds since its last look; `None`: it never looked (never armed,
+    /// or armed less than a second ago).
+    pub looked_s: Option<f64>,
+    /// Seconds since its last walk of the tables (it walks only while no
+    /// agent's heartbeat is fresh); `None`: never.
+    pub walked_s: Option<f64>,
+    /// How long that walk took, in seconds.
+    pub walk_took_s: f64,
+    /// An early-drop spell goes on (new flows were refused and its walks
+    /// leave a table 90% full).
+    pub early_drop: bool,
+}
+
+/// What `t` says at CLOCK_MONOTONIC `now_ns`.
+pub fn nat_expiry(t: &lb_common::NatTimer, now_ns: u64) -> NatExpiry {
+    let ago = |ns: u64| (ns != 0).then(|| now_ns.saturating_sub(ns) as f64 / 1e9);
+    NatExpiry {
+        armed: t.last_look_ns != 0 && now_ns.saturating_sub(t.last_look_ns) <= NAT_TIMER_LOOKS_WITHIN_NS,
+        looked_s: ago(t.last_look_ns),
+        walked_s: ago(t.last_walk_ns),
+        walk_took_s: t.last_walk_took_ns as f64 / 1e9,
+        early_drop: t.pressure != 0,
+    }
+}
+
+/// `lb-agent nat`'s line on the kernel's expiry, with the walks it made
+/// and the flows it expired (`nat_walks_without_agent`,
+/// `nat_expired_without_agent`); `None`: its timer could not be read.
+pub fn render_nat_expiry(e: Option<&NatExpiry>, walks: u64, expired: u64) -> String {
+    let Some(e) = e else {
+        return "kernel expiry: unknown (LB_NAT_TIMER unreadable: another agent's layout?)\n".into();
+    };
+    let not = "with no agent, outside flows do not expire and new ones are refused once the tables fill";
+    let state = match e.looked_s {
+        Some(s) if e.armed => format!("armed (looked {s:.1}s ago)"),
+        Some(s) => format!("NOT ARMED (its timer last looked {s:.0}s ago): {not}"),
+        None => format!("NOT ARMED (its timer never looked): {not}"),
+    };
+    let walk = match e.walked_s {
+        Some(s) => format!("last walk {s:.0}s ago, took {:.1}ms", e.walk_took_s * 1e3),
+        None => "never walked".into(),
+    };
+    let early = if e.early_drop { ", dropping early" } else { "" };
+    format!("kernel expiry: {state}; {walk}{early}; {walks} walks and {expired} flows expired while no agent ran\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -454,5 +533,27 @@ mod tests {
         let json = serde_json::to_value(view(&t, &Table::default(), Vec::new(), None)).unwrap();
         let states: Vec<&str> = json["frontends"][2]["backends"].as_array().unwrap().iter().map(|b| b["state"].as_str().unwrap()).collect();
         assert_eq!(states, ["active", "missing", "missing"], "{json}");
+    }
+
+    #[test]
+    fn the_kernel_expiry_is_armed_while_its_timer_looks() {
+        let now = 100_000_000_000;
+        let t = |look: u64, walk: u64| lb_common::NatTimer { last_look_ns: look, last_walk_ns: walk, last_walk_took_ns: 10_200_000, ..Default::default() };
+        // Looked 0.5 s ago; 3 s (the edge) still armed; 3 s and a bit not.
+        let e = nat_expiry(&t(now - 500_000_000, 0), now);
+        assert_eq!(e, NatExpiry { armed: true, looked_s: Some(0.5), walked_s: None, walk_took_s: 0.0102, early_drop: false });
+        assert!(nat_expiry(&t(now - NAT_TIMER_LOOKS_WITHIN_NS, 0), now).armed);
+        assert!(!nat_expiry(&t(now - NAT_TIMER_LOOKS_WITHIN_NS - 1, 0), now).armed);
+        // Never looked: never armed (or less than a second ago).
+        let never = nat_expiry(&t(0, 0), now);
+        assert_eq!((never.armed, never.looked_s), (false, None));
+        // A clock behind the look (read on another CPU): armed, 0 s.
+        assert_eq!(nat_expiry(&t(now + 5, 0), now).looked_s, Some(0.0));
+        let text = render_nat_expiry(Some(&nat_expiry(&t(now - 400_000_000, now - 12_000_000_000), now)), 3, 1000);
+        assert_eq!(text, "kernel expiry: armed (looked 0.4s ago); last walk 12s ago, took 10.2ms; 3 walks and 1000 flows expired while no agent ran\n");
+        let text = render_nat_expiry(Some(&nat_expiry(&lb_common::NatTimer { pressure: 1, ..t(now - 41_000_000_000, 0) }, now)), 0, 0);
+        assert!(text.starts_with("kernel expiry: NOT ARMED (its timer last looked 41s ago): with no agent") && text.contains("never walked, dropping early;"), "{text}");
+        assert!(render_nat_expiry(Some(&never), 0, 0).starts_with("kernel expiry: NOT ARMED (its timer never looked)"));
+        assert!(render_nat_expiry(None, 0, 0).starts_with("kernel expiry: unknown"));
     }
 }

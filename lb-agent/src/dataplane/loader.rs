@@ -173,6 +173,9 @@ pub struct Tc {
     pub pod_egress: bool,
     /// This upgrade's new programs see the old NAT tables (`NAT4_PREV`).
     adopt: bool,
+    /// When this agent last armed the kernel's NAT expiry (or tried to):
+    /// from then on it sees that the timer goes on (`check_nat_gc`).
+    nat_gc_armed: Option<std::time::Instant>,
     /// Held for the agent's lifetime: one agent per --bpffs.
     _lock: fs::File,
 }
@@ -366,6 +369,7 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         pod_ingress: false,
         pod_egress: false,
         adopt,
+        nat_gc_armed: None,
         _lock: lock,
     };
     let upgrade = if replaced.is_empty() {
@@ -547,6 +551,7 @@ impl Tc {
     /// (until then the earlier timer walks the live ones).
     pub fn arm_nat_gc(&mut self) -> Result<()> {
         use aya::programs::{TestRun, TestRunOptions};
+        self.nat_gc_armed = Some(std::time::Instant::now());
         let prog: &mut SchedClassifier = self.ebpf.program_mut(NAT_GC_PROGRAM).context("NAT expiry program")?.try_into()?;
         // A frame's worth of zeros: the program looks at no packet.
         let frame = [0u8; 64];
@@ -563,6 +568,24 @@ impl Tc {
                 std::io::Error::from_raw_os_error((v % 256) as i32)
             ),
         }
+    }
+
+    /// Whether the kernel's NAT expiry timer this agent armed stopped (it
+    /// did not look for `NAT_TIMER_LOOKS_WITHIN_NS`, though armed longer
+    /// ago than that), and when it last looked (0: never); `None` before it
+    /// was armed, or while it may not have looked yet. Something updating
+    /// its element from user space (`bpftool map update`) cancels it; an
+    /// arm that failed leaves it stopped.
+    pub fn nat_gc_stopped(&self) -> Option<u64> {
+        let armed = self.nat_gc_armed?;
+        let within = std::time::Duration::from_nanos(super::inspect::NAT_TIMER_LOOKS_WITHIN_NS);
+        if armed.elapsed() <= within {
+            return None;
+        }
+        let map = self.ebpf.map(lb_common::maps::NAT_TIMER)?;
+        let timer = aya::maps::Array::<_, super::inspect::NatTimerRead>::try_from(map).ok()?;
+        let t = super::inspect::read_nat_timer(&timer).ok()?;
+        (!super::inspect::nat_expiry(&t, crate::nodeport::monotonic_ns()).armed).then_some(t.last_look_ns)
     }
 
     /// Whether `lb_sock_egress` is attached (its link pinned).

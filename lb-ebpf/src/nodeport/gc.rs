@@ -110,6 +110,8 @@ fn nearly_full(kept: u64, capacity: u64) -> bool {
 #[inline(never)]
 extern "C" fn tick(_map: *mut c_void, _key: *mut u32, t: *mut NatTimer) -> i64 {
     let now = unsafe { bpf_ktime_get_ns() };
+    // SAFETY: the timer's own map value, alive for this run.
+    unsafe { (*t).last_look_ns = now };
     if let Some(cfg) = LB_NAT_GC.get_ptr(0) {
         // SAFETY: map values, alive for this run.
         let (cfg, t) = unsafe { (*cfg, &mut *t) };
