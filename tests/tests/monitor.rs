@@ -139,6 +139,8 @@ fn the_monitor_shows_outside_flows_dropped_for_want_of_a_local_endpoint() -> Res
     let w = world_with(&web("NodePort", "  externalTrafficPolicy: Local\n", &[]), &[])?;
     set_endpoints(&w, &[(&w.p2, E::ready)])?;
     wait_backends(&w.c, 2, "192.168.77.12", 30080, 1)?;
+    // Node-1's agent, probed below, takes the same change on its own.
+    wait_backends(&w.c, 1, NODE1, 30080, 1)?;
     let m = monitor(&w.c, &["--seconds", "3"])?;
     w.c.wait_for("the monitor beating", Duration::from_secs(5), || Ok(heartbeats(&w.c)?[0] != 0))?;
     let s = w.c.probe(&w.outside, &["tcp", "--addr", &hostport(NODE1, 30080), "--count", "1", "--timeout-ms", "500"])?;

@@ -404,10 +404,11 @@ fn devices_no_longer_served_lose_lbs_programs() -> Result<()> {
     let has = |_: &World, dev: &str| lbtest::tc_program_on(&n1, dev, "lb_nodeport_ingress");
     let accept_local = |w: &World| -> Result<String> { Ok(w.c.in_netns(&n1, &["cat", "/proc/sys/net/ipv4/conf/np2/accept_local"])?.trim().to_string()) };
     w.c.wait_for("lb's programs on the device with an address", Duration::from_secs(5), || has(&w, "np2"))?;
-    assert_eq!(accept_local(&w)?, "1");
+    // The agent sets the sysctls and logs just after it attaches.
+    let attached = |w: &World| -> Result<usize> { Ok(std::fs::read_to_string(w.c.agent_log(1))?.matches(r#"NodePort programs attached iface="np2""#).count()) };
+    w.c.wait_for("accept_local set, the attach logged", Duration::from_secs(1), || Ok(accept_local(&w)? == "1" && attached(&w)? == 1))?;
     // The address goes and comes back within the grace: they stay, never
     // taken off and attached again.
-    let attached = |w: &World| -> Result<usize> { Ok(std::fs::read_to_string(w.c.agent_log(1))?.matches(r#"NodePort programs attached iface="np2""#).count()) };
     let once = attached(&w)?;
     w.c.in_netns(&n1, &["ip", "addr", "del", "192.168.88.11/24", "dev", "np2"])?;
     std::thread::sleep(Duration::from_millis(500));

@@ -1375,7 +1375,8 @@ fn packets_from_martian_sources_make_no_flow() -> Result<()> {
         frames.push(syn6(src, 42000 + i as u16)?);
     }
     send(&w.outside.netns, "eth0", frames)?;
-    std::thread::sleep(Duration::from_millis(300));
+    w.c.wait_for("node-1's own addresses dropped", Duration::from_secs(3), || Ok(datapath(&w.c, 1, "nat_dropped")? - dropped >= 4))?;
+    std::thread::sleep(Duration::from_millis(200));
     assert_eq!(new()?, before, "no flow from a martian source");
     assert_eq!(datapath(&w.c, 1, "nat_dropped")? - dropped, 4, "node-1's own addresses, dropped");
     // An address node-1 takes while the agent runs (on a device lb's

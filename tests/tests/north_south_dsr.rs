@@ -444,7 +444,7 @@ fn forged_packets_with_a_live_dsr_flows_tuple_leave_it_alone() -> Result<()> {
             ipv4_with_options(client, pod, 6, &other, &tcp_syn(&client, &pod, sport, 8080)),
         ],
     )?;
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    w.c.wait_for("both options dropped", std::time::Duration::from_secs(3), || Ok(datapath(&w.c, 2, "nat_dropped")? - dropped >= 2))?;
     let (l, _, age) = dsr_entry(&w, NODE1)?.unwrap_or_else(|| panic!("node-2's entry is gone: {}", nat(&w, 2).unwrap_or_default()));
     assert!(age >= 2, "the entry was made again: {l}");
     assert!(l.contains(&format!("src={CLIENT} dst={NODE1} sport={sport} dport=30080")), "{l}");
@@ -509,7 +509,8 @@ fn a_forged_rst_and_option_do_not_take_a_live_local_flow() -> Result<()> {
             ipv4_with_options(client, pod, 6, &option, &tcp_syn(&client, &pod, sport, 8080)),
         ],
     )?;
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    w.c.wait_for("the option dropped", std::time::Duration::from_secs(3), || Ok(datapath(&w.c, 2, "nat_dropped")? - dropped >= 1))?;
+    std::thread::sleep(std::time::Duration::from_millis(200));
     assert_eq!(datapath(&w.c, 2, "nat_dropped")? - dropped, 1, "the option dropped");
     let n = nat(&w, 2)?;
     assert!(!n.contains("[DSR]"), "{n}");
@@ -532,6 +533,8 @@ fn a_pod_on_the_backends_node_reaches_a_dsr_node_port_of_another_node() -> Resul
     wait_only(&w.c, NODE1, 30080, &w.p2)?;
     wait_only(&w.c, NODE1_6, 30080, &w.p2)?;
     let client = w.c.add_pod(2, "client")?;
+    // The new pod's device gets the egress pod program once it is up.
+    w.c.wait_for("the pod program on the new pod's device", std::time::Duration::from_secs(5), || Ok(tcp(&w.c, &client, &hostport(NODE1, 30080), 1)?.ok == 1))?;
     for addr in [hostport(NODE1, 30080), hostport(NODE1_6, 30080)] {
         let ip = if addr.starts_with('[') { &client.ip6 } else { &client.ip };
         let s = tcp(&w.c, &client, &addr, 5)?;

@@ -116,7 +116,8 @@ fn translated_outside_traffic_skips_the_stacks_forwarding_path() -> Result<()> {
             .collect())
     };
     assert_eq!(pod_pins()?, Vec::<String>::new(), "no pod program without --bpf-forward");
-    assert!(!on_dev(&w, &w.p1)?, "no pod program on {} without --bpf-forward", dev(&w.p1));
+    // (An unpinned link's program goes after an RCU grace and a work item.)
+    w.c.wait_for(&format!("no pod program on {} without --bpf-forward", dev(&w.p1)), Duration::from_secs(3), || Ok(!on_dev(&w, &w.p1)?))?;
     count_forwarding(&w)?;
     let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 10)?;
     assert_eq!(s.ok, 10, "{s:?}");

@@ -9,6 +9,8 @@
 //! (replaced in place, a stream goes on), goes when the flag does, and
 //! is not put on a device without native XDP (a bridge: generic XDP would
 //! corrupt the partial checksums of GRO-merged segments).
+use std::time::Duration;
+
 use anyhow::Result;
 use lbtest::objects::Endpoint as E;
 use lbtest::world::*;
@@ -91,7 +93,8 @@ fn established_snat_flows_are_sent_on_at_xdp() -> Result<()> {
     // Without it, the program goes; the TC programs carry on.
     w.c.kill_agent(1);
     w.c.start_agent_with(1, &["--nodeport-acceleration", "none"])?;
-    assert_eq!(xdp_prog(&w, "eth0")?, None, "{}", link(&w, "eth0")?);
+    // (An unpinned link's program goes after an RCU grace and a work item.)
+    w.c.wait_for("the XDP program off eth0", Duration::from_secs(3), || Ok(xdp_prog(&w, "eth0")?.is_none())).map_err(|e| e.context(link(&w, "eth0").unwrap_or_default()))?;
     let s = tcp(&w.c, &w.outside, &hostport(NODE1, 30080), 10)?;
     assert_eq!(s.ok, 10, "{s:?}");
 
@@ -111,7 +114,8 @@ fn established_snat_flows_are_sent_on_at_xdp() -> Result<()> {
     // `lb-agent teardown` takes XDP off every device too.
     w.c.kill_agent(1);
     lbtest::teardown_in(&w.c.nodes[0].netns, &w.c.nodes[0].bpffs)?;
-    assert_eq!((xdp_prog(&w, "eth0")?, xdp_prog(&w, "xbr0")?), (None, None), "{}", link(&w, "eth0")?);
+    w.c.wait_for("XDP off every device", Duration::from_secs(3), || Ok((xdp_prog(&w, "eth0")?, xdp_prog(&w, "xbr0")?) == (None, None)))
+        .map_err(|e| e.context(link(&w, "eth0").unwrap_or_default()))?;
     Ok(())
 }
 

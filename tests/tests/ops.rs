@@ -159,6 +159,12 @@ fn kube_proxys_operational_contract() -> Result<()> {
     let two_ago = humantime::format_rfc3339_seconds(std::time::SystemTime::now() - Duration::from_secs(2)).to_string();
     c.write_object("slice.yaml", &slice_with_trigger(&b.ip, &two_ago))?;
     c.wait_programmed("10.96.0.10", 80, "TCP", Some(&[&format!("{}:8080", b.ip)]))?;
+    // The sync's histograms are observed just after it wrote the maps.
+    c.wait_for("the sync's latency observed", Duration::from_secs(2), || {
+        let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
+        Ok(metric(&m, "kubeproxy_sync_partial_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"}").is_some_and(|n| n >= 1.0)
+            && metric(&m, "kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"}").is_some_and(|n| n >= 1.0))
+    })?;
     let m = c.http(1, "127.0.0.1:10249", "/metrics")?.1;
     assert!(metric(&m, "kubeproxy_sync_proxy_rules_endpoint_changes_total").unwrap() > endpoint_changes, "{m}");
     assert_eq!(metric(&m, "kubeproxy_sync_proxy_rules_service_changes_total").unwrap(), service_changes, "{m}");

@@ -275,12 +275,14 @@ fn a_draining_pod_keeps_its_tcp_connections_until_its_endpoint_leaves() -> Resul
     c.write_object("svc.yaml", &service_ips("web", &[VIP], SP53, ""))?;
     c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP53, &[E::ready(&p[0].ip, "node-1")]))?;
     c.wait_programmed(VIP, 53, "TCP", Some(&[&be(&p[0])]))?;
+    // The next pod made first: making it (a dozen `ip` runs) inside the
+    // clients' 1.5 s could outlast them on a loaded machine.
+    let b = c.add_pod(1, "pod-b")?;
+    c.serve(&b, 8080)?;
     let short = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "1500", "--interval-ms", "20"])?;
     let long = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "6000", "--interval-ms", "20"])?;
     let udp = c.probe_bg(&client, &["udp-stream", "--addr", "10.96.0.10:53", "--interval-ms", "20", "--max-ms", "1500"])?;
     std::thread::sleep(Duration::from_millis(400));
-    let b = c.add_pod(1, "pod-b")?;
-    c.serve(&b, 8080)?;
     c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP53, &[E::draining(&p[0].ip, "node-1"), E::ready(&b.ip, "node-1")]))?;
     c.wait_programmed(VIP, 80, "TCP", Some(&[&be(&b)]))?;
     let s = Cluster::finish(short)?;
@@ -307,11 +309,12 @@ fn a_draining_pod_keeps_its_tcp_connections_until_its_endpoint_leaves() -> Resul
 #[test]
 fn a_pod_failing_its_readiness_probe_keeps_its_tcp_connections() -> Result<()> {
     let (mut c, p, client) = setup(&["pod-a"], &[])?;
+    // The next pod made first (see above).
+    let b = c.add_pod(1, "pod-b")?;
+    c.serve(&b, 8080)?;
     let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "2500", "--interval-ms", "20"])?;
     let udp = c.probe_bg(&client, &["udp-stream", "--addr", "10.96.0.10:53", "--interval-ms", "20", "--max-ms", "1500"])?;
     std::thread::sleep(Duration::from_millis(400));
-    let b = c.add_pod(1, "pod-b")?;
-    c.serve(&b, 8080)?;
     c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::not_ready(&p[0].ip, "node-1"), E::ready(&b.ip, "node-1")]))?;
     c.wait_programmed(VIP, 80, "TCP", Some(&[&be(&b)]))?;
     let fresh = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "20"])?;
@@ -458,8 +461,10 @@ fn a_full_services_map_leaves_every_existing_service_intact_and_names_the_one_th
     assert_eq!(c.programmed(1, "10.96.0.20", 80, "TCP")?, None);
     let s = c.probe(&client, &["tcp", "--addr", "10.96.0.10:80", "--count", "10"])?;
     assert_eq!(s.ok, 10, "the existing service still works: {s:?}");
-    let (_, m) = c.http(1, "127.0.0.1:10249", "/metrics")?;
-    assert!(m.lines().any(|l| l == "lb_services_not_programmed 1"), "{m}");
+    // (Set after the error is logged.)
+    c.wait_for("lb_services_not_programmed 1", Duration::from_secs(2), || {
+        Ok(c.http(1, "127.0.0.1:10249", "/metrics")?.1.lines().any(|l| l == "lb_services_not_programmed 1"))
+    })?;
     // Removing it clears the error.
     c.remove_object("big-slice.yaml")?;
     c.remove_object("big.yaml")?;

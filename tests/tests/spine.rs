@@ -228,6 +228,10 @@ fn two_nodes_two_agents_reach_pods_across_nodes() -> Result<()> {
     // Each agent owns its pins: tearing node 2 down leaves node 1 working.
     c.kill_agent(2);
     lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["teardown", "--bpffs", c.nodes[1].bpffs.to_str().unwrap()])?;
+    // (An unpinned link's program goes after an RCU grace and a work item.)
+    c.wait_for("node 2's programs off its cgroup", Duration::from_secs(3), || {
+        Ok(!lbtest::run("bpftool", &["cgroup", "show", c.nodes[1].cgroup.to_str().unwrap()])?.contains("lb_connect4"))
+    })?;
     let s = tcp(&c, &client1, "10.96.0.10:80", 10)?;
     assert_eq!(s.replies.get("remote"), Some(&10), "{s:?}");
     let s = tcp(&c, &client2, "10.96.0.10:80", 1)?;
@@ -262,8 +266,10 @@ fn teardown_detaches_and_unpins_everything() -> Result<()> {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success() && err.contains("nothing is pinned under"), "{}: {err}", dir.display());
     }
-    let progs = lbtest::run("bpftool", &["cgroup", "show", w.c.nodes[0].cgroup.to_str().unwrap()])?;
-    assert!(!progs.contains("lb_connect4"), "{progs}");
+    // (An unpinned link's program goes after an RCU grace and a work item.)
+    w.c.wait_for("the programs off the cgroup", Duration::from_secs(3), || {
+        Ok(!lbtest::run("bpftool", &["cgroup", "show", w.c.nodes[0].cgroup.to_str().unwrap()])?.contains("lb_connect4"))
+    })?;
     let s = tcp(&w.c, &w.client, "10.96.0.10:80", 1)?;
     assert_eq!(s.ok, 0, "no longer translated: {s:?}");
     Ok(())
