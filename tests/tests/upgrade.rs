@@ -462,6 +462,39 @@ fn an_upgrade_moves_the_programs_of_devices_whose_pins_spell_them_otherwise() ->
     Ok(())
 }
 
+/// An upgrade on a node with no external frontend (ClusterIPs only, not
+/// served from outside: `--external-cluster-ip=false`), whose pod
+/// programs run for `--per-packet-lb`, moves them to the pods' devices
+/// only: the node's uplink, a veth here as on a kind node, gets none.
+/// Before, the upgrade listed pod devices excluding NodePort devices only,
+/// none without an external frontend, and put the pod programs on the
+/// uplink too, where they saw every packet of the node.
+#[test]
+fn an_upgrade_without_nodeport_devices_leaves_the_uplink_veth_alone() -> Result<()> {
+    let svc = lbtest::objects::service_ips("web", &["10.96.0.10"], &[("http", 80, 8080, "TCP")], "");
+    let flags = ["--per-packet-lb", "--external-cluster-ip=false"];
+    let mut w = world_with(&svc, &flags)?;
+    let node = w.c.nodes[0].netns.clone();
+    let pod_dev = format!("v{}", w.p1.ip.rsplit('.').next().unwrap_or_default());
+    let on = |dev: &str| lbtest::tc_program_on(&node, dev, "lb_pod_ingress");
+    w.c.wait_for("the pod program on pod-1's device", Duration::from_secs(10), || on(&pod_dev))?;
+    assert!(!on("eth0")?, "none on the uplink before the upgrade");
+    assert!(lines_with(&w.c, "NodePort programs attached")?.is_empty(), "no NodePort device: no external frontend");
+    let objects = w.c.objects.clone();
+    w.c.kill_agent(1);
+    w.c.start_agent_env(1, &objects, &flags, &[("LB_LAYOUT_VERSION", "99")])?;
+    w.c.wait_for("the upgrade", Duration::from_secs(10), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    assert!(on(&pod_dev)?, "the pod program moved on pod-1's device");
+    assert!(!on("eth0")?, "none on the uplink after the upgrade");
+    // Not even for the moment until the sync after the move took them
+    // off again.
+    let on_uplink = lines_with(&w.c, "pod device:")?.into_iter().filter(|l| l.contains(r#"iface="eth0""#)).collect::<Vec<_>>();
+    assert!(on_uplink.is_empty(), "{on_uplink:?}");
+    let s = tcp(&w.c, &w.p2, "10.96.0.10:80", 10)?;
+    assert_eq!(s.ok, 10, "{s:?}");
+    Ok(())
+}
+
 /// Counters pinned by an agent from before `SvcStats::source_range` (12-05:
 /// `LB_SVC_STATS` values of 40 bytes) and before `sock_tracked` (24
 /// datapath counters) come along into the wider maps: no counter goes back

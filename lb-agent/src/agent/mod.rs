@@ -1054,16 +1054,18 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
         if !dirty && let Some(replaced) = upgrade.take() {
             // Every device this agent serves moves before the second copy
             // (those of netlink filters are known only so).
-            let nodeport = if !cfg.nodeport_interfaces.is_empty() {
+            // The node's own devices (a netns or kind node's uplink is a
+            // veth), never pod devices; NodePort devices where some
+            // frontend is external.
+            let uplinks = if !cfg.nodeport_interfaces.is_empty() {
                 cfg.nodeport_interfaces.clone()
-            } else if rec.has_external {
-                crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses)
             } else {
-                Vec::new()
+                crate::nodeport::interfaces_for(rec.addresses.get(), &rec.node_addresses)
             };
+            let nodeport = if !cfg.nodeport_interfaces.is_empty() || rec.has_external { uplinks.clone() } else { Vec::new() };
             let pods = (forward && rec.has_external) || (per_packet && rec.frontends() > 0) || keep_pods(&masq_watch) || rec.has_dsr || dsr_kept;
             let pod_devices = match crate::netdev::links() {
-                Ok(links) if pods => crate::netdev::pod_devices(&links, &nodeport),
+                Ok(links) if pods => crate::netdev::pod_devices(&links, &uplinks),
                 _ => Vec::new(),
             };
             pod_programs(&mut tc, forward || per_packet || keep_pods(&masq_watch), per_packet || rec.has_dsr);
