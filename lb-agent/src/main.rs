@@ -721,7 +721,10 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 print!("{}", inspect::render_nat(&flows));
                 // The kernel's own expiry: whether it would expire these
                 // should the agent go, and what it did while none ran.
-                let expiry = inspect::nat_timer_at(&loader::live_pin(&bpffs, lb_common::maps::NAT_TIMER)).ok().map(|t| inspect::nat_expiry(&t, now));
+                // (Now again: reading the tables can take seconds.)
+                let expiry = loader::nat_timer_pin(&bpffs)
+                    .and_then(|p| inspect::nat_timer_at(&p).ok())
+                    .map(|t| inspect::nat_expiry(&t, nodeport::monotonic_ns()));
                 let stats = aya::maps::MapData::from_pin(loader::live_pin(&bpffs, lb_common::maps::STATS))
                     .ok()
                     .and_then(|d| aya::maps::PerCpuArray::<_, u64>::try_from(aya::maps::Map::PerCpuArray(d)).ok());

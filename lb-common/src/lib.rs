@@ -644,6 +644,9 @@ pub struct NatTimer {
     /// armed): how the agent, `lb-agent nat` and /metrics tell a running
     /// timer from one never armed or cancelled.
     pub last_look_ns: u64,
+    /// 1 while a round's IPv6 walk waits for the next look (a round walks
+    /// the IPv4 table at one look, the IPv6 one at the next).
+    pub v6_next: u64,
 }
 
 /// Data of the `LB_SRC_RANGE` LPM trie key (after its prefix length): the
@@ -1129,7 +1132,7 @@ mod user {
 // Layouts are part of the pinned-map ABI: a change must be deliberate.
 const _: () = {
     assert!(core::mem::size_of::<NatGc>() == 72);
-    assert!(core::mem::size_of::<NatTimer>() == 64);
+    assert!(core::mem::size_of::<NatTimer>() == 72);
     assert!(core::mem::size_of::<bpf_timer>() == 16);
     assert!(core::mem::size_of::<Svc4Key>() == 12);
     assert!(core::mem::size_of::<SvcValue>() == 16);
@@ -1226,7 +1229,7 @@ mod layout_tests {
             ("FragPorts", core::mem::size_of::<FragPorts>(), &[core::mem::offset_of!(FragPorts, sport), core::mem::offset_of!(FragPorts, dport)]),
             ("NatGc", core::mem::size_of::<NatGc>(), &[core::mem::offset_of!(NatGc, heartbeat_ns), core::mem::offset_of!(NatGc, stale_ns), core::mem::offset_of!(NatGc, interval_ns), core::mem::offset_of!(NatGc, capacity), core::mem::offset_of!(NatGc, timeouts)]),
             ("NatTimeouts", core::mem::size_of::<NatTimeouts>(), &[core::mem::offset_of!(NatTimeouts, tcp_ns), core::mem::offset_of!(NatTimeouts, tcp_closed_ns), core::mem::offset_of!(NatTimeouts, dsr_fin_ns), core::mem::offset_of!(NatTimeouts, udp_ns), core::mem::offset_of!(NatTimeouts, unreplied_ns)]),
-            ("NatTimer", core::mem::size_of::<NatTimer>(), &[core::mem::offset_of!(NatTimer, timer), core::mem::offset_of!(NatTimer, last_walk_ns), core::mem::offset_of!(NatTimer, last_walk_took_ns), core::mem::offset_of!(NatTimer, refused), core::mem::offset_of!(NatTimer, refused_seen), core::mem::offset_of!(NatTimer, pressure), core::mem::offset_of!(NatTimer, last_look_ns)]),
+            ("NatTimer", core::mem::size_of::<NatTimer>(), &[core::mem::offset_of!(NatTimer, timer), core::mem::offset_of!(NatTimer, last_walk_ns), core::mem::offset_of!(NatTimer, last_walk_took_ns), core::mem::offset_of!(NatTimer, refused), core::mem::offset_of!(NatTimer, refused_seen), core::mem::offset_of!(NatTimer, pressure), core::mem::offset_of!(NatTimer, last_look_ns), core::mem::offset_of!(NatTimer, v6_next)]),
         ];
         // FNV-1a over names, sizes and offsets.
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -1246,5 +1249,5 @@ mod layout_tests {
         assert_eq!((LAYOUT_VERSION, h), (5, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION (unless only sizes changed, or the BTF of the maps shows the change) and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0xc04d_6436_27a5_5e38;
+    const FINGERPRINT: u64 = 0x0657_fab8_6334_2e70;
 }

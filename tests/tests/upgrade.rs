@@ -815,6 +815,36 @@ fn the_kernel_expiry_follows_nat_tables_an_upgrade_replaced() -> Result<()> {
     kernel_expires_them(&mut w)
 }
 
+/// An upgrade from a release whose `LB_NAT_TIMER` values were smaller (56
+/// bytes: before 12-06's sixth session added the timer's last look and
+/// its IPv6 half-round) replaces that map alone, and arms its own timer at
+/// start, which walks the NAT tables it keeps: `lb-agent nat` says armed,
+/// and once no agent runs their flows expire. (The earlier release's
+/// timer, faked here by a bare array of its size, went when its pin did.)
+#[test]
+fn an_upgrade_from_a_smaller_timer_value_replaces_the_timer_alone() -> Result<()> {
+    let flags = ["--nat-udp-timeout", "2", "--nat-gc-interval", "1"];
+    let mut w = world_with(&web("NodePort", "", &[]), &flags)?;
+    wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    w.c.kill_agent(1);
+    let pin = w.c.nodes[0].bpffs.join(lb_common::maps::NAT_TIMER);
+    std::fs::remove_file(&pin)?;
+    lbtest::run("bpftool", &["map", "create", pin.to_str().unwrap(), "type", "array", "key", "4", "value", "56", "entries", "1", "name", "LB_NAT_TIMER"])?;
+    w.c.start_agent_with(1, &flags)?;
+    w.c.wait_for("the upgrade", Duration::from_secs(20), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let changed = lines_with(&w.c, "pinned map gets a new layout")?;
+    assert!(changed.len() == 1 && changed[0].contains(r#"map="LB_NAT_TIMER""#), "that map alone: {changed:?}");
+    let log = std::fs::read_to_string(w.c.agent_log(1))?;
+    assert!(log.contains("the kernel's NAT expiry is armed") && !log.contains("not armed"), "{log}");
+    let expiry = || -> Result<String> {
+        let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", w.c.nodes[0].bpffs.to_str().unwrap()])?;
+        Ok(nat.lines().find(|l| l.starts_with("kernel expiry: ")).unwrap_or_default().to_string())
+    };
+    w.c.wait_for("lb-agent nat to say armed", Duration::from_secs(5), || Ok(expiry()?.starts_with("kernel expiry: armed")))?;
+    assert_eq!(aya::maps::MapInfo::from_pin(&pin)?.value_size() as usize, size_of::<lb_common::NatTimer>());
+    kernel_expires_them(&mut w)
+}
+
 /// New UDP flows through node-1's NodePort (3), then node-1's agent
 /// killed: the kernel's NAT expiry removes them (`--nat-udp-timeout 2`).
 fn kernel_expires_them(w: &mut World) -> Result<()> {

@@ -302,13 +302,16 @@ fn arm_nat_gc(tc: &mut loader::Tc) {
 /// which cancels it, or an arm that failed): arm it again, saying so once
 /// until it is seen to go on (`stopped`: it was found stopped last time).
 fn check_nat_gc(tc: &mut loader::Tc, stopped: &mut bool) {
+    // (An upgrade sharing the earlier agent's timer arms it once the
+    // programs moved: nothing to look at until then.)
     let Some(last) = tc.nat_gc_stopped() else {
         *stopped = false;
         return;
     };
     let looked = match last {
-        0 => "it never looked".to_string(),
-        ns => format!("it last looked {:.0} s ago", crate::nodeport::monotonic_ns().saturating_sub(ns) as f64 / 1e9),
+        _ if tc.nat_gc_failed.load(std::sync::atomic::Ordering::Relaxed) => "this agent's last arm failed".to_string(),
+        0 => "this agent saw it look no time".to_string(),
+        ns => format!("this agent last saw it look {:.0} s ago", crate::nodeport::monotonic_ns().saturating_sub(ns) as f64 / 1e9),
     };
     let r = tc.arm_nat_gc();
     let said = std::mem::replace(stopped, true);
@@ -379,6 +382,9 @@ struct PinnedStats {
     /// are absent meanwhile, a gap.)
     upgrading: Option<std::path::PathBuf>,
     bpffs: std::path::PathBuf,
+    /// This agent's last arm of the kernel's NAT expiry failed
+    /// (`Tc::nat_gc_failed`).
+    nat_gc_failed: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for PinnedStats {
@@ -416,9 +422,14 @@ impl crate::health::StatsSource for PinnedStats {
 
     /// The timer of the tables the programs use (an upgrade's earlier one
     /// until they move), where its layout is this agent's.
+    /// While this agent's last arm failed, not armed, whatever the timer
+    /// shows (an earlier agent's callback may look on, walking tables the
+    /// programs left).
     fn nat_expiry(&self) -> Option<crate::dataplane::inspect::NatExpiry> {
-        let t = crate::dataplane::inspect::nat_timer_at(&loader::live_pin(&self.bpffs, lb_common::maps::NAT_TIMER)).ok()?;
-        Some(crate::dataplane::inspect::nat_expiry(&t, crate::nodeport::monotonic_ns()))
+        let t = crate::dataplane::inspect::nat_timer_at(&loader::nat_timer_pin(&self.bpffs)?).ok()?;
+        let mut e = crate::dataplane::inspect::nat_expiry(&t, crate::nodeport::monotonic_ns());
+        e.armed &= !self.nat_gc_failed.load(std::sync::atomic::Ordering::Relaxed);
+        Some(e)
     }
 
     fn per_service(&self) -> Vec<crate::health::ServiceCounters> {
@@ -643,7 +654,13 @@ pub async fn run(cfg: RunConfig) -> Result<()> {
     let per_service = if cfg.metrics_per_service { Some(std::sync::Mutex::new(Maps::open_pinned(&cfg.bpffs)?)) } else { None };
     crate::monitor::spawn_janitor(&cfg.bpffs)?;
     let upgrading = loader::staged_pin(&cfg.bpffs, lb_common::maps::STATS);
-    let metrics = Metrics::new(Arc::new(PinnedStats { stats: std::sync::Mutex::new(stats), per_service, upgrading, bpffs: cfg.bpffs.clone() }));
+    let metrics = Metrics::new(Arc::new(PinnedStats {
+        stats: std::sync::Mutex::new(stats),
+        per_service,
+        upgrading,
+        bpffs: cfg.bpffs.clone(),
+        nat_gc_failed: tc.nat_gc_failed.clone(),
+    }));
     let health = Arc::new(Health::new(cfg.stall_after));
     let published = rx.clone();
     health.watch_source(move || published.borrow().as_ref().map(|u| u.since));

@@ -467,7 +467,7 @@ pub fn nat_expiry(t: &lb_common::NatTimer, now_ns: u64) -> NatExpiry {
 /// `nat_expired_without_agent`); `None`: its timer could not be read.
 pub fn render_nat_expiry(e: Option<&NatExpiry>, walks: u64, expired: u64) -> String {
     let Some(e) = e else {
-        return "kernel expiry: unknown (LB_NAT_TIMER unreadable: another agent's layout?)\n".into();
+        return "kernel expiry: unknown (LB_NAT_TIMER unreadable: while an upgrade waits, the earlier agent's timer, of another layout, walks the tables)\n".into();
     };
     let not = "with no agent, outside flows do not expire and new ones are refused once the tables fill";
     let state = match e.looked_s {

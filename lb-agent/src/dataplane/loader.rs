@@ -23,7 +23,7 @@ use lb_common::maps;
 use super::maps::Maps;
 pub use super::bpflog::{BpfLog, BpfLogSink};
 pub use super::checks::{NAT_ENTRY_BYTES, SOCK_STORAGE_BYTES, cgroup2_root, check_bpffs, check_caps, check_cgroup, check_kernel, check_root, memory_limit};
-pub use super::upgrade::{live_pin, old_pin, pin_path, staged_pin, upgrade_marks};
+pub use super::upgrade::{live_pin, nat_timer_pin, old_pin, pin_path, staged_pin, upgrade_marks};
 use super::upgrade::{
     INPLACE, LATE_DONE, LAYOUT_MARKER, MOVING, NEXT, Pass, Unfinished, carry_ids, carry_state, expected_layout, finish_moved, incompatible, layout_version,
     mark_layout, mark_next, marked, readable_as_ours, remove_next, unfinished,
@@ -176,6 +176,12 @@ pub struct Tc {
     /// When this agent last armed the kernel's NAT expiry (or tried to):
     /// from then on it sees that the timer goes on (`check_nat_gc`).
     nat_gc_armed: Option<std::time::Instant>,
+    /// Its last arm failed: the timer counts as stopped whatever it shows
+    /// (an earlier agent's callback may look on, on tables the programs
+    /// left), and /metrics says not armed.
+    pub nat_gc_failed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The timer's last look seen by `nat_gc_stopped` (0: none yet).
+    nat_gc_seen: u64,
     /// Held for the agent's lifetime: one agent per --bpffs.
     _lock: fs::File,
 }
@@ -370,6 +376,8 @@ pub fn load(bpffs: &Path, cgroup: &Path, cap: Capacity, bpf_log: BpfLog) -> Resu
         pod_egress: false,
         adopt,
         nat_gc_armed: None,
+        nat_gc_failed: Default::default(),
+        nat_gc_seen: 0,
         _lock: lock,
     };
     let upgrade = if replaced.is_empty() {
@@ -550,8 +558,14 @@ impl Tc {
     /// during an upgrade, only once the programs moved to the new tables
     /// (until then the earlier timer walks the live ones).
     pub fn arm_nat_gc(&mut self) -> Result<()> {
-        use aya::programs::{TestRun, TestRunOptions};
         self.nat_gc_armed = Some(std::time::Instant::now());
+        let r = self.run_nat_gc_arm();
+        self.nat_gc_failed.store(r.is_err(), std::sync::atomic::Ordering::Relaxed);
+        r
+    }
+
+    fn run_nat_gc_arm(&mut self) -> Result<()> {
+        use aya::programs::{TestRun, TestRunOptions};
         let prog: &mut SchedClassifier = self.ebpf.program_mut(NAT_GC_PROGRAM).context("NAT expiry program")?.try_into()?;
         // A frame's worth of zeros: the program looks at no packet.
         let frame = [0u8; 64];
@@ -572,11 +586,11 @@ impl Tc {
 
     /// Whether the kernel's NAT expiry timer this agent armed stopped (it
     /// did not look for `NAT_TIMER_LOOKS_WITHIN_NS`, though armed longer
-    /// ago than that), and when it last looked (0: never); `None` before it
+    /// ago than that, or this agent's last arm failed), and the last look
+    /// this agent saw of it (CLOCK_MONOTONIC; 0: none); `None` before it
     /// was armed, or while it may not have looked yet. Something updating
-    /// its element from user space (`bpftool map update`) cancels it; an
-    /// arm that failed leaves it stopped.
-    pub fn nat_gc_stopped(&self) -> Option<u64> {
+    /// its element from user space (`bpftool map update`) cancels it.
+    pub fn nat_gc_stopped(&mut self) -> Option<u64> {
         let armed = self.nat_gc_armed?;
         let within = std::time::Duration::from_nanos(super::inspect::NAT_TIMER_LOOKS_WITHIN_NS);
         if armed.elapsed() <= within {
@@ -585,7 +599,11 @@ impl Tc {
         let map = self.ebpf.map(lb_common::maps::NAT_TIMER)?;
         let timer = aya::maps::Array::<_, super::inspect::NatTimerRead>::try_from(map).ok()?;
         let t = super::inspect::read_nat_timer(&timer).ok()?;
-        (!super::inspect::nat_expiry(&t, crate::nodeport::monotonic_ns()).armed).then_some(t.last_look_ns)
+        let looks = super::inspect::nat_expiry(&t, crate::nodeport::monotonic_ns()).armed;
+        if looks {
+            self.nat_gc_seen = t.last_look_ns;
+        }
+        (!looks || self.nat_gc_failed.load(std::sync::atomic::Ordering::Relaxed)).then_some(self.nat_gc_seen)
     }
 
     /// Whether `lb_sock_egress` is attached (its link pinned).

@@ -229,6 +229,21 @@ pub fn live_pin(bpffs: &Path, name: &str) -> PathBuf {
     old_pin(bpffs, name).unwrap_or_else(|| pin_path(bpffs, name))
 }
 
+/// The pin of the kernel's NAT expiry timer that walks the NAT tables the
+/// programs use now: outside an upgrade, or once its programs began to
+/// move, this agent's; while an upgrade waits, the earlier agent's, unless
+/// this agent stages a timer of its own beside NAT tables it keeps (which
+/// it armed at start: it walks the live tables too). `None` where that
+/// earlier timer is of another layout (unreadable).
+pub fn nat_timer_pin(bpffs: &Path) -> Option<PathBuf> {
+    use lb_common::maps::{NAT4, NAT6, NAT_TIMER};
+    let Some(staged) = staged_pin(bpffs, NAT_TIMER) else { return Some(bpffs.join(NAT_TIMER)) };
+    if marked(bpffs, MOVING) || (staged_pin(bpffs, NAT4).is_none() && staged_pin(bpffs, NAT6).is_none()) {
+        return Some(staged);
+    }
+    old_pin(bpffs, NAT_TIMER)
+}
+
 /// The old pin of map `name` while an upgrade stages a replacement of
 /// its layout (its entries read the same), which programs not moved yet
 /// still use: for the NAT thread, which expires its flows too.

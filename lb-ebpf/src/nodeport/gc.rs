@@ -101,12 +101,13 @@ fn nearly_full(kept: u64, capacity: u64) -> bool {
 }
 
 /// The timer: walk the tables when the agent's heartbeat is stale, then
-/// fire again in a second. Every `interval_ns`, or at once when new flows
-/// were refused since the last look (`refused`: a full table, no free SNAT
-/// port), as
-/// the agent's early drop does: unassured flows idle for a second go, and
-/// again every second while such walks drop flows and leave a table 90%
-/// full.
+/// fire again in a second. Every `interval_ns` a round: the IPv4 table at
+/// one look, the IPv6 table at the next (each walk visits every bucket of
+/// its table in softirq: one at a time halves the longest stall). When new
+/// flows were refused since the last look (`refused`: a full table, no
+/// free SNAT port), both at once, as the agent's early drop does:
+/// unassured flows idle for a second go, and again every second while
+/// such walks drop flows and leave a table 90% full.
 #[inline(never)]
 extern "C" fn tick(_map: *mut c_void, _key: *mut u32, t: *mut NatTimer) -> i64 {
     let now = unsafe { bpf_ktime_get_ns() };
@@ -120,31 +121,62 @@ extern "C" fn tick(_map: *mut c_void, _key: *mut u32, t: *mut NatTimer) -> i64 {
         t.refused_seen = seen;
         if cfg.interval_ns != 0 && now.saturating_sub(cfg.heartbeat_ns) > cfg.stale_ns {
             let early = refused || t.pressure != 0;
-            if early || now.saturating_sub(t.last_walk_ns) >= cfg.interval_ns {
+            let mut w = Walk { now, t: cfg.timeouts, kept: 0, expired: 0 };
+            if early {
                 t.last_walk_ns = now;
-                let mut timeouts = cfg.timeouts;
-                if early && timeouts.unreplied_ns > EARLY_DROP_IDLE_NS {
-                    timeouts.unreplied_ns = EARLY_DROP_IDLE_NS;
+                t.v6_next = 0;
+                if w.t.unreplied_ns > EARLY_DROP_IDLE_NS {
+                    w.t.unreplied_ns = EARLY_DROP_IDLE_NS;
                 }
-                let mut w = Walk { now, t: timeouts, kept: 0, expired: 0 };
-                let ctx = core::ptr::addr_of_mut!(w).cast();
-                unsafe { bpf_for_each_map_elem(core::ptr::addr_of!(LB4_NAT).cast_mut().cast(), walk4 as *const () as *mut c_void, ctx, 0) };
-                let (n4, x4) = (w.kept, w.expired);
-                (w.kept, w.expired) = (0, 0);
-                unsafe { bpf_for_each_map_elem(core::ptr::addr_of!(LB6_NAT).cast_mut().cast(), walk6 as *const () as *mut c_void, ctx, 0) };
-                let (n6, x6) = (w.kept, w.expired);
+                let (n4, x4) = walk4_all(&mut w);
+                let (n6, x6) = walk6_all(&mut w);
                 let full = nearly_full(n4, cfg.capacity) || nearly_full(n6, cfg.capacity);
-                t.pressure = (early && full && x4 + x6 > 0) as u64;
-                t.last_walk_took_ns = unsafe { bpf_ktime_get_ns() }.saturating_sub(now);
-                crate::lb::event(stats::NAT_WALKS_WITHOUT_AGENT);
-                crate::lb::events(stats::NAT_EXPIRED_WITHOUT_AGENT, x4 + x6);
+                t.pressure = (full && x4 + x6 > 0) as u64;
+                walked(t, now, x4 + x6, true);
+            } else if t.v6_next != 0 {
+                t.v6_next = 0;
+                let (_, x6) = walk6_all(&mut w);
+                walked(t, now, x6, false);
+            } else if now.saturating_sub(t.last_walk_ns) >= cfg.interval_ns {
+                t.last_walk_ns = now;
+                t.v6_next = 1;
+                let (_, x4) = walk4_all(&mut w);
+                walked(t, now, x4, true);
             }
         } else {
             t.pressure = 0;
+            t.v6_next = 0;
         }
     }
     unsafe { bpf_timer_start(core::ptr::addr_of_mut!((*t).timer).cast(), LOOK_NS, 0) };
     0
+}
+
+/// Walk the whole IPv4 table: (entries kept, flows expired).
+#[inline(always)]
+fn walk4_all(w: &mut Walk) -> (u64, u64) {
+    (w.kept, w.expired) = (0, 0);
+    unsafe { bpf_for_each_map_elem(core::ptr::addr_of!(LB4_NAT).cast_mut().cast(), walk4 as *const () as *mut c_void, (w as *mut Walk).cast(), 0) };
+    (w.kept, w.expired)
+}
+
+/// The same for the IPv6 table.
+#[inline(always)]
+fn walk6_all(w: &mut Walk) -> (u64, u64) {
+    (w.kept, w.expired) = (0, 0);
+    unsafe { bpf_for_each_map_elem(core::ptr::addr_of!(LB6_NAT).cast_mut().cast(), walk6 as *const () as *mut c_void, (w as *mut Walk).cast(), 0) };
+    (w.kept, w.expired)
+}
+
+/// A walk that began at `started` ended, having expired `expired` flows;
+/// `round`: it began a round (counted as a walk).
+#[inline(always)]
+fn walked(t: &mut NatTimer, started: u64, expired: u64, round: bool) {
+    t.last_walk_took_ns = unsafe { bpf_ktime_get_ns() }.saturating_sub(started);
+    if round {
+        crate::lb::event(stats::NAT_WALKS_WITHOUT_AGENT);
+    }
+    crate::lb::events(stats::NAT_EXPIRED_WITHOUT_AGENT, expired);
 }
 
 /// One entry of a walk: remove its flow if it expired. A reply entry is
