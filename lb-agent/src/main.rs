@@ -733,6 +733,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     "{}",
                     inspect::render_nat_expiry(
                         expiry.as_ref(),
+                        bpffs.join("next").exists(),
                         count(lb_common::stats::NAT_WALKS_WITHOUT_AGENT),
                         count(lb_common::stats::NAT_EXPIRED_WITHOUT_AGENT)
                     )

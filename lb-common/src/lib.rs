@@ -626,27 +626,35 @@ pub struct bpf_timer {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct NatTimer {
     pub timer: bpf_timer,
-    /// CLOCK_MONOTONIC of the kernel's last walk of the NAT tables.
+    /// CLOCK_MONOTONIC of the kernel's last walk of a NAT table.
     pub last_walk_ns: u64,
     /// How long that walk took.
     pub last_walk_took_ns: u64,
-    /// New flows the TC programs refused (where they count `nat_failed`),
-    /// added to atomically: the per-CPU counter's sum cannot be read from
-    /// BPF before Linux 5.19.
+    /// New IPv4 flows the TC programs refused (where they count
+    /// `nat_failed`), added to atomically: the per-CPU counter's sum
+    /// cannot be read from BPF before Linux 5.19.
     pub refused: u64,
     /// `refused` when the timer last looked: more now means new flows were
     /// refused since.
     pub refused_seen: u64,
-    /// 1 while an early-drop spell goes on (its last walk dropped flows
-    /// and left a table 90% full).
+    /// An early-drop spell goes on (its last walk dropped flows and left
+    /// the table 90% full): bit 0 the IPv4 table, bit 1 the IPv6 one.
     pub pressure: u64,
     /// CLOCK_MONOTONIC of the timer's last look (every second while it is
     /// armed): how the agent, `lb-agent nat` and /metrics tell a running
     /// timer from one never armed or cancelled.
     pub last_look_ns: u64,
-    /// 1 while a round's IPv6 walk waits for the next look (a round walks
-    /// the IPv4 table at one look, the IPv6 one at the next).
+    /// 1 while a round's IPv6 walk waits (a round walks the IPv4 table at
+    /// one look, the IPv6 one at a later one).
     pub v6_next: u64,
+    /// `refused` of the IPv6 table.
+    pub refused6: u64,
+    /// `refused_seen` of the IPv6 table.
+    pub refused6_seen: u64,
+    /// CLOCK_MONOTONIC of the last round's start.
+    pub round_ns: u64,
+    /// The table the last walk took: 0 IPv4, 1 IPv6.
+    pub last_table: u64,
 }
 
 /// Data of the `LB_SRC_RANGE` LPM trie key (after its prefix length): the
@@ -1132,7 +1140,7 @@ mod user {
 // Layouts are part of the pinned-map ABI: a change must be deliberate.
 const _: () = {
     assert!(core::mem::size_of::<NatGc>() == 72);
-    assert!(core::mem::size_of::<NatTimer>() == 72);
+    assert!(core::mem::size_of::<NatTimer>() == 104);
     assert!(core::mem::size_of::<bpf_timer>() == 16);
     assert!(core::mem::size_of::<Svc4Key>() == 12);
     assert!(core::mem::size_of::<SvcValue>() == 16);
@@ -1229,7 +1237,7 @@ mod layout_tests {
             ("FragPorts", core::mem::size_of::<FragPorts>(), &[core::mem::offset_of!(FragPorts, sport), core::mem::offset_of!(FragPorts, dport)]),
             ("NatGc", core::mem::size_of::<NatGc>(), &[core::mem::offset_of!(NatGc, heartbeat_ns), core::mem::offset_of!(NatGc, stale_ns), core::mem::offset_of!(NatGc, interval_ns), core::mem::offset_of!(NatGc, capacity), core::mem::offset_of!(NatGc, timeouts)]),
             ("NatTimeouts", core::mem::size_of::<NatTimeouts>(), &[core::mem::offset_of!(NatTimeouts, tcp_ns), core::mem::offset_of!(NatTimeouts, tcp_closed_ns), core::mem::offset_of!(NatTimeouts, dsr_fin_ns), core::mem::offset_of!(NatTimeouts, udp_ns), core::mem::offset_of!(NatTimeouts, unreplied_ns)]),
-            ("NatTimer", core::mem::size_of::<NatTimer>(), &[core::mem::offset_of!(NatTimer, timer), core::mem::offset_of!(NatTimer, last_walk_ns), core::mem::offset_of!(NatTimer, last_walk_took_ns), core::mem::offset_of!(NatTimer, refused), core::mem::offset_of!(NatTimer, refused_seen), core::mem::offset_of!(NatTimer, pressure), core::mem::offset_of!(NatTimer, last_look_ns), core::mem::offset_of!(NatTimer, v6_next)]),
+            ("NatTimer", core::mem::size_of::<NatTimer>(), &[core::mem::offset_of!(NatTimer, timer), core::mem::offset_of!(NatTimer, last_walk_ns), core::mem::offset_of!(NatTimer, last_walk_took_ns), core::mem::offset_of!(NatTimer, refused), core::mem::offset_of!(NatTimer, refused_seen), core::mem::offset_of!(NatTimer, pressure), core::mem::offset_of!(NatTimer, last_look_ns), core::mem::offset_of!(NatTimer, v6_next), core::mem::offset_of!(NatTimer, refused6), core::mem::offset_of!(NatTimer, refused6_seen), core::mem::offset_of!(NatTimer, round_ns), core::mem::offset_of!(NatTimer, last_table)]),
         ];
         // FNV-1a over names, sizes and offsets.
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -1249,5 +1257,5 @@ mod layout_tests {
         assert_eq!((LAYOUT_VERSION, h), (5, FINGERPRINT), "the pinned layout changed: bump LAYOUT_VERSION (unless only sizes changed, or the BTF of the maps shows the change) and set FINGERPRINT to {h:#x}");
     }
 
-    const FINGERPRINT: u64 = 0x0657_fab8_6334_2e70;
+    const FINGERPRINT: u64 = 0x66fa_ce24_0737_5670;
 }

@@ -334,12 +334,12 @@ fn a_pod_failing_its_readiness_probe_keeps_its_tcp_connections() -> Result<()> {
 
 #[test]
 fn terminating_but_serving_endpoints_keep_their_connections_and_the_flag_turns_termination_off() -> Result<()> {
-    let (c, p, client) = setup(&["pod-a"], &[])?;
-    let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "2500", "--interval-ms", "20"])?;
-    std::thread::sleep(Duration::from_millis(500));
-    let mut c = c;
+    let (mut c, p, client) = setup(&["pod-a"], &[])?;
+    // The next pod made first (see above).
     let b = c.add_pod(1, "pod-b")?;
     c.serve(&b, 8080)?;
+    let held = c.probe_bg(&client, &["tcp", "--addr", "10.96.0.10:80", "--hold-ms", "2500", "--interval-ms", "20"])?;
+    std::thread::sleep(Duration::from_millis(500));
     // pod-a terminates but still serves; pod-b is ready: new connects go to
     // pod-b, the old one drains.
     c.write_object("slice.yaml", &slice_of("web", "web-1", "IPv4", EP, &[E::terminating(&p[0].ip, "node-1"), E::ready(&b.ip, "node-1")]))?;

@@ -826,20 +826,27 @@ fn an_upgrade_from_a_smaller_timer_value_replaces_the_timer_alone() -> Result<()
     let flags = ["--nat-udp-timeout", "2", "--nat-gc-interval", "1"];
     let mut w = world_with(&web("NodePort", "", &[]), &flags)?;
     wait_backends(&w.c, 1, NODE1, 30080, 2)?;
+    let objects = w.c.objects.clone();
     w.c.kill_agent(1);
+    let armed_before = lines_with(&w.c, "the kernel's NAT expiry is armed")?.len();
     let pin = w.c.nodes[0].bpffs.join(lb_common::maps::NAT_TIMER);
     std::fs::remove_file(&pin)?;
     lbtest::run("bpftool", &["map", "create", pin.to_str().unwrap(), "type", "array", "key", "4", "value", "56", "entries", "1", "name", "LB_NAT_TIMER"])?;
-    w.c.start_agent_with(1, &flags)?;
-    w.c.wait_for("the upgrade", Duration::from_secs(20), || Ok(upgrades_in_log(&w.c)? >= 1))?;
-    let changed = lines_with(&w.c, "pinned map gets a new layout")?;
-    assert!(changed.len() == 1 && changed[0].contains(r#"map="LB_NAT_TIMER""#), "that map alone: {changed:?}");
-    let log = std::fs::read_to_string(w.c.agent_log(1))?;
-    assert!(log.contains("the kernel's NAT expiry is armed") && !log.contains("not armed"), "{log}");
+    // Held before the programs move: the staged timer, armed at start,
+    // runs (it walks the live tables, which the upgrade keeps).
+    w.c.start_agent_env_until(1, &objects, &flags, &[("LB_UPGRADE_PAUSE_MS", "3000")], "paused before the programs move")?;
+    assert!(w.c.nodes[0].bpffs.join("next").join(lb_common::maps::NAT_TIMER).exists(), "staged");
+    assert_eq!(lines_with(&w.c, "the kernel's NAT expiry is armed")?.len(), armed_before + 1, "armed at start");
     let expiry = || -> Result<String> {
         let nat = lbtest::run(lbtest::bin("lb-agent").to_str().unwrap(), &["nat", "--bpffs", w.c.nodes[0].bpffs.to_str().unwrap()])?;
         Ok(nat.lines().find(|l| l.starts_with("kernel expiry: ")).unwrap_or_default().to_string())
     };
+    w.c.wait_for("lb-agent nat to say armed, the upgrade waiting", Duration::from_secs(2), || Ok(expiry()?.starts_with("kernel expiry: armed")))?;
+    assert!(lines_with(&w.c, "upgrade finished")?.is_empty(), "still waiting");
+    w.c.wait_for("the upgrade", Duration::from_secs(20), || Ok(upgrades_in_log(&w.c)? >= 1))?;
+    let changed = lines_with(&w.c, "pinned map gets a new layout")?;
+    assert!(changed.len() == 1 && changed[0].contains(r#"map="LB_NAT_TIMER""#), "that map alone: {changed:?}");
+    assert!(lines_with(&w.c, "not armed")?.is_empty());
     w.c.wait_for("lb-agent nat to say armed", Duration::from_secs(5), || Ok(expiry()?.starts_with("kernel expiry: armed")))?;
     assert_eq!(aya::maps::MapInfo::from_pin(&pin)?.value_size() as usize, size_of::<lb_common::NatTimer>());
     kernel_expires_them(&mut w)

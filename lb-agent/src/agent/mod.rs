@@ -426,9 +426,14 @@ impl crate::health::StatsSource for PinnedStats {
     /// shows (an earlier agent's callback may look on, walking tables the
     /// programs left).
     fn nat_expiry(&self) -> Option<crate::dataplane::inspect::NatExpiry> {
-        let t = crate::dataplane::inspect::nat_timer_at(&loader::nat_timer_pin(&self.bpffs)?).ok()?;
+        let pin = loader::nat_timer_pin(&self.bpffs)?;
+        let t = crate::dataplane::inspect::nat_timer_at(&pin).ok()?;
         let mut e = crate::dataplane::inspect::nat_expiry(&t, crate::nodeport::monotonic_ns());
-        e.armed &= !self.nat_gc_failed.load(std::sync::atomic::Ordering::Relaxed);
+        // (This agent's own timer only: during an upgrade, the earlier
+        // agent's may walk the live tables whatever this one's arm did.)
+        if pin == loader::pin_path(&self.bpffs, lb_common::maps::NAT_TIMER) {
+            e.armed &= !self.nat_gc_failed.load(std::sync::atomic::Ordering::Relaxed);
+        }
         Some(e)
     }
 

@@ -464,10 +464,15 @@ pub fn nat_expiry(t: &lb_common::NatTimer, now_ns: u64) -> NatExpiry {
 
 /// `lb-agent nat`'s line on the kernel's expiry, with the walks it made
 /// and the flows it expired (`nat_walks_without_agent`,
-/// `nat_expired_without_agent`); `None`: its timer could not be read.
-pub fn render_nat_expiry(e: Option<&NatExpiry>, walks: u64, expired: u64) -> String {
+/// `nat_expired_without_agent`); `None`: its timer could not be read,
+/// `upgrading`: while an upgrade waits (`next/` staged).
+pub fn render_nat_expiry(e: Option<&NatExpiry>, upgrading: bool, walks: u64, expired: u64) -> String {
     let Some(e) = e else {
-        return "kernel expiry: unknown (LB_NAT_TIMER unreadable: while an upgrade waits, the earlier agent's timer, of another layout, walks the tables)\n".into();
+        return if upgrading {
+            "kernel expiry: unknown (while this upgrade waits, the earlier agent's timer walks the live tables; its LB_NAT_TIMER is of another layout)\n".into()
+        } else {
+            "kernel expiry: unknown (LB_NAT_TIMER unreadable: not this version's layout?)\n".into()
+        };
     };
     let not = "with no agent, outside flows do not expire and new ones are refused once the tables fill";
     let state = match e.looked_s {
@@ -480,7 +485,7 @@ pub fn render_nat_expiry(e: Option<&NatExpiry>, walks: u64, expired: u64) -> Str
         None => "never walked".into(),
     };
     let early = if e.early_drop { ", dropping early" } else { "" };
-    format!("kernel expiry: {state}; {walk}{early}; {walks} walks and {expired} flows expired while no agent ran\n")
+    format!("kernel expiry: {state}; {walk}{early}; {walks} walks (a table each) and {expired} flows expired while no agent ran\n")
 }
 
 #[cfg(test)]
@@ -549,11 +554,12 @@ mod tests {
         assert_eq!((never.armed, never.looked_s), (false, None));
         // A clock behind the look (read on another CPU): armed, 0 s.
         assert_eq!(nat_expiry(&t(now + 5, 0), now).looked_s, Some(0.0));
-        let text = render_nat_expiry(Some(&nat_expiry(&t(now - 400_000_000, now - 12_000_000_000), now)), 3, 1000);
-        assert_eq!(text, "kernel expiry: armed (looked 0.4s ago); last walk 12s ago, took 10.2ms; 3 walks and 1000 flows expired while no agent ran\n");
-        let text = render_nat_expiry(Some(&nat_expiry(&lb_common::NatTimer { pressure: 1, ..t(now - 41_000_000_000, 0) }, now)), 0, 0);
+        let text = render_nat_expiry(Some(&nat_expiry(&t(now - 400_000_000, now - 12_000_000_000), now)), false, 3, 1000);
+        assert_eq!(text, "kernel expiry: armed (looked 0.4s ago); last walk 12s ago, took 10.2ms; 3 walks (a table each) and 1000 flows expired while no agent ran\n");
+        let text = render_nat_expiry(Some(&nat_expiry(&lb_common::NatTimer { pressure: 1, ..t(now - 41_000_000_000, 0) }, now)), false, 0, 0);
         assert!(text.starts_with("kernel expiry: NOT ARMED (its timer last looked 41s ago): with no agent") && text.contains("never walked, dropping early;"), "{text}");
-        assert!(render_nat_expiry(Some(&never), 0, 0).starts_with("kernel expiry: NOT ARMED (its timer never looked)"));
-        assert!(render_nat_expiry(None, 0, 0).starts_with("kernel expiry: unknown"));
+        assert!(render_nat_expiry(Some(&never), false, 0, 0).starts_with("kernel expiry: NOT ARMED (its timer never looked)"));
+        assert!(render_nat_expiry(None, false, 0, 0).starts_with("kernel expiry: unknown (LB_NAT_TIMER unreadable"));
+        assert!(render_nat_expiry(None, true, 0, 0).starts_with("kernel expiry: unknown (while this upgrade waits, the earlier agent's timer walks"));
     }
 }

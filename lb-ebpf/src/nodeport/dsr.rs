@@ -263,7 +263,7 @@ fn record<F: Net>(p: &Pkt<F::A>, addr: F::A, port: u16) -> Result<(), u32> {
     } else if F::nat_get(&key).is_some() {
         Ok(())
     } else {
-        super::gc::refused();
+        super::gc::refused(F::ID);
         Err(stats::NAT_FAILED)
     }
 }

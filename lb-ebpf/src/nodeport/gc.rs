@@ -65,15 +65,17 @@ pub fn lb_nat_gc_arm(_ctx: TcContext) -> i32 {
     0
 }
 
-/// A new flow was refused (counted as `nat_failed` too): the timer's early
-/// drop starts at its next look.
+/// A new flow of family `family` (`F::ID`) was refused (counted as
+/// `nat_failed` too): the timer's early drop of that table starts at its
+/// next look.
 #[inline(always)]
-pub(super) fn refused() {
+pub(super) fn refused(family: u8) {
     use core::intrinsics::{AtomicOrdering::Relaxed, atomic_xadd};
     if let Some(t) = LB_NAT_TIMER.get_ptr_mut(0) {
         // SAFETY: a map value, alive for this run; other CPUs add to it
         // at the same time, hence the atomic add.
-        unsafe { atomic_xadd::<u64, u64, { Relaxed }>(core::ptr::addr_of_mut!((*t).refused), 1) };
+        let count = if family == lb_common::FAMILY_V6 { unsafe { core::ptr::addr_of_mut!((*t).refused6) } } else { unsafe { core::ptr::addr_of_mut!((*t).refused) } };
+        unsafe { atomic_xadd::<u64, u64, { Relaxed }>(count, 1) };
     }
 }
 
@@ -101,13 +103,14 @@ fn nearly_full(kept: u64, capacity: u64) -> bool {
 }
 
 /// The timer: walk the tables when the agent's heartbeat is stale, then
-/// fire again in a second. Every `interval_ns` a round: the IPv4 table at
-/// one look, the IPv6 table at the next (each walk visits every bucket of
-/// its table in softirq: one at a time halves the longest stall). When new
-/// flows were refused since the last look (`refused`: a full table, no
-/// free SNAT port), both at once, as the agent's early drop does:
-/// unassured flows idle for a second go, and again every second while
-/// such walks drop flows and leave a table 90% full.
+/// fire again in a second. One table a look at most (each walk visits
+/// every bucket of its table in softirq: the longest stall is one
+/// table's): every `interval_ns` a round, the IPv4 table at one look and
+/// the IPv6 one at the next; a table whose new flows were refused since
+/// the last look (`refused`: full, no free SNAT port) at once, as the
+/// agent's early drop does (unassured flows idle for a second go), and
+/// again every look while such walks drop flows and leave it 90% full.
+/// Where both tables are due, the one the last walk did not take.
 #[inline(never)]
 extern "C" fn tick(_map: *mut c_void, _key: *mut u32, t: *mut NatTimer) -> i64 {
     let now = unsafe { bpf_ktime_get_ns() };
@@ -116,36 +119,45 @@ extern "C" fn tick(_map: *mut c_void, _key: *mut u32, t: *mut NatTimer) -> i64 {
     if let Some(cfg) = LB_NAT_GC.get_ptr(0) {
         // SAFETY: map values, alive for this run.
         let (cfg, t) = unsafe { (*cfg, &mut *t) };
-        let seen = unsafe { core::ptr::read_volatile(core::ptr::addr_of!(t.refused)) };
-        let refused = seen != t.refused_seen;
-        t.refused_seen = seen;
+        let seen4 = unsafe { core::ptr::read_volatile(core::ptr::addr_of!(t.refused)) };
+        let seen6 = unsafe { core::ptr::read_volatile(core::ptr::addr_of!(t.refused6)) };
+        // The tables due an early walk: under pressure, or refusing since
+        // the last look (kept until walked: one table a look).
+        let early = t.pressure | (seen4 != t.refused_seen) as u64 | ((seen6 != t.refused6_seen) as u64) << 1;
+        let (early4, early6) = (early & 1 != 0, early & 2 != 0);
+        (t.refused_seen, t.refused6_seen) = (seen4, seen6);
+        t.pressure = early;
         if cfg.interval_ns != 0 && now.saturating_sub(cfg.heartbeat_ns) > cfg.stale_ns {
-            let early = refused || t.pressure != 0;
-            let mut w = Walk { now, t: cfg.timeouts, kept: 0, expired: 0 };
-            if early {
-                t.last_walk_ns = now;
-                t.v6_next = 0;
-                if w.t.unreplied_ns > EARLY_DROP_IDLE_NS {
+            let round = t.v6_next == 0 && now.saturating_sub(t.round_ns) >= cfg.interval_ns;
+            let (due4, due6) = (early4 || round, early6 || t.v6_next != 0);
+            if due4 || due6 {
+                let v6 = due6 && (!due4 || t.last_table == 0);
+                let early = if v6 { early6 } else { early4 };
+                let mut w = Walk { now, t: cfg.timeouts, kept: 0, expired: 0 };
+                if early && w.t.unreplied_ns > EARLY_DROP_IDLE_NS {
                     w.t.unreplied_ns = EARLY_DROP_IDLE_NS;
                 }
-                let (n4, x4) = walk4_all(&mut w);
-                let (n6, x6) = walk6_all(&mut w);
-                let full = nearly_full(n4, cfg.capacity) || nearly_full(n6, cfg.capacity);
-                t.pressure = (full && x4 + x6 > 0) as u64;
-                walked(t, now, x4 + x6, true);
-            } else if t.v6_next != 0 {
-                t.v6_next = 0;
-                let (_, x6) = walk6_all(&mut w);
-                walked(t, now, x6, false);
-            } else if now.saturating_sub(t.last_walk_ns) >= cfg.interval_ns {
+                let (kept, expired) = if v6 { walk6_all(&mut w) } else { walk4_all(&mut w) };
+                // Still under pressure: it dropped flows and left the
+                // table 90% full.
+                let bit = if v6 { 2 } else { 1 };
+                let spell = early && expired > 0 && nearly_full(kept, cfg.capacity);
+                t.pressure = if spell { t.pressure | bit } else { t.pressure & !bit };
+                if v6 {
+                    t.v6_next = 0;
+                } else if round {
+                    t.round_ns = now;
+                    t.v6_next = 1;
+                }
+                t.last_table = v6 as u64;
                 t.last_walk_ns = now;
-                t.v6_next = 1;
-                let (_, x4) = walk4_all(&mut w);
-                walked(t, now, x4, true);
+                t.last_walk_took_ns = unsafe { bpf_ktime_get_ns() }.saturating_sub(now);
+                crate::lb::event(stats::NAT_WALKS_WITHOUT_AGENT);
+                crate::lb::events(stats::NAT_EXPIRED_WITHOUT_AGENT, expired);
             }
         } else {
+            // (A round's IPv6 walk still waits: at the next stale look.)
             t.pressure = 0;
-            t.v6_next = 0;
         }
     }
     unsafe { bpf_timer_start(core::ptr::addr_of_mut!((*t).timer).cast(), LOOK_NS, 0) };
@@ -166,17 +178,6 @@ fn walk6_all(w: &mut Walk) -> (u64, u64) {
     (w.kept, w.expired) = (0, 0);
     unsafe { bpf_for_each_map_elem(core::ptr::addr_of!(LB6_NAT).cast_mut().cast(), walk6 as *const () as *mut c_void, (w as *mut Walk).cast(), 0) };
     (w.kept, w.expired)
-}
-
-/// A walk that began at `started` ended, having expired `expired` flows;
-/// `round`: it began a round (counted as a walk).
-#[inline(always)]
-fn walked(t: &mut NatTimer, started: u64, expired: u64, round: bool) {
-    t.last_walk_took_ns = unsafe { bpf_ktime_get_ns() }.saturating_sub(started);
-    if round {
-        crate::lb::event(stats::NAT_WALKS_WITHOUT_AGENT);
-    }
-    crate::lb::events(stats::NAT_EXPIRED_WITHOUT_AGENT, expired);
 }
 
 /// One entry of a walk: remove its flow if it expired. A reply entry is

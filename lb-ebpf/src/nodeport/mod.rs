@@ -1728,7 +1728,7 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
         if port == 0 {
             // Counted; the agent logs it. The client retries its SYN.
             lb::event(stats::NAT_FAILED);
-            gc::refused();
+            gc::refused(F::ID);
             return TC_ACT_SHOT;
         }
         sc.fwd.to_sport = port;
@@ -1755,7 +1755,7 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
             let port = if cfg.snat_port_min == 0 { 0 } else { claim_port::<F>(&mut sc.rkey, &sc.reply, sc.hash, cfg.snat_port_min, cfg.snat_port_max) };
             if port == 0 {
                 lb::event(stats::NAT_FAILED);
-                gc::refused();
+                gc::refused(F::ID);
                 return TC_ACT_SHOT;
             }
             sc.fwd.to_sport = port;
@@ -1779,7 +1779,7 @@ fn establish<F: Net>(skb: *mut __sk_buff) -> i32 {
                 // the last slot between the two inserts), or rarely out
                 // of memory (NO_PREALLOC).
                 lb::event(stats::NAT_FAILED);
-                gc::refused();
+                gc::refused(F::ID);
                 TC_ACT_SHOT
             }
         };
