@@ -249,12 +249,12 @@ impl Collector for DatapathCollector {
                 let at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()) - ago;
                 let m = encoder.encode_descriptor(
                     "lb_nat_kernel_expiry_last_walk_timestamp_seconds",
-                    "When the kernel's NAT expiry last walked the NAT tables (it walks while no agent runs; nat_walks_without_agent counts them)",
+                    "When the kernel's NAT expiry last walked a NAT table (one a look at most, while no agent runs; nat_walks_without_agent counts table walks)",
                     None,
                     Gauge,
                 )?;
                 ConstGauge::new(at).encode(m)?;
-                let m = encoder.encode_descriptor("lb_nat_kernel_expiry_last_walk_duration_seconds", "How long that walk took (in softirq)", None, Gauge)?;
+                let m = encoder.encode_descriptor("lb_nat_kernel_expiry_last_walk_duration_seconds", "How long that walk of one table took (in softirq)", None, Gauge)?;
                 ConstGauge::new(e.walk_took_s).encode(m)?;
             }
         }

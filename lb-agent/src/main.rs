@@ -722,9 +722,8 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                 // The kernel's own expiry: whether it would expire these
                 // should the agent go, and what it did while none ran.
                 // (Now again: reading the tables can take seconds.)
-                let expiry = loader::nat_timer_pin(&bpffs)
-                    .and_then(|p| inspect::nat_timer_at(&p).ok())
-                    .map(|t| inspect::nat_expiry(&t, nodeport::monotonic_ns()));
+                let pin = loader::nat_timer_pin(&bpffs);
+                let expiry = pin.as_ref().and_then(|p| inspect::nat_timer_at(p).ok()).map(|t| inspect::nat_expiry(&t, nodeport::monotonic_ns()));
                 let stats = aya::maps::MapData::from_pin(loader::live_pin(&bpffs, lb_common::maps::STATS))
                     .ok()
                     .and_then(|d| aya::maps::PerCpuArray::<_, u64>::try_from(aya::maps::Map::PerCpuArray(d)).ok());
@@ -733,7 +732,7 @@ fn real_main(cli: Cli) -> anyhow::Result<()> {
                     "{}",
                     inspect::render_nat_expiry(
                         expiry.as_ref(),
-                        bpffs.join("next").exists(),
+                        pin.is_none(),
                         count(lb_common::stats::NAT_WALKS_WITHOUT_AGENT),
                         count(lb_common::stats::NAT_EXPIRED_WITHOUT_AGENT)
                     )

@@ -638,7 +638,9 @@ pub struct NatTimer {
     /// refused since.
     pub refused_seen: u64,
     /// An early-drop spell goes on (its last walk dropped flows and left
-    /// the table 90% full): bit 0 the IPv4 table, bit 1 the IPv6 one.
+    /// the table 90% full), or an early walk is due (new flows refused
+    /// since a look that walked the other table): bit 0 the IPv4 table,
+    /// bit 1 the IPv6 one.
     pub pressure: u64,
     /// CLOCK_MONOTONIC of the timer's last look (every second while it is
     /// armed): how the agent, `lb-agent nat` and /metrics tell a running

@@ -834,7 +834,7 @@ fn an_upgrade_from_a_smaller_timer_value_replaces_the_timer_alone() -> Result<()
     lbtest::run("bpftool", &["map", "create", pin.to_str().unwrap(), "type", "array", "key", "4", "value", "56", "entries", "1", "name", "LB_NAT_TIMER"])?;
     // Held before the programs move: the staged timer, armed at start,
     // runs (it walks the live tables, which the upgrade keeps).
-    w.c.start_agent_env_until(1, &objects, &flags, &[("LB_UPGRADE_PAUSE_MS", "3000")], "paused before the programs move")?;
+    w.c.start_agent_env_until(1, &objects, &flags, &[("LB_UPGRADE_PAUSE_MS", "8000")], "paused before the programs move")?;
     assert!(w.c.nodes[0].bpffs.join("next").join(lb_common::maps::NAT_TIMER).exists(), "staged");
     assert_eq!(lines_with(&w.c, "the kernel's NAT expiry is armed")?.len(), armed_before + 1, "armed at start");
     let expiry = || -> Result<String> {

@@ -446,7 +446,7 @@ pub struct NatExpiry {
     /// How long that walk took, in seconds.
     pub walk_took_s: f64,
     /// An early-drop spell goes on (new flows were refused and its walks
-    /// leave a table 90% full).
+    /// leave a table 90% full), or an early walk is due.
     pub early_drop: bool,
 }
 
@@ -465,7 +465,8 @@ pub fn nat_expiry(t: &lb_common::NatTimer, now_ns: u64) -> NatExpiry {
 /// `lb-agent nat`'s line on the kernel's expiry, with the walks it made
 /// and the flows it expired (`nat_walks_without_agent`,
 /// `nat_expired_without_agent`); `None`: its timer could not be read,
-/// `upgrading`: while an upgrade waits (`next/` staged).
+/// `upgrading`: because an upgrade waits whose earlier timer is of another
+/// layout (`nat_timer_pin` found none to read).
 pub fn render_nat_expiry(e: Option<&NatExpiry>, upgrading: bool, walks: u64, expired: u64) -> String {
     let Some(e) = e else {
         return if upgrading {

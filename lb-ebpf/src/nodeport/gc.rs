@@ -105,12 +105,14 @@ fn nearly_full(kept: u64, capacity: u64) -> bool {
 /// The timer: walk the tables when the agent's heartbeat is stale, then
 /// fire again in a second. One table a look at most (each walk visits
 /// every bucket of its table in softirq: the longest stall is one
-/// table's): every `interval_ns` a round, the IPv4 table at one look and
-/// the IPv6 one at the next; a table whose new flows were refused since
-/// the last look (`refused`: full, no free SNAT port) at once, as the
-/// agent's early drop does (unassured flows idle for a second go), and
-/// again every look while such walks drop flows and leave it 90% full.
-/// Where both tables are due, the one the last walk did not take.
+/// table's): a round every `interval_ns` (at least every 2 s), the IPv4
+/// table at one look and the IPv6 one at a later one; a table whose new
+/// flows were refused since the last look (`refused`: full, no free SNAT
+/// port) at the next look (or the one after, where a round's IPv6 walk or
+/// the other table's early walk takes that one), as the agent's early
+/// drop does (unassured flows idle for a second go), and again while such
+/// walks drop flows and leave it 90% full. Where both tables are due, the
+/// one the last walk did not take (neither starves).
 #[inline(never)]
 extern "C" fn tick(_map: *mut c_void, _key: *mut u32, t: *mut NatTimer) -> i64 {
     let now = unsafe { bpf_ktime_get_ns() };
